@@ -1,0 +1,26 @@
+"""Shared pytest setup: offline hub, seeded RNGs, small thread pool."""
+
+from __future__ import annotations
+
+import os
+import random
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np
+import pytest
+import torch
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(autouse=True)
+def _seed_everything() -> None:
+    """Every test starts from the same RNG state, so failures reproduce."""
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
