@@ -1,0 +1,158 @@
+"""Startup validation of composed Hydra configs.
+
+Every entry point calls :func:`validate_train_config` / :func:`validate_eval_config`
+before it loads a model or a dataset, so a wrong value fails in milliseconds with a
+message that names the field and what is allowed, instead of an obscure error an hour
+into a cluster job. Unknown config *group options* (``circuit=foo``) are already rejected
+by Hydra itself, with the list of available options.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+MODEL_NAMES = ("tiny", "evabyte", "llama3_byte")
+CODEC_NAMES = ("tiny", "evabyte", "llama3_byte")
+CIRCUIT_KINDS = ("ff", "cp", "hmm", "btree")
+DTYPES = ("float32", "bfloat16", "float16")
+LOSS_NAMES = ("nll", "kl")
+STAGES = ("heads", "lora")
+
+
+class ConfigError(ValueError):
+    """A config value is outside what MTPC accepts; the message names the field."""
+
+
+_MISSING = object()
+
+
+def _get(cfg: Mapping[str, Any], dotted: str) -> Any:
+    if isinstance(cfg, DictConfig):  # resolves interpolations of this field only
+        return OmegaConf.select(cfg, dotted, default=_MISSING)
+    node: Any = cfg
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node
+
+
+def _require(cfg: Mapping[str, Any], field: str) -> Any:
+    value = _get(cfg, field)
+    if value is _MISSING:
+        raise ConfigError(f"{field} is missing from the config")
+    return value
+
+
+def _check_choice(cfg: Mapping[str, Any], field: str, allowed: Iterable[str]) -> None:
+    allowed = tuple(allowed)
+    value = _require(cfg, field)
+    if value not in allowed:
+        raise ConfigError(f"{field}={value!r} is not allowed; allowed: {', '.join(allowed)}")
+
+
+def _check_int(
+    cfg: Mapping[str, Any], field: str, minimum: int, optional: bool = False
+) -> int | None:
+    value = _get(cfg, field)
+    if value is _MISSING or value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{field} is missing; allowed: an integer >= {minimum}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{field}={value!r} is not allowed; allowed: an integer >= {minimum}")
+    return value
+
+
+def _check_float(
+    cfg: Mapping[str, Any],
+    field: str,
+    low: float,
+    high: float,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> None:
+    value = _get(cfg, field)
+    if value is _MISSING or value is None:
+        return
+    below = value <= low if low_open else value < low
+    above = value >= high if high_open else value > high
+    if isinstance(value, bool) or not isinstance(value, int | float) or below or above:
+        interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        raise ConfigError(f"{field}={value!r} is not allowed; allowed: a number in {interval}")
+
+
+def _check_model(cfg: Mapping[str, Any]) -> None:
+    _check_choice(cfg, "model.name", MODEL_NAMES)
+    _check_choice(cfg, "model.dtype", DTYPES)
+    _check_choice(cfg, "model.codec", CODEC_NAMES)
+
+
+def _check_circuit(cfg: Mapping[str, Any]) -> None:
+    _check_choice(cfg, "circuit.kind", CIRCUIT_KINDS)
+    _check_int(cfg, "circuit.window", 1)
+    rank = _check_int(cfg, "circuit.rank", 1)
+    if _get(cfg, "circuit.kind") == "ff" and rank != 1:
+        raise ConfigError(
+            f"circuit.rank={rank} is not allowed with circuit.kind=ff; allowed: 1 "
+            "(use circuit=cp for a mixture of rank > 1)"
+        )
+
+
+def _check_lora(cfg: Mapping[str, Any]) -> None:
+    _check_int(cfg, "lora.layers", 0)
+    _check_int(cfg, "lora.rank", 1)
+    _check_float(cfg, "lora.alpha", 0.0, float("inf"), low_open=True, high_open=True)
+    _check_float(cfg, "lora.dropout", 0.0, 1.0, high_open=True)
+
+
+def _check_loss(cfg: Mapping[str, Any]) -> None:
+    _check_choice(cfg, "loss.name", LOSS_NAMES)
+    _check_float(cfg, "loss.gamma", 0.0, 1.0, low_open=True)
+    _check_int(cfg, "loss.chunk_size", 1, optional=True)
+
+
+def _check_stage(cfg: Mapping[str, Any]) -> None:
+    _check_choice(cfg, "stage", STAGES)
+    if _get(cfg, "stage") == "lora" and not _get(cfg, "init_from"):
+        raise ConfigError(
+            "stage=lora needs init_from=<exported draft dir or Lightning checkpoint> "
+            "(the heads-only stage's result); allowed without it: stage=heads"
+        )
+
+
+def _check_data(cfg: Mapping[str, Any]) -> None:
+    for field in ("data.seq_len", "data.batch_size", "data.max_bytes"):
+        _check_int(cfg, field, 1, optional=True)
+    _check_int(cfg, "data.num_workers", 0, optional=True)
+    _check_float(cfg, "data.validation_fraction", 0.0, 1.0, low_open=True, high_open=True)
+
+
+def _run_checks(
+    cfg: DictConfig | Mapping[str, Any], checks: Iterable[Callable[[Mapping[str, Any]], None]]
+) -> None:
+    for check in checks:
+        check(cfg)
+
+
+def validate_train_config(cfg: DictConfig | Mapping[str, Any]) -> None:
+    """Raises :class:`ConfigError` naming the first invalid field of a training config."""
+    _run_checks(
+        cfg, (_check_model, _check_circuit, _check_lora, _check_loss, _check_stage, _check_data)
+    )
+    _check_int(cfg, "seed", 0)
+
+
+def _check_eval(cfg: Mapping[str, Any]) -> None:
+    _check_int(cfg, "max_new_tokens", 1)
+    _check_int(cfg, "num_prompts", 1)
+    _check_int(cfg, "num_prompt_sets", 1)
+    _check_int(cfg, "seed", 0)
+
+
+def validate_eval_config(cfg: DictConfig | Mapping[str, Any]) -> None:
+    """Raises :class:`ConfigError` naming the first invalid field of an evaluation config."""
+    _run_checks(cfg, (_check_model, _check_data, _check_eval))

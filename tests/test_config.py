@@ -1,0 +1,102 @@
+"""Every config composes, and every kind of config error fails at startup naming the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import DictConfig, OmegaConf
+
+from mtpc.config import ConfigError, validate_eval_config, validate_train_config
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+
+
+def _compose(config_name: str, overrides: list[str] | None = None) -> DictConfig:
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose(config_name=config_name, overrides=overrides or [])
+
+
+def _group_options() -> list[tuple[str, str]]:
+    """(group, option) for every yaml file under configs/ that is a selectable option."""
+    options = []
+    for path in sorted(CONFIG_DIR.rglob("*.yaml")):
+        rel = path.relative_to(CONFIG_DIR)
+        if len(rel.parts) == 1 or rel.parts[0] == "hydra":
+            continue
+        options.append(("/".join(rel.parts[:-1]), rel.stem))
+    return options
+
+
+def test_defaults_compose_and_validate() -> None:
+    cfg = _compose("train")
+    validate_train_config(cfg)
+    assert cfg.model.name == "tiny"
+    validate_eval_config(_compose("eval"))
+
+
+@pytest.mark.parametrize(("group", "option"), _group_options())
+def test_every_config_file_composes(group: str, option: str) -> None:
+    overrides = [f"{group}={option}"]
+    cfg = _compose("train", overrides)
+    OmegaConf.to_container(cfg.model)  # the node resolves
+    if group not in ("hparams_search",):
+        validate_train_config(cfg)
+
+
+@pytest.mark.parametrize("launcher", ["local", "slurm"])
+def test_launchers_compose(launcher: str) -> None:
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose(
+            config_name="train",
+            overrides=[f"hydra/launcher={launcher}"],
+            return_hydra_config=True,
+        )
+    assert "launcher" in cfg.hydra
+
+
+def test_unknown_group_option_lists_allowed_values() -> None:
+    with pytest.raises(ConfigCompositionException) as excinfo:
+        _compose("train", ["circuit=foo"])
+    message = str(excinfo.value) + str(excinfo.value.__cause__)
+    assert "circuit" in message and "btree" in message
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field", "allowed"),
+    [
+        (["circuit.kind=foo"], "circuit.kind", "ff, cp, hmm, btree"),
+        (["circuit.window=0"], "circuit.window", "integer >= 1"),
+        (["circuit.window=-3"], "circuit.window", "integer >= 1"),
+        (["circuit.rank=0"], "circuit.rank", "integer >= 1"),
+        (["circuit=ff", "circuit.rank=4"], "circuit.rank", "allowed: 1"),
+        (["lora.layers=-1"], "lora.layers", "integer >= 0"),
+        (["lora.rank=0"], "lora.rank", "integer >= 1"),
+        (["lora.dropout=1.5"], "lora.dropout", "[0.0, 1.0)"),
+        (["model.name=gpt2"], "model.name", "tiny, evabyte, llama3_byte"),
+        (["model.dtype=int8"], "model.dtype", "float32, bfloat16, float16"),
+        (["loss.name=mse"], "loss.name", "nll, kl"),
+        (["loss.gamma=1.5"], "loss.gamma", "(0.0, 1.0]"),
+        (["stage=lora"], "init_from", "stage=heads"),
+        (["stage=both"], "stage", "heads, lora"),
+        (["seed=-1"], "seed", "integer >= 0"),
+    ],
+)
+def test_bad_train_values_name_the_field(overrides: list[str], field: str, allowed: str) -> None:
+    cfg = _compose("train", overrides)
+    with pytest.raises(ConfigError) as excinfo:
+        validate_train_config(cfg)
+    assert field in str(excinfo.value)
+    assert allowed in str(excinfo.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [(["max_new_tokens=0"], "max_new_tokens"), (["num_prompts=0"], "num_prompts")],
+)
+def test_bad_eval_values_name_the_field(overrides: list[str], field: str) -> None:
+    cfg = _compose("eval", overrides)
+    with pytest.raises(ConfigError, match=field):
+        validate_eval_config(cfg)
