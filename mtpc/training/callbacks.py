@@ -1,0 +1,63 @@
+"""Fault tolerance for training runs: atomic checkpoints and RNG state in checkpoints.
+
+* :class:`AtomicCheckpointIO` writes a checkpoint to a temporary file in the same folder
+  and renames it into place, so a run killed mid-write leaves the previous ``last.ckpt``
+  intact (``os.replace`` is atomic on POSIX).
+* :class:`RNGStateCallback` stores the Python, NumPy and torch RNG states in every
+  checkpoint and restores them on resume, so a resumed run draws the same dropout masks
+  and samples as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Saves checkpoints through a temporary file and an atomic rename."""
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: str | os.PathLike[str], storage_options: Any = None
+    ) -> None:
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        try:
+            torch.save(checkpoint, tmp)
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+
+class RNGStateCallback(L.Callback):
+    """Saves and restores the global RNG states with each checkpoint."""
+
+    def on_save_checkpoint(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        checkpoint["rng_states"] = {
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        }
+
+    def on_load_checkpoint(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        states = checkpoint.get("rng_states")
+        if not states:
+            return
+        random.setstate(states["python"])
+        np.random.set_state(states["numpy"])
+        torch.set_rng_state(states["torch"])
+        if states.get("cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(states["cuda"])
