@@ -1,0 +1,126 @@
+"""HF backbones behind one split-at-k interface, byte codecs and chat templates.
+
+``load_backbone(name, path, revision, dtype, device)`` is the Hydra builder
+(``model=tiny|evabyte|llama3_byte``); ``backbone_from_hf(hf_model)`` wraps an already
+loaded model. See ``docs/BACKBONES.md``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from mtpc.backbones.base import DTYPES, Backbone, LayerCache, resolve_dtype
+
+BACKBONES = ("tiny", "evabyte", "llama3_byte")
+
+__all__ = [
+    "BACKBONES",
+    "DTYPES",
+    "Backbone",
+    "LayerCache",
+    "backbone_from_hf",
+    "load_backbone",
+    "resolve_dtype",
+]
+
+
+def load_backbone(
+    name: str,
+    path: str | None = None,
+    revision: str | None = None,
+    dtype: str | torch.dtype = "float32",
+    device: str = "cpu",
+    **_: Any,
+) -> Backbone:
+    """Loads a target by registry name (flat arguments for Hydra ``model=`` configs).
+
+    Args:
+        name: ``tiny`` (the bundled target), ``evabyte`` or ``llama3_byte``.
+        path: local checkpoint or hub id; ``None``: the bundled assets / the hub id.
+        revision: hub revision (ignored for ``tiny``).
+        dtype: ``float32``, ``bfloat16`` or ``float16`` (checked against ``device`` first).
+        device: ``cpu`` or ``cuda[:i]``.
+        **_: other ``model.*`` config fields (``codec``, ``trust_remote_code``) are ignored.
+
+    Raises:
+        ValueError: unknown name, or a dtype the device cannot run, before loading anything.
+    """
+    if name not in BACKBONES:
+        raise ValueError(f"model.name is {name!r}; allowed: {list(BACKBONES)}")
+    torch_dtype = resolve_dtype(dtype, device)
+    if name == "tiny":
+        from mtpc.backbones.tiny import load_tiny_target
+
+        target = load_tiny_target(path, dtype=torch_dtype)
+        return tiny_backbone(target.model.to(device), target.mtp_unembeddings.to(device), path)
+    if name == "evabyte":
+        from mtpc.backbones.evabyte import load_evabyte
+
+        return load_evabyte(path, revision, torch_dtype, device)
+    from mtpc.backbones.llama3_byte import load_llama3_byte
+
+    return load_llama3_byte(path, revision, torch_dtype, device)
+
+
+def tiny_backbone(
+    hf_model: nn.Module, mtp_unembeddings: torch.Tensor | None, path: str | None = None
+) -> Backbone:
+    """The tiny target (a ``LlamaForCausalLM`` + EvaByte-layout MTP unembeddings)."""
+    from mtpc.backbones.llama import LlamaBackbone
+
+    backbone = LlamaBackbone(hf_model, name="tiny", codec="tiny", source={"model": "tiny", "path": path})
+    backbone.extra_mtp = mtp_unembeddings
+    return backbone
+
+
+def _is_bundled_tiny(hf_model: nn.Module) -> bool:
+    try:
+        from mtpc.backbones.tiny import TINY_TARGET_DIR
+    except ImportError:
+        return False
+    name = getattr(getattr(hf_model, "config", None), "_name_or_path", "") or ""
+    return bool(name) and Path(name).resolve() == Path(TINY_TARGET_DIR).resolve()
+
+
+def backbone_from_hf(target: Any, mtp_unembeddings: torch.Tensor | None = None) -> Backbone:
+    """Wraps a loaded HF causal LM (or a ``TinyTarget``) in the matching backbone.
+
+    Dispatch: ``config.model_type == "evabyte"`` -> EvaByte; a config with
+    ``expand_input_ids`` -> the byte-level Llama; any other model with
+    ``model.layers``/``model.norm``/``lm_head`` -> the Llama family.
+
+    Raises:
+        ValueError: the object is not a supported decoder-only LM.
+    """
+    if isinstance(target, Backbone):
+        return target
+    if hasattr(target, "model") and hasattr(target, "mtp_unembeddings") and not isinstance(target, nn.Module):
+        return tiny_backbone(target.model, target.mtp_unembeddings, None)  # a TinyTarget
+    if not isinstance(target, nn.Module) or not hasattr(target, "config"):
+        raise ValueError(f"target is a {type(target).__name__}; expected a Hugging Face causal LM")
+    config = target.config
+    if getattr(config, "model_type", None) == "evabyte":
+        from mtpc.backbones.evabyte import EvaByteBackbone
+
+        return EvaByteBackbone(target)
+    if getattr(config, "expand_input_ids", False):
+        from mtpc.backbones.llama3_byte import Llama3ByteBackbone
+
+        return Llama3ByteBackbone(target)
+    inner = getattr(target, "model", None)
+    if not all(hasattr(inner, a) for a in ("layers", "norm", "embed_tokens")) or not hasattr(target, "lm_head"):
+        raise ValueError(
+            f"target is a {type(target).__name__} without model.layers/model.norm/lm_head; "
+            "supported: LlamaForCausalLM-compatible models, EvaByte, the byte-level Llama"
+        )
+    if _is_bundled_tiny(target):
+        return tiny_backbone(target, mtp_unembeddings, None)
+    from mtpc.backbones.llama import LlamaBackbone
+
+    backbone = LlamaBackbone(target)
+    backbone.extra_mtp = mtp_unembeddings
+    return backbone

@@ -1,0 +1,406 @@
+"""One interface for a decoder-only LM split at layer ``L - k``.
+
+A :class:`Backbone` wraps a Hugging Face causal LM (never copies it) and exposes the
+pieces self-speculative decoding and training need:
+
+* ``embed(ids, past_ids)``: input embeddings; ``past_ids`` is the id history before
+  ``ids`` (the byte-level Llama needs it for its expansion embedding; others ignore it).
+* ``run_layers(hidden, start, end, positions, cache, adapter)``: layers ``start..end-1``
+  on hidden states, appending to a :class:`LayerCache` when one is given; ``adapter``
+  switches the LoRA draft adapter on (draft tail) or off (trunk, verifier tail).
+* ``norm(hidden)``: the final norm; ``stp_logits(features)``: the next-token head.
+* ``stp_unembedding()`` (V, d) and ``mtp_unembeddings()`` (m, V, d) or ``None``: what the
+  MTPC head is initialised from.
+
+Components (paper Sec. 3.4, App. D): trunk S = layers ``0..L-k-1``; verifier tail V and draft
+tail D = layers ``L-k..L-1`` with the adapter off / on. Each component owns a
+:class:`LayerCache` made by ``backbone.new_cache(start, end)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
+    """Checks that ``dtype`` is one MTPC supports and that ``device`` can run it.
+
+    Args:
+        dtype: a name from :data:`DTYPES` or a ``torch.dtype``.
+        device: where the model will run.
+
+    Returns:
+        The torch dtype.
+
+    Raises:
+        ValueError: unknown dtype or device, fp16 on CPU, bf16 on a GPU without bf16, or a
+            CUDA device on a machine without one. Raised before any weights are loaded.
+    """
+    names = {v: k for k, v in DTYPES.items()}
+    if isinstance(dtype, torch.dtype):
+        if dtype not in names:
+            raise ValueError(f"dtype is {dtype}; allowed: {sorted(DTYPES)}")
+        name = names[dtype]
+    else:
+        name = str(dtype).removeprefix("torch.")
+        if name not in DTYPES:
+            raise ValueError(f"dtype is {dtype!r}; allowed: {sorted(DTYPES)}")
+    dev = torch.device(device)
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device is {str(device)!r}; allowed: 'cpu', 'cuda', 'cuda:<index>'")
+    if dev.type == "cpu":
+        if name == "float16":
+            raise ValueError(
+                "dtype is 'float16' on device 'cpu': CPUs have no fast fp16 matmul; "
+                "allowed on cpu: ['bfloat16', 'float32']"
+            )
+        if name == "bfloat16" and not _cpu_runs_bf16():
+            raise ValueError("dtype is 'bfloat16' but this CPU cannot run bf16 matmuls; use 'float32'")
+    else:
+        if not torch.cuda.is_available():
+            raise ValueError(f"device is {str(device)!r} but CUDA is not available; allowed: 'cpu'")
+        if name == "bfloat16" and not torch.cuda.is_bf16_supported():
+            raise ValueError(
+                "dtype is 'bfloat16' but this GPU has no bf16 support; allowed: ['float16', 'float32']"
+            )
+    return DTYPES[name]
+
+
+def _cpu_runs_bf16() -> bool:
+    try:
+        a = torch.ones(2, 2, dtype=torch.bfloat16)
+        return bool(torch.isfinite((a @ a).float()).all())
+    except RuntimeError:
+        return False
+
+
+def causal_mask(
+    past: int, length: int, dtype: torch.dtype, device: torch.device, batch: int = 1
+) -> torch.Tensor:
+    """Additive causal mask for ``length`` new queries after ``past`` cached keys.
+
+    Returns:
+        (batch, 1, length, past + length): 0 where query i may attend key j (j <= past + i),
+        the dtype's minimum elsewhere.
+    """
+    q = torch.arange(length, device=device)[:, None] + past  # (T, 1)
+    k = torch.arange(past + length, device=device)[None, :]  # (1, P + T)
+    mask = torch.zeros(length, past + length, dtype=dtype, device=device)
+    mask.masked_fill_(k > q, torch.finfo(dtype).min)
+    return mask[None, None].expand(batch, 1, length, past + length)
+
+
+class LayerCache:
+    """The KV cache of one component (layers ``start..end-1`` of a backbone).
+
+    Wraps the backbone's native cache object. Tracks the number of cached positions and the
+    ids that went through the component (the byte-level Llama's embedding needs the whole
+    id history). Supports append (through ``Backbone.run_layers``), ``crop`` to a shorter
+    length (rejected drafts), reuse across decoding cycles, ``clone`` and ``reset``.
+
+    Native caches without a crop (EvaByte's EVA cache) are cropped by replay: the cache
+    keeps a snapshot taken at the last ``commit``/``crop`` and the inputs appended since,
+    restores the snapshot and re-runs the kept inputs. Such caches can only be cropped back
+    to the last commit point; call ``commit()`` after a prefill.
+    """
+
+    def __init__(self, backbone: Backbone, start: int, end: int) -> None:
+        if not 0 <= start <= end <= backbone.num_layers:
+            raise ValueError(
+                f"layer range is [{start}, {end}); allowed: 0 <= start <= end <= {backbone.num_layers}"
+            )
+        self.backbone = backbone
+        self.start = start
+        self.end = end
+        self.native: Any = backbone.new_native_cache(start, end) if end > start else None
+        self.length = 0
+        self.ids: torch.Tensor | None = None  # (B, length) ids recorded with record_ids
+        self._replay = self.native is not None and not backbone.native_crop_supported
+        self._snapshot: tuple[Any, int] | None = None
+        self._log: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
+        if self._replay:
+            self.commit()
+
+    def __len__(self) -> int:
+        return self.length
+
+    def record_ids(self, ids: torch.Tensor) -> None:
+        """Appends ``ids`` (B, T) to the id history (done by the component that embeds)."""
+        self.ids = ids if self.ids is None else torch.cat([self.ids, ids], dim=1)
+
+    def _record(self, hidden: torch.Tensor, positions: torch.Tensor, adapter: bool) -> None:
+        if self._replay:
+            self._log.append((hidden.detach(), positions, adapter))
+
+    def commit(self) -> None:
+        """Makes the current state the crop floor (replayed caches only; a no-op otherwise)."""
+        if self._replay:
+            self._snapshot = (copy.deepcopy(self.native), self.length)
+            self._log = []
+
+    def crop(self, length: int) -> None:
+        """Drops every cached position at or after ``length``.
+
+        Raises:
+            ValueError: ``length`` is negative or longer than the cache, or (replayed caches)
+                shorter than the last commit point.
+        """
+        if not 0 <= length <= self.length:
+            raise ValueError(f"crop length is {length}; allowed: 0 <= length <= {self.length}")
+        if self.ids is not None:
+            self.ids = self.ids[:, :length]
+        if length == self.length:
+            self.commit()
+            return
+        if self.native is None:
+            self.length = length
+            return
+        if not self._replay:
+            self.backbone.native_crop(self.native, self.length - length)
+            self.length = length
+            return
+        assert self._snapshot is not None
+        snap_native, snap_len = self._snapshot
+        if length < snap_len:
+            raise ValueError(
+                f"crop length is {length}, but this {type(self.native).__name__} cannot crop behind "
+                f"its last commit point {snap_len}; allowed: {snap_len} <= length <= {self.length}"
+            )
+        log, need = self._log, length - snap_len
+        self.native, self.length, self._log = copy.deepcopy(snap_native), snap_len, []
+        with torch.no_grad():
+            for hidden, positions, adapter in log:
+                if need <= 0:
+                    break
+                take = min(need, hidden.shape[1])
+                self.backbone.run_layers(
+                    hidden[:, :take], self.start, self.end, positions[:, :take], self, adapter
+                )
+                need -= take
+        self.commit()
+
+    def clone(self) -> LayerCache:
+        """An independent copy (shares the backbone, copies the cached tensors)."""
+        backbone, self.backbone = self.backbone, None  # type: ignore[assignment]
+        try:
+            new = copy.deepcopy(self)
+        finally:
+            self.backbone = backbone
+        new.backbone = backbone
+        return new
+
+    def reset(self) -> None:
+        """Empties the cache (a fresh native cache object)."""
+        self.native = self.backbone.new_native_cache(self.start, self.end) if self.end > self.start else None
+        self.length = 0
+        self.ids = None
+        self._snapshot, self._log = None, []
+        if self._replay:
+            self.commit()
+
+
+class Backbone(nn.Module, ABC):
+    """A decoder-only LM behind one split-at-layer interface.
+
+    Subclasses implement the model-specific pieces; this class owns the cache bookkeeping
+    and the LoRA switch. ``self.hf_model`` is the wrapped model (registered as a submodule,
+    so its weights exist once).
+
+    Attributes:
+        name: registry name (``tiny``, ``evabyte``, ``llama3_byte``, ``llama``).
+        codec: byte codec name (see ``mtpc.backbones.codecs``).
+        source: how to rebuild the target (``{"model": name, "path": ..., "revision": ...}``).
+        lora: the attached ``LoraTail`` or ``None``.
+    """
+
+    native_crop_supported = True
+    needs_history = False
+
+    def __init__(self, hf_model: nn.Module, name: str, codec: str, source: dict[str, Any]) -> None:
+        super().__init__()
+        self.hf_model = hf_model
+        self.name = name
+        self.codec = codec
+        self.source = dict(source)
+        self.lora: Any = None
+        for p in hf_model.parameters():
+            p.requires_grad_(False)
+
+    # --- model-specific pieces -------------------------------------------------------------
+    @property
+    @abstractmethod
+    def layers(self) -> nn.ModuleList:
+        """The decoder layers, in order."""
+
+    @property
+    @abstractmethod
+    def final_norm(self) -> nn.Module:
+        """The norm applied after the last layer."""
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.hf_model.config.hidden_size)  # type: ignore[union-attr]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_model.config.vocab_size)  # type: ignore[union-attr]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.hf_model.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.hf_model.parameters()).device
+
+    @abstractmethod
+    def embed(self, ids: torch.Tensor, past_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Input embeddings of ``ids`` (B, T) -> (B, T, d); ``past_ids`` (B, P) precede them."""
+
+    @abstractmethod
+    def stp_unembedding(self) -> torch.Tensor:
+        """The next-token unembedding matrix (V, d)."""
+
+    def mtp_unembeddings(self) -> torch.Tensor | None:
+        """Pretrained multi-token unembeddings (m, V, d), ``m`` heads, or ``None``."""
+        return None
+
+    @abstractmethod
+    def new_native_cache(self, start: int, end: int) -> Any:
+        """A fresh native cache object for layers ``start..end-1``."""
+
+    def native_crop(self, native: Any, remove: int) -> None:
+        """Removes the last ``remove`` positions from a native cache (if supported)."""
+        raise NotImplementedError
+
+    @abstractmethod
+    def _run(
+        self,
+        hidden: torch.Tensor,
+        start: int,
+        end: int,
+        positions: torch.Tensor,
+        native: Any,
+        past: int,
+    ) -> torch.Tensor:
+        """Runs layers ``start..end-1``; ``native`` may be ``None`` (no cache)."""
+
+    # --- shared machinery ------------------------------------------------------------------
+    def norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm: pre-norm hidden states (..., d) -> features (..., d)."""
+        return self.final_norm(hidden)
+
+    def stp_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """Next-token logits of normed features (..., d) -> (..., V)."""
+        w = self.stp_unembedding()
+        return torch.nn.functional.linear(features.to(w.dtype), w)
+
+    def new_cache(self, start: int, end: int) -> LayerCache:
+        """A :class:`LayerCache` for one component (layers ``start..end-1``)."""
+        return LayerCache(self, start, end)
+
+    @contextlib.contextmanager
+    def adapter(self, enabled: bool) -> Iterator[None]:
+        """Switches the LoRA draft adapter on or off inside the block (off after it)."""
+        if self.lora is None:
+            if enabled:
+                raise ValueError("adapter=True but no LoRA adapter is attached (lora_layers=0)")
+            yield
+            return
+        self.lora.set_enabled(enabled)
+        try:
+            yield
+        finally:
+            self.lora.set_enabled(False)
+
+    def run_layers(
+        self,
+        hidden: torch.Tensor,
+        start: int,
+        end: int,
+        positions: torch.Tensor | None = None,
+        cache: LayerCache | None = None,
+        adapter: bool = False,
+    ) -> torch.Tensor:
+        """Runs layers ``start..end-1`` on ``hidden`` (B, T, d) -> (B, T, d).
+
+        Args:
+            hidden: hidden states entering layer ``start``.
+            start: first layer.
+            end: one past the last layer; ``start == end`` returns ``hidden`` unchanged.
+            positions: (B, T) or (T,) absolute positions; default ``cache.length + arange(T)``.
+            cache: appended to (the new positions follow the cached ones); ``None`` runs
+                without a cache (training).
+            adapter: LoRA adapter on (draft tail) or off (trunk, verifier tail).
+        """
+        b, t, _ = hidden.shape
+        past = 0 if cache is None else cache.length
+        if cache is not None and (cache.start, cache.end) != (start, end):
+            raise ValueError(
+                f"cache covers layers [{cache.start}, {cache.end}) but run_layers got [{start}, {end})"
+            )
+        if positions is None:
+            positions = torch.arange(past, past + t, device=hidden.device)
+        if positions.dim() == 1:
+            positions = positions[None].expand(b, t)
+        if end > start:
+            if cache is not None:
+                cache._record(hidden, positions, adapter)
+            with self.adapter(adapter):
+                hidden = self._run(
+                    hidden, start, end, positions, None if cache is None else cache.native, past
+                )
+        if cache is not None:
+            cache.length += t
+        return hidden
+
+    @torch.no_grad()
+    def reference_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """STP logits of the wrapped model's own forward (B, T) -> (B, T, V), adapter off."""
+        with self.adapter(False):
+            out = self.hf_model(input_ids=ids, use_cache=False)
+        logits = out.logits if hasattr(out, "logits") else out[0]
+        return logits[..., : self.vocab_size]
+
+    def weights_fingerprint(self) -> str:
+        """A cheap sha256 of the frozen weights (names, shapes, dtypes, strided samples)."""
+        return weights_fingerprint(self.hf_model)
+
+
+def weights_fingerprint(model: nn.Module, samples: int = 4096) -> str:
+    """Hashes names, shapes, dtypes and up to ``samples`` strided values of every tensor.
+
+    LoRA weights (names with ``lora_``) are left out, so attaching an adapter does not
+    change the target's identity. Costs one pass over a few thousand values per tensor,
+    not over the whole model.
+    """
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        if "lora_" in name:
+            continue
+        name = name.replace(".base_layer.", ".")
+        flat = t.detach().reshape(-1)
+        step = max(1, flat.numel() // samples)
+        sample = flat[::step][:samples].to("cpu", torch.float32).contiguous()
+        h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
+        h.update(sample.numpy().tobytes())
+    return h.hexdigest()

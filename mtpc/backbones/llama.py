@@ -1,0 +1,117 @@
+"""HF Llama family behind the backbone interface (the tiny target, byte-vocabulary Llamas).
+
+Works with ``transformers``' ``LlamaForCausalLM`` (decoder layers take ``past_key_values``
+and return a tensor) and with Llama-shaped remote code of the 4.4x era such as tokenkit's
+``TPULlamaForCausalLM`` (layers take ``past_key_value`` and return a tuple). The native
+cache is a ``DynamicCache``; one per component, indexed by the global layer number (the
+layers below ``start`` stay empty), cropped with ``DynamicCache.crop(-n)``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from mtpc.backbones.base import Backbone, causal_mask
+
+_FAST_CAUSAL = ("sdpa", "flash_attention_2", "flash_attention_3")
+
+
+class LlamaBackbone(Backbone):
+    """A ``LlamaForCausalLM``-compatible model: ``model.embed_tokens/layers/norm/rotary_emb``,
+    ``lm_head``.
+
+    MTP unembeddings (a (m * V, d) tensor in EvaByte's layout: rows ``i*V..(i+1)*V-1`` are
+    head ``i``), given as ``extra_mtp`` or carried by the model as ``mtp_unembeddings``,
+    initialise the MTPC head; otherwise the STP unembedding does.
+    """
+
+    def __init__(
+        self,
+        hf_model: nn.Module,
+        name: str = "llama",
+        codec: str = "tiny",
+        source: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(hf_model, name, codec, source or _hf_source(hf_model))
+        self.extra_mtp: torch.Tensor | None = None  # MTP unembeddings kept beside the model
+        inner: Any = hf_model.model  # type: ignore[union-attr]
+        params = inspect.signature(type(inner.layers[0]).forward).parameters
+        self._cache_kw = "past_key_values" if "past_key_values" in params else "past_key_value"
+        self._pass_cache_position = "cache_position" in params
+
+    @property
+    def inner(self) -> Any:
+        return self.hf_model.model
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.inner.layers
+
+    @property
+    def final_norm(self) -> nn.Module:
+        return self.inner.norm
+
+    def embed(self, ids: torch.Tensor, past_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.inner.embed_tokens(ids)  # (B, T, d)
+
+    def stp_unembedding(self) -> torch.Tensor:
+        return self.hf_model.lm_head.weight[: self.vocab_size]  # type: ignore[union-attr,index]
+
+    def mtp_unembeddings(self) -> torch.Tensor | None:
+        mtp = self.extra_mtp if self.extra_mtp is not None else getattr(self.hf_model, "mtp_unembeddings", None)
+        if mtp is None:
+            return None
+        w = mtp.weight if isinstance(mtp, nn.Module) else mtp
+        return w.reshape(-1, self.vocab_size, self.hidden_size)  # (m, V, d)
+
+    def new_native_cache(self, start: int, end: int) -> DynamicCache:
+        return DynamicCache()
+
+    def native_crop(self, native: Any, remove: int) -> None:
+        native.crop(-remove)
+
+    def _mask(self, hidden: torch.Tensor, past: int) -> torch.Tensor | None:
+        impl = getattr(self.hf_model.config, "_attn_implementation", None)  # type: ignore[union-attr]
+        if past == 0 and impl in _FAST_CAUSAL and self._cache_kw == "past_key_values":
+            return None  # the kernel's own causal mask
+        return causal_mask(past, hidden.shape[1], hidden.dtype, hidden.device, hidden.shape[0])
+
+    def _run(
+        self,
+        hidden: torch.Tensor,
+        start: int,
+        end: int,
+        positions: torch.Tensor,
+        native: Any,
+        past: int,
+    ) -> torch.Tensor:
+        mask = self._mask(hidden, past)
+        cos_sin = self.inner.rotary_emb(hidden, positions)
+        kwargs: dict[str, Any] = {
+            "attention_mask": mask,
+            "position_ids": positions,
+            self._cache_kw: native,
+            "use_cache": native is not None,
+            "position_embeddings": cos_sin,
+        }
+        if self._pass_cache_position:
+            kwargs["cache_position"] = torch.arange(past, past + hidden.shape[1], device=hidden.device)
+        for layer in self.layers[start:end]:
+            out = layer(hidden, **kwargs)
+            hidden = out[0] if isinstance(out, tuple) else out  # (B, T, d)
+        return hidden
+
+
+def _hf_source(hf_model: nn.Module) -> dict[str, Any]:
+    """The identity of an HF model: its name_or_path and commit hash, when known."""
+    config: Any = getattr(hf_model, "config", None)
+    return {
+        "model": getattr(hf_model, "_mtpc_model_name", None) or "hf",
+        "path": getattr(config, "_name_or_path", None) or None,
+        "revision": getattr(config, "_commit_hash", None),
+    }

@@ -1,0 +1,269 @@
+"""Save and load trained drafts: head + LoRA adapter, never the frozen target.
+
+An exported draft is a folder::
+
+    config.json           format, circuit (kind, n, r, V, d), LoRA settings, head init,
+                          target identity (model, path/hub id, revision, weights
+                          fingerprint, layer count), codec
+    head.safetensors      the MTPCHead state dict
+    adapter.safetensors   LoRA weights under peft's names (only when k > 0)
+    README.md             model card: the settings above, training config and metrics
+
+``load_draft`` rebuilds the target from the recorded identity (or attaches to a given
+``target``), refuses a target whose fingerprint differs (the error names both), and checks
+the circuit and LoRA tensors against the config before loading them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+if TYPE_CHECKING:
+    from mtpc.model import MTPCModel
+
+FORMAT = "mtpc-draft"
+FORMAT_VERSION = 1
+CONFIG_NAME = "config.json"
+HEAD_NAME = "head.safetensors"
+ADAPTER_NAME = "adapter.safetensors"
+CARD_NAME = "README.md"
+
+
+class TargetMismatchError(ValueError):
+    """The draft was exported for another target."""
+
+
+def draft_config(model: MTPCModel) -> dict[str, Any]:
+    """The ``config.json`` contents of ``model``."""
+    import mtpc
+
+    head, backbone = model.head, model.backbone
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "mtpc_version": mtpc.__version__,
+        "circuit": {
+            "kind": head.kind,
+            "window": head.window,
+            "rank": head.rank,
+            "vocab_size": head.vocab_size,
+            "hidden_size": head.hidden_size,
+            "dtype": str(next(head.parameters()).dtype).removeprefix("torch."),
+        },
+        "head_init": model.head_init,
+        "lora": model.lora.to_dict(),
+        "target": target_identity(backbone, model.target_fingerprint()),
+        "codec": backbone.codec,
+    }
+
+
+def target_identity(backbone: Any, fingerprint: str) -> dict[str, Any]:
+    """How to rebuild the target and how to recognise it."""
+    return {
+        **backbone.source,
+        "backbone": type(backbone).__name__,
+        "num_layers": backbone.num_layers,
+        "weights_fingerprint": fingerprint,
+        "dtype": str(backbone.dtype).removeprefix("torch."),
+    }
+
+
+def _target_label(target: dict[str, Any]) -> str:
+    where = target.get("path") or ("bundled assets" if target.get("model") == "tiny" else "unknown path")
+    rev = f"@{target['revision']}" if target.get("revision") else ""
+    return f"{target.get('model')} ({where}{rev}, weights {str(target.get('weights_fingerprint'))[:12]})"
+
+
+def model_card(config: dict[str, Any], training: dict[str, Any] | None, metrics: dict[str, Any] | None) -> str:
+    """A README.md for an exported draft."""
+    c, lora, t = config["circuit"], config["lora"], config["target"]
+    lines = [
+        f"# MTPC draft: {c['kind']} n={c['window']} r={c['rank']}, LoRA k={lora['layers']}",
+        "",
+        "A multi-token-prediction draft head built as a probabilistic circuit (MTPC) for the",
+        f"target `{t.get('path') or t.get('model')}`. The frozen target is **not** included:",
+        "load it with",
+        "",
+        "```python",
+        "import mtpc",
+        "model = mtpc.MTPCModel.from_pretrained('<this folder>')            # rebuilds the target",
+        "model = mtpc.MTPCModel.from_pretrained('<this folder>', target=hf)  # or attaches to one",
+        "```",
+        "",
+        "| field | value |",
+        "|---|---|",
+        f"| circuit | {c['kind']} (window n={c['window']}, rank r={c['rank']}, V={c['vocab_size']}, d={c['hidden_size']}) |",
+        f"| head init | {config['head_init']} |",
+        f"| LoRA | k={lora['layers']} layers, rank {lora['rank']}, alpha {lora['alpha']}, dropout {lora['dropout']}, modules {', '.join(lora['target_modules'])} |",
+        f"| target | {_target_label(t)} |",
+        f"| target revision | {t.get('revision')} |",
+        f"| target weights fingerprint | `{t.get('weights_fingerprint')}` |",
+        f"| codec | {config['codec']} |",
+        "",
+    ]
+    if training:
+        lines += ["## Training config", "", "```json", json.dumps(training, indent=2, default=str), "```", ""]
+    if metrics:
+        lines += ["## Metrics", "", "| metric | value |", "|---|---|"]
+        lines += [f"| {k} | {v} |" for k, v in metrics.items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def save_draft(
+    model: MTPCModel,
+    path: str | Path,
+    training_config: dict[str, Any] | None = None,
+    metrics: dict[str, Any] | None = None,
+) -> Path:
+    """Writes the draft of ``model`` to ``path`` (created if needed).
+
+    Args:
+        model: the trained model.
+        path: output folder.
+        training_config: recorded in the model card (e.g. the resolved Hydra config).
+        metrics: recorded in the model card (e.g. validation loss, acceptance).
+
+    Returns:
+        The folder.
+    """
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    config = draft_config(model)
+    head_state = {k: v.detach().contiguous().cpu() for k, v in model.head.state_dict().items()}
+    save_file(head_state, out / HEAD_NAME, metadata={"format": FORMAT})
+    lora = model.lora_state_dict()
+    if lora:
+        save_file({k: v.contiguous().cpu() for k, v in lora.items()}, out / ADAPTER_NAME)
+    elif (out / ADAPTER_NAME).exists():
+        (out / ADAPTER_NAME).unlink()
+    (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    (out / CARD_NAME).write_text(model_card(config, training_config, metrics), encoding="utf-8")
+    return out
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    """Reads and checks an exported draft's ``config.json``.
+
+    Raises:
+        ValueError: not an MTPC draft folder, or a field is missing.
+    """
+    file = Path(path) / CONFIG_NAME
+    if not file.is_file():
+        raise ValueError(f"{file} does not exist; expected an exported MTPC draft folder")
+    config = json.loads(file.read_text(encoding="utf-8"))
+    if config.get("format") != FORMAT:
+        raise ValueError(f"{file}: format is {config.get('format')!r}; expected {FORMAT!r}")
+    for key in ("circuit", "lora", "target", "codec"):
+        if key not in config:
+            raise ValueError(f"{file}: field {key!r} is missing")
+    return config
+
+
+def check_target(expected: dict[str, Any], backbone: Any) -> str:
+    """Refuses a target whose identity differs from the recorded one.
+
+    Returns:
+        The target's weights fingerprint.
+
+    Raises:
+        TargetMismatchError: naming the recorded target and the given one.
+    """
+    got = target_identity(backbone, backbone.weights_fingerprint())
+    if got["weights_fingerprint"] != expected.get("weights_fingerprint") or got["num_layers"] != expected.get(
+        "num_layers"
+    ):
+        raise TargetMismatchError(
+            f"this draft was exported for target {_target_label(expected)}, "
+            f"but the given target is {_target_label(got)}; load the draft against the target it was trained for"
+        )
+    return str(got["weights_fingerprint"])
+
+
+def check_head_state(config: dict[str, Any], state: dict[str, torch.Tensor], head: torch.nn.Module) -> None:
+    """Checks that the saved head tensors match the circuit in ``config``.
+
+    Raises:
+        ValueError: naming the circuit field and the tensor that differs.
+    """
+    own = head.state_dict()
+    c = config["circuit"]
+    circuit = f"kind={c['kind']!r}, window={c['window']}, rank={c['rank']}"
+    if set(own) != set(state):
+        raise ValueError(
+            f"head.safetensors does not match config.json circuit ({circuit}): tensors "
+            f"{sorted(set(state) ^ set(own))[:4]} differ"
+        )
+    for name, t in own.items():
+        if tuple(t.shape) != tuple(state[name].shape):
+            raise ValueError(
+                f"head.safetensors tensor {name!r} has shape {tuple(state[name].shape)} but "
+                f"config.json circuit ({circuit}) needs {tuple(t.shape)}"
+            )
+
+
+def load_draft(
+    path: str | Path, target: Any = None, device: str | None = None, dtype: str | None = None
+) -> MTPCModel:
+    """Rebuilds an exported draft.
+
+    Args:
+        path: the exported folder.
+        target: an already loaded target (HF model, ``TinyTarget`` or ``Backbone``) to attach
+            to; ``None`` rebuilds it from the recorded identity (``load_backbone``).
+        device: where to load the target when rebuilding it (default ``cpu``).
+        dtype: the target's dtype when rebuilding it (default: the recorded one).
+
+    Raises:
+        ValueError: bad folder or circuit/LoRA tensors that do not match the config.
+        TargetMismatchError: ``target`` (or the rebuilt one) is not the recorded target.
+    """
+    from mtpc.backbones import backbone_from_hf, load_backbone
+    from mtpc.model import MTPCModel
+
+    folder = Path(path)
+    config = read_config(folder)
+    t, c, lora = config["target"], config["circuit"], config["lora"]
+    if target is None:
+        if t.get("model") not in ("tiny", "evabyte", "llama3_byte"):
+            raise ValueError(
+                f"config.json target.model is {t.get('model')!r} ({t.get('path')}); it cannot be rebuilt "
+                "by name: pass target=<the loaded model> (allowed names: tiny, evabyte, llama3_byte)"
+            )
+        backbone = load_backbone(
+            t["model"], path=t.get("path"), revision=t.get("revision"), dtype=dtype or t.get("dtype", "float32"),
+            device=device or "cpu",
+        )
+    else:
+        backbone = backbone_from_hf(target)
+    fingerprint = check_target(t, backbone)  # identity first: nothing attached to a wrong target
+    model = MTPCModel.from_backbone(
+        backbone,
+        c["kind"],
+        c["window"],
+        c["rank"],
+        lora_layers=lora["layers"],
+        lora_rank=lora["rank"],
+        lora_alpha=lora["alpha"],
+        lora_dropout=lora["dropout"],
+        lora_target_modules=lora["target_modules"],
+        head_init="random",
+        head_dtype=c.get("dtype", "float32"),
+    )
+    model.head_init = config.get("head_init", "pretrained")
+    model._fingerprint = fingerprint
+    state = load_file(folder / HEAD_NAME, device=str(backbone.device))
+    check_head_state(config, state, model.head)
+    model.head.load_state_dict(state)
+    if lora["layers"] > 0:
+        file = folder / ADAPTER_NAME
+        if not file.is_file():
+            raise ValueError(f"{file} is missing but config.json lora.layers is {lora['layers']}")
+        assert backbone.lora is not None
+        backbone.lora.load_state_dict(load_file(file, device=str(backbone.device)))
+    return model

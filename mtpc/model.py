@@ -1,0 +1,296 @@
+"""MTPCModel: a frozen target + its STP head (verifier) + an MTPC head (draft) + LoRA tail.
+
+Data flow (docs/DESIGN.md, paper Sec. 3.4)::
+
+    ids -> trunk (layers 0..L-k-1, cache S)
+             |-> verifier tail (layers L-k..L-1, adapter off, cache V) -> norm -> STP logits
+             '-> draft tail    (same layers, adapter on, cache D)      -> norm -> MTPC head
+
+``k = lora_layers``. With ``k = 0`` both tails are empty and draft and verifier read the
+trunk's last hidden state. Hidden states returned by ``trunk``/``*_tail`` are pre-norm;
+``verifier_logits`` and ``draft_params`` apply the final norm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from mtpc.backbones import Backbone, LayerCache, backbone_from_hf, load_backbone, resolve_dtype
+from mtpc.backbones.lora import LoraSettings, as_settings, attach_lora, validate_lora
+
+HEAD_INITS = ("pretrained", "stp", "random")
+
+
+@dataclass
+class Caches:
+    """The three component caches of one decoding stream (S, V, D)."""
+
+    trunk: LayerCache
+    verifier: LayerCache
+    draft: LayerCache
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter((self.trunk, self.verifier, self.draft))
+
+    def crop(self, length: int) -> None:
+        """Crops every cache that is longer than ``length`` to ``length``."""
+        for c in self:
+            if len(c) > length:
+                c.crop(length)
+
+    def commit(self) -> None:
+        """Marks the current state as the crop floor (matters for EVA caches only)."""
+        for c in self:
+            c.commit()
+
+    def clone(self) -> Caches:
+        return Caches(self.trunk.clone(), self.verifier.clone(), self.draft.clone())
+
+    def reset(self) -> None:
+        for c in self:
+            c.reset()
+
+
+@dataclass
+class MTPCOutput:
+    """Training forward output.
+
+    Attributes:
+        draft_features: (B, T, d) normed draft hidden states; ``model.head(x.reshape(-1, d))``
+            gives theta_t for every position (feed chunks of them to the loss).
+        verifier_logits: (B, T, V) target STP logits (no grad), when asked for (KL loss).
+    """
+
+    draft_features: torch.Tensor
+    verifier_logits: torch.Tensor | None = None
+
+
+class MTPCModel(nn.Module):
+    """Backbone + STP head (verifier) + MTPC head (draft) + LoRA draft tail.
+
+    Build with :meth:`from_hf`, :meth:`from_config` or :meth:`from_backbone`. Only the head
+    and the LoRA weights are trainable.
+
+    Attributes:
+        backbone: the wrapped target (:class:`~mtpc.backbones.base.Backbone`).
+        head: the :class:`~mtpc.heads.MTPCHead`.
+        lora: LoRA settings (``lora.layers`` is k).
+        split: ``L - k``, the first tail layer.
+    """
+
+    def __init__(self, backbone: Backbone, head: nn.Module, lora: LoraSettings, head_init: str) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.head = head
+        self.lora = lora
+        self.head_init = head_init
+        self.split = backbone.num_layers - lora.layers
+        self._fingerprint: str | None = None
+
+    # --- construction ----------------------------------------------------------------------
+    @classmethod
+    def from_backbone(
+        cls,
+        backbone: Backbone,
+        kind: str,
+        window: int,
+        rank: int,
+        lora_layers: int = 0,
+        lora_rank: int = 16,
+        lora_alpha: float = 32.0,
+        lora_dropout: float = 0.0,
+        lora_target_modules: Sequence[str] | None = None,
+        head_init: str = "pretrained",
+        head_dtype: str | torch.dtype = "float32",
+        **head_options: Any,
+    ) -> MTPCModel:
+        """Attaches a head (and LoRA on the last ``lora_layers`` layers) to a backbone.
+
+        Args:
+            backbone: the target.
+            kind: circuit family (``ff``, ``cp``, ``hmm``, ``btree``).
+            window: n, bytes drafted per step.
+            rank: r, units per region.
+            lora_layers: k, layers of the draft tail (0 = heads only).
+            lora_rank: LoRA rank.
+            lora_alpha: LoRA alpha.
+            lora_dropout: LoRA dropout.
+            lora_target_modules: linear modules of a layer that get LoRA.
+            head_init: ``pretrained`` (MTP unembeddings if the target has them, else the STP
+                unembedding), ``stp`` or ``random``.
+            head_dtype: dtype of the head's parameters.
+            **head_options: passed to ``MTPCHead`` (HMM options, ``init_std``).
+
+        Raises:
+            ValueError: k outside 0..L, unknown LoRA target modules, unknown ``head_init``,
+                before anything is attached.
+        """
+        from mtpc.heads import MTPCHead
+
+        if head_init not in HEAD_INITS:
+            raise ValueError(f"head_init is {head_init!r}; allowed: {list(HEAD_INITS)}")
+        settings = as_settings(lora_layers, lora_rank, lora_alpha, lora_dropout, lora_target_modules)
+        validate_lora(settings, backbone.layers)
+        dtype = resolve_dtype(head_dtype, backbone.device)
+        head = MTPCHead(
+            kind, window, rank, vocab_size=backbone.vocab_size, hidden_size=backbone.hidden_size, **head_options
+        ).to(device=backbone.device, dtype=dtype)
+        if head_init != "random":
+            mtp = backbone.mtp_unembeddings() if head_init == "pretrained" else None
+            head.from_pretrained_unembeddings(mtp if mtp is not None else backbone.stp_unembedding())
+        if backbone.lora is not None:
+            raise ValueError("this backbone already has a LoRA adapter; load the target again")
+        backbone.lora = attach_lora(backbone.hf_model, backbone.layers, settings)
+        return cls(backbone, head, settings, head_init)
+
+    @classmethod
+    def from_hf(
+        cls,
+        hf_causal_lm: Any,
+        kind: str,
+        window: int,
+        rank: int,
+        lora_layers: int = 0,
+        mtp_unembeddings: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> MTPCModel:
+        """Wraps a loaded HF causal LM (Llama family, EvaByte, the byte Llama, a TinyTarget).
+
+        Args:
+            hf_causal_lm: the target; it is frozen, LoRA is injected into its last k layers
+                (off unless the draft tail runs), its weights are never copied.
+            kind: circuit family.
+            window: n.
+            rank: r.
+            lora_layers: k.
+            mtp_unembeddings: (m * V, d) MTP unembeddings kept beside the model (EvaByte
+                layout), for Llama-family targets that do not carry them.
+            **kwargs: see :meth:`from_backbone`.
+        """
+        backbone = backbone_from_hf(hf_causal_lm, mtp_unembeddings)
+        return cls.from_backbone(backbone, kind, window, rank, lora_layers, **kwargs)
+
+    @classmethod
+    def from_config(
+        cls,
+        model: str = "tiny",
+        kind: str = "cp",
+        window: int = 4,
+        rank: int = 2,
+        lora_layers: int = 0,
+        path: str | None = None,
+        revision: str | None = None,
+        dtype: str = "float32",
+        device: str = "cpu",
+        **kwargs: Any,
+    ) -> MTPCModel:
+        """Flat builder for Hydra: loads ``model`` (see ``load_backbone``) and attaches a head.
+
+        Every setting is checked (dtype on the device, k, LoRA modules via the layer count
+        once loaded, circuit via the head) before training starts.
+        """
+        backbone = load_backbone(model, path=path, revision=revision, dtype=dtype, device=device)
+        return cls.from_backbone(backbone, kind, window, rank, lora_layers, **kwargs)
+
+    # --- components ------------------------------------------------------------------------
+    @property
+    def k(self) -> int:
+        return self.lora.layers
+
+    def new_caches(self) -> Caches:
+        """Empty caches S (trunk), V (verifier tail), D (draft tail)."""
+        b, split, n = self.backbone, self.split, self.backbone.num_layers
+        return Caches(b.new_cache(0, split), b.new_cache(split, n), b.new_cache(split, n))
+
+    def trunk(
+        self, ids: torch.Tensor, cache: LayerCache | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Embeds ``ids`` (B, T) and runs layers 0..L-k-1 -> pre-norm hidden (B, T, d).
+
+        With a cache, ``ids`` follow the cached ones (and are recorded: the byte Llama's
+        embedding reads the history).
+        """
+        past = None if cache is None else cache.ids
+        hidden = self.backbone.embed(ids, past)  # (B, T, d)
+        hidden = self.backbone.run_layers(hidden, 0, self.split, positions, cache, adapter=False)
+        if cache is not None:
+            cache.record_ids(ids)
+        return hidden
+
+    def verifier_tail(
+        self, hidden: torch.Tensor, cache: LayerCache | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Layers L-k..L-1 with base weights (adapter off): (B, T, d) -> (B, T, d)."""
+        n = self.backbone.num_layers
+        return self.backbone.run_layers(hidden, self.split, n, positions, cache, adapter=False)
+
+    def draft_tail(
+        self, hidden: torch.Tensor, cache: LayerCache | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Layers L-k..L-1 with the LoRA adapter on: (B, T, d) -> (B, T, d)."""
+        n = self.backbone.num_layers
+        return self.backbone.run_layers(hidden, self.split, n, positions, cache, adapter=self.k > 0)
+
+    def verifier_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Target next-token logits of verifier-tail hidden states (..., d) -> (..., V)."""
+        return self.backbone.stp_logits(self.backbone.norm(hidden))
+
+    def draft_features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Normed draft-tail hidden states (..., d): what the MTPC head reads."""
+        return self.backbone.norm(hidden)
+
+    def draft_params(self, hidden: torch.Tensor) -> Any:
+        """Circuit parameters theta_t of draft-tail hidden states (..., d), flattened to (B*, d)."""
+        e = self.draft_features(hidden).reshape(-1, self.backbone.hidden_size)  # (B*, d)
+        return self.head(e)
+
+    def forward(self, ids: torch.Tensor, return_verifier_logits: bool = False) -> MTPCOutput:
+        """Training forward (no cache): ids (B, T) -> draft features, optional verifier logits.
+
+        The frozen trunk runs without autograd; gradients reach the LoRA tail and the head.
+        """
+        with torch.no_grad():
+            trunk = self.trunk(ids)  # (B, T, d)
+        features = self.draft_features(self.draft_tail(trunk))  # (B, T, d)
+        logits = None
+        if return_verifier_logits:
+            with torch.no_grad():
+                logits = self.verifier_logits(self.verifier_tail(trunk) if self.k else trunk)
+        return MTPCOutput(features, logits)
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        """The head's parameters and the LoRA weights (nothing of the frozen target)."""
+        lora = [] if self.backbone.lora is None else self.backbone.lora.parameters()
+        return [*self.head.parameters(), *lora]
+
+    def lora_state_dict(self) -> dict[str, torch.Tensor]:
+        """LoRA weights by peft name (``...lora_A.default.weight``); empty for k = 0."""
+        return {} if self.backbone.lora is None else self.backbone.lora.state_dict()
+
+    def target_fingerprint(self) -> str:
+        """sha256 fingerprint of the frozen target weights (cached)."""
+        if self._fingerprint is None:
+            self._fingerprint = self.backbone.weights_fingerprint()
+        return self._fingerprint
+
+    # --- export ----------------------------------------------------------------------------
+    def save_pretrained(self, path: str | Path, **card: Any) -> Path:
+        """Writes head + LoRA safetensors, config.json and README.md (see ``mtpc.export``)."""
+        from mtpc.export import save_draft
+
+        return save_draft(self, path, **card)
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, target: Any = None, device: str | None = None, dtype: str | None = None
+    ) -> MTPCModel:
+        """Rebuilds an exported draft against its target (see ``mtpc.export.load_draft``)."""
+        from mtpc.export import load_draft
+
+        return load_draft(path, target=target, device=device, dtype=dtype)
