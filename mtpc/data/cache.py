@@ -1,0 +1,298 @@
+"""On-disk cache of tokenised documents, splits and packing plans.
+
+A prepared dataset is one folder under ``<cache_dir>/data/``, named after its key: a hash
+of (dataset fingerprint, codec, context limit ``max_length``, split seed, validation
+fraction, cache format version). A second run with the same key reads it back (memory
+mapped) and does not tokenise again. Layout::
+
+    <cache_dir>/data/<dataset>-<codec>-ctx<max_length>-seed<seed>-<hash>/
+        meta.json          key parts, sizes, source names
+        summary.json       rows seen / used / dropped by reason (+ first ids), per source
+                           (a copy sits next to the folder as <folder>.summary.json, written
+                           even when no row is usable)
+        ids.u16            all documents' ids back to back, raw little-endian uint16
+        assistant.u8       loss mask over the same ids, raw uint8
+        offsets.npy        (D+1,) document boundaries
+        doc_source.npy     (D,) source id per document
+        doc_row.npy        (D,) row position in the source
+        train.npy val.npy  document indices of each split, in the seeded shuffled order
+        val_rows.jsonl     the raw validation rows (prompt sets are built from them)
+        pack-L<seq_len>-<split>.npz   packing plans, one per sequence length
+
+The folder is written under a temporary name and renamed into place, so a crash never
+leaves a half-written cache and concurrent ranks do not read one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mtpc.backbones.codecs import get_codec
+from mtpc.data.packing import PackPlan, plan_packing
+from mtpc.data.preprocess import (
+    DEFAULT_MAX_LENGTH,
+    DEFAULT_VAL_FRACTION,
+    DropStats,
+    split_indices,
+    tokenize_rows,
+)
+from mtpc.data.sources import Row, RowSource
+
+logger = logging.getLogger(__name__)
+
+CACHE_VERSION = 1
+"""Bump when the on-disk format or the preprocessing changes."""
+
+SPLITS = ("train", "val")
+
+
+def cache_key(parts: dict[str, Any]) -> str:
+    """A short stable hash of the key parts (sorted JSON)."""
+    blob = json.dumps(parts, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def cache_folder(
+    cache_dir: str | os.PathLike[str],
+    source: RowSource,
+    codec: str,
+    max_length: int,
+    seed: int,
+    val_fraction: float,
+) -> tuple[Path, dict[str, Any]]:
+    """The folder of a prepared dataset and the key parts it is named after."""
+    parts = {
+        "version": CACHE_VERSION,
+        "dataset": source.fingerprint,
+        "codec": codec,
+        "max_length": int(max_length),
+        "seed": int(seed),
+        "val_fraction": float(val_fraction),
+    }
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", source.name)[:48].strip("_") or "data"
+    name = f"{slug}-{codec}-ctx{max_length}-seed{seed}-{cache_key(parts)}"
+    return Path(cache_dir) / "data" / name, parts
+
+
+@dataclass
+class PreparedData:
+    """A prepared dataset read back from its cache folder (arrays are memory mapped).
+
+    Attributes:
+        folder: the cache folder.
+        meta: contents of ``meta.json``.
+        summary: contents of ``summary.json``.
+        ids: (T,) uint16 ids of all documents.
+        assistant: (T,) bool loss mask.
+        offsets: (D+1,) int64 document boundaries.
+        doc_source: (D,) int32 source id per document.
+        splits: ``train`` / ``val`` -> document indices.
+    """
+
+    folder: Path
+    meta: dict[str, Any]
+    summary: dict[str, Any]
+    ids: np.ndarray
+    assistant: np.ndarray
+    offsets: np.ndarray
+    doc_source: np.ndarray
+    splits: dict[str, np.ndarray]
+
+    @property
+    def source_names(self) -> list[str]:
+        return list(self.meta["source_names"])
+
+    def doc_lengths(self, split: str) -> np.ndarray:
+        """(D_split,) lengths of the split's documents, in split order."""
+        docs = self.splits[split]
+        return (self.offsets[docs + 1] - self.offsets[docs]).astype(np.int64)
+
+    def val_rows(self) -> list[Row]:
+        """The raw validation rows, in validation-split order."""
+        path = self.folder / "val_rows.jsonl"
+        with path.open(encoding="utf-8") as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+    def pack_plan(self, split: str, seq_len: int) -> PackPlan:
+        """The split's packing plan for ``seq_len``, computed and cached on first use."""
+        path = self.folder / f"pack-L{seq_len}-{split}.npz"
+        if path.is_file():
+            with np.load(path) as arrays:
+                return PackPlan.from_arrays(dict(arrays))
+        start = time.perf_counter()
+        plan = plan_packing(self.doc_lengths(split), seq_len)
+        tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.npz")
+        np.savez(tmp, **plan.to_arrays())  # type: ignore[arg-type]
+        os.replace(tmp, path)
+        logger.info(
+            "packed %d %s documents into %d sequences of %d (fill %.4f) in %.1fs",
+            len(self.splits[split]),
+            split,
+            plan.num_sequences,
+            seq_len,
+            plan.fill_ratio(),
+            time.perf_counter() - start,
+        )
+        return plan
+
+
+def prepare(
+    source: RowSource,
+    codec: str,
+    cache_dir: str | os.PathLike[str],
+    max_length: int = DEFAULT_MAX_LENGTH,
+    seed: int = 0,
+    val_fraction: float = DEFAULT_VAL_FRACTION,
+) -> Path:
+    """Tokenises, filters and splits ``source`` into the cache unless it is there already.
+
+    Args:
+        source: the rows.
+        codec: codec name (``mtpc.backbones.codecs.get_codec``).
+        cache_dir: root of the cache (``paths.cache_dir``).
+        max_length: context limit in ids; longer documents are dropped.
+        seed: shuffle seed of the train / validation split.
+        val_fraction: share of documents in the validation split.
+
+    Returns:
+        The cache folder.
+
+    Raises:
+        ValueError: no row of ``source`` is usable (the message names the dataset and the
+            counts per reason).
+    """
+    folder, parts = cache_folder(cache_dir, source, codec, max_length, seed, val_fraction)
+    if (folder / "meta.json").is_file():
+        logger.info("data cache hit: %s", folder)
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    start = time.perf_counter()
+    try:
+        with (
+            (tmp / "ids.u16").open("wb") as ids_file,
+            (tmp / "assistant.u8").open("wb") as mask_file,
+        ):
+            docs, stats = tokenize_rows(
+                source, get_codec(codec), max_length, None, ids_file, mask_file
+            )
+        stats.log(source.name)
+        if docs.num_docs == 0:
+            _write_json(
+                summary_path(folder), {"dataset": source.name, "codec": codec, **stats.as_dict()}
+            )
+            raise ValueError(
+                f"dataset {source.name!r} has no usable rows: {stats.rows_seen} rows read, "
+                f"dropped by reason { ({k: v for k, v in stats.dropped.items() if v}) }"
+            )
+        train, val = split_indices(docs.num_docs, seed, val_fraction)
+        np.save(tmp / "offsets.npy", docs.offsets)
+        np.save(tmp / "doc_source.npy", docs.source_ids)
+        np.save(tmp / "doc_row.npy", docs.row_positions)
+        np.save(tmp / "train.npy", train)
+        np.save(tmp / "val.npy", val)
+        val_rows = source.take(docs.row_positions[val].tolist())
+        with (tmp / "val_rows.jsonl").open("w", encoding="utf-8") as f:
+            for row in val_rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        seconds = time.perf_counter() - start
+        summary = {
+            "dataset": source.name,
+            "codec": codec,
+            "max_length": max_length,
+            **stats.as_dict(),
+            "train_docs": len(train),
+            "val_docs": len(val),
+            "seconds": round(seconds, 3),
+        }
+        meta = {
+            **parts,
+            "name": source.name,
+            "num_docs": docs.num_docs,
+            "num_ids": int(docs.offsets[-1]),
+            "source_names": docs.source_names,
+        }
+        _write_json(tmp / "summary.json", summary)
+        _write_json(summary_path(folder), summary)
+        _write_json(tmp / "meta.json", meta)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    try:
+        os.replace(tmp, folder)
+    except OSError:  # another process finished first; theirs is identical
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info(
+        "prepared %s: %d documents (%d train / %d val), %d ids in %.1fs -> %s",
+        source.name,
+        docs.num_docs,
+        len(train),
+        len(val),
+        int(docs.offsets[-1]),
+        seconds,
+        folder,
+    )
+    return folder
+
+
+def load_prepared(folder: str | os.PathLike[str]) -> PreparedData:
+    """Reads a cache folder written by ``prepare`` (the big arrays memory mapped)."""
+    folder = Path(folder)
+    meta = json.loads((folder / "meta.json").read_text())
+    summary = json.loads((folder / "summary.json").read_text())
+    num_ids = int(meta["num_ids"])
+    ids = (
+        np.memmap(folder / "ids.u16", dtype="<u2", mode="r", shape=(num_ids,))
+        if num_ids
+        else np.zeros(0, "<u2")
+    )
+    mask = (
+        np.memmap(folder / "assistant.u8", dtype=np.bool_, mode="r", shape=(num_ids,))
+        if num_ids
+        else np.zeros(0, bool)
+    )
+    return PreparedData(
+        folder=folder,
+        meta=meta,
+        summary=summary,
+        ids=ids,
+        assistant=mask,
+        offsets=np.load(folder / "offsets.npy"),
+        doc_source=np.load(folder / "doc_source.npy"),
+        splits={split: np.load(folder / f"{split}.npy") for split in SPLITS},
+    )
+
+
+def summary_path(folder: str | os.PathLike[str]) -> Path:
+    """The copy of ``summary.json`` next to a cache folder (also written when preparing fails)."""
+    folder = Path(folder)
+    return folder.with_name(f"{folder.name}.summary.json")
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def stats_from_summary(summary: dict[str, Any]) -> DropStats:
+    """The ``DropStats`` recorded in a ``summary.json``."""
+    return DropStats(
+        rows_seen=summary["rows_seen"],
+        rows_used=summary["rows_used"],
+        dropped=dict(summary["dropped"]),
+        examples={k: list(v) for k, v in summary.get("dropped_examples", {}).items()},
+        used_bytes=summary["used_bytes"],
+        sources=dict(summary["sources"]),
+    )

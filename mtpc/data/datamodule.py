@@ -1,0 +1,520 @@
+"""``MTPCDataModule``: chat rows -> packed byte sequences with window targets, for Lightning.
+
+Batch format (a dict of tensors; B sequences of L = ``seq_len`` positions, n = ``window``):
+
+============== =========== ======= =====================================================
+key            shape       dtype   meaning
+============== =========== ======= =====================================================
+input_ids      (B, L)      int64   ids; ``codec.pad_id`` after the last document
+position_ids   (B, L)      int64   restart at 0 at every document (0 on padding)
+document_ids   (B, L)      int64   0, 1, ... per document within the row; -1 on padding.
+                                   Attention may be block diagonal over equal ids
+attention_mask (B, L)      bool    ``document_ids >= 0`` (False on padding)
+loss_mask      (B, L)      bool    assistant bytes and each assistant turn's end-of-turn
+targets        (B, L, n)   int64   ``targets[b, t, j-1] = x_{t+j}`` where valid, else pad
+target_mask    (B, L, n)   bool    x_{t+j} is a loss byte of the same document as x_t
+valid_counts   (B, n)      float32 V_{i,j} = ``target_mask[i, :, j].sum()`` (Eq. 4)
+source_ids     (B, L)      int64   task of the position's document (index into
+                                   ``MTPCDataModule.source_names``); -1 on padding
+index          (B,)        int64   which packed sequence of the split
+============== =========== ======= =====================================================
+
+``valid_counts`` are per *packed sequence* (the paper's i is a training sequence and it
+trains on packed sequences); they can be 0 for a row (e.g. a piece of a long document cut
+inside a user turn), so a loss must clamp the divisor (``mtpc.training.loss`` does). Per
+document counts: ``mtpc.data.windows.document_valid_counts``.
+
+Resuming: the training dataloader is a ``ResumableDataLoader`` with ``state_dict`` /
+``load_state_dict``; Lightning stores its state in checkpoints (``loops.fit_loop
+.state_dict.combined_loader``) and restores it before iterating, so a run restarted from
+a mid-epoch checkpoint continues with the very next batch. Ranks read disjoint shards of
+one seeded permutation per epoch (``ResumableDistributedSampler``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from mtpc.backbones.codecs import get_codec
+from mtpc.data.cache import PreparedData, cache_folder, load_prepared, prepare
+from mtpc.data.packing import PackPlan, build_sequence
+from mtpc.data.preprocess import DEFAULT_MAX_LENGTH, DEFAULT_VAL_FRACTION
+from mtpc.data.prompts import PROMPT_SET_SEEDS, EvalPrompt, build_prompt_sets
+from mtpc.data.sources import TULU3_DATASET, RowSource, load_source
+from mtpc.data.windows import make_windows, valid_counts
+
+logger = logging.getLogger(__name__)
+
+
+class PackedDataset(Dataset[dict[str, Tensor]]):
+    """The packed sequences of one split; item k is packed sequence k as a dict of tensors.
+
+    Picklable without copying the corpus (workers reopen the memory-mapped cache).
+    """
+
+    def __init__(
+        self, data: PreparedData, split: str, seq_len: int, window: int, pad_id: int
+    ) -> None:
+        self.folder = data.folder
+        self.split = split
+        self.window = window
+        self.pad_id = pad_id
+        self.plan: PackPlan = data.pack_plan(split, seq_len)
+        docs = data.splits[split]
+        self.doc_offsets = np.asarray(data.offsets[docs], dtype=np.int64)  # (D,)
+        self.doc_sources = np.asarray(data.doc_source[docs], dtype=np.int64)  # (D,)
+        self._data: PreparedData | None = data
+
+    def __len__(self) -> int:
+        return self.plan.num_sequences
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_data"] = None
+        return state
+
+    def __getitem__(self, index: int) -> dict[str, Tensor]:
+        if self._data is None:
+            self._data = load_prepared(self.folder)
+        seq = build_sequence(
+            self.plan,
+            int(index),
+            self._data.ids,
+            self._data.assistant,
+            self.doc_offsets,
+            self.doc_sources,
+            self.pad_id,
+        )
+        item = {k: torch.from_numpy(v) for k, v in seq.items()}  # each (L,)
+        targets, target_mask = make_windows(
+            item["input_ids"][None],
+            item["document_ids"][None],
+            item["loss_mask"][None],
+            self.window,
+            self.pad_id,
+        )  # (1, L, n) each
+        item["attention_mask"] = item["document_ids"] >= 0
+        item["targets"] = targets[0]  # (L, n)
+        item["target_mask"] = target_mask[0]  # (L, n)
+        item["valid_counts"] = valid_counts(target_mask)[0]  # (n,)
+        item["index"] = torch.tensor(int(index), dtype=torch.int64)
+        return item
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """A ``DistributedSampler`` that can start mid-epoch.
+
+    Every rank draws the same seeded permutation of the dataset for an epoch (seed +
+    epoch), padded by wrap-around (or cut, with ``drop_last``) to a multiple of
+    ``num_replicas``; rank r takes positions r, r + W, r + 2W, ... of what is left after the
+    first ``start`` (global) positions. Shards are disjoint; with ``drop_last=False`` the at
+    most W - 1 padding positions repeat early indices, like torch's sampler.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset[Any],
+        num_replicas: int = 1,
+        rank: int = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        super().__init__(
+            dataset,
+            num_replicas=num_replicas,
+            rank=rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+        )
+        self.start = 0  # global positions of this epoch's permutation already consumed
+
+    def global_indices(self) -> list[int]:
+        """The epoch's permutation over all ranks, padded or cut to ``total_size``."""
+        n = len(self.dataset)  # type: ignore[arg-type]
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            indices = torch.randperm(n, generator=g).tolist()
+        else:
+            indices = list(range(n))
+        if not self.drop_last:
+            padding = self.total_size - len(indices)
+            while padding > 0:
+                indices += indices[:padding]
+                padding = self.total_size - len(indices)
+        return indices[: self.total_size]
+
+    def __iter__(self) -> Iterator[int]:
+        # a generator: the permutation is drawn at the first next(), after set_epoch
+        yield from self.global_indices()[self.start :][self.rank :: self.num_replicas]
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.start = 0
+        super().set_epoch(epoch)
+
+
+class ResumableDataLoader(DataLoader):
+    """A ``DataLoader`` over a ``ResumableDistributedSampler`` that remembers its position.
+
+    ``state_dict()`` is ``{epoch, batches}`` (batches delivered so far in that epoch, plus
+    the settings checked on load); ``load_state_dict`` makes the next ``iter()`` continue
+    with batch ``batches`` of epoch ``epoch``. Exact when batch size and world size are the
+    same as when saved; a different world size resumes at the same global position.
+    """
+
+    sampler: ResumableDistributedSampler
+
+    def __init__(
+        self,
+        dataset: Dataset[Any],
+        sampler: ResumableDistributedSampler,
+        batch_size: int,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(dataset, batch_size=batch_size, sampler=sampler, **kwargs)
+        self._epoch = sampler.epoch
+        self._batches = 0
+        self._resume = False
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        sampler = self.sampler
+        if not (self._resume and sampler.epoch == self._epoch):
+            sampler.start = 0
+            self._epoch, self._batches = sampler.epoch, 0
+        self._resume = False
+        return self._counted(super().__iter__())
+
+    def _counted(self, batches: Iterator[Any]) -> Iterator[Any]:
+        for batch in batches:
+            self._batches += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self._epoch,
+            "batches": self._batches,
+            "batch_size": self.batch_size,
+            "num_replicas": self.sampler.num_replicas,
+            "dataset_size": len(self.sampler.dataset),  # type: ignore[arg-type]
+            "seed": self.sampler.seed,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        size = len(self.sampler.dataset)  # type: ignore[arg-type]
+        if state["dataset_size"] != size or state["seed"] != self.sampler.seed:
+            raise ValueError(
+                f"dataloader state is for {state['dataset_size']} sequences with seed {state['seed']}, "
+                f"this loader has {size} with seed {self.sampler.seed}: the data or its settings changed"
+            )
+        if (
+            state["batch_size"] != self.batch_size
+            or state["num_replicas"] != self.sampler.num_replicas
+        ):
+            logger.warning(
+                "resuming data with batch size %s x %s ranks, saved with %s x %s: position is approximate",
+                self.batch_size,
+                self.sampler.num_replicas,
+                state["batch_size"],
+                state["num_replicas"],
+            )
+        consumed = int(state["batches"]) * int(state["batch_size"]) * int(state["num_replicas"])
+        self.sampler.set_epoch(int(state["epoch"]))
+        self.sampler.start = min(consumed, self.sampler.total_size)
+        self._epoch, self._batches, self._resume = int(state["epoch"]), int(state["batches"]), True
+
+
+class MTPCDataModule(L.LightningDataModule):
+    """Tülu 3 / local / synthetic chat data as packed byte sequences (batch format: module doc).
+
+    ``prepare_data`` (local rank 0) tokenises into the cache; ``setup`` (every rank) reads
+    it back and builds the packing plans. Without Lightning: call ``setup()`` and then
+    ``train_dataloader()``.
+    """
+
+    def __init__(
+        self,
+        source: str = "synthetic",
+        path: str | None = None,
+        codec: str = "tiny",
+        seq_len: int = 8192,
+        window: int = 8,
+        batch_size: int = 1,
+        seed: int = 0,
+        num_workers: int = 0,
+        cache_dir: str | None = None,
+        max_length: int = DEFAULT_MAX_LENGTH,
+        val_fraction: float = DEFAULT_VAL_FRACTION,
+        num_rows: int | None = None,
+        streaming: bool = False,
+        revision: str | None = None,
+        hf_name: str = TULU3_DATASET,
+        val_batch_size: int | None = None,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        pin_memory: bool = False,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+    ) -> None:
+        """See ``build_datamodule`` for the arguments."""
+        super().__init__()
+        if seq_len < 2 or window < 1 or batch_size < 1:
+            raise ValueError(
+                f"need seq_len >= 2, window >= 1, batch_size >= 1; got {seq_len}, {window}, {batch_size}"
+            )
+        self.source = source
+        self.path = path
+        self.codec_name = codec
+        self.codec = get_codec(codec)
+        self.seq_len = seq_len
+        self.window = window
+        self.batch_size = batch_size
+        self.val_batch_size = val_batch_size or batch_size
+        self.seed = seed
+        self.num_workers = num_workers
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
+        self.max_length = max_length
+        self.val_fraction = val_fraction
+        self.num_rows = num_rows
+        self.streaming = streaming
+        self.revision = revision
+        self.hf_name = hf_name
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.pin_memory = pin_memory
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.data: PreparedData | None = None
+        self.datasets: dict[str, PackedDataset] = {}
+        self._row_source: RowSource | None = None
+        self._train_loader: ResumableDataLoader | None = None
+
+    # -- preparation ------------------------------------------------------------------
+
+    def row_source(self) -> RowSource:
+        """The raw rows (opened once)."""
+        if self._row_source is None:
+            self._row_source = load_source(
+                self.source,
+                self.path,
+                num_rows=self.num_rows,
+                seed=self.seed,
+                streaming=self.streaming,
+                revision=self.revision,
+                hf_name=self.hf_name,
+            )
+        return self._row_source
+
+    def cache_folder(self) -> Path:
+        """Where this configuration's prepared data lives."""
+        folder, _ = cache_folder(
+            self.cache_dir,
+            self.row_source(),
+            self.codec_name,
+            self.max_length,
+            self.seed,
+            self.val_fraction,
+        )
+        return folder
+
+    def prepare_data(self) -> None:
+        folder = prepare(
+            self.row_source(),
+            self.codec_name,
+            self.cache_dir,
+            self.max_length,
+            self.seed,
+            self.val_fraction,
+        )
+        data = load_prepared(folder)
+        for split in ("train", "val"):
+            data.pack_plan(split, self.seq_len)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.data is not None:
+            return
+        folder = self.cache_folder()
+        if not (folder / "meta.json").is_file():  # prepare_data was not called (no Lightning)
+            self.prepare_data()
+        self.data = load_prepared(folder)
+        for split in ("train", "val"):
+            self.datasets[split] = PackedDataset(
+                self.data, split, self.seq_len, self.window, self.codec.pad_id
+            )
+        summary = self.data.summary
+        logger.info(
+            "data %s: %d train / %d val documents -> %d / %d packed sequences of %d; dropped %s",
+            summary["dataset"],
+            summary["train_docs"],
+            summary["val_docs"],
+            len(self.datasets["train"]),
+            len(self.datasets["val"]),
+            self.seq_len,
+            {k: v for k, v in summary["dropped"].items() if v},
+        )
+
+    @property
+    def source_names(self) -> list[str]:
+        """Names behind ``batch["source_ids"]``."""
+        return self._prepared().source_names
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        """Rows seen / used / dropped by reason (the cache's ``summary.json``)."""
+        return self._prepared().summary
+
+    # -- loaders ----------------------------------------------------------------------
+
+    def _world(self) -> tuple[int, int]:
+        if self.num_replicas is not None:
+            return self.num_replicas, self.rank or 0
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None:
+            return trainer.world_size, trainer.global_rank
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.get_world_size(), torch.distributed.get_rank()
+        return 1, 0
+
+    def train_dataloader(self) -> ResumableDataLoader:
+        if "train" not in self.datasets:
+            self.setup("fit")
+        dataset = self.datasets["train"]
+        world, rank = self._world()
+        sampler = ResumableDistributedSampler(
+            dataset, world, rank, shuffle=self.shuffle, seed=self.seed, drop_last=self.drop_last
+        )
+        self._train_loader = ResumableDataLoader(
+            dataset,
+            sampler,
+            self.batch_size,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            persistent_workers=self.num_workers > 0,
+        )
+        return self._train_loader
+
+    def val_dataloader(self) -> DataLoader:
+        if "val" not in self.datasets:
+            self.setup("validate")
+        dataset = self.datasets["val"]
+        world, rank = self._world()
+        sampler: DistributedSampler | None = None
+        if world > 1:
+            sampler = DistributedSampler(dataset, world, rank, shuffle=False)
+        return DataLoader(
+            dataset,
+            batch_size=self.val_batch_size,
+            sampler=sampler,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+        )
+
+    # -- evaluation prompts -----------------------------------------------------------
+
+    def prompt_sets(
+        self,
+        num_prompts: int = 250,
+        seeds: Sequence[int] = PROMPT_SET_SEEDS,
+        english_only: bool = True,
+        max_prompt_length: int | None = None,
+    ) -> list[list[EvalPrompt]]:
+        """Evaluation prompt sets from the validation split (``mtpc.data.prompts``)."""
+        return build_prompt_sets(
+            self._prepared().val_rows(),
+            self.codec,
+            num_prompts=num_prompts,
+            seeds=seeds,
+            english_only=english_only,
+            max_prompt_length=max_prompt_length,
+        )
+
+    def _prepared(self) -> PreparedData:
+        if self.data is None:
+            self.setup()
+        assert self.data is not None
+        return self.data
+
+
+def _default_cache_dir() -> Path:
+    """``$MTPC_CACHE``, else ``.cache/mtpc`` under the working directory."""
+    return Path(os.environ.get("MTPC_CACHE") or Path.cwd() / ".cache" / "mtpc")
+
+
+def build_datamodule(
+    source: str = "synthetic",
+    path: str | None = None,
+    codec: str = "tiny",
+    seq_len: int = 8192,
+    window: int = 8,
+    batch_size: int = 1,
+    seed: int = 0,
+    num_workers: int = 0,
+    cache_dir: str | None = None,
+    max_length: int = DEFAULT_MAX_LENGTH,
+    val_fraction: float = DEFAULT_VAL_FRACTION,
+    num_rows: int | None = None,
+    streaming: bool = False,
+    revision: str | None = None,
+    hf_name: str = TULU3_DATASET,
+    val_batch_size: int | None = None,
+    shuffle: bool = True,
+    drop_last: bool = False,
+    pin_memory: bool = False,
+) -> MTPCDataModule:
+    """Builds the data module (the Hydra ``_target_`` of ``configs/data/*.yaml``).
+
+    Args:
+        source: ``synthetic``, ``tulu3`` or ``local``.
+        path: a local dataset of the Tülu 3 schema (jsonl | json | parquet | arrow dir |
+            save_to_disk dir); used instead of the hub for any ``source``.
+        codec: the target model's codec (``tiny``, ``evabyte``, ``llama3_byte``).
+        seq_len: length L of packed sequences.
+        window: n, future bytes per position.
+        batch_size: packed sequences per batch and rank.
+        seed: split shuffle, sampler shuffle and synthetic generator seed.
+        num_workers: dataloader worker processes.
+        cache_dir: root of the data cache; ``$MTPC_CACHE`` or ``./.cache/mtpc`` when None.
+        max_length: context limit in ids; longer conversations are dropped (paper: 8192).
+        val_fraction: validation share (paper: 0.01).
+        num_rows: use only the first rows (synthetic: rows to generate).
+        streaming: stream the hub dataset.
+        revision: hub revision of the dataset.
+        hf_name: hub dataset id.
+        val_batch_size: validation batch size (``batch_size`` when None).
+        shuffle: shuffle training sequences each epoch.
+        drop_last: cut the epoch to a multiple of the world size instead of padding.
+        pin_memory: pin host memory in the dataloaders.
+    """
+    return MTPCDataModule(
+        source=source,
+        path=path,
+        codec=codec,
+        seq_len=seq_len,
+        window=window,
+        batch_size=batch_size,
+        seed=seed,
+        num_workers=num_workers,
+        cache_dir=cache_dir,
+        max_length=max_length,
+        val_fraction=val_fraction,
+        num_rows=num_rows,
+        streaming=streaming,
+        revision=revision,
+        hf_name=hf_name,
+        val_batch_size=val_batch_size,
+        shuffle=shuffle,
+        drop_last=drop_last,
+        pin_memory=pin_memory,
+    )

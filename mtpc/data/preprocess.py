@@ -1,0 +1,280 @@
+"""Chat rows -> byte ids with assistant masks, malformed rows counted, seeded 99 % / 1 % split.
+
+Paper Sec. 4.1: apply the target's chat template (through its codec), drop examples longer
+than the context limit (8192 bytes), shuffle with a fixed seed so that every task is
+sampled, then split the remaining examples 99 % / 1 % into train / validation, keeping each
+row's ``source`` for per-task metrics.
+
+A row is dropped, never crashing the run, for exactly one reason (the first that applies,
+in this order); counts per reason are logged and written to the cache's ``summary.json``:
+
+* ``invalid_json``: a line of a JSON-lines file that does not parse.
+* ``undecodable_text``: bytes that are not UTF-8 (a file line, or ``bytes`` content), or a
+  string that cannot be encoded as UTF-8 (lone surrogates such as ``"\\ud800"``).
+* ``no_messages``: ``messages`` missing, not a list, or empty (or the row is not a dict).
+* ``unknown_role``: a message that is not a dict or whose role is not system/user/assistant.
+* ``non_string_content``: a message whose ``content`` is not a string.
+* ``no_assistant_turn``: no assistant message at all (nothing to train on).
+* ``empty_assistant_turn``: an assistant message whose content is empty or whitespace.
+* ``too_long``: more than ``max_length`` ids after the chat template.
+* ``template_error``: the codec rejected the row for another reason (should stay 0).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from mtpc.backbones.codecs import ROLES, ByteCodec
+from mtpc.data.sources import ERROR_KEY
+
+logger = logging.getLogger(__name__)
+
+DROP_REASONS = (
+    "invalid_json",
+    "undecodable_text",
+    "no_messages",
+    "unknown_role",
+    "non_string_content",
+    "no_assistant_turn",
+    "empty_assistant_turn",
+    "too_long",
+    "template_error",
+)
+
+DEFAULT_MAX_LENGTH = 8192
+"""The paper's context limit in bytes (ids, counting the template's special ids)."""
+
+DEFAULT_VAL_FRACTION = 0.01
+MAX_EXAMPLES_PER_REASON = 5
+UNKNOWN_SOURCE = "unknown"
+
+
+def check_row(row: Any) -> str | None:
+    """The reason ``row`` must be dropped (one of ``DROP_REASONS``), or None if it is usable.
+
+    ``too_long`` needs the rendered ids and is checked by ``tokenize_rows``.
+    """
+    if not isinstance(row, Mapping):
+        return "no_messages"
+    if ERROR_KEY in row:
+        return str(row[ERROR_KEY])
+    messages = row.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return "no_messages"
+    has_assistant = False
+    for message in messages:
+        if not isinstance(message, Mapping) or message.get("role") not in ROLES:
+            return "unknown_role"
+        content = message.get("content")
+        if isinstance(content, bytes | bytearray):
+            try:
+                bytes(content).decode("utf-8")
+            except UnicodeDecodeError:
+                return "undecodable_text"
+            return "non_string_content"
+        if not isinstance(content, str):
+            return "non_string_content"
+        try:
+            content.encode("utf-8")
+        except UnicodeEncodeError:
+            return "undecodable_text"
+        if message["role"] == "assistant":
+            has_assistant = True
+            if not content.strip():
+                return "empty_assistant_turn"
+    return None if has_assistant else "no_assistant_turn"
+
+
+@dataclass
+class DropStats:
+    """What happened to the rows of one dataset.
+
+    Attributes:
+        rows_seen: rows read from the source.
+        rows_used: rows that became documents.
+        dropped: reason -> count (every reason of ``DROP_REASONS`` is present).
+        examples: reason -> ids of the first few dropped rows, to find them again.
+        used_bytes: total ids of the kept documents.
+        sources: source name -> kept documents.
+    """
+
+    rows_seen: int = 0
+    rows_used: int = 0
+    dropped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DROP_REASONS, 0))
+    examples: dict[str, list[str]] = field(default_factory=dict)
+    used_bytes: int = 0
+    sources: dict[str, int] = field(default_factory=dict)
+
+    def drop(self, reason: str, row_id: str) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+        ids = self.examples.setdefault(reason, [])
+        if len(ids) < MAX_EXAMPLES_PER_REASON:
+            ids.append(row_id)
+
+    @property
+    def rows_dropped(self) -> int:
+        return sum(self.dropped.values())
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "rows_seen": self.rows_seen,
+            "rows_used": self.rows_used,
+            "rows_dropped": self.rows_dropped,
+            "dropped": dict(self.dropped),
+            "dropped_examples": dict(self.examples),
+            "used_bytes": self.used_bytes,
+            "sources": dict(sorted(self.sources.items())),
+        }
+
+    def log(self, dataset: str) -> None:
+        """Logs the counts; a warning when anything was dropped."""
+        nonzero = {k: v for k, v in self.dropped.items() if v}
+        message = f"{dataset}: {self.rows_used} of {self.rows_seen} rows usable"
+        if nonzero:
+            logger.warning("%s; dropped %s (first ids: %s)", message, nonzero, self.examples)
+        else:
+            logger.info("%s; none dropped", message)
+
+
+@dataclass
+class TokenizedDocs:
+    """Documents in memory (the on-disk form lives in ``mtpc.data.cache``).
+
+    Attributes:
+        ids: all documents' ids back to back; (T,) uint16.
+        assistant: True on assistant bytes and their end-of-turn ids; (T,) bool.
+        offsets: document d is ``ids[offsets[d]:offsets[d+1]]``; (D+1,) int64.
+        source_ids: index into ``source_names`` per document; (D,) int32.
+        source_names: sorted names of the sources seen.
+        row_positions: position of each document's row in the source; (D,) int64.
+    """
+
+    ids: np.ndarray
+    assistant: np.ndarray
+    offsets: np.ndarray
+    source_ids: np.ndarray
+    source_names: list[str]
+    row_positions: np.ndarray
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.offsets) - 1
+
+
+def tokenize_rows(
+    rows: Iterable[Any],
+    codec: ByteCodec,
+    max_length: int = DEFAULT_MAX_LENGTH,
+    stats: DropStats | None = None,
+    ids_file: BinaryIO | None = None,
+    mask_file: BinaryIO | None = None,
+) -> tuple[TokenizedDocs, DropStats]:
+    """Validates and renders rows with ``codec``'s chat template.
+
+    Args:
+        rows: rows of the Tülu 3 schema, possibly malformed.
+        codec: the target model's codec.
+        max_length: longer documents (in ids) are dropped as ``too_long``.
+        stats: counts to add to (a fresh ``DropStats`` when None).
+        ids_file: when given, ids are streamed there as raw uint16 and the returned
+            ``ids`` is empty (keeps memory flat for the 939k Tülu rows); same for
+            ``mask_file`` (raw uint8) and ``assistant``.
+        mask_file: see ``ids_file``; give both or neither.
+
+    Returns:
+        The documents (in source order) and the drop statistics.
+    """
+    if (ids_file is None) != (mask_file is None):
+        raise ValueError("give both ids_file and mask_file, or neither")
+    if codec.vocab_size > np.iinfo(np.uint16).max:
+        raise ValueError(
+            f"codec {codec.name} has {codec.vocab_size} ids; uint16 storage needs < 65536"
+        )
+    stats = DropStats() if stats is None else stats
+    id_chunks: list[np.ndarray] = []
+    mask_chunks: list[np.ndarray] = []
+    lengths: list[int] = []
+    source_of: list[str] = []
+    positions: list[int] = []
+    for position, row in enumerate(rows):
+        stats.rows_seen += 1
+        row_id = _row_id(row, position)
+        reason = check_row(row)
+        if reason is None:
+            try:
+                enc = codec.apply_chat_template(row["messages"])
+            except (ValueError, UnicodeError):
+                reason = "template_error"
+            else:
+                if len(enc.ids) > max_length:
+                    reason = "too_long"
+        if reason is not None:
+            stats.drop(reason, row_id)
+            continue
+        ids = np.asarray(enc.ids, dtype=np.uint16)
+        mask = np.asarray(enc.assistant_mask, dtype=np.bool_)
+        if ids_file is not None and mask_file is not None:
+            ids_file.write(ids.tobytes())
+            mask_file.write(mask.tobytes())
+        else:
+            id_chunks.append(ids)
+            mask_chunks.append(mask)
+        source = row.get("source")
+        source = source if isinstance(source, str) and source else UNKNOWN_SOURCE
+        lengths.append(len(ids))
+        source_of.append(source)
+        positions.append(position)
+    stats.rows_used += len(lengths)
+    stats.used_bytes += int(sum(lengths))
+    counts = Counter(source_of)
+    for name, count in counts.items():
+        stats.sources[name] = stats.sources.get(name, 0) + count
+    names = sorted(counts)
+    index = {name: i for i, name in enumerate(names)}
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(np.asarray(lengths, dtype=np.int64), out=offsets[1:])
+    docs = TokenizedDocs(
+        ids=np.concatenate(id_chunks) if id_chunks else np.zeros(0, dtype=np.uint16),
+        assistant=np.concatenate(mask_chunks) if mask_chunks else np.zeros(0, dtype=np.bool_),
+        offsets=offsets,
+        source_ids=np.asarray([index[s] for s in source_of], dtype=np.int32),
+        source_names=names,
+        row_positions=np.asarray(positions, dtype=np.int64),
+    )
+    return docs, stats
+
+
+def split_indices(
+    num_docs: int, seed: int = 0, val_fraction: float = DEFAULT_VAL_FRACTION
+) -> tuple[np.ndarray, np.ndarray]:
+    """Shuffles ``range(num_docs)`` with ``seed`` and cuts it into (train, validation).
+
+    The validation split gets ``round(val_fraction * num_docs)`` documents (at least one when
+    ``val_fraction > 0`` and there are two or more documents); both index arrays keep the
+    shuffled order, so the training order is seeded as well.
+
+    Raises:
+        ValueError: ``val_fraction`` outside [0, 1).
+    """
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    perm = np.random.default_rng(seed).permutation(num_docs).astype(np.int64)
+    n_val = round(val_fraction * num_docs)
+    if val_fraction > 0 and num_docs >= 2:
+        n_val = max(1, n_val)
+    n_val = min(n_val, max(num_docs - 1, 0))
+    return perm[n_val:], perm[:n_val]
+
+
+def _row_id(row: Any, position: int) -> str:
+    if isinstance(row, Mapping):
+        value = row.get("id")
+        if isinstance(value, str | int) and str(value):
+            return str(value)
+    return f"row-{position}"

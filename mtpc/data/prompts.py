@@ -1,0 +1,248 @@
+"""Evaluation prompt sets from the validation split (paper Sec. 4.2 and App. F).
+
+A prompt is a validation conversation cut after its last user turn, rendered with the
+target's chat template plus the assistant header (the generation prompt); its reference
+is what the assistant answered to that turn. The paper reports mean +- std over three sets
+of 250 prompts (``PROMPT_SET_SEEDS``), from validation examples whose prompts and
+responses are English.
+
+English filter (a heuristic, not language identification): a text passes when at least
+``min_ascii_letters`` (95 %) of its letters are ASCII a-z / A-Z; the prompt (the user
+turns) must in addition contain English function words ("the", "is", "what", ...) in at
+least ``min_stopwords`` (3 %) of its words when it has 10 or more words. The first test
+rejects non-Latin scripts and heavily accented Latin text; the second rejects most
+French / Spanish / German prompts, whose letters are mostly ASCII. The answer is only held
+to the letter test, because code answers have no function words. Expect a few misses both
+ways.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mtpc.backbones.codecs import ByteCodec
+from mtpc.data.preprocess import check_row
+
+logger = logging.getLogger(__name__)
+
+PROMPT_SET_SEEDS = (0, 1, 2)
+"""Seeds of the three prompt sets (paper App. F: three runs with different prompts)."""
+
+DEFAULT_NUM_PROMPTS = 250
+
+ENGLISH_STOPWORDS = frozenset(
+    [
+        "a",
+        "an",
+        "the",
+        "and",
+        "or",
+        "but",
+        "if",
+        "of",
+        "to",
+        "in",
+        "on",
+        "at",
+        "for",
+        "with",
+        "from",
+        "by",
+        "about",
+        "as",
+        "is",
+        "are",
+        "was",
+        "were",
+        "be",
+        "been",
+        "do",
+        "does",
+        "did",
+        "can",
+        "could",
+        "would",
+        "should",
+        "will",
+        "shall",
+        "may",
+        "might",
+        "must",
+        "have",
+        "has",
+        "had",
+        "not",
+        "no",
+        "this",
+        "that",
+        "these",
+        "those",
+        "it",
+        "its",
+        "i",
+        "you",
+        "he",
+        "she",
+        "we",
+        "they",
+        "me",
+        "my",
+        "your",
+        "our",
+        "their",
+        "what",
+        "which",
+        "who",
+        "whom",
+        "how",
+        "why",
+        "when",
+        "where",
+        "please",
+        "write",
+        "give",
+        "explain",
+        "there",
+        "here",
+        "than",
+        "then",
+        "so",
+    ]
+)
+_WORD = re.compile(r"[A-Za-z]+")
+
+
+@dataclass(frozen=True)
+class EvalPrompt:
+    """One evaluation prompt.
+
+    Attributes:
+        id: the row id.
+        source: the row's task.
+        messages: the conversation up to and including the last user turn.
+        prompt_ids: ``messages`` rendered with the generation prompt (assistant header).
+        reference: the assistant's answer to the last user turn.
+    """
+
+    id: str
+    source: str
+    messages: list[dict[str, str]]
+    prompt_ids: list[int]
+    reference: str
+
+
+def ascii_letter_ratio(text: str) -> float:
+    """Share of letters that are ASCII a-z / A-Z (1.0 for a text without letters)."""
+    letters = [c for c in text if c.isalpha()]
+    if not letters:
+        return 1.0
+    return sum(c.isascii() for c in letters) / len(letters)
+
+
+def stopword_ratio(text: str) -> float:
+    """Share of (ASCII) words that are English function words."""
+    words = _WORD.findall(text.lower())
+    return sum(w in ENGLISH_STOPWORDS for w in words) / len(words) if words else 0.0
+
+
+def is_english(
+    prompt: str, reference: str = "", min_ascii_letters: float = 0.95, min_stopwords: float = 0.03
+) -> bool:
+    """The English heuristic of the module docstring on a prompt and its reference."""
+    if (
+        ascii_letter_ratio(prompt) < min_ascii_letters
+        or ascii_letter_ratio(reference) < min_ascii_letters
+    ):
+        return False
+    return len(_WORD.findall(prompt)) < 10 or stopword_ratio(prompt) >= min_stopwords
+
+
+def split_at_last_user(
+    messages: Sequence[Mapping[str, Any]],
+) -> tuple[list[dict[str, str]], str] | None:
+    """(conversation up to the last user turn, the assistant answer after it), or None.
+
+    The answer joins the assistant turns that follow the last user turn; None when there is
+    no user turn or no answer after it.
+    """
+    last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=None)
+    if last_user is None:
+        return None
+    answers = [str(m["content"]) for m in messages[last_user + 1 :] if m.get("role") == "assistant"]
+    if not answers:
+        return None
+    prompt = [
+        {"role": str(m["role"]), "content": str(m["content"])} for m in messages[: last_user + 1]
+    ]
+    return prompt, "\n".join(answers)
+
+
+def make_prompts(
+    rows: Iterable[Mapping[str, Any]],
+    codec: ByteCodec,
+    english_only: bool = True,
+    max_prompt_length: int | None = None,
+) -> list[EvalPrompt]:
+    """Every usable prompt of ``rows``, in row order (malformed rows are skipped)."""
+    out: list[EvalPrompt] = []
+    skipped = 0
+    for position, row in enumerate(rows):
+        parts = split_at_last_user(row["messages"]) if check_row(row) is None else None
+        if parts is None:
+            skipped += 1
+            continue
+        messages, reference = parts
+        user_text = "\n".join(m["content"] for m in messages if m["role"] == "user")
+        if english_only and not is_english(user_text, reference):
+            skipped += 1
+            continue
+        ids = codec.generation_prompt(messages)
+        if max_prompt_length is not None and len(ids) > max_prompt_length:
+            skipped += 1
+            continue
+        row_id = str(row.get("id") or f"row-{position}")
+        out.append(
+            EvalPrompt(row_id, str(row.get("source") or "unknown"), messages, ids, reference)
+        )
+    logger.info(
+        "prompt pool: %d usable, %d skipped (english_only=%s)", len(out), skipped, english_only
+    )
+    return out
+
+
+def build_prompt_sets(
+    rows: Iterable[Mapping[str, Any]],
+    codec: ByteCodec,
+    num_prompts: int = DEFAULT_NUM_PROMPTS,
+    seeds: Sequence[int] = PROMPT_SET_SEEDS,
+    english_only: bool = True,
+    max_prompt_length: int | None = None,
+) -> list[list[EvalPrompt]]:
+    """One prompt set per seed, drawn from the validation rows.
+
+    Set k is a seeded sample of ``num_prompts`` prompts (``seeds[k]``) from the pool left
+    by the sets before it, so the sets are disjoint while the pool allows; a smaller pool
+    gives overlapping sets (sampled from the whole pool, with a warning) or, when it holds
+    fewer than ``num_prompts``, all of it in a seeded order.
+    """
+    pool = make_prompts(rows, codec, english_only, max_prompt_length)
+    disjoint = len(pool) >= num_prompts * len(seeds)
+    if not disjoint:
+        logger.warning(
+            "only %d prompts for %d sets of %d: sets overlap", len(pool), len(seeds), num_prompts
+        )
+    available = np.arange(len(pool))
+    sets: list[list[EvalPrompt]] = []
+    for seed in seeds:
+        candidates = available if disjoint else np.arange(len(pool))
+        picked = np.random.default_rng(seed).permutation(candidates)[:num_prompts]
+        sets.append([pool[i] for i in picked.tolist()])
+        if disjoint:
+            available = np.setdiff1d(available, picked)
+    return sets

@@ -1,0 +1,306 @@
+"""Where chat rows come from: the Tülu 3 SFT mixture, a local dataset of the same schema, or
+the synthetic generator.
+
+Every source yields rows of the Tülu 3 schema, ``{"id": str, "messages": [{"role",
+"content"}, ...], "source": str}``, in a fixed order, and has a fingerprint that changes
+when its content does (the cache key, see ``mtpc.data.cache``). Rows are *not* validated
+here: a row that cannot be read at all (a JSON line that does not parse, bytes that are not
+UTF-8) is passed on as ``{ERROR_KEY: reason, "id": ...}`` so that ``mtpc.data.preprocess``
+counts it with every other malformed row instead of crashing or losing it.
+
+Accepted local formats (``path=...``):
+
+* ``*.jsonl`` / ``*.json``: JSON lines (or one JSON array of rows in a ``.json`` file);
+  read line by line by our own tolerant reader (``datasets``' JSON builder infers one Arrow
+  schema and fails on a row whose ``content`` is a number).
+* ``*.parquet`` or a folder of parquet files: read in record batches with pyarrow.
+* a folder written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk`` (the
+  ``train`` split, else the first one), a folder of ``*.arrow`` files, or one ``.arrow`` file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+Row = dict[str, Any]
+
+TULU3_DATASET = "allenai/tulu-3-sft-mixture"
+"""The Hugging Face hub id of the Tülu 3 SFT mixture (939,344 rows, 18 sources)."""
+
+ERROR_KEY = "__mtpc_error__"
+"""Key of the placeholder row for a row that could not be read; its value is the reason."""
+
+SOURCES = ("synthetic", "tulu3", "local")
+
+
+@dataclass
+class RowSource:
+    """A re-iterable, ordered collection of chat rows.
+
+    Attributes:
+        name: what error messages and the summary call the dataset.
+        fingerprint: changes whenever the rows may have changed (part of the cache key).
+        iter_rows: returns a fresh iterator over all rows, in the same order every time.
+        num_rows: number of rows when known up front (None for streaming sources).
+        take_rows: optional fast random access ``positions -> rows``; without it ``take``
+            iterates once more over the source.
+    """
+
+    name: str
+    fingerprint: str
+    iter_rows: Callable[[], Iterator[Row]]
+    num_rows: int | None = None
+    take_rows: Callable[[Sequence[int]], list[Row]] | None = None
+
+    def __iter__(self) -> Iterator[Row]:
+        return self.iter_rows()
+
+    def take(self, positions: Sequence[int]) -> list[Row]:
+        """The rows at ``positions`` (0-based order of ``iter_rows``), in the given order."""
+        if self.take_rows is not None:
+            return self.take_rows(positions)
+        wanted = {int(p): i for i, p in enumerate(positions)}
+        out: list[Row | None] = [None] * len(positions)
+        for position, row in enumerate(self.iter_rows()):
+            if position in wanted:
+                out[wanted[position]] = row
+        missing = [p for p, i in wanted.items() if out[i] is None]
+        if missing:
+            raise IndexError(f"{self.name}: positions {missing[:5]} are past the end")
+        return [row for row in out if row is not None]
+
+
+def load_source(
+    source: str = "synthetic",
+    path: str | os.PathLike[str] | None = None,
+    num_rows: int | None = None,
+    seed: int = 0,
+    streaming: bool = False,
+    revision: str | None = None,
+    hf_name: str = TULU3_DATASET,
+    hf_split: str = "train",
+) -> RowSource:
+    """Opens a row source.
+
+    Args:
+        source: ``synthetic`` (``mtpc.data.synthetic``), ``tulu3`` (the hub dataset, or a
+            local copy when ``path`` is given) or ``local`` (needs ``path``).
+        path: a local dataset (see the module docstring for formats); overrides the hub.
+        num_rows: keep only the first ``num_rows`` rows (synthetic: how many to generate,
+            default ``mtpc.data.synthetic.DEFAULT_NUM_ROWS``).
+        seed: the synthetic generator's seed (ignored by the other sources).
+        streaming: stream the hub dataset instead of downloading it first.
+        revision: hub revision (branch, tag or commit); pin a commit for reproducible caches.
+        hf_name: hub dataset id (a Tülu-format mirror or subset can be named here).
+        hf_split: hub split to read.
+
+    Raises:
+        ValueError: unknown ``source``, ``local`` without ``path``, or a path whose format is
+            not recognised.
+        FileNotFoundError: ``path`` does not exist.
+    """
+    if source not in SOURCES:
+        raise ValueError(f"data source is {source!r}; allowed: {SOURCES}")
+    if path is not None:
+        return _limit(local_source(path), num_rows)
+    if source == "local":
+        raise ValueError("data source 'local' needs data.path=<jsonl | parquet | arrow dir>")
+    if source == "synthetic":
+        return synthetic_source(num_rows, seed)
+    return hub_source(
+        hf_name, split=hf_split, revision=revision, streaming=streaming, num_rows=num_rows
+    )
+
+
+def synthetic_source(num_rows: int | None = None, seed: int = 0) -> RowSource:
+    """The synthetic chat rows of ``mtpc.data.synthetic`` (imported lazily)."""
+    from mtpc.data import synthetic
+
+    n = synthetic.DEFAULT_NUM_ROWS if num_rows is None else int(num_rows)
+    rows = synthetic.generate_rows(n, seed)
+    version = getattr(synthetic, "GENERATOR_VERSION", 0)
+    return RowSource(
+        name=f"synthetic(num_rows={n}, seed={seed})",
+        fingerprint=f"synthetic:v{version}:n{n}:seed{seed}",
+        iter_rows=lambda: iter(rows),
+        num_rows=n,
+        take_rows=lambda positions: [rows[int(p)] for p in positions],
+    )
+
+
+def hub_source(
+    name: str = TULU3_DATASET,
+    split: str = "train",
+    revision: str | None = None,
+    streaming: bool = False,
+    num_rows: int | None = None,
+) -> RowSource:
+    """A hub dataset of the Tülu 3 schema through ``datasets.load_dataset``.
+
+    Non-streaming: the dataset is downloaded to the ``datasets`` cache and its Arrow
+    fingerprint keys our cache. Streaming: nothing is stored; the fingerprint is
+    ``name@revision`` (pin ``revision`` to a commit, ``main`` may move).
+    """
+    import datasets
+
+    ds = datasets.load_dataset(name, split=split, revision=revision, streaming=streaming)
+    label = f"{name}[{split}]@{revision or 'main'}"
+    if streaming:
+        stream = ds if num_rows is None else ds.take(num_rows)
+        return RowSource(
+            name=label,
+            fingerprint=f"hub-stream:{label}:n{num_rows}",
+            iter_rows=lambda: iter(stream),
+            num_rows=num_rows,
+        )
+    return _limit(_arrow_source(ds, label, f"hub:{label}:{ds._fingerprint}"), num_rows)
+
+
+def local_source(path: str | os.PathLike[str]) -> RowSource:
+    """A local dataset of the Tülu 3 schema (formats: see the module docstring).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: the format is not recognised.
+    """
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"data.path {str(p)!r} does not exist")
+    fingerprint = f"local:{p.resolve()}:{_files_fingerprint(p)}"
+    if p.is_file():
+        suffix = p.suffix.lower()
+        if suffix in (".jsonl", ".json"):
+            return RowSource(p.name, fingerprint, lambda: _iter_json(p))
+        if suffix == ".parquet":
+            return RowSource(p.name, fingerprint, lambda: _iter_parquet([p]))
+        if suffix == ".arrow":
+            import datasets
+
+            return _arrow_source(datasets.Dataset.from_file(str(p)), p.name, fingerprint)
+        raise ValueError(
+            f"data.path {str(p)!r}: unknown file type {suffix!r}; use .jsonl, .json, .parquet or .arrow"
+        )
+    if (p / "state.json").is_file() or (p / "dataset_dict.json").is_file():
+        import datasets
+
+        loaded = datasets.load_from_disk(str(p))
+        if isinstance(loaded, datasets.DatasetDict):
+            split = "train" if "train" in loaded else next(iter(loaded))
+            loaded = loaded[split]
+        return _arrow_source(loaded, p.name, fingerprint)
+    for pattern in ("*.parquet", "*.arrow", "*.jsonl", "*.json"):
+        files = sorted(p.rglob(pattern))
+        if not files:
+            continue
+        if pattern == "*.parquet":
+            return RowSource(p.name, fingerprint, partial(_iter_parquet, files))
+        if pattern == "*.arrow":
+            import datasets
+
+            ds = datasets.concatenate_datasets([datasets.Dataset.from_file(str(f)) for f in files])
+            return _arrow_source(ds, p.name, fingerprint)
+        return RowSource(p.name, fingerprint, partial(_iter_json_files, files))
+    raise ValueError(
+        f"data.path {str(p)!r}: no .jsonl, .json, .parquet or .arrow files and no save_to_disk dataset"
+    )
+
+
+def _limit(src: RowSource, num_rows: int | None) -> RowSource:
+    """``src`` cut to its first ``num_rows`` rows (unchanged when None)."""
+    if num_rows is None:
+        return src
+    n = int(num_rows)
+
+    def rows() -> Iterator[Row]:
+        for position, row in enumerate(src.iter_rows()):
+            if position >= n:
+                return
+            yield row
+
+    known = None if src.num_rows is None else min(n, src.num_rows)
+    return RowSource(f"{src.name}[:{n}]", f"{src.fingerprint}:first{n}", rows, known, src.take_rows)
+
+
+def _arrow_source(ds: Any, name: str, fingerprint: str) -> RowSource:
+    """A ``datasets.Dataset`` as a row source, read in batches of columns."""
+
+    def rows() -> Iterator[Row]:
+        for batch in ds.iter(batch_size=1024):
+            columns = list(batch)
+            for i in range(len(batch[columns[0]]) if columns else 0):
+                yield {c: batch[c][i] for c in columns}
+
+    def take(positions: Sequence[int]) -> list[Row]:
+        return list(ds.select([int(p) for p in positions])) if len(positions) else []
+
+    return RowSource(name, fingerprint, rows, len(ds), take)
+
+
+def _iter_json(path: Path) -> Iterator[Row]:
+    """Rows of a JSON-lines file (or of a ``.json`` file holding one array), tolerantly."""
+    with path.open("rb") as f:
+        head = f.read(64).lstrip()
+    if path.suffix.lower() == ".json" and head.startswith(b"["):
+        try:
+            data = json.loads(path.read_bytes().decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"{path}: not a JSON array of rows ({err})") from err
+        for position, item in enumerate(data):
+            yield (
+                item
+                if isinstance(item, dict)
+                else {ERROR_KEY: "no_messages", "id": f"{path.name}:{position}"}
+            )
+        return
+    with path.open("rb") as f:
+        position = 0
+        for raw in f:
+            if not raw.strip():
+                continue
+            row_id = f"{path.name}:{position}"
+            position += 1
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                yield {ERROR_KEY: "undecodable_text", "id": row_id}
+                continue
+            try:
+                item = json.loads(text)
+            except json.JSONDecodeError:
+                yield {ERROR_KEY: "invalid_json", "id": row_id}
+                continue
+            yield item if isinstance(item, dict) else {ERROR_KEY: "no_messages", "id": row_id}
+
+
+def _iter_json_files(files: Sequence[Path]) -> Iterator[Row]:
+    for file in files:
+        yield from _iter_json(file)
+
+
+def _iter_parquet(files: Sequence[Path]) -> Iterator[Row]:
+    import pyarrow.parquet as pq
+
+    for file in files:
+        for batch in pq.ParquetFile(file).iter_batches(batch_size=1024):
+            yield from batch.to_pylist()
+
+
+def _files_fingerprint(path: Path) -> str:
+    """A hash of (relative name, size, mtime) of ``path`` or of every file under it."""
+    files = [path] if path.is_file() else sorted(f for f in path.rglob("*") if f.is_file())
+    h = hashlib.sha256()
+    for f in files:
+        stat = f.stat()
+        rel = f.name if f == path else str(f.relative_to(path))
+        h.update(f"{rel}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:16]

@@ -1,0 +1,87 @@
+"""Overlapping prediction windows over packed sequences (paper Sec. 4.1, Eq. 4).
+
+For position t of a packed sequence and window offset j = 1..n the target is x_{t+j}. It
+is valid only when (a) t + j is inside the sequence, (b) x_{t+j} belongs to the same
+document as x_t (windows never cross a document boundary) and (c) x_{t+j} is a loss byte:
+an assistant byte or the end-of-turn id that closes an assistant turn. Validity is per
+(t, j): a window may start on a prompt byte (the header before an answer predicts the
+answer's first bytes) and may end after the answer.
+
+``V_{i,j}`` (``valid_counts``) is the number of valid targets at offset j in sequence i, the
+normaliser of Eq. 4. With packing, i indexes *packed* sequences: the paper trains on "the
+packed train split" and Eq. 4's N is the number of training sequences, so normalising per
+packed row is the direct reading (each packed row weighs the same, its documents weigh by
+their assistant bytes). ``document_valid_counts`` gives the per-document alternative for
+anyone who wants every conversation to weigh the same.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def make_windows(
+    input_ids: Tensor, document_ids: Tensor, loss_mask: Tensor, window: int, pad_id: int
+) -> tuple[Tensor, Tensor]:
+    """Targets x_{t+1..t+n} and their validity for every position.
+
+    Args:
+        input_ids: (B, L) ids.
+        document_ids: (B, L) document index per position; padding has a negative id.
+        loss_mask: (B, L) True on the bytes the loss is computed on.
+        window: n, the number of future bytes per position.
+        pad_id: the id put where a target is invalid.
+
+    Returns:
+        ``targets`` (B, L, n) int64, ``targets[b, t, j-1] = x_{t+j}`` where valid, else
+        ``pad_id``; and ``target_mask`` (B, L, n) bool.
+    """
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if input_ids.dim() != 2 or not input_ids.shape == document_ids.shape == loss_mask.shape:
+        raise ValueError(
+            f"input_ids {tuple(input_ids.shape)}, document_ids {tuple(document_ids.shape)} and "
+            f"loss_mask {tuple(loss_mask.shape)} must all be (B, L)"
+        )
+    ids = torch.nn.functional.pad(input_ids.long(), (0, window), value=pad_id)  # (B, L+n)
+    docs = torch.nn.functional.pad(document_ids.long(), (0, window), value=-2)  # (B, L+n)
+    loss = torch.nn.functional.pad(loss_mask.bool(), (0, window), value=False)  # (B, L+n)
+    # unfold(1, n, 1)[:, t] covers positions t..t+n-1; shift by one for t+1..t+n
+    future_ids = ids.unfold(1, window, 1)[:, 1:]  # (B, L, n)
+    future_docs = docs.unfold(1, window, 1)[:, 1:]  # (B, L, n)
+    future_loss = loss.unfold(1, window, 1)[:, 1:]  # (B, L, n)
+    same_doc = (future_docs == document_ids.long().unsqueeze(-1)) & (
+        document_ids.unsqueeze(-1) >= 0
+    )
+    target_mask = future_loss & same_doc  # (B, L, n)
+    targets = torch.where(target_mask, future_ids, torch.full_like(future_ids, pad_id))  # (B, L, n)
+    return targets.contiguous(), target_mask.contiguous()
+
+
+def valid_counts(target_mask: Tensor) -> Tensor:
+    """V_{i,j}: valid targets per sequence and window offset; (B, L, n) -> (B, n) float32."""
+    return target_mask.sum(dim=1).to(torch.float32)
+
+
+def document_valid_counts(
+    document_ids: Tensor, target_mask: Tensor, num_documents: int | None = None
+) -> Tensor:
+    """Valid targets per (sequence, document, offset): the per-document V alternative.
+
+    Args:
+        document_ids: (B, L); negative on padding (not counted).
+        target_mask: (B, L, n).
+        num_documents: D; the largest document id + 1 when None.
+
+    Returns:
+        (B, D, n) float32 counts.
+    """
+    batch, _, n = target_mask.shape
+    docs = document_ids.long()
+    if num_documents is None:
+        num_documents = int(docs.max().item()) + 1 if docs.numel() else 0
+    out = torch.zeros(batch, max(num_documents, 0) + 1, n, dtype=torch.float32)
+    index = torch.where(docs >= 0, docs, num_documents)  # padding -> an extra bin, dropped
+    out.scatter_add_(1, index.unsqueeze(-1).expand(-1, -1, n), target_mask.to(torch.float32))
+    return out[:, :num_documents]
