@@ -1,0 +1,29 @@
+"""Contextual tensorised probabilistic circuits in plain torch (no Lightning / Hydra).
+
+- ``structure``: layered ("folded") structures and the family builders (ff, cp, hmm, btree);
+- ``params``: ``CircuitParams``, the per-example parameters a head produces;
+- ``engine``: ``Circuit``, one engine that answers every query on any structure;
+- ``cirkit_bridge``: ``to_cirkit``, the same circuit as a cirkit symbolic circuit.
+
+See ``docs/CIRCUITS.md``.
+"""
+
+from mtpc.circuits.engine import Circuit
+from mtpc.circuits.params import CircuitParams
+from mtpc.circuits.structure import KINDS, STRUCTURES, Structure, StructureBuilder, build_structure
+
+__all__ = [
+    "KINDS",
+    "STRUCTURES",
+    "Circuit",
+    "CircuitParams",
+    "Structure",
+    "StructureBuilder",
+    "build_circuit",
+    "build_structure",
+]
+
+
+def build_circuit(kind: str, window: int, rank: int, **options: object) -> Circuit:
+    """``Circuit(build_structure(kind, window, rank, **options))``."""
+    return Circuit(build_structure(kind, window, rank, **options))

@@ -1,0 +1,486 @@
+"""One generic engine that answers every query on any layered structure.
+
+Activations are log-values of shape ``(B, F, R, K)``: batch, folds of a layer, units, and K
+*query columns* that share the parameters of their row (K = 1 for a likelihood, K = n for the
+n prefix marginals, K = V for a conditional over the next token). Sum layers run in probability
+space after a per-column max shift, ``log(W @ exp(x - m)) + m``, which turns the contraction
+into one batched matmul; product layers add log-values.
+
+Top-down passes (sampling, max-product decoding) walk the layers backwards and keep one
+selected unit per fold: the circuit is tree-shaped, so each fold is reached exactly once.
+With evidence, a sum unit picks its child with probability proportional to its weight times
+the child's value under the evidence (the latent's exact posterior), so sampling with
+evidence draws exactly from ``q(x_{m+1..n} | x_{1..m})``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mtpc.circuits.params import CircuitParams, _f32
+from mtpc.circuits.structure import Layer, Slot, Structure
+
+
+class Circuit:
+    """Queries on a layered structure with contextual parameters.
+
+    Args:
+        structure: The layered structure (see ``mtpc.circuits.structure``).
+    """
+
+    def __init__(self, structure: Structure) -> None:
+        self.structure = structure
+        self.layers: tuple[Layer, ...] = structure.layers
+        n = structure.window
+        # prefix mask: column k keeps positions 0..k
+        self._tri = torch.ones(n, n, dtype=torch.bool).tril().T.unsqueeze(1)  # (n, 1, n)
+        self._device_cache: dict[tuple[int, torch.device], Tensor] = {}
+        # sum layers: first weight row of each fold's unit 0
+        self._bases = [
+            torch.arange(la.num_folds) * la.num_units + la.sum_offset for la in self.layers
+        ]
+
+    # -- properties --------------------------------------------------------------------------
+
+    @property
+    def kind(self) -> str:
+        """Family name."""
+        return self.structure.kind
+
+    @property
+    def window(self) -> int:
+        """Window length n."""
+        return self.structure.window
+
+    @property
+    def rank(self) -> int:
+        """Units per region r."""
+        return self.structure.rank
+
+    @property
+    def num_sum_units(self) -> int:
+        """Rows U of ``CircuitParams.sum_logw``."""
+        return self.structure.num_sum_rows
+
+    def __repr__(self) -> str:
+        return f"Circuit({self.structure!r})"
+
+    # -- queries -----------------------------------------------------------------------------
+
+    def log_prob(self, params: CircuitParams, x: Tensor) -> Tensor:
+        """Log-probability of full windows.
+
+        Args:
+            params: Parameters with batch B.
+            x: Tokens ``(B, n)``.
+
+        Returns:
+            ``log q(x_1..x_n)``, shape ``(B,)``.
+        """
+        lp, lw = self._unpack(params)
+        self._check_tokens(x, "x", lp, exact=True)
+        leaves = self._leaf_values(lp, x).unsqueeze(-1)  # (B, n, r, 1)
+        return self._upward(leaves, lw)[0][:, 0, 0]
+
+    def prefix_log_prob(
+        self, params: CircuitParams, x: Tensor, mask: Tensor | None = None
+    ) -> Tensor:
+        """All n prefix marginals in one pass.
+
+        Args:
+            params: Parameters with batch B.
+            x: Tokens ``(B, n)``.
+            mask: Optional ``(B, n)`` bool: False marks a position as missing (marginalised in
+                every prefix; its token is not checked, e.g. padding past the sequence end).
+
+        Returns:
+            ``(B, n)``; column i is ``log q(x_1..x_{i+1})`` (missing positions summed out).
+        """
+        lp, lw = self._unpack(params)
+        if mask is not None:
+            self._check_shape(mask, "mask", (lp.shape[0], self.window))
+            x = torch.where(mask, x, 0) if x.shape == mask.shape else x
+        self._check_tokens(x, "x", lp, exact=True)
+        leaves = self._leaf_values(lp, x)  # (B, n, r)
+        if mask is not None:
+            leaves = leaves.masked_fill(~mask.unsqueeze(-1), 0.0)
+        return self.prefix_from_leaves(leaves, lw)
+
+    def prefix_from_leaves(self, leaves: Tensor, sum_logw: Tensor | None) -> Tensor:
+        """Prefix marginals from input log-values at the observed tokens.
+
+        Args:
+            leaves: ``(B, n, r)`` log phi at the tokens (0 for a missing position).
+            sum_logw: ``(B, U, r)`` normalised sum log-weights or None.
+
+        Returns:
+            ``(B, n)`` prefix log-marginals.
+        """
+        tri = self._on(self._tri, leaves.device)
+        cols = torch.where(tri, leaves.unsqueeze(-1), 0.0)  # (B, n, r, n)
+        return self._upward(cols, sum_logw)[0][:, 0]
+
+    def marginal_log_prob(self, params: CircuitParams, x: Tensor, observed: Tensor) -> Tensor:
+        """Log-marginal of the observed positions (the others summed out).
+
+        Args:
+            params: Parameters with batch B.
+            x: Tokens ``(B, n)`` (values at unobserved positions are ignored).
+            observed: ``(B, n)`` bool.
+
+        Returns:
+            ``(B,)``.
+        """
+        lp, lw = self._unpack(params)
+        self._check_shape(observed, "observed", (lp.shape[0], self.window))
+        x = torch.where(observed, x, 0) if x.shape == observed.shape else x
+        self._check_tokens(x, "x", lp, exact=True)
+        leaves = self._leaf_values(lp, x).masked_fill(~observed.unsqueeze(-1), 0.0)
+        return self._upward(leaves.unsqueeze(-1), lw)[0][:, 0, 0]
+
+    def conditional_log_prob(self, params: CircuitParams, prefix: Tensor | None = None) -> Tensor:
+        """Distribution of the next position given a prefix.
+
+        Args:
+            params: Parameters with batch B.
+            prefix: Tokens ``(B, m)`` with ``0 <= m < n`` (None or m = 0: first position).
+
+        Returns:
+            ``(B, V)``: ``log q(x_{m+1} = v | x_1..x_m)``, normalised over v.
+        """
+        lp, lw = self._unpack(params)
+        B, n, r, V = lp.shape
+        m = self._check_evidence(prefix, lp, name="prefix", max_len=n - 1)
+        parts = []
+        if m:
+            assert prefix is not None
+            obs = self._leaf_values(lp, prefix)  # (B, m, r)
+            parts.append(obs.unsqueeze(-1).expand(B, m, r, V))
+        parts.append(lp[:, m : m + 1])
+        if m + 1 < n:
+            parts.append(lp.new_zeros(B, n - m - 1, r, V))
+        cols = torch.cat(parts, 1) if len(parts) > 1 else parts[0]  # (B, n, r, V)
+        root = self._upward(cols, lw)[0][:, 0]  # (B, V)
+        return torch.log_softmax(root, dim=-1)
+
+    @torch.no_grad()
+    def sample(
+        self,
+        params: CircuitParams,
+        generator: torch.Generator | None = None,
+        evidence: Tensor | None = None,
+    ) -> Tensor:
+        """Ancestral sampling (paper Alg. 1), exact under evidence.
+
+        Args:
+            params: Parameters with batch B.
+            generator: Random generator (on the parameters' device) for reproducible draws.
+            evidence: Optional ``(B, m)`` tokens fixing the first ``m <= n`` positions; the
+                latents are drawn from their posterior given it, so the rest is an exact draw
+                from ``q(x_{m+1..n} | x_1..x_m)``.
+
+        Returns:
+            ``(B, n)`` tokens; the first m equal ``evidence``.
+        """
+        lp, lw = self._unpack(params)
+        m = self._check_evidence(evidence, lp, name="evidence", max_len=self.window)
+
+        return self._top_down(lp, lw, evidence, m, generator, max_product=False)
+
+    @torch.no_grad()
+    def map_decode(self, params: CircuitParams, evidence: Tensor | None = None) -> Tensor:
+        """Max-product (approximate MAP) decoding: the mode of the joint over tokens and latents.
+
+        Args:
+            params: Parameters with batch B.
+            evidence: Optional ``(B, m)`` fixed first tokens.
+
+        Returns:
+            ``(B, n)`` tokens; the first m equal ``evidence``.
+        """
+        lp, lw = self._unpack(params)
+        m = self._check_evidence(evidence, lp, name="evidence", max_len=self.window)
+        return self._top_down(lp, lw, evidence, m, None, max_product=True)
+
+    @torch.no_grad()
+    def greedy_chain(self, params: CircuitParams, evidence: Tensor | None = None) -> Tensor:
+        """Greedy chain of exact conditionals: ``x_i = argmax q(x_i | x_<i)`` for i > m.
+
+        Args:
+            params: Parameters with batch B.
+            evidence: Optional ``(B, m)`` fixed first tokens.
+
+        Returns:
+            ``(B, n)`` tokens; the first m equal ``evidence``.
+        """
+        lp, _ = self._unpack(params)
+        m = self._check_evidence(evidence, lp, name="evidence", max_len=self.window)
+        x = lp.new_zeros(lp.shape[0], 0, dtype=torch.long) if evidence is None else evidence
+        for _ in range(m, self.window):
+            nxt = self.conditional_log_prob(params, x).argmax(-1, keepdim=True)  # (B, 1)
+            x = torch.cat([x, nxt], 1)
+        return x
+
+    # -- passes ------------------------------------------------------------------------------
+
+    def _upward(
+        self, leaves: Tensor, sum_logw: Tensor | None, *, max_product: bool = False
+    ) -> tuple[Tensor, list[Tensor | None]]:
+        """Bottom-up pass.
+
+        Args:
+            leaves: ``(B, n, r, K)`` input log-values.
+            sum_logw: ``(B, U, r)`` or None.
+            max_product: Max instead of sum in sum layers.
+
+        Returns:
+            Root log-values ``(B, 1, K)`` and, per layer, the sum layers' inputs
+            ``(B, F, r, K)`` (None for other layers).
+        """
+        B, K = leaves.shape[0], leaves.shape[-1]
+        r = self.rank
+        outs: list[Tensor] = [leaves]
+        sum_inputs: list[Tensor | None] = [None]
+        wexp = None
+        if sum_logw is not None and not max_product:
+            wexp = sum_logw.exp()  # (B, U, r)
+        fmin = torch.finfo(leaves.dtype).min
+        for layer in self.layers[1:]:
+            F, R = layer.num_folds, layer.num_units
+            if layer.kind == "product":
+                sum_inputs.append(None)
+                if layer.view_start is not None:
+                    src = outs[layer.slots[0].sources[0]]
+                    A = layer.arity
+                    if layer.view_start != 0 or src.shape[1] != F * A:
+                        src = src.narrow(1, layer.view_start, F * A)
+                    y = src.unflatten(1, (F, A)).sum(2)  # (B, F, r, K)
+                else:
+                    y = self._read(outs, layer.slots[0])
+                    for slot in layer.slots[1:]:
+                        y = y + self._read(outs, slot)
+            else:
+                assert sum_logw is not None
+                c = self._read(outs, layer.slots[0])  # (B, F, r, K)
+                sum_inputs.append(c)
+                lo, hi = layer.sum_offset, layer.sum_offset + F * R
+                if max_product:
+                    w = sum_logw[:, lo:hi].view(B, F, R, r)
+                    y = (w.unsqueeze(-1) + c.unsqueeze(2)).amax(3)  # (B, F, R, K)
+                else:
+                    assert wexp is not None
+                    w = wexp[:, lo:hi].reshape(B * F, R, r)
+                    mx = c.detach().amax(2, keepdim=True).clamp_min(fmin)  # (B, F, 1, K)
+                    z = torch.exp(c - mx).reshape(B * F, r, K)
+                    y = torch.bmm(w, z).view(B, F, R, K).log() + mx  # (B, F, R, K)
+            outs.append(y)
+        return outs[-1].view(B, 1, K), sum_inputs
+
+    def _top_down(
+        self,
+        lp: Tensor,
+        lw: Tensor | None,
+        evidence: Tensor | None,
+        m: int,
+        generator: torch.Generator | None,
+        *,
+        max_product: bool,
+    ) -> Tensor:
+        """Select one unit per fold from the root down, then the free tokens.
+
+        Every sum unit's child choice is drawn at once (Gumbel-max over its weights times its
+        inputs' values under the evidence); the walk down then only follows indices.
+        """
+        B, n, r, V = lp.shape
+        if m == n:
+            assert evidence is not None
+            return evidence.clone()
+        sum_inputs: list[Tensor | None] | None = None
+        if max_product or m > 0:
+            parts = []
+            if m:
+                assert evidence is not None
+                parts.append(self._leaf_values(lp, evidence))  # (B, m, r)
+            free = lp[:, m:].amax(-1) if max_product else lp.new_zeros(B, n - m, r)
+            parts.append(free)
+            leaves = torch.cat(parts, 1) if len(parts) > 1 else parts[0]
+            sum_inputs = self._upward(leaves.unsqueeze(-1), lw, max_product=max_product)[1]
+
+        def choose(scores: Tensor) -> Tensor:
+            return scores.argmax(-1) if max_product else _categorical(scores, generator)
+
+        choice = None
+        if lw is not None:
+            scores = lw  # (B, U, r)
+            if sum_inputs is not None:
+                pieces = []
+                for lid, layer in enumerate(self.layers):
+                    c = sum_inputs[lid]
+                    if c is not None:
+                        F, R = layer.num_folds, layer.num_units
+                        lo = layer.sum_offset
+                        w = lw[:, lo : lo + F * R].view(B, F, R, r)
+                        pieces.append((w + c[..., 0].unsqueeze(2)).view(B, F * R, r))
+                scores = torch.cat(pieces, 1) if len(pieces) > 1 else pieces[0]
+            choice = choose(scores)  # (B, U)
+        sel: list[Tensor | None] = [None] * len(self.layers)
+        sel[-1] = torch.zeros(B, 1, dtype=torch.long, device=lp.device)
+        for lid in range(len(self.layers) - 1, 0, -1):
+            layer = self.layers[lid]
+            s = sel[lid]
+            assert s is not None
+            F, R = layer.num_folds, layer.num_units
+            if layer.kind == "sum":
+                assert choice is not None
+                lo = layer.sum_offset
+                if R == 1:
+                    child = choice[:, lo : lo + F]
+                else:
+                    base = self._on(self._bases[lid], s.device)  # (F,)
+                    child = choice.gather(1, s + base)  # (B, F)
+                self._write(sel, layer.slots[0], child, B)
+            elif layer.view_start is not None:
+                src = layer.slots[0].sources[0]
+                A = layer.arity
+                vals = s.repeat_interleave(A, 1) if A > 1 else s
+                if layer.view_start == 0 and self.layers[src].num_folds == F * A:
+                    sel[src] = vals
+                else:
+                    if sel[src] is None:
+                        sel[src] = s.new_empty(B, self.layers[src].num_folds)
+                    dst = sel[src]
+                    assert dst is not None
+                    dst[:, layer.view_start : layer.view_start + F * A] = vals
+            else:
+                for slot in layer.slots:
+                    self._write(sel, slot, s, B)
+        units = sel[0]  # (B, n)
+        assert units is not None
+        free_lp = lp[:, m:]  # (B, n - m, r, V)
+        if r == 1:
+            logits = free_lp[:, :, 0]
+        else:
+            idx = units[:, m:, None, None].expand(B, n - m, 1, V)
+            logits = free_lp.gather(2, idx).squeeze(2)  # (B, n - m, V)
+        tokens = choose(logits)  # (B, n - m)
+        if m:
+            assert evidence is not None
+            tokens = torch.cat([evidence, tokens], 1)
+        return tokens
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _on(self, t: Tensor, device: torch.device) -> Tensor:
+        """A cached copy of a structure index tensor on ``device``."""
+        if t.device == device:
+            return t
+        key = (id(t), device)
+        if key not in self._device_cache:
+            self._device_cache[key] = t.to(device)
+        return self._device_cache[key]
+
+    def _read(self, outs: list[Tensor], slot: Slot) -> Tensor:
+        """Gather the children of one slot: ``(B, F, R, K)``."""
+        if slot.start is not None:
+            src = outs[slot.sources[0]]
+            F = slot.index.shape[0]
+            return src if (slot.start == 0 and src.shape[1] == F) else src.narrow(1, slot.start, F)
+        src = (
+            outs[slot.sources[0]]
+            if len(slot.sources) == 1
+            else torch.cat([outs[s] for s in slot.sources], 1)
+        )
+        return src.index_select(1, self._on(slot.index, src.device))
+
+    def _write(self, sel: list[Tensor | None], slot: Slot, vals: Tensor, B: int) -> None:
+        """Scatter per-fold unit selections ``vals`` (B, F) to the children of a slot."""
+        for src, pos, child in slot.parts:
+            full = self.layers[src].num_folds
+            if slot.start == 0 and full == vals.shape[1]:
+                sel[src] = vals  # the slot covers the whole source, in order
+                continue
+            if sel[src] is None:
+                sel[src] = vals.new_empty(B, full)
+            dst = sel[src]
+            assert dst is not None
+            if slot.start is not None:
+                dst[:, slot.start : slot.start + vals.shape[1]] = vals
+            else:
+                v = (
+                    vals
+                    if len(slot.parts) == 1
+                    else vals.index_select(1, self._on(pos, vals.device))
+                )
+                dst.index_copy_(1, self._on(child, vals.device), v)
+
+    @staticmethod
+    def _leaf_values(lp: Tensor, x: Tensor) -> Tensor:
+        """log phi at tokens: ``lp (B, n, r, V)``, ``x (B, m)`` -> ``(B, m, r)``."""
+        B, m = x.shape
+        r = lp.shape[2]
+        idx = x[:, :, None, None].expand(B, m, r, 1)
+        return lp[:, :m].gather(3, idx).squeeze(3)
+
+    def _unpack(self, params: CircuitParams) -> tuple[Tensor, Tensor | None]:
+        if not isinstance(params, CircuitParams):
+            raise ValueError(f"params must be a CircuitParams, got {type(params).__name__}")
+        lp = _f32(params.input_logp)
+        n, r = self.window, self.rank
+        if lp.dim() != 4 or lp.shape[1] != n or lp.shape[2] != r:
+            raise ValueError(
+                f"params.input_logp must have shape (B, n={n}, r={r}, V), got {tuple(lp.shape)}"
+            )
+        U = self.structure.num_sum_rows
+        lw = params.sum_logw
+        if U == 0:
+            return lp, None
+        if lw is None or lw.shape != (lp.shape[0], U, r):
+            got = None if lw is None else tuple(lw.shape)
+            raise ValueError(
+                f"params.sum_logw must have shape (B={lp.shape[0]}, U={U}, r={r}), got {got}"
+            )
+        return lp, _f32(lw)
+
+    @staticmethod
+    def _check_shape(t: Tensor, name: str, shape: tuple[int, ...]) -> None:
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+
+    def _check_tokens(self, x: Tensor, name: str, lp: Tensor, *, exact: bool) -> None:
+        B, n, _, V = lp.shape
+        if not isinstance(x, Tensor) or x.dtype.is_floating_point or x.dtype == torch.bool:
+            raise ValueError(f"{name} must be an integer tensor of token ids")
+        if x.dim() != 2 or x.shape[0] != B or (exact and x.shape[1] != n):
+            want = f"(B={B}, n={n})" if exact else f"(B={B}, m<={n})"
+            raise ValueError(f"{name} must have shape {want}, got {tuple(x.shape)}")
+        if x.numel():
+            lo, hi = torch.aminmax(x)
+            if int(lo) < 0 or int(hi) >= V:
+                raise ValueError(
+                    f"{name} holds token ids outside [0, {V - 1}] (vocab_size={V}): "
+                    f"min {int(lo)}, max {int(hi)}"
+                )
+
+    def _check_evidence(self, ev: Tensor | None, lp: Tensor, *, name: str, max_len: int) -> int:
+        if ev is None:
+            return 0
+        if isinstance(ev, Tensor) and ev.dim() == 2 and ev.shape[1] > max_len:
+            raise ValueError(
+                f"{name} has {ev.shape[1]} positions but must have at most {max_len} "
+                f"(window={self.window})"
+            )
+        self._check_tokens(ev, name, lp, exact=False)
+        return int(ev.shape[1])
+
+
+def _categorical(logits: Tensor, generator: torch.Generator | None) -> Tensor:
+    """One draw per row of unnormalised log-probabilities ``(..., C)`` by inverse CDF.
+
+    One uniform number per row (Gumbel-max would need one per entry, several times slower
+    on CPU for the small rows of batch-1 decoding).
+    """
+    cdf = torch.softmax(logits, -1).cumsum(-1)  # (..., C)
+    u = torch.rand((*cdf.shape[:-1], 1), generator=generator, device=cdf.device, dtype=cdf.dtype)
+    idx = torch.searchsorted(cdf, u * cdf[..., -1:], right=True)  # (..., 1)
+    return idx.squeeze(-1).clamp_max(cdf.shape[-1] - 1)

@@ -1,0 +1,95 @@
+"""Contextual circuit parameters: one set of normalised parameters per batch row."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class CircuitParams:
+    """Normalised, per-example parameters of a circuit (the head's output theta_t).
+
+    Attributes:
+        input_logp: Log-probabilities of the categorical input units,
+            ``(B, n, r, V)``, normalised over V (``log_softmax`` of the unembedding logits).
+        sum_logw: Log-weights of the sum units, ``(B, U, r)``, normalised over the last dim,
+            where row ``u`` is sum unit ``u`` of the structure (see ``Structure.sum_tie``);
+            ``None`` when the structure has no sum unit (ff).
+    """
+
+    input_logp: Tensor
+    sum_logw: Tensor | None = None
+
+    @classmethod
+    def from_logits(cls, input_logits: Tensor, sum_logits: Tensor | None = None) -> CircuitParams:
+        """Normalise unnormalised logits (in fp32 when given half precision).
+
+        Args:
+            input_logits: ``(B, n, r, V)``.
+            sum_logits: ``(B, U, r)`` or None.
+        """
+        lp = torch.log_softmax(_f32(input_logits), dim=-1)
+        lw = None if sum_logits is None else torch.log_softmax(_f32(sum_logits), dim=-1)
+        return cls(lp, lw)
+
+    @property
+    def batch_size(self) -> int:
+        """Number of rows B."""
+        return self.input_logp.shape[0]
+
+    @property
+    def window(self) -> int:
+        """Window length n."""
+        return self.input_logp.shape[1]
+
+    @property
+    def vocab_size(self) -> int:
+        """Vocabulary size V."""
+        return self.input_logp.shape[-1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Dtype of the input log-probabilities."""
+        return self.input_logp.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the parameters."""
+        return self.input_logp.device
+
+    def __getitem__(self, index: int | slice | Tensor) -> CircuitParams:
+        """Select batch rows (an int keeps the batch dim: ``params[3]`` has B = 1)."""
+        if isinstance(index, int):
+            index = slice(index, index + 1 if index != -1 else None)
+        lw = None if self.sum_logw is None else self.sum_logw[index]
+        return CircuitParams(self.input_logp[index], lw)
+
+    def select(self, index: int | slice | Tensor) -> CircuitParams:
+        """Same as ``params[index]``."""
+        return self[index]
+
+    def to(self, *args: object, **kwargs: object) -> CircuitParams:
+        """``Tensor.to`` applied to every tensor (dtype and/or device)."""
+        lw = None if self.sum_logw is None else self.sum_logw.to(*args, **kwargs)  # type: ignore[call-overload]
+        return CircuitParams(self.input_logp.to(*args, **kwargs), lw)  # type: ignore[call-overload]
+
+    def detach(self) -> CircuitParams:
+        """Detached copy (no autograd history)."""
+        lw = None if self.sum_logw is None else self.sum_logw.detach()
+        return CircuitParams(self.input_logp.detach(), lw)
+
+    @staticmethod
+    def cat(params: list[CircuitParams]) -> CircuitParams:
+        """Concatenate along the batch dimension."""
+        lp = torch.cat([p.input_logp for p in params])
+        lws = [p.sum_logw for p in params]
+        lw = None if lws[0] is None else torch.cat([w for w in lws if w is not None])
+        return CircuitParams(lp, lw)
+
+
+def _f32(t: Tensor) -> Tensor:
+    """Upcast half precision to fp32; leave fp32/fp64 alone."""
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t

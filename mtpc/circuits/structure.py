@@ -1,0 +1,419 @@
+"""Layered ("folded") circuit structures and the builders of the four MTPC families.
+
+A structure is a smooth, decomposable, tree-shaped circuit over the ``n`` window positions,
+grouped into layers of *folds*. Every node of the circuit is a vector of units (a region with
+``r`` units, the root has one unit):
+
+- layer 0 holds the ``n`` input folds (one per window position, ``r`` categorical units each);
+- a product layer multiplies, unit by unit (Hadamard), the ``A`` child folds of each fold;
+- a sum layer mixes the ``r`` units of one child fold into ``units`` outputs with convex
+  weights (one weight row of length ``r`` per output unit).
+
+Folds of a layer share their kind, arity and number of units, so the engine evaluates a whole
+layer with a handful of batched tensor operations; it loops over layers, never over units.
+Index tensors are computed once, here, at build time.
+
+A family is a builder: a function that creates nodes with :class:`StructureBuilder` and
+returns the root. ``build_structure`` dispatches on the family name; ``STRUCTURES`` is the
+registry a new region graph is added to (see ``docs/CIRCUITS.md``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+KINDS = ("ff", "cp", "hmm", "btree")
+
+LayerKind = Literal["input", "product", "sum"]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where the ``a``-th child of every fold of a layer lives.
+
+    Attributes:
+        sources: Layer ids the children come from (usually one).
+        index: Fold index of each child in the concatenation of ``sources`` along the fold
+            dimension. Shape ``(F,)``.
+        start: If the children are the contiguous folds ``start, start + 1, ...`` of a single
+            source, ``start``; else ``None`` (then the engine gathers with ``index``).
+        parts: For top-down passes: ``(source, fold_positions, child_folds)`` triples, one per
+            source, mapping folds of this layer to folds of that source.
+    """
+
+    sources: tuple[int, ...]
+    index: Tensor
+    start: int | None
+    parts: tuple[tuple[int, Tensor, Tensor], ...]
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One layer of folded units.
+
+    Attributes:
+        kind: ``"input"``, ``"product"`` or ``"sum"``.
+        num_folds: Number of folds F.
+        num_units: Units per fold (``r``; 1 for the root).
+        slots: One :class:`Slot` per child (product arity A; 1 for sums; none for inputs).
+        view_start: Product layers only: if child ``a`` of fold ``f`` is fold
+            ``view_start + f * A + a`` of the single source ``slots[0].sources[0]``, the engine
+            reads the children with a reshape instead of a gather; else ``None``.
+        sum_offset: Sum layers only: first row of this layer in the flat table of sum-unit
+            weights; fold ``f`` unit ``j`` uses row ``sum_offset + f * num_units + j``.
+        scopes: The window positions each fold depends on.
+    """
+
+    kind: LayerKind
+    num_folds: int
+    num_units: int
+    slots: tuple[Slot, ...]
+    view_start: int | None
+    sum_offset: int
+    scopes: tuple[tuple[int, ...], ...]
+
+    @property
+    def arity(self) -> int:
+        """Number of children per fold."""
+        return len(self.slots)
+
+
+@dataclass(frozen=True)
+class Structure:
+    """A layered, smooth, decomposable, tree-shaped circuit over ``window`` positions.
+
+    Attributes:
+        kind: Family name.
+        window: Number of window positions n.
+        rank: Units per region r.
+        layers: ``layers[0]`` is the input layer; the last layer holds the single root unit.
+        num_sum_rows: Number of sum units U (rows of the sum-weight table, each of length r).
+        sum_tie: Parameter row of each sum unit, shape ``(U,)``: units with the same entry
+            share parameters (homogeneous HMM); ``arange(U)`` when nothing is tied.
+        num_param_rows: Number of distinct parameter rows P (``sum_tie.max() + 1``).
+        param_unit: For each parameter row, the index of the output unit it belongs to.
+            Shape ``(P,)``.
+        param_identity: For each parameter row, whether its natural initialisation is the
+            identity (weight on input ``param_unit``, e.g. HMM transitions). Shape ``(P,)``.
+        param_contextual: For each parameter row, whether it depends on the context (False
+            for the non-contextual HMM ablation). Shape ``(P,)``.
+    """
+
+    kind: str
+    window: int
+    rank: int
+    layers: tuple[Layer, ...]
+    num_sum_rows: int
+    sum_tie: Tensor
+    num_param_rows: int
+    param_unit: Tensor
+    param_identity: Tensor
+    param_contextual: Tensor
+
+    @property
+    def depth(self) -> int:
+        """Number of inner (sum and product) layers."""
+        return len(self.layers) - 1
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{la.kind}[{la.num_folds}x{la.num_units}]" for la in self.layers[1:])
+        return (
+            f"Structure(kind={self.kind!r}, window={self.window}, rank={self.rank}, "
+            f"layers=[{inner}], sum_units={self.num_sum_rows})"
+        )
+
+
+@dataclass
+class _Node:
+    kind: LayerKind
+    units: int
+    children: tuple[int, ...]
+    scope: tuple[int, ...]
+    tie: Hashable | None = None
+    identity: bool = False
+    contextual: bool = True
+
+
+class StructureBuilder:
+    """Creates the nodes of a circuit; :meth:`finish` folds them into layers.
+
+    Nodes ``0 .. window - 1`` are the input regions of the window positions.
+
+    Args:
+        kind: Family name stored on the structure.
+        window: Number of window positions n.
+        rank: Units per region r.
+    """
+
+    def __init__(self, kind: str, window: int, rank: int) -> None:
+        self.kind, self.window, self.rank = kind, window, rank
+        self.nodes: list[_Node] = [_Node("input", rank, (), (i,)) for i in range(window)]
+
+    def leaf(self, position: int) -> int:
+        """The input region of window position ``position``."""
+        return position
+
+    def product(self, *children: int) -> int:
+        """A Hadamard product of regions with disjoint scopes (r units)."""
+        scope: tuple[int, ...] = ()
+        for c in children:
+            if set(scope) & set(self.nodes[c].scope):
+                raise ValueError(f"product children {children} overlap: not decomposable")
+            scope += self.nodes[c].scope
+        self.nodes.append(_Node("product", self.rank, tuple(children), tuple(sorted(scope))))
+        return len(self.nodes) - 1
+
+    def sum(
+        self,
+        child: int,
+        units: int | None = None,
+        *,
+        tie: Hashable | None = None,
+        identity: bool = False,
+        contextual: bool = True,
+    ) -> int:
+        """A sum region mixing the r units of ``child`` into ``units`` units.
+
+        Args:
+            child: The child node.
+            units: Output units (default r; the root has 1).
+            tie: Sum nodes with the same non-None key share their parameter rows.
+            identity: Initialise the weights at the identity (needs ``units == r``).
+            contextual: Whether the weights depend on the context.
+        """
+        units = self.rank if units is None else units
+        node = _Node("sum", units, (child,), self.nodes[child].scope, tie, identity, contextual)
+        self.nodes.append(node)
+        return len(self.nodes) - 1
+
+    def finish(self, root: int) -> Structure:
+        """Check the circuit and fold its nodes into layers (grouped by height and kind)."""
+        nodes, n = self.nodes, self.window
+        if self.nodes[root].scope != tuple(range(n)):
+            raise ValueError("the root must depend on every window position")
+        if nodes[root].units != 1:
+            raise ValueError("the root must have exactly one unit")
+        # Tree shape: every node below the root is used exactly once.
+        uses = [0] * len(nodes)
+        stack, seen = [root], set()
+        while stack:
+            v = stack.pop()
+            if v in seen:
+                continue
+            seen.add(v)
+            for c in nodes[v].children:
+                uses[c] += 1
+                stack.append(c)
+        if any(uses[v] != (0 if v == root else 1) for v in range(len(nodes))):
+            raise ValueError("every node must have exactly one parent (tree-shaped circuit)")
+        for v in seen:
+            nd = nodes[v]
+            if nd.kind == "product" and any(nodes[c].units != self.rank for c in nd.children):
+                raise ValueError("product children must all have r units")
+            if nd.kind == "sum" and nodes[nd.children[0]].units != self.rank:
+                raise ValueError("sum children must have r units")
+
+        height = [0] * len(nodes)
+        for v in range(len(nodes)):  # children are always created before parents
+            if nodes[v].children:
+                height[v] = 1 + max(height[c] for c in nodes[v].children)
+        groups: dict[tuple[int, str, int, int], list[int]] = {}
+        for v in sorted(seen):
+            if nodes[v].kind != "input":
+                nd = nodes[v]
+                groups.setdefault((height[v], nd.kind, len(nd.children), nd.units), []).append(v)
+        keys = sorted(groups, key=lambda k: (k[0], k[1] != "product", k[2], k[3]))
+
+        where: dict[int, tuple[int, int]] = {i: (0, i) for i in range(n)}  # node -> (layer, fold)
+        layers = [Layer("input", n, self.rank, (), None, 0, tuple((i,) for i in range(n)))]
+        sum_rows = 0
+        tie_rows: dict[Hashable, int] = {}
+        sum_tie: list[int] = []
+        p_unit: list[int] = []
+        p_identity: list[bool] = []
+        p_ctx: list[bool] = []
+        for key in keys:
+            _, kind, arity, units = key
+            members = sorted(groups[key], key=lambda v: nodes[v].scope[0])
+            lid = len(layers)
+            for f, v in enumerate(members):
+                where[v] = (lid, f)
+            slots = tuple(
+                _make_slot([where[nodes[v].children[a]] for v in members], layers)
+                for a in range(arity)
+            )
+            view_start = None
+            if kind == "product":
+                view_start = _view_start([[where[c] for c in nodes[v].children] for v in members])
+            offset = 0
+            if kind == "sum":
+                offset = sum_rows
+                for v in members:
+                    nd = nodes[v]
+                    if nd.identity and units != self.rank:
+                        raise ValueError("identity-initialised sums need r output units")
+                    key_t = ("node", v) if nd.tie is None else ("tie", nd.tie)
+                    if key_t not in tie_rows:
+                        tie_rows[key_t] = len(p_unit)
+                        p_unit.extend(range(units))
+                        p_identity.extend([nd.identity] * units)
+                        p_ctx.extend([nd.contextual] * units)
+                    sum_tie.extend(range(tie_rows[key_t], tie_rows[key_t] + units))
+                sum_rows += len(members) * units
+            scopes = tuple(nodes[v].scope for v in members)
+            layers.append(Layer(kind, len(members), units, slots, view_start, offset, scopes))  # type: ignore[arg-type]
+        if where[root] != (len(layers) - 1, 0) or layers[-1].num_folds != 1:
+            raise ValueError("the root must be alone in the last layer")
+        return Structure(
+            kind=self.kind,
+            window=n,
+            rank=self.rank,
+            layers=tuple(layers),
+            num_sum_rows=sum_rows,
+            sum_tie=torch.tensor(sum_tie, dtype=torch.long),
+            num_param_rows=len(p_unit),
+            param_unit=torch.tensor(p_unit, dtype=torch.long),
+            param_identity=torch.tensor(p_identity, dtype=torch.bool),
+            param_contextual=torch.tensor(p_ctx, dtype=torch.bool),
+        )
+
+
+def _make_slot(children: list[tuple[int, int]], layers: list[Layer]) -> Slot:
+    sources = tuple(sorted({lid for lid, _ in children}))
+    offsets, acc = {}, 0
+    for s in sources:
+        offsets[s] = acc
+        acc += layers[s].num_folds
+    index = torch.tensor([offsets[lid] + f for lid, f in children], dtype=torch.long)
+    start = None
+    if len(sources) == 1:
+        folds = [f for _, f in children]
+        if folds == list(range(folds[0], folds[0] + len(folds))):
+            start = folds[0]
+    parts = []
+    for s in sources:
+        pos = [i for i, (lid, _) in enumerate(children) if lid == s]
+        child = [children[i][1] for i in pos]
+        parts.append(
+            (s, torch.tensor(pos, dtype=torch.long), torch.tensor(child, dtype=torch.long))
+        )
+    return Slot(sources, index, start, tuple(parts))
+
+
+def _view_start(children: list[list[tuple[int, int]]]) -> int | None:
+    src = {lid for ch in children for lid, _ in ch}
+    if len(src) != 1:
+        return None
+    flat = [f for ch in children for _, f in ch]
+    return flat[0] if flat == list(range(flat[0], flat[0] + len(flat))) else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Families
+
+
+def build_ff(b: StructureBuilder) -> int:
+    """FF: the n input distributions under one product (rank 1)."""
+    return b.product(*(b.leaf(i) for i in range(b.window)))
+
+
+def build_cp(b: StructureBuilder) -> int:
+    """CP: r fully factorised components (one product of r units) under one sum."""
+    return b.sum(b.product(*(b.leaf(i) for i in range(b.window))), 1)
+
+
+def build_hmm(
+    b: StructureBuilder,
+    *,
+    homogeneous: bool = False,
+    contextual: bool = True,
+    identity: bool = True,
+) -> int:
+    """HMM with r hidden states truncated to n steps (paper Eq. HMM).
+
+    Built backwards: ``beta_i = phi_i ⊙ T_i beta_{i+1}``; the root mixes ``beta_1`` with the
+    initial distribution. The sum of step ``i`` (output unit ``z_i``, inputs ``z_{i+1}``) holds
+    the transition matrix ``q(z_{i+1} | z_i)``.
+
+    Args:
+        b: The builder.
+        homogeneous: Share one transition matrix across steps.
+        contextual: Transitions depend on the context (False: only a learned bias).
+        identity: Identity-initialised transitions (paper App. E).
+    """
+    node = b.leaf(b.window - 1)
+    for i in range(b.window - 2, -1, -1):
+        trans = b.sum(
+            node,
+            tie="transition" if homogeneous else None,
+            identity=identity,
+            contextual=contextual,
+        )
+        node = b.product(b.leaf(i), trans)
+    return b.sum(node, 1)
+
+
+def build_btree(b: StructureBuilder) -> int:
+    """BTree: balanced binary tree of latent variables, split recursively in halves.
+
+    Every internal region is a Hadamard product of its two halves followed by an r x r sum;
+    the root sum has one unit. The left half gets the extra position when the length is odd.
+    """
+
+    if b.window == 1:
+        return b.sum(b.leaf(0), 1)
+
+    def internal(lo: int, hi: int, units: int | None) -> int:
+        if hi - lo == 1:
+            return b.leaf(lo)
+        mid = lo + (hi - lo + 1) // 2
+        return b.sum(b.product(internal(lo, mid, None), internal(mid, hi, None)), units)
+
+    return internal(0, b.window, 1)
+
+
+STRUCTURES: dict[str, Callable[..., int]] = {
+    "ff": build_ff,
+    "cp": build_cp,
+    "hmm": build_hmm,
+    "btree": build_btree,
+}
+
+
+def check_kind_window_rank(kind: str, window: int, rank: int) -> None:
+    """Raise ValueError for an unknown family, window < 1, rank < 1 or FF with rank != 1."""
+    if kind not in STRUCTURES:
+        raise ValueError(f"kind must be one of {sorted(STRUCTURES)}, got {kind!r}")
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ValueError(f"window must be an integer >= 1, got {window!r}")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise ValueError(f"rank must be an integer >= 1, got {rank!r}")
+    if kind == "ff" and rank != 1:
+        raise ValueError(f"rank must be 1 for kind='ff' (use kind='cp' for r > 1), got {rank}")
+
+
+def build_structure(kind: str, window: int, rank: int, **options: object) -> Structure:
+    """Build the layered structure of a family.
+
+    Args:
+        kind: One of ``STRUCTURES`` (ff, cp, hmm, btree, or a registered builder).
+        window: Number of window positions n >= 1.
+        rank: Units per region r >= 1 (1 for ff).
+        **options: Family options (hmm: ``homogeneous``, ``contextual``, ``identity``).
+
+    Raises:
+        ValueError: For an unknown kind, window < 1, rank < 1, ff with rank != 1, or options
+            the family does not take.
+    """
+    check_kind_window_rank(kind, window, rank)
+    b = StructureBuilder(kind, window, rank)
+    try:
+        root = STRUCTURES[kind](b, **options)
+    except TypeError as err:
+        raise ValueError(f"invalid options {sorted(options)} for kind={kind!r}: {err}") from err
+    return b.finish(root)
