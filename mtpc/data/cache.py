@@ -1,11 +1,11 @@
 """On-disk cache of tokenised documents, splits and packing plans.
 
 A prepared dataset is one folder under ``<cache_dir>/data/``, named after its key: a hash
-of (dataset fingerprint, codec, context limit ``max_length``, split seed, validation
+of (dataset fingerprint, codec, context limit ``max_bytes``, split seed, validation
 fraction, cache format version). A second run with the same key reads it back (memory
 mapped) and does not tokenise again. Layout::
 
-    <cache_dir>/data/<dataset>-<codec>-ctx<max_length>-seed<seed>-<hash>/
+    <cache_dir>/data/<dataset>-<codec>-ctx<max_bytes>-seed<seed>-<hash>/
         meta.json          key parts, sizes, source names
         summary.json       rows seen / used / dropped by reason (+ first ids), per source
                            (a copy sits next to the folder as <folder>.summary.json, written
@@ -41,8 +41,8 @@ import numpy as np
 from mtpc.backbones.codecs import get_codec
 from mtpc.data.packing import PackPlan, plan_packing
 from mtpc.data.preprocess import (
-    DEFAULT_MAX_LENGTH,
-    DEFAULT_VAL_FRACTION,
+    DEFAULT_MAX_BYTES,
+    DEFAULT_VALIDATION_FRACTION,
     DropStats,
     split_indices,
     tokenize_rows,
@@ -67,21 +67,21 @@ def cache_folder(
     cache_dir: str | os.PathLike[str],
     source: RowSource,
     codec: str,
-    max_length: int,
+    max_bytes: int,
     seed: int,
-    val_fraction: float,
+    validation_fraction: float,
 ) -> tuple[Path, dict[str, Any]]:
     """The folder of a prepared dataset and the key parts it is named after."""
     parts = {
         "version": CACHE_VERSION,
         "dataset": source.fingerprint,
         "codec": codec,
-        "max_length": int(max_length),
+        "max_bytes": int(max_bytes),
         "seed": int(seed),
-        "val_fraction": float(val_fraction),
+        "validation_fraction": float(validation_fraction),
     }
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", source.name)[:48].strip("_") or "data"
-    name = f"{slug}-{codec}-ctx{max_length}-seed{seed}-{cache_key(parts)}"
+    name = f"{slug}-{codec}-ctx{max_bytes}-seed{seed}-{cache_key(parts)}"
     return Path(cache_dir) / "data" / name, parts
 
 
@@ -151,9 +151,9 @@ def prepare(
     source: RowSource,
     codec: str,
     cache_dir: str | os.PathLike[str],
-    max_length: int = DEFAULT_MAX_LENGTH,
+    max_bytes: int = DEFAULT_MAX_BYTES,
     seed: int = 0,
-    val_fraction: float = DEFAULT_VAL_FRACTION,
+    validation_fraction: float = DEFAULT_VALIDATION_FRACTION,
 ) -> Path:
     """Tokenises, filters and splits ``source`` into the cache unless it is there already.
 
@@ -161,9 +161,9 @@ def prepare(
         source: the rows.
         codec: codec name (``mtpc.backbones.codecs.get_codec``).
         cache_dir: root of the cache (``paths.cache_dir``).
-        max_length: context limit in ids; longer documents are dropped.
+        max_bytes: context limit in ids; longer documents are dropped.
         seed: shuffle seed of the train / validation split.
-        val_fraction: share of documents in the validation split.
+        validation_fraction: share of documents in the validation split.
 
     Returns:
         The cache folder.
@@ -172,7 +172,7 @@ def prepare(
         ValueError: no row of ``source`` is usable (the message names the dataset and the
             counts per reason).
     """
-    folder, parts = cache_folder(cache_dir, source, codec, max_length, seed, val_fraction)
+    folder, parts = cache_folder(cache_dir, source, codec, max_bytes, seed, validation_fraction)
     if (folder / "meta.json").is_file():
         logger.info("data cache hit: %s", folder)
         return folder
@@ -187,7 +187,7 @@ def prepare(
             (tmp / "assistant.u8").open("wb") as mask_file,
         ):
             docs, stats = tokenize_rows(
-                source, get_codec(codec), max_length, None, ids_file, mask_file
+                source, get_codec(codec), max_bytes, None, ids_file, mask_file
             )
         stats.log(source.name)
         if docs.num_docs == 0:
@@ -198,7 +198,7 @@ def prepare(
                 f"dataset {source.name!r} has no usable rows: {stats.rows_seen} rows read, "
                 f"dropped by reason { ({k: v for k, v in stats.dropped.items() if v}) }"
             )
-        train, val = split_indices(docs.num_docs, seed, val_fraction)
+        train, val = split_indices(docs.num_docs, seed, validation_fraction)
         np.save(tmp / "offsets.npy", docs.offsets)
         np.save(tmp / "doc_source.npy", docs.source_ids)
         np.save(tmp / "doc_row.npy", docs.row_positions)
@@ -212,7 +212,7 @@ def prepare(
         summary = {
             "dataset": source.name,
             "codec": codec,
-            "max_length": max_length,
+            "max_bytes": max_bytes,
             **stats.as_dict(),
             "train_docs": len(train),
             "val_docs": len(val),

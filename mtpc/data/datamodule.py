@@ -48,7 +48,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from mtpc.backbones.codecs import get_codec
 from mtpc.data.cache import PreparedData, cache_folder, load_prepared, prepare
 from mtpc.data.packing import PackPlan, build_sequence
-from mtpc.data.preprocess import DEFAULT_MAX_LENGTH, DEFAULT_VAL_FRACTION
+from mtpc.data.preprocess import DEFAULT_MAX_BYTES, DEFAULT_VALIDATION_FRACTION
 from mtpc.data.prompts import PROMPT_SET_SEEDS, EvalPrompt, build_prompt_sets
 from mtpc.data.sources import TULU3_DATASET, RowSource, load_source
 from mtpc.data.windows import make_windows, valid_counts
@@ -255,8 +255,8 @@ class MTPCDataModule(L.LightningDataModule):
         seed: int = 0,
         num_workers: int = 0,
         cache_dir: str | None = None,
-        max_length: int = DEFAULT_MAX_LENGTH,
-        val_fraction: float = DEFAULT_VAL_FRACTION,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        validation_fraction: float = DEFAULT_VALIDATION_FRACTION,
         num_rows: int | None = None,
         streaming: bool = False,
         revision: str | None = None,
@@ -285,8 +285,8 @@ class MTPCDataModule(L.LightningDataModule):
         self.seed = seed
         self.num_workers = num_workers
         self.cache_dir = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
-        self.max_length = max_length
-        self.val_fraction = val_fraction
+        self.max_bytes = max_bytes
+        self.validation_fraction = validation_fraction
         self.num_rows = num_rows
         self.streaming = streaming
         self.revision = revision
@@ -323,9 +323,9 @@ class MTPCDataModule(L.LightningDataModule):
             self.cache_dir,
             self.row_source(),
             self.codec_name,
-            self.max_length,
+            self.max_bytes,
             self.seed,
-            self.val_fraction,
+            self.validation_fraction,
         )
         return folder
 
@@ -334,9 +334,9 @@ class MTPCDataModule(L.LightningDataModule):
             self.row_source(),
             self.codec_name,
             self.cache_dir,
-            self.max_length,
+            self.max_bytes,
             self.seed,
-            self.val_fraction,
+            self.validation_fraction,
         )
         data = load_prepared(folder)
         for split in ("train", "val"):
@@ -462,8 +462,8 @@ def build_datamodule(
     seed: int = 0,
     num_workers: int = 0,
     cache_dir: str | None = None,
-    max_length: int = DEFAULT_MAX_LENGTH,
-    val_fraction: float = DEFAULT_VAL_FRACTION,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    validation_fraction: float = DEFAULT_VALIDATION_FRACTION,
     num_rows: int | None = None,
     streaming: bool = False,
     revision: str | None = None,
@@ -486,8 +486,8 @@ def build_datamodule(
         seed: split shuffle, sampler shuffle and synthetic generator seed.
         num_workers: dataloader worker processes.
         cache_dir: root of the data cache; ``$MTPC_CACHE`` or ``./.cache/mtpc`` when None.
-        max_length: context limit in ids; longer conversations are dropped (paper: 8192).
-        val_fraction: validation share (paper: 0.01).
+        max_bytes: context limit in ids; longer conversations are dropped (paper: 8192).
+        validation_fraction: validation share (paper: 0.01).
         num_rows: use only the first rows (synthetic: rows to generate).
         streaming: stream the hub dataset.
         revision: hub revision of the dataset.
@@ -507,8 +507,8 @@ def build_datamodule(
         seed=seed,
         num_workers=num_workers,
         cache_dir=cache_dir,
-        max_length=max_length,
-        val_fraction=val_fraction,
+        max_bytes=max_bytes,
+        validation_fraction=validation_fraction,
         num_rows=num_rows,
         streaming=streaming,
         revision=revision,

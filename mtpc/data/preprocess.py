@@ -16,7 +16,7 @@ in this order); counts per reason are logged and written to the cache's ``summar
 * ``non_string_content``: a message whose ``content`` is not a string.
 * ``no_assistant_turn``: no assistant message at all (nothing to train on).
 * ``empty_assistant_turn``: an assistant message whose content is empty or whitespace.
-* ``too_long``: more than ``max_length`` ids after the chat template.
+* ``too_long``: more than ``max_bytes`` ids after the chat template.
 * ``template_error``: the codec rejected the row for another reason (should stay 0).
 """
 
@@ -47,10 +47,10 @@ DROP_REASONS = (
     "template_error",
 )
 
-DEFAULT_MAX_LENGTH = 8192
+DEFAULT_MAX_BYTES = 8192
 """The paper's context limit in bytes (ids, counting the template's special ids)."""
 
-DEFAULT_VAL_FRACTION = 0.01
+DEFAULT_VALIDATION_FRACTION = 0.01
 MAX_EXAMPLES_PER_REASON = 5
 UNKNOWN_SOURCE = "unknown"
 
@@ -170,7 +170,7 @@ class TokenizedDocs:
 def tokenize_rows(
     rows: Iterable[Any],
     codec: ByteCodec,
-    max_length: int = DEFAULT_MAX_LENGTH,
+    max_bytes: int = DEFAULT_MAX_BYTES,
     stats: DropStats | None = None,
     ids_file: BinaryIO | None = None,
     mask_file: BinaryIO | None = None,
@@ -180,7 +180,7 @@ def tokenize_rows(
     Args:
         rows: rows of the Tülu 3 schema, possibly malformed.
         codec: the target model's codec.
-        max_length: longer documents (in ids) are dropped as ``too_long``.
+        max_bytes: longer documents (in ids) are dropped as ``too_long``.
         stats: counts to add to (a fresh ``DropStats`` when None).
         ids_file: when given, ids are streamed there as raw uint16 and the returned
             ``ids`` is empty (keeps memory flat for the 939k Tülu rows); same for
@@ -212,7 +212,7 @@ def tokenize_rows(
             except (ValueError, UnicodeError):
                 reason = "template_error"
             else:
-                if len(enc.ids) > max_length:
+                if len(enc.ids) > max_bytes:
                     reason = "too_long"
         if reason is not None:
             stats.drop(reason, row_id)
@@ -251,22 +251,22 @@ def tokenize_rows(
 
 
 def split_indices(
-    num_docs: int, seed: int = 0, val_fraction: float = DEFAULT_VAL_FRACTION
+    num_docs: int, seed: int = 0, validation_fraction: float = DEFAULT_VALIDATION_FRACTION
 ) -> tuple[np.ndarray, np.ndarray]:
     """Shuffles ``range(num_docs)`` with ``seed`` and cuts it into (train, validation).
 
-    The validation split gets ``round(val_fraction * num_docs)`` documents (at least one when
-    ``val_fraction > 0`` and there are two or more documents); both index arrays keep the
+    The validation split gets ``round(validation_fraction * num_docs)`` documents (at least one when
+    ``validation_fraction > 0`` and there are two or more documents); both index arrays keep the
     shuffled order, so the training order is seeded as well.
 
     Raises:
-        ValueError: ``val_fraction`` outside [0, 1).
+        ValueError: ``validation_fraction`` outside [0, 1).
     """
-    if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if not 0.0 <= validation_fraction < 1.0:
+        raise ValueError(f"validation_fraction must be in [0, 1), got {validation_fraction}")
     perm = np.random.default_rng(seed).permutation(num_docs).astype(np.int64)
-    n_val = round(val_fraction * num_docs)
-    if val_fraction > 0 and num_docs >= 2:
+    n_val = round(validation_fraction * num_docs)
+    if validation_fraction > 0 and num_docs >= 2:
         n_val = max(1, n_val)
     n_val = min(n_val, max(num_docs - 1, 0))
     return perm[n_val:], perm[:n_val]

@@ -153,7 +153,14 @@ def hub_source(
     """
     import datasets
 
-    ds = datasets.load_dataset(name, split=split, revision=revision, streaming=streaming)
+    try:
+        ds = datasets.load_dataset(name, split=split, revision=revision, streaming=streaming)
+    except Exception as err:  # offline, gated, renamed: say what to do instead
+        raise RuntimeError(
+            f"could not load {name!r} (split {split!r}) from the Hugging Face hub: {err}. "
+            "Without network, download it elsewhere and pass data.path=<jsonl | parquet | "
+            "arrow dir | save_to_disk dir>"
+        ) from err
     label = f"{name}[{split}]@{revision or 'main'}"
     if streaming:
         stream = ds if num_rows is None else ds.take(num_rows)
