@@ -74,12 +74,16 @@ def target_identity(backbone: Any, fingerprint: str) -> dict[str, Any]:
 
 
 def _target_label(target: dict[str, Any]) -> str:
-    where = target.get("path") or ("bundled assets" if target.get("model") == "tiny" else "unknown path")
+    where = target.get("path") or (
+        "bundled assets" if target.get("model") == "tiny" else "unknown path"
+    )
     rev = f"@{target['revision']}" if target.get("revision") else ""
     return f"{target.get('model')} ({where}{rev}, weights {str(target.get('weights_fingerprint'))[:12]})"
 
 
-def model_card(config: dict[str, Any], training: dict[str, Any] | None, metrics: dict[str, Any] | None) -> str:
+def model_card(
+    config: dict[str, Any], training: dict[str, Any] | None, metrics: dict[str, Any] | None
+) -> str:
     """A README.md for an exported draft."""
     c, lora, t = config["circuit"], config["lora"], config["target"]
     lines = [
@@ -107,7 +111,14 @@ def model_card(config: dict[str, Any], training: dict[str, Any] | None, metrics:
         "",
     ]
     if training:
-        lines += ["## Training config", "", "```json", json.dumps(training, indent=2, default=str), "```", ""]
+        lines += [
+            "## Training config",
+            "",
+            "```json",
+            json.dumps(training, indent=2, default=str),
+            "```",
+            "",
+        ]
     if metrics:
         lines += ["## Metrics", "", "| metric | value |", "|---|---|"]
         lines += [f"| {k} | {v} |" for k, v in metrics.items()]
@@ -175,9 +186,9 @@ def check_target(expected: dict[str, Any], backbone: Any) -> str:
         TargetMismatchError: naming the recorded target and the given one.
     """
     got = target_identity(backbone, backbone.weights_fingerprint())
-    if got["weights_fingerprint"] != expected.get("weights_fingerprint") or got["num_layers"] != expected.get(
+    if got["weights_fingerprint"] != expected.get("weights_fingerprint") or got[
         "num_layers"
-    ):
+    ] != expected.get("num_layers"):
         raise TargetMismatchError(
             f"this draft was exported for target {_target_label(expected)}, "
             f"but the given target is {_target_label(got)}; load the draft against the target it was trained for"
@@ -185,7 +196,9 @@ def check_target(expected: dict[str, Any], backbone: Any) -> str:
     return str(got["weights_fingerprint"])
 
 
-def check_head_state(config: dict[str, Any], state: dict[str, torch.Tensor], head: torch.nn.Module) -> None:
+def check_head_state(
+    config: dict[str, Any], state: dict[str, torch.Tensor], head: torch.nn.Module
+) -> None:
     """Checks that the saved head tensors match the circuit in ``config``.
 
     Raises:
@@ -229,14 +242,33 @@ def load_draft(
     folder = Path(path)
     config = read_config(folder)
     t, c, lora = config["target"], config["circuit"], config["lora"]
-    if target is None:
+    if target is None and t.get("model") == "hf":
+        if not t.get("path"):
+            raise ValueError(
+                "config.json target.path is empty (the target was built in memory); "
+                "pass target=<the loaded model> to from_pretrained"
+            )
+        from transformers import AutoModelForCausalLM
+
+        from mtpc.backbones import resolve_dtype
+
+        torch_dtype = resolve_dtype(dtype or t.get("dtype", "float32"), device or "cpu")
+        hf = AutoModelForCausalLM.from_pretrained(
+            t["path"], revision=t.get("revision"), dtype=torch_dtype
+        )
+        hf.to(device or "cpu")  # type: ignore[arg-type]
+        backbone = backbone_from_hf(hf.eval())
+    elif target is None:
         if t.get("model") not in ("tiny", "evabyte", "llama3_byte"):
             raise ValueError(
-                f"config.json target.model is {t.get('model')!r} ({t.get('path')}); it cannot be rebuilt "
-                "by name: pass target=<the loaded model> (allowed names: tiny, evabyte, llama3_byte)"
+                f"config.json target.model is {t.get('model')!r}; allowed: tiny, evabyte, llama3_byte, hf "
+                "(or pass target=<the loaded model>)"
             )
         backbone = load_backbone(
-            t["model"], path=t.get("path"), revision=t.get("revision"), dtype=dtype or t.get("dtype", "float32"),
+            t["model"],
+            path=t.get("path"),
+            revision=t.get("revision"),
+            dtype=dtype or t.get("dtype", "float32"),
             device=device or "cpu",
         )
     else:

@@ -35,7 +35,7 @@ class Caches:
     verifier: LayerCache
     draft: LayerCache
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self):
         return iter((self.trunk, self.verifier, self.draft))
 
     def crop(self, length: int) -> None:
@@ -84,7 +84,9 @@ class MTPCModel(nn.Module):
         split: ``L - k``, the first tail layer.
     """
 
-    def __init__(self, backbone: Backbone, head: nn.Module, lora: LoraSettings, head_init: str) -> None:
+    def __init__(
+        self, backbone: Backbone, head: nn.Module, lora: LoraSettings, head_init: str
+    ) -> None:
         super().__init__()
         self.backbone = backbone
         self.head = head
@@ -135,15 +137,24 @@ class MTPCModel(nn.Module):
 
         if head_init not in HEAD_INITS:
             raise ValueError(f"head_init is {head_init!r}; allowed: {list(HEAD_INITS)}")
-        settings = as_settings(lora_layers, lora_rank, lora_alpha, lora_dropout, lora_target_modules)
+        settings = as_settings(
+            lora_layers, lora_rank, lora_alpha, lora_dropout, lora_target_modules
+        )
         validate_lora(settings, backbone.layers)
         dtype = resolve_dtype(head_dtype, backbone.device)
         head = MTPCHead(
-            kind, window, rank, vocab_size=backbone.vocab_size, hidden_size=backbone.hidden_size, **head_options
+            kind,
+            window,
+            rank,
+            vocab_size=backbone.vocab_size,
+            hidden_size=backbone.hidden_size,
+            **head_options,
         ).to(device=backbone.device, dtype=dtype)
         if head_init != "random":
             mtp = backbone.mtp_unembeddings() if head_init == "pretrained" else None
-            head.from_pretrained_unembeddings(mtp if mtp is not None else backbone.stp_unembedding())
+            head.from_pretrained_unembeddings(
+                mtp if mtp is not None else backbone.stp_unembedding()
+            )
         if backbone.lora is not None:
             raise ValueError("this backbone already has a LoRA adapter; load the target again")
         backbone.lora = attach_lora(backbone.hf_model, backbone.layers, settings)
@@ -209,7 +220,10 @@ class MTPCModel(nn.Module):
         return Caches(b.new_cache(0, split), b.new_cache(split, n), b.new_cache(split, n))
 
     def trunk(
-        self, ids: torch.Tensor, cache: LayerCache | None = None, positions: torch.Tensor | None = None
+        self,
+        ids: torch.Tensor,
+        cache: LayerCache | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Embeds ``ids`` (B, T) and runs layers 0..L-k-1 -> pre-norm hidden (B, T, d).
 
@@ -224,14 +238,20 @@ class MTPCModel(nn.Module):
         return hidden
 
     def verifier_tail(
-        self, hidden: torch.Tensor, cache: LayerCache | None = None, positions: torch.Tensor | None = None
+        self,
+        hidden: torch.Tensor,
+        cache: LayerCache | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Layers L-k..L-1 with base weights (adapter off): (B, T, d) -> (B, T, d)."""
         n = self.backbone.num_layers
         return self.backbone.run_layers(hidden, self.split, n, positions, cache, adapter=False)
 
     def draft_tail(
-        self, hidden: torch.Tensor, cache: LayerCache | None = None, positions: torch.Tensor | None = None
+        self,
+        hidden: torch.Tensor,
+        cache: LayerCache | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Layers L-k..L-1 with the LoRA adapter on: (B, T, d) -> (B, T, d)."""
         n = self.backbone.num_layers
@@ -288,7 +308,11 @@ class MTPCModel(nn.Module):
 
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, target: Any = None, device: str | None = None, dtype: str | None = None
+        cls,
+        path: str | Path,
+        target: Any = None,
+        device: str | None = None,
+        dtype: str | None = None,
     ) -> MTPCModel:
         """Rebuilds an exported draft against its target (see ``mtpc.export.load_draft``)."""
         from mtpc.export import load_draft

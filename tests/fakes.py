@@ -79,7 +79,9 @@ class EvaCache:
             self._seen_tokens += cur_q_len
         return self._seen_tokens
 
-    def update_singletons(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> tuple[Any, Any, bool]:
+    def update_singletons(
+        self, k: torch.Tensor, v: torch.Tensor, layer_idx: int
+    ) -> tuple[Any, Any, bool]:
         if len(self.w_k) <= layer_idx:  # prefill
             self.w_k.append(k)
             self.w_v.append(v)
@@ -156,9 +158,13 @@ class FakeEvaByteDecoderLayer(nn.Module):
 class FakeEvaRotary(nn.Module):
     def __init__(self, dim: int, base: float = 10000.0) -> None:
         super().__init__()
-        self.register_buffer("inv_freq", 1.0 / (base ** (torch.arange(0, dim, 2).float() / dim)), persistent=False)
+        self.register_buffer(
+            "inv_freq", 1.0 / (base ** (torch.arange(0, dim, 2).float() / dim)), persistent=False
+        )
 
-    def forward(self, x: torch.Tensor, seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, seq_len: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         t = torch.arange(int(seq_len or x.shape[-2]), dtype=torch.float32, device=x.device)
         emb = torch.cat([torch.outer(t, self.inv_freq)] * 2, dim=-1)  # (S, hd)
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
@@ -169,14 +175,21 @@ class FakeEvaByteModel(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(FakeEvaByteDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            FakeEvaByteDecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
         self.norm = LlamaRMSNorm(config.hidden_size)
         self.rotary_emb = FakeEvaRotary(config.hidden_size // config.num_attention_heads)
 
     def _prepare_eva_generation_attn_mask(self, attention_mask, input_ids, use_cache, past_key_values):  # fmt: skip
         b, t = input_ids.shape
         if use_cache and past_key_values.get_seq_length() > 0:
-            return (None, torch.zeros(b, 1, t, 1, dtype=torch.bool), torch.ones(b, 1, t, 1, dtype=torch.bool), None)
+            return (
+                None,
+                torch.zeros(b, 1, t, 1, dtype=torch.bool),
+                torch.ones(b, 1, t, 1, dtype=torch.bool),
+                None,
+            )
         return (None, torch.ones(1, 1, t, t).triu(1).bool(), None, None)
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
@@ -185,7 +198,9 @@ class FakeEvaByteModel(nn.Module):
         b, t = input_ids.shape
         if past_key_values is None:
             past_key_values = EvaCache()
-        masks = self._prepare_eva_generation_attn_mask(attention_mask, input_ids, True, past_key_values)
+        masks = self._prepare_eva_generation_attn_mask(
+            attention_mask, input_ids, True, past_key_values
+        )
         past = past_key_values.get_seq_length()
         if position_ids is None:
             position_ids = torch.arange(past, past + t)[None].expand(b, t)
@@ -205,21 +220,31 @@ class FakeEvaByteForCausalLM(nn.Module):
         self.config = config
         self.model = FakeEvaByteModel(config)
         self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size * config.num_pred_heads, bias=False)
+        self.lm_head = nn.Linear(
+            config.hidden_size, config.vocab_size * config.num_pred_heads, bias=False
+        )
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, output_attentions=None,
                 output_hidden_states=None, return_dict=None, return_all_pred_logits=None,
                 multibyte_decoding=None):  # fmt: skip
-        hidden, cache = self.model(input_ids, position_ids=position_ids, past_key_values=past_key_values)
-        logits = self.lm_head(hidden).view(*hidden.shape[:2], self.config.num_pred_heads, self.vocab_size)
+        hidden, cache = self.model(
+            input_ids, position_ids=position_ids, past_key_values=past_key_values
+        )
+        logits = self.lm_head(hidden).view(
+            *hidden.shape[:2], self.config.num_pred_heads, self.vocab_size
+        )
         return CausalLMOutputWithPast(logits=logits if return_all_pred_logits else logits[..., 0, :],
                                       past_key_values=cache)  # fmt: skip
 
 
-def fake_evabyte(num_layers: int = 4, hidden_size: int = 32, vocab_size: int = 320) -> FakeEvaByteForCausalLM:
+def fake_evabyte(
+    num_layers: int = 4, hidden_size: int = 32, vocab_size: int = 320
+) -> FakeEvaByteForCausalLM:
     """A random fake EvaByte in eval mode."""
-    config = FakeEvaByteConfig(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers)
+    config = FakeEvaByteConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers
+    )
     return FakeEvaByteForCausalLM(config).eval()
 
 
@@ -267,9 +292,13 @@ class FakeTPULlamaModel(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.expand_embed_tokens = nn.Embedding(config.expand_input_ids_vocab_size, config.hidden_size)
+        self.expand_embed_tokens = nn.Embedding(
+            config.expand_input_ids_vocab_size, config.hidden_size
+        )
         self.expand_input_ids_dict = config.expand_input_ids_dict
-        self.layers = nn.ModuleList(FakeTPULlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            FakeTPULlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
 
@@ -305,7 +334,9 @@ class FakeTPULlamaForCausalLM(nn.Module):
         return CausalLMOutputWithPast(logits=self.lm_head(hidden), past_key_values=past_key_values)
 
 
-def fake_llama3_byte(num_layers: int = 3, hidden_size: int = 32, vocab_size: int = 40) -> FakeTPULlamaForCausalLM:
+def fake_llama3_byte(
+    num_layers: int = 3, hidden_size: int = 32, vocab_size: int = 40
+) -> FakeTPULlamaForCausalLM:
     """A random fake byte-level Llama whose expansion table holds every single id and pair."""
     expand_vocab = 23
     table: dict[tuple[int, ...], int] = {}

@@ -56,7 +56,8 @@ def load_backbone(
         from mtpc.backbones.tiny import load_tiny_target
 
         target = load_tiny_target(path, dtype=torch_dtype)
-        return tiny_backbone(target.model.to(device), target.mtp_unembeddings.to(device), path)
+        target.model.to(device)  # type: ignore[arg-type]
+        return tiny_backbone(target.model, target.mtp_unembeddings.to(device), path)
     if name == "evabyte":
         from mtpc.backbones.evabyte import load_evabyte
 
@@ -72,7 +73,9 @@ def tiny_backbone(
     """The tiny target (a ``LlamaForCausalLM`` + EvaByte-layout MTP unembeddings)."""
     from mtpc.backbones.llama import LlamaBackbone
 
-    backbone = LlamaBackbone(hf_model, name="tiny", codec="tiny", source={"model": "tiny", "path": path})
+    backbone = LlamaBackbone(
+        hf_model, name="tiny", codec="tiny", source={"model": "tiny", "path": path}
+    )
     backbone.extra_mtp = mtp_unembeddings
     return backbone
 
@@ -98,7 +101,11 @@ def backbone_from_hf(target: Any, mtp_unembeddings: torch.Tensor | None = None) 
     """
     if isinstance(target, Backbone):
         return target
-    if hasattr(target, "model") and hasattr(target, "mtp_unembeddings") and not isinstance(target, nn.Module):
+    if (
+        hasattr(target, "model")
+        and hasattr(target, "mtp_unembeddings")
+        and not isinstance(target, nn.Module)
+    ):
         return tiny_backbone(target.model, target.mtp_unembeddings, None)  # a TinyTarget
     if not isinstance(target, nn.Module) or not hasattr(target, "config"):
         raise ValueError(f"target is a {type(target).__name__}; expected a Hugging Face causal LM")
@@ -112,7 +119,9 @@ def backbone_from_hf(target: Any, mtp_unembeddings: torch.Tensor | None = None) 
 
         return Llama3ByteBackbone(target)
     inner = getattr(target, "model", None)
-    if not all(hasattr(inner, a) for a in ("layers", "norm", "embed_tokens")) or not hasattr(target, "lm_head"):
+    if not all(hasattr(inner, a) for a in ("layers", "norm", "embed_tokens")) or not hasattr(
+        target, "lm_head"
+    ):
         raise ValueError(
             f"target is a {type(target).__name__} without model.layers/model.norm/lm_head; "
             "supported: LlamaForCausalLM-compatible models, EvaByte, the byte-level Llama"

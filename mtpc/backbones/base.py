@@ -68,7 +68,9 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") 
                 "allowed on cpu: ['bfloat16', 'float32']"
             )
         if name == "bfloat16" and not _cpu_runs_bf16():
-            raise ValueError("dtype is 'bfloat16' but this CPU cannot run bf16 matmuls; use 'float32'")
+            raise ValueError(
+                "dtype is 'bfloat16' but this CPU cannot run bf16 matmuls; use 'float32'"
+            )
     else:
         if not torch.cuda.is_available():
             raise ValueError(f"device is {str(device)!r} but CUDA is not available; allowed: 'cpu'")
@@ -204,7 +206,9 @@ class LayerCache:
 
     def reset(self) -> None:
         """Empties the cache (a fresh native cache object)."""
-        self.native = self.backbone.new_native_cache(self.start, self.end) if self.end > self.start else None
+        self.native = (
+            self.backbone.new_native_cache(self.start, self.end) if self.end > self.start else None
+        )
         self.length = 0
         self.ids = None
         self._snapshot, self._log = None, []
@@ -251,8 +255,13 @@ class Backbone(nn.Module, ABC):
         """The norm applied after the last layer."""
 
     @property
+    def config(self) -> Any:
+        """The wrapped model's config."""
+        return self.hf_model.config
+
+    @property
     def hidden_size(self) -> int:
-        return int(self.hf_model.config.hidden_size)  # type: ignore[union-attr]
+        return int(self.config.hidden_size)
 
     @property
     def num_layers(self) -> int:
@@ -260,7 +269,7 @@ class Backbone(nn.Module, ABC):
 
     @property
     def vocab_size(self) -> int:
-        return int(self.hf_model.config.vocab_size)  # type: ignore[union-attr]
+        return int(self.config.vocab_size)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -346,8 +355,8 @@ class Backbone(nn.Module, ABC):
             start: first layer.
             end: one past the last layer; ``start == end`` returns ``hidden`` unchanged.
             positions: (B, T) or (T,) absolute positions; default ``cache.length + arange(T)``.
-            cache: appended to (the new positions follow the cached ones); ``None`` runs
-                without a cache (training).
+            cache: appended to (the new positions follow the cached ones); cached runs are
+                inference and run without autograd. ``None`` runs without a cache (training).
             adapter: LoRA adapter on (draft tail) or off (trunk, verifier tail).
         """
         b, t, _ = hidden.shape
@@ -363,7 +372,8 @@ class Backbone(nn.Module, ABC):
         if end > start:
             if cache is not None:
                 cache._record(hidden, positions, adapter)
-            with self.adapter(adapter):
+            grad = contextlib.nullcontext() if cache is None else torch.no_grad()
+            with grad, self.adapter(adapter):
                 hidden = self._run(
                     hidden, start, end, positions, None if cache is None else cache.native, past
                 )

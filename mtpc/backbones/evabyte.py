@@ -42,7 +42,7 @@ class EvaByteBackbone(Backbone):
     def __init__(
         self, hf_model: nn.Module, source: dict[str, Any] | None = None, cache_batch_size: int = 1
     ) -> None:
-        config: Any = hf_model.config  # type: ignore[union-attr]
+        config: Any = hf_model.config
         source = source or {
             "model": "evabyte",
             "path": getattr(config, "_name_or_path", None) or None,
@@ -122,7 +122,9 @@ class EvaByteBackbone(Backbone):
             native = self.new_native_cache(start, end)
         elif past > 0 and hidden.shape[1] > 1:  # EVA decodes one position per call
             steps = [
-                self._run(hidden[:, i : i + 1], start, end, positions[:, i : i + 1], native, past + i)
+                self._run(
+                    hidden[:, i : i + 1], start, end, positions[:, i : i + 1], native, past + i
+                )
                 for i in range(hidden.shape[1])
             ]
             return torch.cat(steps, dim=1)
@@ -161,6 +163,9 @@ def load_evabyte(
     path = path or HUB_ID
     hf_model = AutoModelForCausalLM.from_pretrained(
         path, revision=revision, dtype=dtype, trust_remote_code=True
-    ).to(device)
+    )
+    hf_model.to(device)  # type: ignore[arg-type]
     hf_model.eval()
-    return EvaByteBackbone(hf_model, source={"model": "evabyte", "path": path, "revision": revision})
+    return EvaByteBackbone(
+        hf_model, source={"model": "evabyte", "path": path, "revision": revision}
+    )

@@ -39,7 +39,7 @@ class LlamaBackbone(Backbone):
     ) -> None:
         super().__init__(hf_model, name, codec, source or _hf_source(hf_model))
         self.extra_mtp: torch.Tensor | None = None  # MTP unembeddings kept beside the model
-        inner: Any = hf_model.model  # type: ignore[union-attr]
+        inner: Any = hf_model.model
         params = inspect.signature(type(inner.layers[0]).forward).parameters
         self._cache_kw = "past_key_values" if "past_key_values" in params else "past_key_value"
         self._pass_cache_position = "cache_position" in params
@@ -63,10 +63,14 @@ class LlamaBackbone(Backbone):
         return self.hf_model.lm_head.weight[: self.vocab_size]  # type: ignore[union-attr,index]
 
     def mtp_unembeddings(self) -> torch.Tensor | None:
-        mtp = self.extra_mtp if self.extra_mtp is not None else getattr(self.hf_model, "mtp_unembeddings", None)
+        mtp = (
+            self.extra_mtp
+            if self.extra_mtp is not None
+            else getattr(self.hf_model, "mtp_unembeddings", None)
+        )
         if mtp is None:
             return None
-        w = mtp.weight if isinstance(mtp, nn.Module) else mtp
+        w: Any = mtp.weight if isinstance(mtp, nn.Module) else mtp
         return w.reshape(-1, self.vocab_size, self.hidden_size)  # (m, V, d)
 
     def new_native_cache(self, start: int, end: int) -> DynamicCache:
@@ -76,7 +80,7 @@ class LlamaBackbone(Backbone):
         native.crop(-remove)
 
     def _mask(self, hidden: torch.Tensor, past: int) -> torch.Tensor | None:
-        impl = getattr(self.hf_model.config, "_attn_implementation", None)  # type: ignore[union-attr]
+        impl = getattr(self.hf_model.config, "_attn_implementation", None)
         if past == 0 and impl in _FAST_CAUSAL and self._cache_kw == "past_key_values":
             return None  # the kernel's own causal mask
         return causal_mask(past, hidden.shape[1], hidden.dtype, hidden.device, hidden.shape[0])
@@ -100,7 +104,9 @@ class LlamaBackbone(Backbone):
             "position_embeddings": cos_sin,
         }
         if self._pass_cache_position:
-            kwargs["cache_position"] = torch.arange(past, past + hidden.shape[1], device=hidden.device)
+            kwargs["cache_position"] = torch.arange(
+                past, past + hidden.shape[1], device=hidden.device
+            )
         for layer in self.layers[start:end]:
             out = layer(hidden, **kwargs)
             hidden = out[0] if isinstance(out, tuple) else out  # (B, T, d)

@@ -62,7 +62,7 @@ class Llama3ByteBackbone(LlamaBackbone):
 
     def __init__(self, hf_model: nn.Module, source: dict[str, Any] | None = None) -> None:
         super().__init__(hf_model, name="llama3_byte", codec="llama3_byte", source=source)
-        config: Any = hf_model.config  # type: ignore[union-attr]
+        config: Any = hf_model.config
         self.expand = bool(getattr(config, "expand_input_ids", False))
         self.maxlen = int(getattr(config, "expand_input_ids_maxlen", 0) or 0)
         module = sys.modules.get(type(self.inner).__module__)
@@ -101,7 +101,8 @@ def load_llama3_byte(
     path = path or HUB_ID
     hf_model = AutoModelForCausalLM.from_pretrained(
         path, revision=revision, dtype=dtype, trust_remote_code=True
-    ).to(device)
+    )
+    hf_model.to(device)  # type: ignore[arg-type]
     hf_model.eval()
     source = {"model": "llama3_byte", "path": path, "revision": revision}
     return Llama3ByteBackbone(hf_model, source=source)

@@ -18,7 +18,15 @@ from peft import LoraConfig, inject_adapter_in_model
 from peft.tuners.lora import LoraLayer
 from torch import nn
 
-DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DEFAULT_TARGET_MODULES = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,11 @@ def validate_lora(settings: LoraSettings, layers: nn.ModuleList) -> None:
         raise ValueError(f"lora.layers (k) is {settings.layers}; allowed: 0..{n} (the layer count)")
     if settings.layers == 0:
         return
+    if any(isinstance(m, LoraLayer) for m in layers.modules()):
+        raise ValueError(
+            "the target already carries a LoRA adapter (from another MTPCModel); "
+            "load a fresh copy of the target for each draft with lora_layers > 0"
+        )
     if settings.rank < 1:
         raise ValueError(f"lora.rank is {settings.rank}; allowed: an integer >= 1")
     if not 0.0 <= settings.dropout < 1.0:
@@ -59,11 +72,17 @@ def validate_lora(settings: LoraSettings, layers: nn.ModuleList) -> None:
     if not settings.target_modules:
         raise ValueError("lora.target_modules is empty; name at least one linear module")
     available = sorted(
-        {name.rsplit(".", 1)[-1] for name, m in layers[n - 1].named_modules() if isinstance(m, nn.Linear)}
+        {
+            name.rsplit(".", 1)[-1]
+            for name, m in layers[n - 1].named_modules()
+            if isinstance(m, nn.Linear)
+        }
     )
     missing = [t for t in settings.target_modules if t not in available]
     if missing:
-        raise ValueError(f"lora.target_modules {missing} do not exist in the layers; allowed: {available}")
+        raise ValueError(
+            f"lora.target_modules {missing} do not exist in the layers; allowed: {available}"
+        )
 
 
 class LoraTail:
@@ -74,7 +93,7 @@ class LoraTail:
         k = settings.layers
         config = LoraConfig(
             r=settings.rank,
-            lora_alpha=settings.alpha,
+            lora_alpha=settings.alpha,  # type: ignore[arg-type]  # peft accepts floats
             lora_dropout=settings.dropout,
             target_modules=list(settings.target_modules),
             layers_to_transform=list(range(num_layers - k, num_layers)),
@@ -126,16 +145,13 @@ class LoraTail:
                 p.copy_(state[name])
 
 
-def attach_lora(hf_model: nn.Module, layers: nn.ModuleList, settings: LoraSettings) -> LoraTail | None:
+def attach_lora(
+    hf_model: nn.Module, layers: nn.ModuleList, settings: LoraSettings
+) -> LoraTail | None:
     """Validates ``settings`` and injects LoRA into the last k layers (``None`` for k = 0)."""
     validate_lora(settings, layers)
     if settings.layers == 0:
         return None
-    if any(isinstance(m, LoraLayer) for m in hf_model.modules()):
-        raise ValueError(
-            "the target already carries a LoRA adapter (from another MTPCModel); "
-            "load a fresh copy of the target for each draft with lora_layers > 0"
-        )
     return LoraTail(hf_model, len(layers), settings)
 
 
