@@ -34,7 +34,6 @@ one seeded permutation per epoch (``ResumableDistributedSampler``).
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -448,8 +447,10 @@ class MTPCDataModule(L.LightningDataModule):
 
 
 def _default_cache_dir() -> Path:
-    """``$MTPC_CACHE``, else ``.cache/mtpc`` under the working directory."""
-    return Path(os.environ.get("MTPC_CACHE") or Path.cwd() / ".cache" / "mtpc")
+    """``$MTPC_CACHE``, else the repository's git-ignored ``.cache/mtpc`` (as synthetic data)."""
+    from mtpc.data.synthetic import default_cache_dir
+
+    return default_cache_dir()
 
 
 def build_datamodule(
@@ -485,7 +486,7 @@ def build_datamodule(
         batch_size: packed sequences per batch and rank.
         seed: split shuffle, sampler shuffle and synthetic generator seed.
         num_workers: dataloader worker processes.
-        cache_dir: root of the data cache; ``$MTPC_CACHE`` or ``./.cache/mtpc`` when None.
+        cache_dir: root of the data cache; ``$MTPC_CACHE`` or ``<repo>/.cache/mtpc`` when None.
         max_bytes: context limit in ids; longer conversations are dropped (paper: 8192).
         validation_fraction: validation share (paper: 0.01).
         num_rows: use only the first rows (synthetic: rows to generate).
