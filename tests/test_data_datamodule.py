@@ -70,16 +70,18 @@ def test_batch_format(jsonl: Path, tmp_path: Path) -> None:
         "source_ids": (b, length),
         "targets": (b, length, n),
         "target_mask": (b, length, n),
+        "window_mask": (b, length, n),
         "valid_counts": (b, n),
         "index": (b,),
     }
     assert {k: tuple(v.shape) for k, v in batch.items()} == shapes
     assert batch["targets"].dtype == torch.int64 and batch["target_mask"].dtype == torch.bool
     assert batch["valid_counts"].dtype == torch.float32
-    targets, mask = make_windows(
+    targets, mask, in_doc = make_windows(
         batch["input_ids"], batch["document_ids"], batch["loss_mask"], n, dm.codec.pad_id
     )
     assert torch.equal(targets, batch["targets"]) and torch.equal(mask, batch["target_mask"])
+    assert torch.equal(in_doc, batch["window_mask"])
     assert torch.equal(batch["valid_counts"], mask.sum(1).float())
     # every loss byte decodes to assistant text or an end-of-turn id
     codec = get_codec("tiny")

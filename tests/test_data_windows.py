@@ -20,9 +20,9 @@ def _brute_force(ids, docs, loss, n):
         for t in range(length):
             for j in range(1, n + 1):
                 s = t + j
-                if s < length and docs[b, t] >= 0 and docs[b, s] == docs[b, t] and loss[b, s]:
+                if s < length and docs[b, t] >= 0 and docs[b, s] == docs[b, t]:
                     targets[b, t, j - 1] = ids[b, s]
-                    mask[b, t, j - 1] = True
+                    mask[b, t, j - 1] = bool(loss[b, s])
     return targets, mask
 
 
@@ -31,7 +31,7 @@ def test_windows_on_a_packed_sequence_with_a_boundary() -> None:
     ids = torch.tensor([[11, 12, 13, 14, 21, 22, 23, PAD]])
     docs = torch.tensor([[0, 0, 0, 0, 1, 1, 1, -1]])
     loss = torch.tensor([[0, 0, 1, 1, 0, 1, 1, 0]], dtype=torch.bool)
-    targets, mask = make_windows(ids, docs, loss, window=3, pad_id=PAD)
+    targets, mask, in_doc = make_windows(ids, docs, loss, window=3, pad_id=PAD)
     assert targets.shape == (1, 8, 3) and mask.dtype == torch.bool
     # t = 1 (byte 12): x2 = 13, x3 = 14 valid; x4 = 21 is the next document
     assert targets[0, 1].tolist() == [13, 14, PAD] and mask[0, 1].tolist() == [True, True, False]
@@ -39,8 +39,11 @@ def test_windows_on_a_packed_sequence_with_a_boundary() -> None:
     assert not mask[0, 3].any() and targets[0, 3].tolist() == [PAD, PAD, PAD]
     # t = 4 (prompt byte of doc 1): 22, 23 valid, then padding
     assert targets[0, 4].tolist() == [22, 23, PAD] and mask[0, 4].tolist() == [True, True, False]
-    # t = 0: x1 = 12 is a prompt byte (invalid), x2 = 13, x3 = 14 valid
+    # t = 0: x1 = 12 is a prompt byte (not a loss target, but the true byte that the
+    # circuit conditions x2 = 13 on), x2 = 13, x3 = 14 valid
     assert mask[0, 0].tolist() == [False, True, True]
+    assert targets[0, 0].tolist() == [12, 13, 14] and in_doc[0, 0].all()
+    assert in_doc[0, 1].tolist() == [True, True, False]
     assert not mask[0, 6:].any()
     expected_t, expected_m = _brute_force(ids, docs, loss, 3)
     assert torch.equal(targets, expected_t) and torch.equal(mask, expected_m)
@@ -60,9 +63,10 @@ def test_windows_match_brute_force(window: int) -> None:
     docs[:, 17:] = -1  # padding tail
     loss = torch.rand(3, 20, generator=g) < 0.6
     loss[:, 17:] = False
-    targets, mask = make_windows(ids, docs, loss, window, PAD)
+    targets, mask, in_doc = make_windows(ids, docs, loss, window, PAD)
     expected_t, expected_m = _brute_force(ids, docs, loss, window)
     assert torch.equal(targets, expected_t) and torch.equal(mask, expected_m)
+    assert torch.equal(in_doc, expected_t != PAD)
     assert torch.equal(valid_counts(mask), expected_m.sum(1).float())
     assert torch.equal(document_valid_counts(docs, mask).sum(1), valid_counts(mask))
 

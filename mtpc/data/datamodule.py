@@ -11,8 +11,10 @@ document_ids   (B, L)      int64   0, 1, ... per document within the row; -1 on 
                                    Attention may be block diagonal over equal ids
 attention_mask (B, L)      bool    ``document_ids >= 0`` (False on padding)
 loss_mask      (B, L)      bool    assistant bytes and each assistant turn's end-of-turn
-targets        (B, L, n)   int64   ``targets[b, t, j-1] = x_{t+j}`` where valid, else pad
+targets        (B, L, n)   int64   ``targets[b, t, j-1] = x_{t+j}`` in x_t's document, else pad
 target_mask    (B, L, n)   bool    x_{t+j} is a loss byte of the same document as x_t
+window_mask    (B, L, n)   bool    x_{t+j} is in the same document as x_t (the circuit
+                                   conditions on these bytes; the rest is marginalised)
 valid_counts   (B, n)      float32 V_{i,j} = ``target_mask[i, :, j].sum()`` (Eq. 4)
 source_ids     (B, L)      int64   task of the position's document (index into
                                    ``MTPCDataModule.source_names``); -1 on padding
@@ -95,7 +97,7 @@ class PackedDataset(Dataset[dict[str, Tensor]]):
             self.pad_id,
         )
         item = {k: torch.from_numpy(v) for k, v in seq.items()}  # each (L,)
-        targets, target_mask = make_windows(
+        targets, target_mask, window_mask = make_windows(
             item["input_ids"][None],
             item["document_ids"][None],
             item["loss_mask"][None],
@@ -105,6 +107,7 @@ class PackedDataset(Dataset[dict[str, Tensor]]):
         item["attention_mask"] = item["document_ids"] >= 0
         item["targets"] = targets[0]  # (L, n)
         item["target_mask"] = target_mask[0]  # (L, n)
+        item["window_mask"] = window_mask[0]  # (L, n)
         item["valid_counts"] = valid_counts(target_mask)[0]  # (n,)
         item["index"] = torch.tensor(int(index), dtype=torch.int64)
         return item

@@ -7,6 +7,12 @@ an assistant byte or the end-of-turn id that closes an assistant turn. Validity 
 (t, j): a window may start on a prompt byte (the header before an answer predicts the
 answer's first bytes) and may end after the answer.
 
+The targets themselves hold the true byte wherever x_{t+j} is in the same document, loss
+byte or not (``window_mask``), because the loss term of position j is the circuit's
+conditional given the true bytes x_{t+1..t+j-1}: a window that starts on the header
+before an answer conditions the answer's first byte on the header's last bytes. Only past
+the document's end are targets padding (and marginalised by the circuit).
+
 ``V_{i,j}`` (``valid_counts``) is the number of valid targets at offset j in sequence i, the
 normaliser of Eq. 4. With packing, i indexes *packed* sequences: the paper trains on "the
 packed train split" and Eq. 4's N is the number of training sequences, so normalising per
@@ -23,7 +29,7 @@ from torch import Tensor
 
 def make_windows(
     input_ids: Tensor, document_ids: Tensor, loss_mask: Tensor, window: int, pad_id: int
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:
     """Targets x_{t+1..t+n} and their validity for every position.
 
     Args:
@@ -34,8 +40,10 @@ def make_windows(
         pad_id: the id put where a target is invalid.
 
     Returns:
-        ``targets`` (B, L, n) int64, ``targets[b, t, j-1] = x_{t+j}`` where valid, else
-        ``pad_id``; and ``target_mask`` (B, L, n) bool.
+        ``targets`` (B, L, n) int64, ``targets[b, t, j-1] = x_{t+j}`` where x_{t+j} is in
+        the same document as x_t, else ``pad_id``; ``target_mask`` (B, L, n) bool, the
+        targets the loss counts (same document and a loss byte); and ``window_mask``
+        (B, L, n) bool, the targets in the same document (what the circuit conditions on).
     """
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
@@ -55,8 +63,8 @@ def make_windows(
         document_ids.unsqueeze(-1) >= 0
     )
     target_mask = future_loss & same_doc  # (B, L, n)
-    targets = torch.where(target_mask, future_ids, torch.full_like(future_ids, pad_id))  # (B, L, n)
-    return targets.contiguous(), target_mask.contiguous()
+    targets = torch.where(same_doc, future_ids, torch.full_like(future_ids, pad_id))  # (B, L, n)
+    return targets.contiguous(), target_mask.contiguous(), same_doc.contiguous()
 
 
 def valid_counts(target_mask: Tensor) -> Tensor:
