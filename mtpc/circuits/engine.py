@@ -36,6 +36,44 @@ class Circuit:
         # prefix mask: column k keeps positions 0..k
         self._tri = torch.ones(n, n, dtype=torch.bool).tril().T.unsqueeze(1)  # (n, 1, n)
         self._device_cache: dict[tuple[int, torch.device], Tensor] = {}
+        # flat per-layer plan for the hot loop (fewer attribute look-ups)
+        self._plan = []
+        for la in self.layers[1:]:
+            view = None
+            if la.view_start is not None:
+                src = la.slots[0].sources[0]
+                whole = la.view_start == 0 and self.layers[src].num_folds == la.num_folds * la.arity
+                view = (src, not whole, la.view_start)
+            lo = la.sum_offset
+            hi = lo + la.num_folds * la.num_units
+            self._plan.append(
+                (
+                    la.kind == "sum",
+                    la.num_folds,
+                    la.num_units,
+                    la.arity,
+                    la.slots[0],
+                    view,
+                    lo,
+                    hi,
+                    la.slots,
+                )
+            )
+        # prefix fast path: layer 1 multiplies consecutive inputs and nobody else reads them
+        self._prefix_index: Tensor | None = None
+        l1 = self.layers[1] if len(self.layers) > 1 else None
+        readers = sum(1 for la in self.layers[1:] for sl in la.slots if 0 in sl.sources)
+        if (
+            l1 is not None
+            and l1.kind == "product"
+            and l1.view_start == 0
+            and l1.num_folds * l1.arity == n
+            and readers == l1.arity
+        ):
+            A = l1.arity
+            k = torch.arange(n)
+            starts = torch.arange(l1.num_folds) * A
+            self._prefix_index = (k[None, :] - starts[:, None] + 1).clamp(0, A)  # (F, n)
         # sum layers: first weight row of each fold's unit 0
         self._bases = [
             torch.arange(la.num_folds) * la.num_units + la.sum_offset for la in self.layers
@@ -117,6 +155,17 @@ class Circuit:
         Returns:
             ``(B, n)`` prefix log-marginals.
         """
+        if self._prefix_index is not None and self._prefix_index.shape[1] > 1:
+            # First layer = products of consecutive inputs, read by nobody else: column k of
+            # fold f is a prefix sum of its inputs, so gather from cumulative sums instead
+            # of materialising the (B, n, r, n) input columns (CP: O(n r), not O(n^2 r)).
+            B, n, r = leaves.shape
+            F = self.layers[1].num_folds
+            cum = leaves.view(B, F, n // F, r).cumsum(2)
+            cum = torch.cat([cum.new_zeros(B, F, 1, r), cum], 2)  # (B, F, A + 1, r)
+            idx = self._on(self._prefix_index, leaves.device)  # (F, n)
+            first = cum.gather(2, idx[None, :, :, None].expand(B, F, n, r)).transpose(2, 3)
+            return self._upward(leaves, sum_logw, first=first)[0][:, 0]
         tri = self._on(self._tri, leaves.device)
         cols = torch.where(tri, leaves.unsqueeze(-1), 0.0)  # (B, n, r, n)
         return self._upward(cols, sum_logw)[0][:, 0]
@@ -225,7 +274,12 @@ class Circuit:
     # -- passes ------------------------------------------------------------------------------
 
     def _upward(
-        self, leaves: Tensor, sum_logw: Tensor | None, *, max_product: bool = False
+        self,
+        leaves: Tensor,
+        sum_logw: Tensor | None,
+        *,
+        max_product: bool = False,
+        first: Tensor | None = None,
     ) -> tuple[Tensor, list[Tensor | None]]:
         """Bottom-up pass.
 
@@ -233,43 +287,45 @@ class Circuit:
             leaves: ``(B, n, r, K)`` input log-values.
             sum_logw: ``(B, U, r)`` or None.
             max_product: Max instead of sum in sum layers.
+            first: Precomputed output of layer 1 (then ``leaves`` is not read).
 
         Returns:
             Root log-values ``(B, 1, K)`` and, per layer, the sum layers' inputs
             ``(B, F, r, K)`` (None for other layers).
         """
-        B, K = leaves.shape[0], leaves.shape[-1]
         r = self.rank
         outs: list[Tensor] = [leaves]
         sum_inputs: list[Tensor | None] = [None]
+        plan = self._plan
+        if first is not None:
+            outs.append(first)
+            sum_inputs.append(None)
+            plan = plan[1:]
+        B, K = outs[-1].shape[0], outs[-1].shape[-1]
         wexp = None
-        if sum_logw is not None and not max_product:
-            wexp = sum_logw.exp()  # (B, U, r)
         fmin = torch.finfo(leaves.dtype).min
-        for layer in self.layers[1:]:
-            F, R = layer.num_folds, layer.num_units
-            if layer.kind == "product":
+        for is_sum, F, R, A, slot0, view, lo, hi, slots in plan:
+            if not is_sum:
                 sum_inputs.append(None)
-                if layer.view_start is not None:
-                    src = outs[layer.slots[0].sources[0]]
-                    A = layer.arity
-                    if layer.view_start != 0 or src.shape[1] != F * A:
-                        src = src.narrow(1, layer.view_start, F * A)
-                    y = src.unflatten(1, (F, A)).sum(2)  # (B, F, r, K)
+                if view is not None:
+                    src = outs[view[0]]
+                    if view[1]:
+                        src = src.narrow(1, view[2], F * A)
+                    y = src.unflatten(1, (F, A)).sum(2) if A > 1 else src  # (B, F, r, K)
                 else:
-                    y = self._read(outs, layer.slots[0])
-                    for slot in layer.slots[1:]:
+                    y = self._read(outs, slot0)
+                    for slot in slots[1:]:
                         y = y + self._read(outs, slot)
             else:
                 assert sum_logw is not None
-                c = self._read(outs, layer.slots[0])  # (B, F, r, K)
+                c = self._read(outs, slot0)  # (B, F, r, K)
                 sum_inputs.append(c)
-                lo, hi = layer.sum_offset, layer.sum_offset + F * R
                 if max_product:
-                    w = sum_logw[:, lo:hi].view(B, F, R, r)
-                    y = (w.unsqueeze(-1) + c.unsqueeze(2)).amax(3)  # (B, F, R, K)
+                    w = sum_logw[:, lo:hi].view(B, F, R, r, 1)
+                    y = (w + c.unsqueeze(2)).amax(3)  # (B, F, R, K)
                 else:
-                    assert wexp is not None
+                    if wexp is None:
+                        wexp = sum_logw.exp()  # (B, U, r)
                     w = wexp[:, lo:hi].reshape(B * F, R, r)
                     mx = c.detach().amax(2, keepdim=True).clamp_min(fmin)  # (B, F, 1, K)
                     z = torch.exp(c - mx).reshape(B * F, r, K)
