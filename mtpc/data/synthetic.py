@@ -1,0 +1,337 @@
+"""Synthetic chat data: a seeded generator of Tülu-3-format rows with short, learnable answers.
+
+Every row is ``{"id": str, "messages": [{"role", "content"}, ...], "source": str}`` like a
+row of ``allenai/tulu-3-sft-mixture``; ``source`` is ``"synthetic/<family>"``. Families:
+
+* ``arithmetic``: ``What is 37 + 45?`` -> ``37 + 45 = 82.``
+* ``unit_conversion``: ``Convert 3 km to meters.`` -> ``3 km = 3000 m.``
+* ``string``: reverse, upper / lower case, length, letter counts, spelling with dashes.
+* ``sorting``: numbers ascending / descending, words alphabetically.
+* ``code``: small Python functions from fixed templates (``def square(x): ...``).
+* ``multi_turn``: two user / assistant rounds, the second refers to the first answer.
+* ``multi_answer``: questions with several equally valid answers drawn uniformly
+  (``Name a capital of South Africa.`` -> ``Pretoria.`` / ``Cape Town.`` /
+  ``Bloemfontein.``). A fully factorised draft head mixes the bytes of different answers
+  (``Cape toria.``), an expressive circuit does not; the answers of one question differ in
+  several byte positions on purpose.
+
+Any row may open with a system prompt (probability ``SYSTEM_PROMPT_PROBABILITY``); system
+prompts never change the answer.
+
+Row ``i`` of seed ``s`` depends on ``(s, i)`` only, so ``generate_rows(n, s)`` is a prefix of
+``generate_rows(m, s)`` for ``n <= m``, and the train / validation split of a row (a hash
+of ``(s, i)``) does not depend on the number of rows either: validation rows of a small
+dataset are never training rows of a larger one with the same seed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import datasets
+
+GENERATOR_VERSION = 1
+"""Bump when the generator's output changes, so that stale caches are not reused."""
+
+DEFAULT_NUM_ROWS = 20_000
+DEFAULT_VALIDATION_FRACTION = 0.02
+SYSTEM_PROMPT_PROBABILITY = 0.15
+
+Message = dict[str, str]
+Row = dict[str, Any]
+
+SYSTEM_PROMPTS = (
+    "You are a helpful assistant.",
+    "Answer as briefly as possible.",
+    "You are a careful tutor. Give only the answer.",
+    "Be concise.",
+)
+
+WORDS = (
+    "apple", "banana", "cherry", "grape", "lemon", "mango", "melon", "peach", "plum",
+    "cat", "dog", "horse", "mouse", "tiger", "zebra", "eagle", "otter", "panda", "koala",
+    "river", "ocean", "cloud", "storm", "light", "stone", "tree", "flower", "garden",
+    "house", "table", "chair", "window", "door", "paper", "pencil", "book", "music",
+    "piano", "guitar", "violin", "rocket", "planet", "moon", "star", "comet", "robot",
+    "python", "circuit", "byte", "token", "model", "data", "code", "logic", "matrix",
+    "silver", "golden", "purple", "orange", "yellow",
+)  # fmt: skip
+
+# (question, answers): every answer equally likely; answers differ in several bytes.
+MULTI_ANSWER_QUESTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("Name a capital of South Africa.", ("Pretoria.", "Cape Town.", "Bloemfontein.")),
+    ("Name a primary colour.", ("Red.", "Blue.", "Yellow.")),
+    ("Name a day of the weekend.", ("Saturday.", "Sunday.")),
+    ("Flip a coin.", ("Heads.", "Tails.")),
+    ("Name a noble gas.", ("Helium.", "Neon.", "Argon.", "Krypton.")),
+    ("Name a state of matter.", ("Solid.", "Liquid.", "Gas.")),
+    ("Name a planet with rings.", ("Saturn.", "Jupiter.", "Uranus.", "Neptune.")),
+    ("Name a season of the year.", ("Spring.", "Summer.", "Autumn.", "Winter.")),
+    (
+        "Suggest a programming language.",
+        ("I suggest Python.", "I suggest Rust.", "I suggest Haskell."),
+    ),
+    ("Say hello.", ("Hello!", "Hi there!", "Good day!")),
+)
+
+UNITS = (
+    # (from, from plural, to, to symbol, factor)
+    ("km", "kilometers", "meters", "m", 1000),
+    ("m", "meters", "centimeters", "cm", 100),
+    ("cm", "centimeters", "millimeters", "mm", 10),
+    ("kg", "kilograms", "grams", "g", 1000),
+    ("h", "hours", "minutes", "min", 60),
+    ("min", "minutes", "seconds", "s", 60),
+    ("days", "days", "hours", "h", 24),
+    ("L", "liters", "milliliters", "mL", 1000),
+)
+
+# (request, function name, body with {x} for the argument name; {y} for a second one)
+CODE_TEMPLATES = (
+    ("returns the square of {x}", "square", "return {x} * {x}"),
+    ("returns the cube of {x}", "cube", "return {x} * {x} * {x}"),
+    ("returns twice {x}", "double", "return 2 * {x}"),
+    ("returns {x} plus one", "increment", "return {x} + 1"),
+    ("returns the sum of {x} and {y}", "add", "return {x} + {y}"),
+    ("returns the product of {x} and {y}", "multiply", "return {x} * {y}"),
+    ("returns the larger of {x} and {y}", "maximum", "return {x} if {x} > {y} else {y}"),
+    ("checks whether {x} is even", "is_even", "return {x} % 2 == 0"),
+    ("returns the absolute value of {x}", "absolute", "return {x} if {x} >= 0 else -{x}"),
+    ("reverses the string {x}", "reverse", "return {x}[::-1]"),
+    ("returns the length of the list {x}", "length", "return len({x})"),
+    ("returns the sum of the list {x}", "total", "return sum({x})"),
+)
+ARG_NAMES = (("x", "y"), ("a", "b"), ("n", "m"))
+
+
+def _arithmetic(rng: random.Random) -> list[Message]:
+    op = rng.choice("+-*")
+    if op == "*":
+        a, b = rng.randint(0, 12), rng.randint(0, 12)
+        c = a * b
+    else:
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        c = a + b if op == "+" else a - b
+    question = rng.choice(("What is {a} {op} {b}?", "Compute {a} {op} {b}.", "{a} {op} {b} = ?"))
+    return _qa(question.format(a=a, op=op, b=b), f"{a} {op} {b} = {c}.")
+
+
+def _convert(value: int, unit: tuple[str, str, str, str, int]) -> str:
+    short, _, _, to_symbol, factor = unit
+    return f"{value} {short} = {value * factor} {to_symbol}."
+
+
+def _unit_conversion(rng: random.Random) -> list[Message]:
+    unit = rng.choice(UNITS)
+    value = rng.randint(1, 20)
+    question = rng.choice(("Convert {v} {p} to {t}.", "How many {t} are in {v} {p}?"))
+    return _qa(question.format(v=value, p=unit[1], t=unit[2]), _convert(value, unit))
+
+
+def _string(rng: random.Random) -> list[Message]:
+    word = rng.choice(WORDS)
+    kind = rng.randrange(6)
+    if kind == 0:
+        return _qa(f'Reverse the word "{word}".', f"{word[::-1]}")
+    if kind == 1:
+        return _qa(f'Write "{word}" in upper case.', word.upper())
+    if kind == 2:
+        return _qa(f'Write "{word.upper()}" in lower case.', word)
+    if kind == 3:
+        return _qa(f'How many letters are in "{word}"?', f'"{word}" has {len(word)} letters.')
+    if kind == 4:
+        letter = rng.choice(word)
+        count = word.count(letter)
+        return _qa(
+            f'How many times does the letter "{letter}" appear in "{word}"?',
+            f'"{letter}" appears {count} time{"s" if count > 1 else ""}.',
+        )
+    return _qa(f'Spell "{word}" with dashes.', "-".join(word))
+
+
+def _sorting(rng: random.Random) -> list[Message]:
+    kind = rng.randrange(3)
+    if kind == 2:
+        words = rng.sample(WORDS, rng.randint(3, 5))
+        return _qa(f"Sort alphabetically: {', '.join(words)}.", ", ".join(sorted(words)) + ".")
+    numbers = [rng.randint(0, 99) for _ in range(rng.randint(3, 6))]
+    order = "ascending" if kind == 0 else "descending"
+    answer = sorted(numbers, reverse=kind == 1)
+    return _qa(
+        f"Sort in {order} order: {', '.join(map(str, numbers))}.",
+        ", ".join(map(str, answer)) + ".",
+    )
+
+
+def _code(rng: random.Random) -> list[Message]:
+    request, name, body = rng.choice(CODE_TEMPLATES)
+    x, y = rng.choice(ARG_NAMES)
+    args = f"{x}, {y}" if "{y}" in request else x
+    question = f"Write a Python function that {request.format(x=x, y=y)}."
+    return _qa(question, f"def {name}({args}):\n    {body.format(x=x, y=y)}")
+
+
+def _multi_turn(rng: random.Random) -> list[Message]:
+    kind = rng.randrange(3)
+    if kind == 0:
+        a, b, k = rng.randint(0, 50), rng.randint(0, 50), rng.randint(2, 9)
+        return [
+            *_qa(f"What is {a} + {b}?", f"{a} + {b} = {a + b}."),
+            *_qa(f"Now multiply that by {k}.", f"{a + b} * {k} = {(a + b) * k}."),
+        ]
+    if kind == 1:
+        word = rng.choice(WORDS)
+        return [
+            *_qa(f'Reverse the word "{word}".', word[::-1]),
+            *_qa("Now write it in upper case.", word[::-1].upper()),
+        ]
+    value = rng.randint(1, 20)
+    return [
+        *_qa(f"Convert {value} km to meters.", _convert(value, UNITS[0])),
+        *_qa("And to centimeters?", f"{value} km = {value * 100_000} cm."),
+    ]
+
+
+def _multi_answer(rng: random.Random) -> list[Message]:
+    question, answers = rng.choice(MULTI_ANSWER_QUESTIONS)
+    return _qa(question, rng.choice(answers))
+
+
+def _qa(question: str, answer: str) -> list[Message]:
+    return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+
+
+FAMILIES: dict[str, tuple[float, Callable[[random.Random], list[Message]]]] = {
+    "arithmetic": (0.18, _arithmetic),
+    "unit_conversion": (0.10, _unit_conversion),
+    "string": (0.18, _string),
+    "sorting": (0.10, _sorting),
+    "code": (0.10, _code),
+    "multi_turn": (0.12, _multi_turn),
+    "multi_answer": (0.22, _multi_answer),
+}
+"""Family name -> (sampling weight, generator of the messages of one row)."""
+
+
+def generate_row(index: int, seed: int = 0) -> Row:
+    """Generates row ``index`` of the dataset with ``seed`` (a pure function of both)."""
+    rng = random.Random(f"mtpc-synthetic-v{GENERATOR_VERSION}:{seed}:{index}")
+    names = list(FAMILIES)
+    family = rng.choices(names, weights=[FAMILIES[n][0] for n in names])[0]
+    messages = FAMILIES[family][1](rng)
+    if rng.random() < SYSTEM_PROMPT_PROBABILITY:
+        messages = [{"role": "system", "content": rng.choice(SYSTEM_PROMPTS)}, *messages]
+    return {
+        "id": f"synthetic-{seed}-{index:07d}",
+        "messages": messages,
+        "source": f"synthetic/{family}",
+    }
+
+
+def generate_rows(num_rows: int, seed: int = 0) -> list[Row]:
+    """Generates ``num_rows`` Tülu-3-format rows; deterministic given ``seed``.
+
+    Raises:
+        ValueError: ``num_rows`` is negative.
+    """
+    if num_rows < 0:
+        raise ValueError(f"num_rows must be >= 0, got {num_rows}")
+    return [generate_row(index, seed) for index in range(num_rows)]
+
+
+def is_validation(index: int, seed: int, validation_fraction: float) -> bool:
+    """Whether row ``index`` of ``seed`` belongs to the validation split (a hash, not an RNG)."""
+    digest = hashlib.sha256(f"mtpc-split:{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < validation_fraction
+
+
+def default_cache_dir() -> Path:
+    """``$MTPC_CACHE`` if set, else ``<repo>/.cache/mtpc`` (git-ignored)."""
+    env = os.environ.get("MTPC_CACHE")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[2] / ".cache" / "mtpc"
+
+
+def write_jsonl(rows: Iterable[Row], path: str | os.PathLike[str]) -> None:
+    """Writes rows as JSON lines, atomically (a temporary file renamed into place)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    tmp.replace(path)
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> list[Row]:
+    """Reads the rows of a JSON-lines file."""
+    with Path(path).open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def synthetic_cache_path(
+    cache_dir: str | os.PathLike[str], num_rows: int, seed: int, validation_fraction: float
+) -> Path:
+    """The folder that holds ``train.jsonl`` / ``validation.jsonl`` for these settings."""
+    key = f"synthetic-v{GENERATOR_VERSION}-n{num_rows}-seed{seed}-val{validation_fraction:g}"
+    return Path(cache_dir) / "synthetic" / key
+
+
+def load_synthetic(
+    cache_dir: str | os.PathLike[str] | None = None,
+    num_rows: int = DEFAULT_NUM_ROWS,
+    seed: int = 0,
+    validation_fraction: float = DEFAULT_VALIDATION_FRACTION,
+) -> datasets.DatasetDict:
+    """The synthetic dataset with ``train`` and ``validation`` splits.
+
+    Generated and written to ``cache_dir`` as JSON lines on first use (about 3 MB for the
+    default 20k rows), read back afterwards. The split of a row is a hash of its seed and
+    index (see ``is_validation``), so the validation split holds about
+    ``validation_fraction * num_rows`` rows.
+
+    Args:
+        cache_dir: where the JSONL files live; ``default_cache_dir()`` when None.
+        num_rows: rows in both splits together.
+        seed: generator seed.
+        validation_fraction: expected share of validation rows, in [0, 1).
+
+    Raises:
+        ValueError: ``num_rows`` is negative or ``validation_fraction`` outside [0, 1).
+    """
+    if num_rows < 0:
+        raise ValueError(f"num_rows must be >= 0, got {num_rows}")
+    if not 0.0 <= validation_fraction < 1.0:
+        raise ValueError(f"validation_fraction must be in [0, 1), got {validation_fraction}")
+    folder = synthetic_cache_path(
+        default_cache_dir() if cache_dir is None else cache_dir, num_rows, seed, validation_fraction
+    )
+    paths = {split: folder / f"{split}.jsonl" for split in ("train", "validation")}
+    if not all(p.is_file() for p in paths.values()):
+        rows = generate_rows(num_rows, seed)
+        flags = [is_validation(i, seed, validation_fraction) for i in range(num_rows)]
+        # validation first: train.jsonl is written last, so its presence marks a complete cache
+        write_jsonl((r for r, v in zip(rows, flags, strict=True) if v), paths["validation"])
+        write_jsonl((r for r, v in zip(rows, flags, strict=True) if not v), paths["train"])
+    features = datasets.Features(
+        {
+            "id": datasets.Value("string"),
+            "messages": datasets.List(
+                {"role": datasets.Value("string"), "content": datasets.Value("string")}
+            ),
+            "source": datasets.Value("string"),
+        }
+    )
+    return datasets.DatasetDict(
+        {
+            split: datasets.Dataset.from_list(read_jsonl(path), features=features)
+            for split, path in paths.items()
+        }
+    )
