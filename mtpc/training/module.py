@@ -1,0 +1,217 @@
+"""``MTPCLightningModule``: trains an MTPC draft (head, and LoRA tail for k > 0).
+
+The module receives a built :class:`~mtpc.model.MTPCModel` (builders with flat arguments
+live in :mod:`mtpc.training.run`). Only the head and the LoRA weights are trainable and
+only they are written to checkpoints: a checkpoint of an EvaByte draft is megabytes, not
+the 13 GB of the frozen target, which is rebuilt from its config on resume.
+
+Logged metrics (``train/`` and ``val/`` prefixes): ``loss`` (the discounted total),
+``loss_j`` per window position j (the undiscounted L_j of Eq. 4), ``top1_j`` (the share of
+valid targets where the draft's most likely byte at position j, given the true bytes
+before it, is the data's byte) and ``expected_accepted`` (sum_j q(x_{1..j}) over the
+leading valid run: the drafts a sampled window would get accepted if the target agreed
+with the data).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import lightning as L
+import torch
+from torch import Tensor
+
+from mtpc.model import MTPCModel
+from mtpc.training.loss import LossOutput, composite_nll, distillation_kl, expected_accepted
+
+OptimizerFactory = Callable[..., torch.optim.Optimizer]
+SchedulerFactory = Callable[..., Any]
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN or infinite; the message names the step and the batch."""
+
+
+class MTPCLightningModule(L.LightningModule):
+    """Lightning wrapper around an :class:`MTPCModel` and the MTPC losses.
+
+    Args:
+        model: the draft model (frozen target + head + optional LoRA tail).
+        loss: ``nll`` (paper Eq. 4) or ``kl`` (paper App. G).
+        gamma: window discount; None for 0.8 (n <= 8) or 0.9 (n > 8).
+        chunk_size: positions per chunk of the memory-lean likelihood.
+        optimizer: a partial optimizer taking the trainable parameters (Adam by default).
+        scheduler: an optional partial LR scheduler taking the optimizer.
+        top1_positions: positions per validation batch used for the top-1 metric.
+    """
+
+    def __init__(
+        self,
+        model: MTPCModel,
+        loss: str = "nll",
+        gamma: float | None = None,
+        chunk_size: int = 1024,
+        optimizer: OptimizerFactory | None = None,
+        scheduler: SchedulerFactory | None = None,
+        top1_positions: int = 512,
+    ) -> None:
+        super().__init__()
+        if loss not in ("nll", "kl"):
+            raise ValueError(f"loss is {loss!r}; allowed: nll, kl")
+        self.model = model
+        self.loss_name = loss
+        self.gamma = gamma
+        self.chunk_size = chunk_size
+        self.optimizer_factory = optimizer
+        self.scheduler_factory = scheduler
+        self.top1_positions = top1_positions
+        self.strict_loading = False  # checkpoints hold only the trainable weights
+
+    # -- objective ---------------------------------------------------------------------
+    def _window_log_probs(self, batch: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, Any]:
+        """Prefix log-probs (B, L, n) of the data windows and the model output."""
+        ids = batch["input_ids"]
+        out = self.model(ids, return_verifier_logits=self.loss_name == "kl")
+        features = out.draft_features  # (B, L, d)
+        B, L, d = features.shape
+        n = self.model.head.window
+        targets = batch["targets"].reshape(B * L, n)
+        in_document = batch["window_mask"].reshape(B * L, n)
+        prefix = self.model.head.chunked_log_likelihood(
+            features.reshape(B * L, d), targets, in_document, chunk_size=self.chunk_size
+        )  # (B*L, n)
+        return prefix.reshape(B, L, n), features, out
+
+    def _objective(self, batch: Mapping[str, Tensor]) -> tuple[LossOutput, Tensor, Tensor]:
+        prefix, features, out = self._window_log_probs(batch)
+        mask = batch["target_mask"]
+        if self.loss_name == "nll":
+            result = composite_nll(prefix, mask, self.gamma)
+        else:
+            result = distillation_kl(
+                self._teacher_log_probs(out.verifier_logits),
+                self._draft_conditionals(features, batch),
+                mask,
+                self.gamma,
+            )
+        return result, prefix, features
+
+    def _teacher_log_probs(self, verifier_logits: Tensor) -> Tensor:
+        """The target's next-byte log-probs for window position j of every t; (B, L, n, V).
+
+        The byte x_{t+j} is predicted by the target at position t+j-1.
+        """
+        n = self.model.head.window
+        log_p = torch.log_softmax(verifier_logits.float(), dim=-1)  # (B, L, V)
+        padded = torch.nn.functional.pad(log_p, (0, 0, 0, n - 1))  # (B, L+n-1, V)
+        return padded.unfold(1, n, 1).permute(0, 1, 3, 2)  # (B, L, n, V)
+
+    def _draft_conditionals(self, features: Tensor, batch: Mapping[str, Tensor]) -> Tensor:
+        """log q(. | x_{t+1..t+j-1}) for every t and j; (B, L, n, V)."""
+        B, L, d = features.shape
+        n = self.model.head.window
+        flat = features.reshape(B * L, d)
+        targets = batch["targets"].reshape(B * L, n)
+        rows = []
+        for start in range(0, B * L, self.chunk_size):
+            params = self.model.head(flat[start : start + self.chunk_size])
+            prefix = targets[start : start + self.chunk_size]
+            per_position = [
+                self.model.head.circuit.conditional_log_prob(params, prefix[:, :j])
+                for j in range(n)
+            ]
+            rows.append(torch.stack(per_position, dim=1))  # (C, n, V)
+        return torch.cat(rows).reshape(B, L, n, -1)
+
+    # -- steps -------------------------------------------------------------------------
+    def training_step(self, batch: Mapping[str, Tensor], batch_idx: int) -> Tensor:
+        result, _, _ = self._objective(batch)
+        if not torch.isfinite(result.loss):
+            raise NonFiniteLossError(
+                f"non-finite training loss {result.loss.item()} at global step "
+                f"{self.global_step}, epoch {self.current_epoch}, batch {batch_idx} "
+                f"(packed sequences {batch['index'].tolist()}); the last good checkpoint is kept"
+            )
+        self._log_losses("train", result, batch)
+        return result.loss
+
+    def validation_step(self, batch: Mapping[str, Tensor], batch_idx: int) -> None:
+        result, prefix, features = self._objective(batch)
+        self._log_losses("val", result, batch)
+        mask = batch["target_mask"]
+        batch_size = batch["input_ids"].shape[0]
+        self.log(
+            "val/expected_accepted",
+            expected_accepted(prefix, mask),
+            batch_size=batch_size,
+            sync_dist=True,
+        )
+        for j, accuracy in enumerate(self._top1(features, batch), start=1):
+            self.log(f"val/top1_{j}", accuracy, batch_size=batch_size, sync_dist=True)
+
+    def _log_losses(self, stage: str, result: LossOutput, batch: Mapping[str, Tensor]) -> None:
+        batch_size = batch["input_ids"].shape[0]
+        on_step = stage == "train"
+        self.log(
+            f"{stage}/loss",
+            result.loss.detach(),
+            batch_size=batch_size,
+            prog_bar=True,
+            on_step=on_step,
+            on_epoch=True,
+            sync_dist=True,
+        )
+        for j, value in enumerate(result.per_position, start=1):
+            self.log(
+                f"{stage}/loss_{j}",
+                value,
+                batch_size=batch_size,
+                on_step=False,
+                on_epoch=True,
+                sync_dist=True,
+            )
+
+    @torch.no_grad()
+    def _top1(self, features: Tensor, batch: Mapping[str, Tensor]) -> Tensor:
+        """Per-position top-1 agreement of the draft's conditionals with the data; (n,)."""
+        n = self.model.head.window
+        mask = batch["target_mask"].reshape(-1, n)
+        rows = mask.any(dim=1).nonzero().squeeze(1)[: self.top1_positions]
+        if rows.numel() == 0:
+            return features.new_zeros(n)
+        flat = features.reshape(-1, features.shape[-1])[rows]
+        targets = batch["targets"].reshape(-1, n)[rows]
+        params = self.model.head(flat)
+        hits, counts = [], []
+        for j in range(n):
+            log_q = self.model.head.circuit.conditional_log_prob(params, targets[:, :j])
+            valid = mask[rows, j]
+            hits.append(((log_q.argmax(dim=-1) == targets[:, j]) & valid).sum())
+            counts.append(valid.sum())
+        return torch.stack(hits).float() / torch.stack(counts).clamp(min=1).float()
+
+    # -- optimisation and checkpoints ----------------------------------------------------
+    def configure_optimizers(self) -> Any:
+        params = self.model.trainable_parameters()
+        factory = self.optimizer_factory or (lambda p: torch.optim.Adam(p, lr=3e-4))
+        optimizer = factory(params)
+        if self.scheduler_factory is None:
+            return optimizer
+        scheduler = self.scheduler_factory(optimizer)
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+        }
+
+    def trainable_state_dict(self) -> dict[str, Tensor]:
+        """State of the trainable weights only (head + LoRA), by module path."""
+        trainable = {id(p) for p in self.model.trainable_parameters()}
+        return {
+            name: param.detach()
+            for name, param in self.named_parameters()
+            if id(param) in trainable
+        }
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["state_dict"] = self.trainable_state_dict()

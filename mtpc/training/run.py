@@ -1,0 +1,238 @@
+"""``train(cfg)``: the whole training job behind ``python train.py`` and sweeps.
+
+Order of work: validate the config (fails in milliseconds), build the data module and
+the model, optionally load the previous stage's weights (``init_from``), measure the
+untrained draft on validation, fit with Lightning (resuming from ``last.ckpt`` when the
+run folder has one), export the draft to ``<run dir>/draft`` and write ``metrics.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from hydra.utils import instantiate
+from lightning.pytorch.callbacks import ModelCheckpoint
+from omegaconf import DictConfig, OmegaConf
+from safetensors.torch import load_file
+
+from mtpc.config import ConfigError, validate_train_config
+from mtpc.model import MTPCModel
+from mtpc.training.callbacks import AtomicCheckpointIO, RNGStateCallback
+from mtpc.training.module import MTPCLightningModule
+
+log = logging.getLogger(__name__)
+
+LAST_CHECKPOINT = "last.ckpt"
+
+
+def build_model(cfg: DictConfig) -> MTPCModel:
+    """The draft model of ``cfg.model`` / ``cfg.circuit`` / ``cfg.lora`` (flat builder)."""
+    circuit = OmegaConf.to_container(cfg.circuit, resolve=True)
+    assert isinstance(circuit, dict)
+    head_options = {k: v for k, v in circuit.items() if k not in ("kind", "window", "rank")}
+    lora = cfg.lora
+    return MTPCModel.from_config(
+        model=cfg.model.name,
+        kind=circuit["kind"],
+        window=circuit["window"],
+        rank=circuit["rank"],
+        lora_layers=lora.layers,
+        path=cfg.model.path,
+        revision=cfg.model.get("revision"),
+        dtype=cfg.model.dtype,
+        device="cpu",
+        lora_rank=lora.rank,
+        lora_alpha=float(lora.alpha),
+        lora_dropout=float(lora.dropout),
+        lora_target_modules=list(lora.target_modules),
+        **head_options,
+    )
+
+
+def load_initial_weights(model: MTPCModel, init_from: str | Path) -> None:
+    """Loads a previous stage's head (and LoRA weights if their shapes match).
+
+    Args:
+        model: the freshly built draft.
+        init_from: an exported draft folder (``config.json`` + ``head.safetensors``) or a
+            Lightning checkpoint written by this trainer.
+
+    Raises:
+        ConfigError: the path does not exist, or its circuit differs from the config's.
+    """
+    from mtpc.export import ADAPTER_NAME, HEAD_NAME, check_head_state, read_config
+
+    path = Path(init_from)
+    if path.is_dir():
+        config = read_config(path)
+        circuit = config["circuit"]
+        wanted = {"kind": model.head.kind, "window": model.head.window, "rank": model.head.rank}
+        got = {key: circuit.get(key) for key in wanted}
+        if got != wanted:
+            raise ConfigError(
+                f"init_from={path} holds a {got} draft but the config asks for {wanted}; "
+                "use the same circuit.kind / circuit.window / circuit.rank as stage 1"
+            )
+        head_state = load_file(str(path / HEAD_NAME))
+        check_head_state(head_state, model.head, circuit)
+        model.head.load_state_dict(head_state)
+        adapter = path / ADAPTER_NAME
+        if adapter.exists() and model.backbone.lora is not None:
+            _load_matching(model.backbone.lora, load_file(str(adapter)))
+    elif path.is_file():
+        state = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+        head_state = {k.removeprefix("model.head."): v for k, v in state.items() if ".head." in k}
+        model.head.load_state_dict(head_state)
+        if model.backbone.lora is not None:
+            prefix = "model.backbone.lora."
+            _load_matching(
+                model.backbone.lora,
+                {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)},
+            )
+    else:
+        raise ConfigError(
+            f"init_from={path} does not exist; allowed: an exported draft folder "
+            "(outputs/train/<run>/draft) or a Lightning checkpoint (.ckpt)"
+        )
+    log.info("initialised the draft from %s", path)
+
+
+def _load_matching(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Loads the tensors whose names and shapes match (a k=1 stage from a k=2 one, say)."""
+    own = module.state_dict()
+    usable = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
+    module.load_state_dict(usable, strict=False)
+
+
+def _accumulation(cfg: DictConfig, world_size: int) -> int:
+    """Batches per optimizer step so that one step sees ``global_batch_size`` sequences."""
+    if cfg.get("global_batch_size") is None:
+        return int(cfg.trainer.get("accumulate_grad_batches") or 1)
+    per_step = int(cfg.data.batch_size) * world_size
+    return max(1, math.ceil(int(cfg.global_batch_size) / per_step))
+
+
+def _world_size(cfg: DictConfig) -> int:
+    devices = cfg.trainer.get("devices", 1)
+    if isinstance(devices, int) and devices > 0:
+        nodes = int(cfg.trainer.get("num_nodes") or 1)
+        return devices * nodes
+    if cfg.trainer.get("accelerator") == "gpu" and torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return 1
+
+
+def _callbacks(cfg: DictConfig, checkpoint_dir: Path) -> list[L.Callback]:
+    every = cfg.callbacks.get("checkpoint_every_n_steps")
+    monitor = cfg.callbacks.get("monitor", "val/loss")
+    last = ModelCheckpoint(
+        dirpath=checkpoint_dir,
+        save_last=True,
+        save_top_k=0,
+        every_n_train_steps=every,
+        save_on_train_epoch_end=True,
+    )
+    best = ModelCheckpoint(
+        dirpath=checkpoint_dir,
+        filename="best-{step}",
+        monitor=monitor,
+        mode="min",
+        save_top_k=int(cfg.callbacks.get("save_top_k", 1)),
+        auto_insert_metric_name=False,
+    )
+    return [last, best, RNGStateCallback()]
+
+
+def _run_dir(cfg: DictConfig) -> Path:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return Path(HydraConfig.get().runtime.output_dir)
+    except ValueError:  # called outside @hydra.main (tests, notebooks)
+        return Path(cfg.get("run_dir") or Path.cwd() / "outputs" / "train" / cfg.run_name)
+
+
+def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, int | float | torch.Tensor)}
+
+
+def train(cfg: DictConfig) -> dict[str, float]:
+    """Trains the draft described by ``cfg`` and returns its final metrics.
+
+    Returns:
+        ``val/...`` metrics of the trained draft, the untrained draft's as ``init/...``,
+        and ``train/steps``.
+    """
+    validate_train_config(cfg)
+    run_dir = _run_dir(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint_dir = run_dir / "checkpoints"
+    L.seed_everything(int(cfg.seed), workers=True)
+
+    datamodule = instantiate(cfg.data)
+    model = build_model(cfg)
+    if cfg.get("init_from"):
+        load_initial_weights(model, cfg.init_from)
+    module = MTPCLightningModule(
+        model,
+        loss=cfg.loss.name,
+        gamma=cfg.loss.get("gamma"),
+        chunk_size=int(cfg.loss.get("chunk_size") or 1024),
+        optimizer=instantiate(cfg.optimizer),
+        scheduler=instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
+    )
+
+    trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
+    assert isinstance(trainer_cfg, dict)
+    trainer_cfg.pop("_target_", None)
+    trainer_cfg["accumulate_grad_batches"] = _accumulation(cfg, _world_size(cfg))
+    fast = bool(trainer_cfg.get("fast_dev_run"))
+    logger = instantiate(cfg.logger) if cfg.get("logger") and not fast else False
+    trainer = L.Trainer(
+        **trainer_cfg,
+        default_root_dir=str(run_dir),
+        logger=logger,
+        callbacks=_callbacks(cfg, checkpoint_dir),
+        plugins=[AtomicCheckpointIO()],
+        enable_checkpointing=True,
+    )
+
+    resume = checkpoint_dir / LAST_CHECKPOINT
+    ckpt_path = str(resume) if resume.exists() and not fast else None
+    metrics: dict[str, float] = {}
+    if ckpt_path is None and cfg.get("validate_before_training", True) and not fast:
+        initial = trainer.validate(module, datamodule=datamodule, verbose=False)
+        metrics.update({f"init/{k}": v for k, v in _scalars(initial[0]).items()} if initial else {})
+    else:
+        log.info("resuming from %s", ckpt_path)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    metrics.update(_scalars(trainer.callback_metrics))
+    if not fast and trainer.limit_val_batches != 0:  # the final draft, whatever the schedule
+        final = trainer.validate(module, datamodule=datamodule, verbose=False)
+        metrics.update(_scalars(final[0]) if final else {})
+    metrics["train/steps"] = float(trainer.global_step)
+
+    if trainer.is_global_zero:
+        (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
+        if cfg.get("export", True) and not fast:
+            draft_dir = model.save_pretrained(
+                run_dir / "draft",
+                training_config=OmegaConf.to_container(cfg, resolve=False),
+                metrics=metrics,
+            )
+            _record_last_draft(cfg, Path(draft_dir))
+            log.info("exported the draft to %s", draft_dir)
+    return metrics
+
+
+def _record_last_draft(cfg: DictConfig, draft_dir: Path) -> None:
+    """Remembers the newest export so that a bare ``python eval.py`` finds it."""
+    marker = Path(cfg.paths.root_dir) / "outputs" / "last_draft.txt"
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(str(draft_dir.resolve()) + "\n")

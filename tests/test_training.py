@@ -1,0 +1,225 @@
+"""Training: the Lightning module learns, train(cfg) runs both stages, resumes, exports.
+
+End-to-end runs use the bundled tiny target with a few hundred synthetic rows, short packed
+sequences and a handful of steps, so the whole file runs in about a minute on 2 cores.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig, OmegaConf, open_dict
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from mtpc.config import ConfigError
+from mtpc.data.datamodule import build_datamodule
+from mtpc.model import MTPCModel
+from mtpc.training.module import MTPCLightningModule, NonFiniteLossError
+from mtpc.training.run import train
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG_DIR = REPO / "configs"
+FAST = [
+    "data.num_rows=300",
+    "data.seq_len=96",
+    "data.batch_size=4",
+    "trainer.log_every_n_steps=1",
+    "trainer.enable_progress_bar=false",
+    "trainer.limit_val_batches=2",
+    "loss.chunk_size=128",
+]
+
+
+def _compose(tmp_path: Path, overrides: list[str], name: str = "run") -> DictConfig:
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=[*FAST, *overrides], return_hydra_config=False)
+    with open_dict(cfg):
+        cfg.paths.root_dir = str(tmp_path)
+        cfg.paths.cache_dir = str(tmp_path / "cache")
+        cfg.paths.output_dir = str(tmp_path / name)
+        cfg.run_dir = str(tmp_path / name)
+    return cfg
+
+
+def _random_llama(vocab: int = 320) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+    )
+    return LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize(("kind", "rank"), [("ff", 1), ("cp", 3), ("hmm", 3), ("btree", 3)])
+def test_loss_decreases_when_overfitting_one_batch(kind: str, rank: int, tmp_path: Path) -> None:
+    model = MTPCModel.from_hf(_random_llama(), kind=kind, window=4, rank=rank, lora_layers=0)
+    datamodule = build_datamodule(
+        source="synthetic", codec="tiny", seq_len=64, window=4, batch_size=2, num_rows=200,
+        cache_dir=str(tmp_path),
+    )  # fmt: skip
+    datamodule.setup("fit")
+    batch = next(iter(datamodule.train_dataloader()))
+    module = MTPCLightningModule(
+        model, optimizer=lambda params: torch.optim.Adam(params, lr=1e-2), chunk_size=64
+    )
+    optimizer = module.configure_optimizers()
+    losses = []
+    for _ in range(15):
+        optimizer.zero_grad()
+        loss = module._objective(batch)[0].loss
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0], losses
+
+
+def test_only_head_and_lora_weights_train_and_are_checkpointed() -> None:
+    model = MTPCModel.from_hf(_random_llama(), kind="btree", window=4, rank=2, lora_layers=1)
+    module = MTPCLightningModule(model)
+    state = module.trainable_state_dict()
+    assert state and all(".head." in k or "lora_" in k for k in state)
+    frozen = [n for n, p in module.named_parameters() if n not in state]
+    assert frozen and not any(p.requires_grad for n, p in module.named_parameters() if n in frozen)
+
+
+def test_non_finite_loss_names_step_and_batch(tmp_path: Path) -> None:
+    model = MTPCModel.from_hf(_random_llama(), kind="cp", window=4, rank=2, lora_layers=0)
+    with torch.no_grad():
+        model.head.unembedding.fill_(float("nan"))
+    datamodule = build_datamodule(
+        source="synthetic", codec="tiny", seq_len=64, window=4, batch_size=2, num_rows=200,
+        cache_dir=str(tmp_path),
+    )  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, limit_val_batches=0,
+    )  # fmt: skip
+    with pytest.raises(NonFiniteLossError, match=r"global step 0, epoch 0, batch 0"):
+        trainer.fit(MTPCLightningModule(model), datamodule=datamodule)
+
+
+def _read_losses(run_dir: Path) -> dict[int, float]:
+    """train/loss_step per global step from the CSV logger."""
+    losses: dict[int, float] = {}
+    for metrics in sorted(run_dir.rglob("metrics.csv")):
+        with metrics.open() as handle:
+            for row in csv.DictReader(handle):
+                if row.get("train/loss_step"):
+                    losses[int(row["step"])] = float(row["train/loss_step"])
+    return losses
+
+
+def test_two_stage_training_exports_and_beats_the_untrained_head(tmp_path: Path) -> None:
+    cfg = _compose(tmp_path, ["circuit=btree", "circuit.window=4", "circuit.rank=4",
+                              "trainer.max_steps=12"], "heads")  # fmt: skip
+    metrics = train(cfg)
+    draft = tmp_path / "heads" / "draft"
+    assert (draft / "config.json").exists() and (draft / "head.safetensors").exists()
+    assert metrics["val/loss"] < metrics["init/val/loss"]
+    assert (tmp_path / "heads" / "checkpoints" / "last.ckpt").exists()
+    assert json.loads((tmp_path / "heads" / "metrics.json").read_text())["train/steps"] == 12
+    assert (tmp_path / "outputs" / "last_draft.txt").read_text().strip() == str(draft.resolve())
+
+    lora = _compose(tmp_path, ["circuit=btree", "circuit.window=4", "circuit.rank=4",
+                               "trainer.max_steps=3", "stage=lora", "lora.layers=1",
+                               f"init_from={draft}"], "lora")  # fmt: skip
+    lora_metrics = train(lora)
+    # stage 2 starts from stage 1's head: its untrained loss is stage 1's final loss
+    assert lora_metrics["init/val/loss"] == pytest.approx(metrics["val/loss"], rel=1e-4)
+    exported = json.loads((tmp_path / "lora" / "draft" / "config.json").read_text())
+    assert exported["lora"]["layers"] == 1
+
+
+def test_init_from_a_different_circuit_is_refused(tmp_path: Path) -> None:
+    cfg = _compose(tmp_path, ["circuit=cp", "circuit.window=4", "circuit.rank=2",
+                              "trainer.max_steps=1", "validate_before_training=false"], "a")  # fmt: skip
+    train(cfg)
+    other = _compose(tmp_path, ["circuit=cp", "circuit.window=4", "circuit.rank=3",
+                                "stage=lora", f"init_from={tmp_path / 'a' / 'draft'}"], "b")  # fmt: skip
+    with pytest.raises(ConfigError, match="circuit.rank"):
+        train(other)
+    missing = _compose(tmp_path, ["stage=lora", f"init_from={tmp_path / 'nope'}"], "c")
+    with pytest.raises(ConfigError, match="does not exist"):
+        train(missing)
+
+
+def test_resume_continues_the_same_loss_curve(tmp_path: Path) -> None:
+    common = ["circuit=cp", "circuit.window=4", "circuit.rank=2", "validate_before_training=false",
+              "callbacks.checkpoint_every_n_steps=1", "export=false"]  # fmt: skip
+    train(_compose(tmp_path, [*common, "trainer.max_steps=6"], "straight"))
+    straight = _read_losses(tmp_path / "straight")
+    # an interrupted run: killed after step 3 (last.ckpt at step 3), then the same command
+    train(_compose(tmp_path, [*common, "trainer.max_steps=3"], "resumed"))
+    train(_compose(tmp_path, [*common, "trainer.max_steps=6"], "resumed"))
+    resumed = _read_losses(tmp_path / "resumed")
+    assert sorted(straight) == sorted(resumed) == list(range(6))
+    for step in range(6):
+        assert resumed[step] == pytest.approx(straight[step], rel=1e-5), step
+
+
+def test_every_experiment_composes_and_validates() -> None:
+    from mtpc.config import validate_train_config
+
+    experiments = sorted(p.stem for p in (CONFIG_DIR / "experiment").glob("*.yaml"))
+    assert len(experiments) >= 40
+    for name in experiments:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            cfg = compose("train", overrides=[f"experiment={name}"])
+        validate_train_config(cfg)
+        assert cfg.run_name == name and cfg.global_batch_size == 256
+        assert (cfg.stage == "lora") == ("_lora" in name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name",
+    sorted({p.stem.split("_lora")[0] for p in (CONFIG_DIR / "experiment").glob("evabyte_*")}
+           | {p.stem for p in (CONFIG_DIR / "experiment").glob("evabyte_*_lora4.yaml")}),
+)  # fmt: skip
+def test_experiment_runs_fast_dev_run_on_the_tiny_target(name: str, tmp_path: Path) -> None:
+    """Each experiment's circuit and LoRA depth, on the tiny target instead of the hub model.
+
+    The llama3_byte experiments share these circuits and depths, so they are covered too.
+    """
+    cfg = _compose(tmp_path, [f"experiment={name}", "model=tiny", "data=synthetic",
+                              "trainer=cpu", "logger=none", "trainer.fast_dev_run=true",
+                              "stage=heads", "init_from=null", "global_batch_size=null"])  # fmt: skip
+    metrics = train(cfg)
+    assert math.isfinite(metrics["train/loss_step"])
+
+
+def test_wandb_offline_writes_a_run(tmp_path: Path) -> None:
+    cfg = _compose(tmp_path, ["logger=wandb", "trainer.max_steps=2", "circuit=ff",
+                              "circuit.window=2", "circuit.rank=1", "export=false",
+                              "validate_before_training=false"], "wb")  # fmt: skip
+    train(cfg)
+    runs = list((tmp_path / "wb").rglob("offline-run-*"))
+    assert runs, "wandb wrote no offline run"
+
+
+@pytest.mark.slow
+def test_ddp_on_two_cpu_processes(tmp_path: Path) -> None:
+    env = {**os.environ, "PROJECT_ROOT": str(tmp_path), "MTPC_CACHE": str(tmp_path / "cache")}
+    command = [sys.executable, str(REPO / "train.py"), "trainer=ddp_cpu", "trainer.max_steps=2",
+               "circuit=cp", "circuit.window=4", "circuit.rank=2", "logger=csv",
+               f"hydra.run.dir={tmp_path / 'ddp'}", *FAST]  # fmt: skip
+    result = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = json.loads((tmp_path / "ddp" / "metrics.json").read_text())
+    assert metrics["train/steps"] == 2
+    assert (tmp_path / "ddp" / "draft" / "head.safetensors").exists()
+    assert OmegaConf.load(tmp_path / "ddp" / ".hydra" / "config.yaml").trainer.devices == 2
