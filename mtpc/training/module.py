@@ -22,6 +22,7 @@ import lightning as L
 import torch
 from torch import Tensor
 
+from mtpc.heads import MTPCHead
 from mtpc.model import MTPCModel
 from mtpc.training.loss import LossOutput, composite_nll, distillation_kl, expected_accepted
 
@@ -68,6 +69,12 @@ class MTPCLightningModule(L.LightningModule):
         self.top1_positions = top1_positions
         self.strict_loading = False  # checkpoints hold only the trainable weights
 
+    @property
+    def head(self) -> MTPCHead:
+        head = self.model.head
+        assert isinstance(head, MTPCHead)
+        return head
+
     # -- objective ---------------------------------------------------------------------
     def _window_log_probs(self, batch: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, Any]:
         """Prefix log-probs (B, L, n) of the data windows and the model output."""
@@ -75,10 +82,10 @@ class MTPCLightningModule(L.LightningModule):
         out = self.model(ids, return_verifier_logits=self.loss_name == "kl")
         features = out.draft_features  # (B, L, d)
         B, L, d = features.shape
-        n = self.model.head.window
+        n = self.head.window
         targets = batch["targets"].reshape(B * L, n)
         in_document = batch["window_mask"].reshape(B * L, n)
-        prefix = self.model.head.chunked_log_likelihood(
+        prefix = self.head.chunked_log_likelihood(
             features.reshape(B * L, d), targets, in_document, chunk_size=self.chunk_size
         )  # (B*L, n)
         return prefix.reshape(B, L, n), features, out
@@ -102,7 +109,7 @@ class MTPCLightningModule(L.LightningModule):
 
         The byte x_{t+j} is predicted by the target at position t+j-1.
         """
-        n = self.model.head.window
+        n = self.head.window
         log_p = torch.log_softmax(verifier_logits.float(), dim=-1)  # (B, L, V)
         padded = torch.nn.functional.pad(log_p, (0, 0, 0, n - 1))  # (B, L+n-1, V)
         return padded.unfold(1, n, 1).permute(0, 1, 3, 2)  # (B, L, n, V)
@@ -110,16 +117,15 @@ class MTPCLightningModule(L.LightningModule):
     def _draft_conditionals(self, features: Tensor, batch: Mapping[str, Tensor]) -> Tensor:
         """log q(. | x_{t+1..t+j-1}) for every t and j; (B, L, n, V)."""
         B, L, d = features.shape
-        n = self.model.head.window
+        n = self.head.window
         flat = features.reshape(B * L, d)
         targets = batch["targets"].reshape(B * L, n)
         rows = []
         for start in range(0, B * L, self.chunk_size):
-            params = self.model.head(flat[start : start + self.chunk_size])
+            params = self.head(flat[start : start + self.chunk_size])
             prefix = targets[start : start + self.chunk_size]
             per_position = [
-                self.model.head.circuit.conditional_log_prob(params, prefix[:, :j])
-                for j in range(n)
+                self.head.circuit.conditional_log_prob(params, prefix[:, :j]) for j in range(n)
             ]
             rows.append(torch.stack(per_position, dim=1))  # (C, n, V)
         return torch.cat(rows).reshape(B, L, n, -1)
@@ -175,17 +181,17 @@ class MTPCLightningModule(L.LightningModule):
     @torch.no_grad()
     def _top1(self, features: Tensor, batch: Mapping[str, Tensor]) -> Tensor:
         """Per-position top-1 agreement of the draft's conditionals with the data; (n,)."""
-        n = self.model.head.window
+        n = self.head.window
         mask = batch["target_mask"].reshape(-1, n)
         rows = mask.any(dim=1).nonzero().squeeze(1)[: self.top1_positions]
         if rows.numel() == 0:
             return features.new_zeros(n)
         flat = features.reshape(-1, features.shape[-1])[rows]
         targets = batch["targets"].reshape(-1, n)[rows]
-        params = self.model.head(flat)
+        params = self.head(flat)
         hits, counts = [], []
         for j in range(n):
-            log_q = self.model.head.circuit.conditional_log_prob(params, targets[:, :j])
+            log_q = self.head.circuit.conditional_log_prob(params, targets[:, :j])
             valid = mask[rows, j]
             hits.append(((log_q.argmax(dim=-1) == targets[:, j]) & valid).sum())
             counts.append(valid.sum())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ def build_model(cfg: DictConfig) -> MTPCModel:
     """The draft model of ``cfg.model`` / ``cfg.circuit`` / ``cfg.lora`` (flat builder)."""
     circuit = OmegaConf.to_container(cfg.circuit, resolve=True)
     assert isinstance(circuit, dict)
-    head_options = {k: v for k, v in circuit.items() if k not in ("kind", "window", "rank")}
+    head_options = {str(k): v for k, v in circuit.items() if k not in ("kind", "window", "rank")}
     lora = cfg.lora
     return MTPCModel.from_config(
         model=cfg.model.name,
@@ -80,7 +81,7 @@ def load_initial_weights(model: MTPCModel, init_from: str | Path) -> None:
                 "use the same circuit.kind / circuit.window / circuit.rank as stage 1"
             )
         head_state = load_file(str(path / HEAD_NAME))
-        check_head_state(head_state, model.head, circuit)
+        check_head_state(config, head_state, model.head)
         model.head.load_state_dict(head_state)
         adapter = path / ADAPTER_NAME
         if adapter.exists() and model.backbone.lora is not None:
@@ -158,7 +159,7 @@ def _run_dir(cfg: DictConfig) -> Path:
         return Path(cfg.get("run_dir") or Path.cwd() / "outputs" / "train" / cfg.run_name)
 
 
-def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
+def _scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items() if isinstance(v, int | float | torch.Tensor)}
 
 
@@ -195,7 +196,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     fast = bool(trainer_cfg.get("fast_dev_run"))
     logger = instantiate(cfg.logger) if cfg.get("logger") and not fast else False
     trainer = L.Trainer(
-        **trainer_cfg,
+        **{str(key): value for key, value in trainer_cfg.items()},
         default_root_dir=str(run_dir),
         logger=logger,
         callbacks=_callbacks(cfg, checkpoint_dir),
