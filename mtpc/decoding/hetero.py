@@ -1,0 +1,756 @@
+"""Lossless speculative decoding across heterogeneous vocabularies (Timor et al., 2025).
+
+``generate_hetero(target, target_tokenizer, drafter, drafter_tokenizer, prompt, algorithm=...)``
+decodes with a drafter whose vocabulary differs from the target's. Algorithm numbers are the
+paper's:
+
+* ``standard`` (Alg. 5): same-vocabulary speculative decoding (checked: the two vocabularies
+  must be identical id for id).
+* ``union`` (Alg. 1): both distributions extended to T ∪ D; a drafted token outside T is
+  always rejected. Kept as the baseline TLI provably beats (Thm 4.1).
+* ``tli`` (Alg. 4): the drafter renormalised over T ∩ D (matched by bytes, see
+  :mod:`mtpc.decoding.vocab`), standard rejection sampling.
+* ``slem`` (Alg. 2): draft ``lookahead`` drafter tokens, decode them to bytes, re-tokenise
+  with the target (aligned against the last accepted target tokens with a bounded
+  look-behind, for non-injective tokenizers), verify all in one target pass by exact match
+  with the target's own choices, accept the longest matching prefix plus the target's next
+  token. Every emitted token is the target's own choice, so greedy SLEM output equals the
+  target's greedy decoding token for token; with ``greedy=False`` the target's choices are
+  samples, which is lossless too.
+* ``slrs`` (Alg. 3): draft until the target's first token is determined, propose
+  t = the longest eligible target token that prefixes the drafted bytes, accept it with
+  probability min(1, p(t) / psi(t)), otherwise sample the residual norm(max(0, p - psi)).
+  psi(t) is the drafter's probability of proposing t: ``psi = "enumerate"`` sums drafter
+  token paths over a prefix tree (bounded by ``max_psi_paths`` drafter passes);
+  ``psi = "circuit"`` (an MTPCModel drafter) reads it from the circuit's prefix marginals,
+  psi(t) = q(bytes t) - sum over minimal eligible extensions t' of q(bytes t').
+
+Targets and HF drafters run with KV caches (:class:`CachedLM`); the drafter's context is the
+generated text re-encoded with its own tokenizer each cycle (the cache keeps the common
+prefix). Verification uses the shared rules of :mod:`mtpc.decoding.verify`.
+
+See docs/HETERO.md.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mtpc.decoding.verify import process_logits, verify_greedy, verify_sampling
+from mtpc.decoding.vocab import (
+    CodecTokenizer,
+    HeteroVocabularyError,
+    InexpressibleTextError,
+    TokenizerAdapter,
+    as_tokenizer,
+    utf8_complete,
+    vocab_mapping,
+)
+
+ALGORITHMS = ("slem", "tli", "slrs", "union", "standard")
+PSI_METHODS = ("auto", "enumerate", "circuit")
+_BOTTOM = -1  # a proposal outside the target vocabulary (always rejected)
+
+
+class PsiBoundError(RuntimeError):
+    """The psi enumeration of SLRS needs more drafter paths than ``max_psi_paths``."""
+
+
+@dataclass
+class HeteroResult:
+    """Output of :func:`generate_hetero`.
+
+    Attributes:
+        tokens: new target ids (the prompt excluded), cut at a stop id or max_new_tokens.
+        text: their text (target tokenizer, specials skipped).
+        accepted: accepted drafted target tokens per target pass (cycle).
+        target_passes: target forward passes, prefill included.
+        drafter_passes: drafter forward passes (psi enumeration included).
+        seconds: wall time of the decoding loop.
+        algorithm: the algorithm used.
+    """
+
+    tokens: list[int]
+    text: str
+    accepted: list[int] = field(default_factory=list)
+    target_passes: int = 0
+    drafter_passes: int = 0
+    seconds: float = 0.0
+    algorithm: str = "slem"
+
+    @property
+    def mean_accepted(self) -> float:
+        """Mean accepted drafted tokens per target pass (cycle)."""
+        return sum(self.accepted) / max(len(self.accepted), 1)
+
+
+class CachedLM:
+    """An HF causal LM with a KV cache that follows a token sequence.
+
+    :meth:`logits` makes the cache cover ``seq`` (reusing the longest common prefix with
+    the previous call, cropping the rest) and returns the last ``rows`` next-token logits.
+    Models whose output has no ``past_key_values`` (stubs) are re-run on the whole sequence.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        params = list(model.parameters()) if hasattr(model, "parameters") else []
+        self.device = params[0].device if params else torch.device("cpu")
+        self.ids: list[int] = []
+        self.cache: Any = None
+        self.passes = 0
+
+    @torch.no_grad()
+    def logits(self, seq: Sequence[int], rows: int = 1) -> Tensor:
+        """Next-token logits after ``seq[:len-rows+1]``, ..., after ``seq``; (rows, V) float."""
+        seq = list(seq)
+        if not 1 <= rows <= len(seq):
+            raise ValueError(f"rows must be in 1..{len(seq)}, got {rows}")
+        common = 0
+        for a, b in zip(self.ids, seq, strict=False):
+            if a != b:
+                break
+            common += 1
+        start = min(common, len(seq) - rows) if self.cache is not None else 0
+        if start and len(self.ids) > start:
+            self.cache.crop(-(len(self.ids) - start))
+        inp = torch.tensor([seq[start:]], dtype=torch.long, device=self.device)
+        out = self.model(
+            input_ids=inp, past_key_values=self.cache if start else None, use_cache=True
+        )
+        self.cache = getattr(out, "past_key_values", None)
+        self.ids = seq
+        self.passes += 1
+        return out.logits[0, -rows:].float()
+
+
+class CircuitDrafter:
+    """A byte-level MTPCModel as an SLRS drafter: exact conditionals and prefix marginals.
+
+    Args:
+        model: the MTPCModel (its backbone's ids are the codec's byte ids).
+        tokenizer: the codec adapter of the model's vocabulary.
+    """
+
+    def __init__(self, model: Any, tokenizer: TokenizerAdapter) -> None:
+        if not isinstance(tokenizer, CodecTokenizer):
+            raise HeteroVocabularyError(
+                "an MTPCModel drafter needs its byte codec as drafter_tokenizer "
+                f"(mtpc.get_codec(...)), got {tokenizer.name}"
+            )
+        self.model = model
+        self.window = int(model.head.circuit.window)
+        self.caches = model.new_caches()
+        self.ids: list[int] = []
+        self.params: Any = None
+        self.passes = 0
+
+    @torch.no_grad()
+    def condition(self, seq: Sequence[int]) -> None:
+        """Runs the trunk (and draft tail) on ``seq``, reusing the cached common prefix."""
+        seq = list(seq)
+        common = 0
+        for a, b in zip(self.ids, seq, strict=False):
+            if a != b:
+                break
+            common += 1
+        start = min(common, len(seq) - 1)
+        self.caches.crop(start)
+        device = next(self.model.head.parameters()).device
+        ids = torch.tensor([seq[start:]], dtype=torch.long, device=device)
+        hidden = self.model.trunk(ids, self.caches.trunk)  # (1, T, d)
+        if self.model.k:
+            hidden = self.model.draft_tail(hidden, self.caches.draft)
+        self.params = self.model.draft_params(hidden[:, -1])  # batch 1
+        self.ids = seq
+        self.passes += 1
+
+    @torch.no_grad()
+    def dist(self, path: Sequence[int]) -> Tensor:
+        """q(x_{m+1} | context, path) over the vocabulary; (V,)."""
+        prefix = torch.tensor([list(path)], dtype=torch.long) if path else None
+        if prefix is not None:
+            prefix = prefix.to(self.params.input_logp.device)
+        return self.model.head.circuit.conditional_log_prob(self.params, prefix)[0].exp().float()
+
+    @torch.no_grad()
+    def prefix_probs(self, strings: Sequence[Sequence[int]]) -> Tensor:
+        """q(window starts with s) for each id string s (1 <= len <= window); (K,)."""
+        n, k = self.window, len(strings)
+        x = torch.zeros(k, n, dtype=torch.long)
+        mask = torch.zeros(k, n, dtype=torch.bool)
+        last = torch.tensor([len(s) - 1 for s in strings])
+        for row, s in enumerate(strings):
+            x[row, : len(s)] = torch.tensor(list(s))
+            mask[row, : len(s)] = True
+        p = self.params
+        lw = None if p.sum_logw is None else p.sum_logw.expand(k, *p.sum_logw.shape[1:])
+        expanded = type(p)(p.input_logp.expand(k, *p.input_logp.shape[1:]), lw)
+        device = p.input_logp.device
+        lp = self.model.head.circuit.prefix_log_prob(expanded, x.to(device), mask.to(device))
+        return lp.gather(1, last.to(device)[:, None])[:, 0].exp().double().cpu()  # (K,)
+
+
+def _is_mtpc(model: Any) -> bool:
+    return hasattr(model, "draft_params") and hasattr(model, "head")
+
+
+@dataclass
+class _Settings:
+    greedy: bool
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    generator: torch.Generator
+
+    def probs(self, logits: Tensor) -> Tensor:
+        return process_logits(logits, self.temperature, self.top_k, self.top_p).exp()
+
+    def pick(self, logits: Tensor) -> int:
+        """Argmax (greedy) or a sample of the processed distribution."""
+        if self.greedy:
+            return int(logits.argmax())
+        return self.sample(self.probs(logits))
+
+    def sample(self, probs: Tensor) -> int:
+        return int(torch.multinomial(probs.double(), 1, generator=self.generator))
+
+
+class _Session:
+    """State of one decoding run: target context, generated bytes, drafter context."""
+
+    def __init__(
+        self,
+        target: Any,
+        t_tok: TokenizerAdapter,
+        drafter: Any,
+        d_tok: TokenizerAdapter,
+        prompt_ids: list[int],
+        settings: _Settings,
+    ) -> None:
+        self.t_tok, self.d_tok, self.s = t_tok, d_tok, settings
+        self.tlm = CachedLM(target)
+        self.circuit = CircuitDrafter(drafter, d_tok) if _is_mtpc(drafter) else None
+        self.dlm = None if self.circuit is not None else CachedLM(drafter)
+        self.ctx = list(prompt_ids)
+        self.data = bytearray(t_tok.decode_bytes(prompt_ids))
+        self._enc: tuple[bytes, list[int], bytes] | None = None
+
+    def drafter_context(self) -> tuple[list[int], bytes]:
+        """Drafter ids of the text so far and the bytes held back (a cut UTF-8 character)."""
+        data = bytes(self.data)
+        if self._enc is not None and self._enc[0] == data:
+            return self._enc[1], self._enc[2]
+        cut = len(data) if isinstance(self.d_tok, CodecTokenizer) else utf8_complete(data)
+        try:
+            ids = [*self.d_tok.prefix_ids, *self.d_tok.encode_bytes(data[:cut])]
+        except InexpressibleTextError as err:
+            raise InexpressibleTextError(f"the drafter's {err}") from None
+        self._enc = (data, ids, data[cut:])
+        return ids, data[cut:]
+
+    def drafter_logits(self, seq: Sequence[int]) -> Tensor:
+        assert self.dlm is not None
+        return self.dlm.logits(seq, 1)[0]
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self.ctx.extend(tokens)
+        self.data += self.t_tok.decode_bytes(tokens)
+
+    @property
+    def drafter_passes(self) -> int:
+        return self.circuit.passes if self.circuit is not None else self.dlm.passes  # type: ignore[union-attr]
+
+
+# --- SLEM (Alg. 2) --------------------------------------------------------------------------
+
+
+def to_target_tokens(
+    t_tok: TokenizerAdapter, context: Sequence[int], draft: bytes, look_behind: int = 8
+) -> list[int]:
+    """Target tokens continuing ``context`` with the bytes ``draft`` (SLEM line 7).
+
+    A byte codec tokenises context-free. Otherwise the draft is encoded together with the
+    last k <= ``look_behind`` context tokens, and the largest k whose re-encoding reproduces
+    those k tokens aligns the new tokens (non-injective tokenizers: normalisation or merges
+    across the boundary change the re-encoding of the look-behind; smaller k are tried down
+    to k = 0, the draft alone). Returns [] when the draft cannot be expressed.
+    """
+    if not draft:
+        return []
+    try:
+        if isinstance(t_tok, CodecTokenizer):
+            return t_tok.encode_bytes(draft)
+        window = list(context[-look_behind:]) if look_behind > 0 else []
+        specials = [i for i, t in enumerate(window) if t_tok.token_bytes[t] is None]
+        if specials:
+            window = window[specials[-1] + 1 :]
+        for k in range(len(window), -1, -1):
+            tail = window[len(window) - k :]
+            data = t_tok.decode_bytes(tail) + draft
+            data = data[: utf8_complete(data)]
+            if len(data) <= len(t_tok.decode_bytes(tail)):
+                return []
+            new = t_tok.encode_bytes(data)
+            if new[:k] == tail:
+                return new[k:]
+    except InexpressibleTextError:
+        return []
+    return []
+
+
+def _slem_cycle(sess: _Session, lookahead: int, look_behind: int) -> tuple[list[int], int]:
+    s = sess.s
+    d_ids, pending = sess.drafter_context()
+    path: list[int] = []
+    draft = b""
+    for _ in range(lookahead):
+        tok = s.pick(sess.drafter_logits(d_ids + path))
+        piece = sess.d_tok.token_bytes[tok] if tok < len(sess.d_tok.token_bytes) else None
+        if not piece:  # a special (end of text) ends the draft
+            break
+        path.append(tok)
+        draft += piece
+    if pending:
+        draft = draft[len(pending) :] if draft.startswith(pending) else b""
+    cands = to_target_tokens(sess.t_tok, sess.ctx, draft, look_behind)
+    rows = sess.tlm.logits(sess.ctx + cands, len(cands) + 1)  # (m + 1, V)
+    if s.greedy:
+        choice = rows.argmax(-1)
+    else:
+        probs = process_logits(rows, s.temperature, s.top_k, s.top_p).exp()
+        choice = torch.multinomial(probs.double(), 1, generator=s.generator)[:, 0]
+    verdict = verify_greedy(choice, torch.tensor(cands, dtype=torch.long))
+    return [*cands[: verdict.accepted], verdict.next_token], verdict.accepted
+
+
+# --- standard / union / TLI (Alg. 5, 1, 4) ---------------------------------------------------
+
+
+def _token_cycle(sess: _Session, algorithm: str, lookahead: int) -> tuple[list[int], int]:
+    s = sess.s
+    mapping = vocab_mapping(sess.t_tok, sess.d_tok)
+    if algorithm == "standard":
+        d_ids, pending = list(sess.ctx), b""
+    else:
+        d_ids, pending = sess.drafter_context()
+    drafts: list[int] = []  # target ids (or _BOTTOM)
+    rows_q: list[tuple[Tensor, Tensor, float]] = []  # (target ids, probs, bottom mass)
+    path: list[int] = []
+    mapped_d, mapped_t = mapping.drafter_ids, mapping.target_ids
+    for _ in range(0 if pending else lookahead):
+        logits = sess.drafter_logits(d_ids + path)  # (V_D,)
+        logits = logits[: len(sess.d_tok.token_bytes)]
+        if algorithm in ("tli", "standard"):
+            if s.greedy:
+                k = int(logits[mapped_d].argmax())
+            else:
+                sub = s.probs(logits)[mapped_d]  # (K,)
+                mass = float(sub.sum())
+                if mass <= 0:
+                    break
+                sub = sub / mass
+                k = s.sample(sub)
+                rows_q.append((mapped_t, sub, 0.0))
+            d, t = int(mapped_d[k]), int(mapped_t[k])
+        else:  # union
+            if s.greedy:
+                d = int(logits.argmax())
+            else:
+                q = s.probs(logits)  # (V_D,)
+                d = s.sample(q)
+                sub = q[mapped_d]
+                rows_q.append((mapped_t, sub, max(0.0, 1.0 - float(sub.sum()))))
+            t = mapping.drafter_to_target.get(d, _BOTTOM)
+        drafts.append(t)
+        if t == _BOTTOM:
+            break
+        path.append(d)
+    real = [t for t in drafts if t != _BOTTOM]
+    rows = sess.tlm.logits(sess.ctx + real, len(real) + 1)  # (m + 1, V)
+    vocab = rows.shape[-1]
+    bottom = len(real) < len(drafts)
+    draft = torch.tensor([vocab if t == _BOTTOM else t for t in drafts], dtype=torch.long)
+    if s.greedy:
+        choice = rows.argmax(-1)
+        if bottom:
+            choice = torch.cat([choice, choice[-1:]])
+        verdict = verify_greedy(choice, draft)
+    else:
+        p = torch.nn.functional.pad(s.probs(rows), (0, 1))  # (m + 1, V + 1): T ∪ {⊥}
+        if bottom:  # the row after ⊥ is never read: ⊥ is always rejected
+            p = torch.cat([p, p[-1:]])
+        q = torch.zeros(len(drafts), vocab + 1, dtype=p.dtype)
+        for j, (ids, probs, rest) in enumerate(rows_q):
+            q[j].index_add_(0, ids, probs.to(q.dtype))
+            q[j, vocab] = rest
+        verdict = verify_sampling(p, q, draft, s.generator)
+    return [*real[: verdict.accepted], verdict.next_token], verdict.accepted
+
+
+# --- SLRS (Alg. 3) ---------------------------------------------------------------------------
+
+
+@dataclass
+class SLRSTable:
+    """Eligible target tokens for SLRS proposals (non-special, 1..max_len bytes).
+
+    Attributes:
+        ids: bytes -> target id.
+        strict_prefixes: proper prefixes of eligible tokens (b"" included): while the
+            drafted bytes are one of them, a longer eligible token may still match.
+        extensions: target id -> ids of its minimal eligible extensions (no other eligible
+            extension of t is a proper prefix of t'); their prefix events are disjoint.
+        max_len: the longest eligible token.
+    """
+
+    ids: dict[bytes, int]
+    strict_prefixes: set[bytes]
+    extensions: dict[int, list[int]]
+    max_len: int
+
+    @classmethod
+    def build(cls, t_tok: TokenizerAdapter, max_len: int) -> SLRSTable:
+        ids: dict[bytes, int] = {}
+        for i, b in enumerate(t_tok.token_bytes):
+            if b and len(b) <= max_len and b not in ids:
+                ids[b] = i
+        prefixes = {b[:k] for b in ids for k in range(len(b))}
+        ext: dict[int, list[int]] = {i: [] for i in ids.values()}
+        for b, i in ids.items():
+            for k in range(len(b) - 1, 0, -1):
+                parent = ids.get(b[:k])
+                if parent is not None:
+                    ext[parent].append(i)
+                    break
+        return cls(ids, prefixes, ext, max((len(b) for b in ids), default=0))
+
+    def determined(self, drafted: bytes, pending: bytes) -> bool:
+        """Whether the first target token of ``pending + ...`` is fixed by ``drafted``."""
+        if len(drafted) < len(pending):
+            return not pending.startswith(drafted)
+        if not drafted.startswith(pending):
+            return True
+        return drafted[len(pending) :] not in self.strict_prefixes
+
+    def propose(self, drafted: bytes, pending: bytes) -> int:
+        """The longest eligible target token prefixing the drafted text, or ⊥ (-1)."""
+        if not drafted.startswith(pending):
+            return _BOTTOM
+        rest = drafted[len(pending) :]
+        for k in range(min(self.max_len, len(rest)), 0, -1):
+            hit = self.ids.get(rest[:k])
+            if hit is not None:
+                return hit
+        return _BOTTOM
+
+    def psi(self, q: dict[int, float], vocab: int) -> Tensor:
+        """psi(t) = q(t) - sum of q(t') over minimal extensions; (vocab,) float64."""
+        out = torch.zeros(vocab, dtype=torch.float64)
+        for i, qi in q.items():
+            out[i] = qi - sum(q[j] for j in self.extensions[i])
+        return out.clamp(min=0.0)
+
+
+def _prefix_upper(r: bytes) -> bytes | None:
+    """The smallest byte string greater than every string that starts with ``r``."""
+    r = r.rstrip(b"\xff")
+    return r[:-1] + bytes((r[-1] + 1,)) if r else None
+
+
+class PathEnumerator:
+    """Prefix probabilities of a drafter's byte stream by enumerating token paths.
+
+    Q(b) = P(the drafted bytes start with b) = sum over drafter token paths d_1..d_k whose
+    first k-1 tokens spell a proper prefix of b and whose k-th token covers the rest of b,
+    of prod q(d_j | context, d_<j). Each path prefix is one drafter pass, memoised per cycle.
+
+    Args:
+        dist: path -> q(. | context, path) over drafter ids, (V_D,).
+        token_bytes: bytes of each drafter id (None: special, ends the text).
+        max_paths: bound on drafter passes; past it :class:`PsiBoundError` names the token.
+    """
+
+    def __init__(
+        self,
+        dist: Callable[[tuple[int, ...]], Tensor],
+        token_bytes: Sequence[bytes | None],
+        max_paths: int,
+    ) -> None:
+        self.dist_fn, self.max_paths = dist, max_paths
+        pairs = sorted((b, i) for i, b in enumerate(token_bytes) if b)
+        self.keys = [b for b, _ in pairs]
+        self.order = torch.tensor([i for _, i in pairs], dtype=torch.long)
+        self.by_bytes: dict[bytes, list[int]] = {}
+        for b, i in pairs:
+            self.by_bytes.setdefault(b, []).append(i)
+        self.memo: dict[tuple[int, ...], Tensor] = {}
+
+    def dist(self, path: tuple[int, ...], label: bytes = b"") -> Tensor:
+        if path not in self.memo:
+            if len(self.memo) >= self.max_paths:
+                raise PsiBoundError(
+                    f"SLRS psi enumeration for target token {label!r} needs more than "
+                    f"max_psi_paths={self.max_paths} drafter paths (the count grows as "
+                    "2^(m-1) in the token length m): lower lookahead, raise max_psi_paths, "
+                    "or use a byte-level MTPC drafter (psi='circuit', exact from prefix "
+                    "marginals)"
+                )
+            self.memo[path] = self.dist_fn(path).double()
+        return self.memo[path]
+
+    def prefix_probs(self, strings: Sequence[bytes]) -> list[float]:
+        """Q(b) for each b in ``strings`` (non-empty)."""
+        out = [0.0] * len(strings)
+        self._walk((), b"", 1.0, list(range(len(strings))), strings, out)
+        return out
+
+    def _walk(
+        self,
+        path: tuple[int, ...],
+        spelled: bytes,
+        weight: float,
+        todo: list[int],
+        strings: Sequence[bytes],
+        out: list[float],
+    ) -> None:
+        q = self.dist(path, strings[todo[0]])
+        cum = torch.cat([q.new_zeros(1), q[self.order].cumsum(0)])  # (N + 1,)
+        children: dict[int, tuple[bytes, list[int]]] = {}
+        n = len(spelled)
+        for idx in todo:
+            rest = strings[idx][n:]
+            lo = bisect.bisect_left(self.keys, rest)
+            upper = _prefix_upper(rest)
+            hi = len(self.keys) if upper is None else bisect.bisect_left(self.keys, upper)
+            out[idx] += weight * float(cum[hi] - cum[lo])
+            for k in range(1, len(rest)):
+                for d in self.by_bytes.get(rest[:k], ()):
+                    children.setdefault(d, (rest[:k], []))[1].append(idx)
+        for d, (piece, sub) in children.items():
+            w = float(q[d])
+            if w > 0:
+                self._walk((*path, d), spelled + piece, weight * w, sub, strings, out)
+
+
+def _slrs_cycle(
+    sess: _Session, table: SLRSTable, psi_method: str, max_psi_paths: int
+) -> tuple[list[int], int]:
+    s = sess.s
+    circuit = sess.circuit
+    d_tb = sess.d_tok.token_bytes
+    d_ids, pending = sess.drafter_context()
+    if circuit is not None:
+        circuit.condition(d_ids)
+        limit = circuit.window
+
+        def dist(path: tuple[int, ...]) -> Tensor:
+            return circuit.dist(path)
+    else:
+        limit = table.max_len + len(pending)
+
+        def dist(path: tuple[int, ...]) -> Tensor:
+            logits = sess.drafter_logits(d_ids + list(path))[: len(d_tb)]
+            if s.greedy:
+                return torch.nn.functional.one_hot(logits.argmax(), len(d_tb)).double()
+            return s.probs(logits)
+
+    enum = PathEnumerator(dist, d_tb, max_psi_paths)
+    path: tuple[int, ...] = ()
+    drafted = b""
+    while len(path) < limit and not table.determined(drafted, pending):
+        q = enum.dist(path)
+        tok = int(q.argmax()) if s.greedy else s.sample(q)
+        piece = d_tb[tok] if tok < len(d_tb) else None
+        if not piece:  # a special ends the drafted text
+            break
+        path, drafted = (*path, tok), drafted + piece
+    proposal = table.propose(drafted, pending)
+    real = [] if proposal == _BOTTOM else [proposal]
+    rows = sess.tlm.logits(sess.ctx + real, len(real) + 1)  # (1 or 2, V)
+    vocab = rows.shape[-1]
+    draft = torch.tensor([vocab if proposal == _BOTTOM else proposal], dtype=torch.long)
+    if s.greedy:
+        choice = rows.argmax(-1)
+        if not real:
+            choice = torch.cat([choice, choice])
+        verdict = verify_greedy(choice, draft)
+    else:
+        psi = slrs_psi(table, sess, enum, pending, vocab, psi_method)  # (V,)
+        p = torch.nn.functional.pad(s.probs(rows), (0, 1)).double()  # (m + 1, V + 1)
+        if not real:
+            p = torch.cat([p, p])
+        q = torch.cat([psi, (1.0 - psi.sum()).clamp(min=0.0).reshape(1)])[None]  # (1, V + 1)
+        verdict = verify_sampling(p, q, draft, s.generator)
+    return [*real[: verdict.accepted], verdict.next_token], verdict.accepted
+
+
+def slrs_psi(
+    table: SLRSTable,
+    sess: _Session,
+    enum: PathEnumerator,
+    pending: bytes,
+    vocab: int,
+    method: str,
+) -> Tensor:
+    """psi over the target vocabulary, (vocab,) float64 (mass left over is ⊥)."""
+    strings = list(table.ids)
+    if method == "circuit":
+        circuit = sess.circuit
+        if circuit is None:
+            raise ValueError("psi='circuit' needs an MTPCModel drafter")
+        assert isinstance(sess.d_tok, CodecTokenizer)
+        offset = sess.d_tok.codec.byte_offset
+        q_all = circuit.prefix_probs([[b + offset for b in pending + s] for s in strings])
+        q = {table.ids[b]: float(v) for b, v in zip(strings, q_all.tolist(), strict=True)}
+    else:
+        values = enum.prefix_probs([pending + b for b in strings])
+        q = {table.ids[b]: v for b, v in zip(strings, values, strict=True)}
+    return table.psi(q, vocab)
+
+
+# --- driver ----------------------------------------------------------------------------------
+
+
+def generate_hetero(
+    target: Any,
+    target_tokenizer: Any,
+    drafter: Any,
+    drafter_tokenizer: Any,
+    prompt: str | Sequence[int],
+    algorithm: str = "slem",
+    lookahead: int = 5,
+    greedy: bool = True,
+    seed: int = 0,
+    max_new_tokens: int = 64,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    look_behind: int = 8,
+    max_psi_paths: int = 4096,
+    psi: str = "auto",
+    stop_ids: Sequence[int] | None = None,
+) -> HeteroResult:
+    """Lossless speculative decoding with a drafter of another vocabulary.
+
+    Args:
+        target: HF causal LM (``model(input_ids, past_key_values, use_cache)``).
+        target_tokenizer: its tokenizer: an HF fast tokenizer or an MTPC byte codec.
+        drafter: HF causal LM, or an MTPCModel on a byte-level backbone (``slrs`` only).
+        drafter_tokenizer: the drafter's tokenizer (HF fast tokenizer or byte codec).
+        prompt: text (encoded with the target tokenizer, BOS added) or target ids.
+        algorithm: ``slem`` | ``tli`` | ``slrs`` | ``union`` | ``standard``.
+        lookahead: drafter tokens per cycle (slem/tli/union/standard); for slrs the
+            longest target token (in bytes) that can be proposed (the threshold n of S_1;
+            drafting stops earlier once the first target token is determined).
+        greedy: argmax decoding (exact match); False: sampling from the processed target.
+        seed: seed of the generator used for drafts, acceptance tests and samples.
+        max_new_tokens: new target tokens at most.
+        temperature: sampling temperature (target and HF drafter).
+        top_k: top-k filtering (target and HF drafter).
+        top_p: nucleus filtering (target and HF drafter).
+        look_behind: SLEM: context tokens re-encoded with the draft to align tokenizations.
+        max_psi_paths: SLRS: bound on drafter passes of one psi enumeration.
+        psi: SLRS: ``circuit`` (MTPCModel drafter, prefix marginals), ``enumerate``
+            (token paths), ``auto`` (circuit when possible).
+        stop_ids: target ids that end generation (default: the target tokenizer's).
+
+    Returns:
+        A :class:`HeteroResult`.
+
+    Raises:
+        ValueError: bad settings; HeteroVocabularyError: empty T ∩ D for tli, different
+            vocabularies for standard; InexpressibleTextError: the drafter's tokenizer
+            cannot express the text; PsiBoundError: psi enumeration past its bound.
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm is {algorithm!r}; allowed: {ALGORITHMS}")
+    if psi not in PSI_METHODS:
+        raise ValueError(f"psi is {psi!r}; allowed: {PSI_METHODS}")
+    for name, value, low in (
+        ("lookahead", lookahead, 1),
+        ("max_new_tokens", max_new_tokens, 0),
+        ("look_behind", look_behind, 0),
+        ("max_psi_paths", max_psi_paths, 1),
+    ):
+        if not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    t_tok, d_tok = as_tokenizer(target_tokenizer), as_tokenizer(drafter_tokenizer)
+    text_prompt = isinstance(prompt, str)
+    prompt_ids = t_tok.prompt_ids(prompt) if text_prompt else [int(i) for i in prompt]
+    if not prompt_ids:
+        raise ValueError("prompt is empty: give text or at least one target id (e.g. BOS)")
+    if _is_mtpc(drafter):
+        if algorithm != "slrs":
+            raise ValueError(
+                f"an MTPCModel drafter works with algorithm='slrs' (psi from the circuit's "
+                f"prefix marginals), not {algorithm!r}; pass an HF causal LM for the others"
+            )
+        psi = "circuit" if psi == "auto" else psi
+    elif psi == "circuit":
+        raise ValueError("psi='circuit' needs an MTPCModel drafter; use psi='enumerate'")
+    else:
+        psi = "enumerate"
+    if algorithm in ("tli", "union", "standard"):
+        mapping = vocab_mapping(t_tok, d_tok)
+        if algorithm == "tli" and mapping.intersection_size == 0:
+            raise HeteroVocabularyError(
+                f"T ∩ D is empty for target {t_tok.name} and drafter {d_tok.name} (no token "
+                "decodes to the same bytes): TLI can never accept a draft. Use "
+                "algorithm='slem' (string-level exact match needs no shared tokens)"
+            )
+        if algorithm == "standard" and not mapping.identical:
+            raise HeteroVocabularyError(
+                f"algorithm='standard' needs the drafter to share the target's vocabulary id "
+                f"for id; {t_tok.name} and {d_tok.name} differ (|T ∩ D| = "
+                f"{mapping.intersection_size}). Use 'tli' or 'slem'"
+            )
+    generator = torch.Generator().manual_seed(seed)
+    settings = _Settings(greedy, temperature, top_k, top_p, generator)
+    if not greedy:
+        process_logits(torch.zeros(2), temperature, top_k, top_p)  # validates early
+    sess = _Session(target, t_tok, drafter, d_tok, prompt_ids, settings)
+    stops = set(t_tok.stop_ids if stop_ids is None else stop_ids)
+    if sess.circuit is not None:
+        lookahead = min(lookahead, sess.circuit.window)
+    table = SLRSTable.build(t_tok, lookahead) if algorithm == "slrs" else None
+    if table is not None and not table.ids:
+        raise HeteroVocabularyError(f"target {t_tok.name} has no token of 1..{lookahead} bytes")
+    out: list[int] = []
+    accepted: list[int] = []
+    start = time.perf_counter()
+    while len(out) < max_new_tokens:
+        if algorithm == "slem":
+            new, acc = _slem_cycle(sess, lookahead, look_behind)
+        elif table is not None:
+            new, acc = _slrs_cycle(sess, table, psi, max_psi_paths)
+        else:
+            new, acc = _token_cycle(sess, algorithm, lookahead)
+        new = new[: max_new_tokens - len(out)]
+        for j, tok in enumerate(new):
+            if tok in stops:
+                new = new[: j + 1]
+                break
+        accepted.append(min(acc, len(new)))
+        out.extend(new)
+        sess.extend(new)
+        if new and new[-1] in stops:
+            break
+    seconds = time.perf_counter() - start
+    return HeteroResult(
+        tokens=out,
+        text=t_tok.decode(out),
+        accepted=accepted,
+        target_passes=sess.tlm.passes,
+        drafter_passes=sess.drafter_passes,
+        seconds=seconds,
+        algorithm=algorithm,
+    )
