@@ -19,6 +19,7 @@ the target and the draft for the output to follow the processed target distribut
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -133,4 +134,46 @@ def verify_sampling(
         if rejected.numel():
             s = int(rejected[0, 0])
             return Verdict(s, _sample(residual(target_probs[s], draft_probs[s]), generator))
+    return Verdict(n, _sample(target_probs[n], generator))
+
+
+def verify_sampling_lazy(
+    target_probs: Tensor,
+    draft_token_probs: Tensor,
+    draft: Tensor,
+    draft_dist: Callable[[int], Tensor],
+    generator: torch.Generator | None = None,
+) -> Verdict:
+    """Speculative-sampling verification with the draft's full conditional computed on demand.
+
+    The same rule as :func:`verify_sampling`, for drafters whose full conditionals are costly
+    but whose probability at the drafted token is cheap (a circuit: all ``q(x_i | x_<i)`` at
+    the drafted tokens come from one prefix-marginal pass; the full ``q(. | x_<s)`` is needed
+    only at the first rejection, for the residual).
+
+    Args:
+        target_probs: p(. | context, x_1..x_{i-1}) for i = 1..n+1; (n + 1, V).
+        draft_token_probs: q(x_i | context, x_1..x_{i-1}) at the drafted tokens; (n,).
+        draft: the drafted tokens; (n,).
+        draft_dist: ``s -> q(. | context, x_1..x_s)`` (V,), called at most once, with the
+            index s of the first rejected draft.
+        generator: RNG for the acceptance tests and the emitted sample.
+    """
+    n = draft.shape[0]
+    if target_probs.shape[0] != n + 1 or draft_token_probs.shape[0] != n:
+        raise ValueError(
+            f"need target_probs (n+1, V) and draft_token_probs (n,) for n = {n}; got "
+            f"{tuple(target_probs.shape)} and {tuple(draft_token_probs.shape)}"
+        )
+    if n:
+        positions = torch.arange(n, device=draft.device)
+        p = target_probs[positions, draft].double()  # (n,)
+        q = draft_token_probs.double()  # (n,)
+        ratio = torch.where(q > 0, p / q.clamp(min=1e-300), torch.ones_like(p))
+        u = torch.rand(n, generator=generator, dtype=torch.float64, device=ratio.device)
+        rejected = (u >= ratio).nonzero()
+        if rejected.numel():
+            s = int(rejected[0, 0])
+            q_s = draft_dist(s).to(target_probs.dtype)  # (V,)
+            return Verdict(s, _sample(residual(target_probs[s], q_s), generator))
     return Verdict(n, _sample(target_probs[n], generator))

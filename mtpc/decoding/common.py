@@ -1,0 +1,363 @@
+"""Pieces shared by the autoregressive and the self-speculative decoders.
+
+* :class:`GenerationResult`: what ``mtpc.generate`` returns (tokens, per-cycle counts and
+  wall times, optional cycle breakdown).
+* :func:`check_request`: every argument checked before any model work, with messages that
+  name the argument and the allowed values.
+* :class:`TargetRule`: how the target's logits become the next token (greedy argmax or the
+  processed sampling distribution, with end-of-sequence suppression), applied identically
+  by both decoders so that speculative output equals autoregressive output.
+* :class:`Stopwatch`: wall time with device synchronisation and an optional per-section
+  breakdown of a cycle.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mtpc.decoding.verify import process_logits
+
+METHODS = ("speculative", "autoregressive")
+POLICIES = ("condition", "recompute", "drop")
+DRAFT_MODES = ("sample", "map", "chain")
+SECTIONS = ("model", "head", "circuit", "verify", "cache")
+"""Breakdown sections of a cycle; the rest of its wall time is reported as ``overhead``."""
+
+DEFAULT_GREEDY_DRAFT_MODE: dict[str, str] = {
+    "ff": "map",
+    "cp": "map",
+    "hmm": "map",
+    "btree": "map",
+}
+"""Greedy draft mode per circuit family (measured, see docs/BENCHMARKS_decoding.md).
+
+For ff the three modes draft the same tokens (independent positions); ``map`` is one
+max-product pass, the cheapest.
+"""
+
+
+@dataclass
+class GenerationResult:
+    """Output of one decoding run (batch size 1).
+
+    Attributes:
+        tokens: the new ids (after the prompt), at most ``max_new_tokens``; ends with the stop
+            id when one was generated.
+        accepted: drafted tokens accepted per cycle (0 for every autoregressive step).
+        emitted: tokens appended per cycle: ``accepted`` plus the kept correction or bonus
+            token (one per autoregressive step). The last cycle may be cut short by
+            ``max_new_tokens`` or a stop id; ``sum(emitted) == len(tokens)``.
+        drafted: drafted tokens verified per cycle (n, or n - 1 when the window's first
+            position is the previous cycle's correction, given as evidence).
+        offsets: window position (0-based) of the first verified draft per cycle (1 when
+            the first position was evidence); acceptance per window position uses it.
+        cycle_seconds: wall time per cycle (draft + verify + bookkeeping), synchronised.
+        prefill_seconds: wall time of the prompt pass.
+        seconds: total wall time (prefill + cycles).
+        trunk_passes: trunk calls after the prefill (one per cycle, plus one per recompute).
+        stopped: a stop id ended the generation.
+        method: ``speculative`` or ``autoregressive``.
+        policy: resume policy (speculative).
+        draft_mode: draft mode (speculative).
+        breakdown: with ``profile=True``, seconds per section summed over cycles
+            (:data:`SECTIONS` plus ``overhead``).
+    """
+
+    tokens: list[int]
+    accepted: list[int] = field(default_factory=list)
+    emitted: list[int] = field(default_factory=list)
+    drafted: list[int] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    cycle_seconds: list[float] = field(default_factory=list)
+    prefill_seconds: float = 0.0
+    seconds: float = 0.0
+    trunk_passes: int = 0
+    stopped: bool = False
+    method: str = "speculative"
+    policy: str | None = None
+    draft_mode: str | None = None
+    breakdown: dict[str, float] | None = None
+
+    @property
+    def num_cycles(self) -> int:
+        return len(self.cycle_seconds)
+
+    @property
+    def tokens_per_cycle(self) -> float:
+        """Mean tokens appended per cycle (accepted drafts + kept correction/bonus)."""
+        return sum(self.emitted) / max(1, len(self.emitted))
+
+
+@dataclass(frozen=True)
+class Request:
+    """Checked decoding arguments."""
+
+    method: str
+    max_new_tokens: int
+    greedy: bool
+    seed: int
+    policy: str
+    draft_mode: str
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    stop_ids: tuple[int, ...]
+    suppress_eos: bool
+    max_throughput: bool
+    profile: bool
+
+
+def _int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r} is not allowed; allowed: an integer >= {minimum}")
+    return value
+
+
+def _choice(name: str, value: Any, allowed: Sequence[str]) -> str:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not allowed; allowed: {', '.join(allowed)}")
+    return str(value)
+
+
+def context_length(model: Any) -> int | None:
+    """The target's context (``max_position_embeddings``), or None when it has none."""
+    value = getattr(model.backbone.config, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def default_stop_ids(model: Any) -> tuple[int, ...]:
+    """The stop ids of the target's byte codec (end of turn, eos); () if it has no codec."""
+    from mtpc.backbones.codecs import get_codec
+
+    try:
+        return tuple(get_codec(model.backbone.codec).stop_ids)
+    except (ValueError, KeyError, AttributeError):
+        return ()
+
+
+def prompt_tensor(model: Any, prompt_ids: Any) -> Tensor:
+    """Normalises a prompt (list of ids, (T,) or (1, T) tensor) to a (1, T) long tensor.
+
+    Raises:
+        ValueError: empty prompt, a batch of more than one prompt, or ids outside [0, V-1].
+    """
+    if isinstance(prompt_ids, Tensor):
+        ids = prompt_ids.detach().to("cpu", torch.long)
+    else:
+        try:
+            ids = torch.tensor(list(prompt_ids), dtype=torch.long)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise ValueError(
+                f"prompt_ids must be a list of ints or a 1-D / (1, T) tensor; got {prompt_ids!r:.80}"
+            ) from err
+    if ids.dim() == 2 and ids.shape[0] == 1:
+        ids = ids[0]
+    if ids.dim() != 1:
+        raise ValueError(
+            f"prompt_ids has shape {tuple(ids.shape)}; allowed: (T,) or (1, T) (batch size 1)"
+        )
+    if ids.numel() == 0:
+        raise ValueError("prompt_ids is empty; allowed: at least one token id")
+    vocab = model.backbone.vocab_size
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab:
+        raise ValueError(f"prompt_ids contains id {lo if lo < 0 else hi}; allowed: 0..{vocab - 1}")
+    return ids[None].to(model.backbone.device)
+
+
+def check_request(
+    model: Any,
+    prompt: Tensor,
+    *,
+    method: str,
+    max_new_tokens: int,
+    greedy: bool,
+    seed: int,
+    policy: str,
+    draft_mode: str | None,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    stop_ids: Sequence[int] | None,
+    suppress_eos: bool,
+    max_throughput: bool,
+    profile: bool,
+) -> Request:
+    """Checks every decoding argument before decoding starts.
+
+    Raises:
+        ValueError: naming the argument and the allowed values.
+    """
+    _choice("method", method, METHODS)
+    _int("max_new_tokens", max_new_tokens, 1)
+    _int("seed", seed, 0)
+    _choice("policy", policy, POLICIES)
+    if not isinstance(greedy, bool):
+        raise ValueError(f"greedy={greedy!r} is not allowed; allowed: True, False")
+    speculative = method == "speculative"
+    if speculative and not hasattr(model, "head"):
+        raise ValueError("method='speculative' needs an MTPCModel with a draft head")
+    if draft_mode is None:
+        kind = model.head.circuit.kind if speculative else "ff"
+        draft_mode = DEFAULT_GREEDY_DRAFT_MODE.get(kind, "map") if greedy else "sample"
+    _choice("draft_mode", draft_mode, DRAFT_MODES)
+    if not greedy and draft_mode != "sample":
+        raise ValueError(
+            f"draft_mode={draft_mode!r} is not allowed with greedy=False; allowed: sample "
+            "(speculative sampling is exact only for drafts drawn from the circuit)"
+        )
+    if not greedy:
+        if isinstance(temperature, bool) or not isinstance(temperature, int | float):
+            raise ValueError(f"temperature={temperature!r} is not allowed; allowed: a number > 0")
+        if temperature <= 0:
+            raise ValueError(
+                f"temperature={temperature!r} is not allowed with greedy=False; allowed: a "
+                "number > 0 (use greedy=True for argmax decoding)"
+            )
+    if top_k is not None:
+        _int("top_k", top_k, 1)
+    if top_p is not None and (
+        isinstance(top_p, bool) or not isinstance(top_p, int | float) or not 0 < top_p <= 1
+    ):
+        raise ValueError(f"top_p={top_p!r} is not allowed; allowed: a number in (0, 1] or None")
+    vocab = model.backbone.vocab_size
+    stops = default_stop_ids(model) if stop_ids is None else tuple(int(s) for s in stop_ids)
+    bad = [s for s in stops if not 0 <= s < vocab]
+    if bad:
+        raise ValueError(f"stop_ids contains {bad[0]}; allowed: ids in 0..{vocab - 1}")
+    if suppress_eos and len(stops) >= vocab:
+        raise ValueError("suppress_eos=True would suppress every token; pass fewer stop_ids")
+    context = context_length(model)
+    length = prompt.shape[1]
+    if context is not None:
+        if length >= context:
+            raise ValueError(
+                f"the prompt has {length} tokens but the target's context is {context}; "
+                f"allowed: at most {context - 1} prompt tokens"
+            )
+        lookahead = model.head.circuit.window if speculative else 0
+        if length + max_new_tokens + lookahead > context:
+            raise ValueError(
+                f"prompt ({length}) + max_new_tokens ({max_new_tokens})"
+                + (f" + window ({lookahead})" if lookahead else "")
+                + f" exceeds the target's context ({context}); allowed: max_new_tokens <= "
+                f"{max(0, context - length - lookahead)}"
+            )
+    return Request(
+        method=method,
+        max_new_tokens=max_new_tokens,
+        greedy=greedy,
+        seed=seed,
+        policy=policy,
+        draft_mode=draft_mode,
+        temperature=float(temperature),
+        top_k=top_k,
+        top_p=None if top_p is None else float(top_p),
+        stop_ids=stops,
+        suppress_eos=bool(suppress_eos),
+        max_throughput=bool(max_throughput),
+        profile=bool(profile),
+    )
+
+
+class TargetRule:
+    """The target's decision rule, shared by both decoders.
+
+    Greedy: argmax of the logits; sampling: ``process_logits`` (temperature, top-k, top-p).
+    With ``suppress_eos`` the stop ids get -inf first (paper App. F: fixed-length generation).
+    """
+
+    def __init__(self, request: Request, vocab_size: int, device: torch.device) -> None:
+        self.greedy = request.greedy
+        self.temperature = request.temperature
+        self.top_k = request.top_k
+        self.top_p = request.top_p
+        self.suppress: Tensor | None = None
+        if request.suppress_eos and request.stop_ids:
+            self.suppress = torch.tensor(request.stop_ids, device=device)
+
+    def _masked(self, logits: Tensor) -> Tensor:
+        if self.suppress is None:
+            return logits
+        return logits.index_fill(-1, self.suppress, float("-inf"))
+
+    def argmax(self, logits: Tensor) -> Tensor:
+        """Greedy choices (...,) of logits (..., V)."""
+        return self._masked(logits).argmax(-1)
+
+    def probs(self, logits: Tensor) -> Tensor:
+        """Sampling distributions (..., V) in fp32."""
+        return process_logits(self._masked(logits), self.temperature, self.top_k, self.top_p).exp()
+
+    def pick(self, logits: Tensor, generator: torch.Generator | None) -> int:
+        """One next token from logits (V,): argmax or a sample."""
+        if self.greedy:
+            return int(self.argmax(logits))
+        return int(torch.multinomial(self.probs(logits), 1, generator=generator))
+
+
+class Stopwatch:
+    """Synchronised wall time, with an optional per-section breakdown.
+
+    ``lap(section)`` charges the time since the previous lap to ``section`` (only when
+    profiling: then every lap synchronises the device); ``split()`` ends a cycle and
+    returns its wall time (always synchronised).
+    """
+
+    def __init__(self, device: torch.device, profile: bool) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.profile = profile
+        self.sections: dict[str, float] = dict.fromkeys(SECTIONS, 0.0)
+        self.total = 0.0
+        self._start = self._last = self.now()
+
+    def now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def lap(self, section: str) -> None:
+        if self.profile:
+            t = self.now()
+            self.sections[section] += t - self._last
+            self._last = t
+
+    def split(self) -> float:
+        t = self.now()
+        elapsed = t - self._start
+        self._start = self._last = t
+        return elapsed
+
+    def breakdown(self, cycles: float) -> dict[str, float] | None:
+        """Section totals plus ``overhead`` (the rest of ``cycles`` seconds)."""
+        if not self.profile:
+            return None
+        out = dict(self.sections)
+        out["overhead"] = max(0.0, cycles - sum(out.values()))
+        return out
+
+
+def emit(
+    out: list[int], new: list[int], request: Request, ignore_stops: bool = False
+) -> tuple[int, bool]:
+    """Appends ``new`` to ``out`` up to ``max_new_tokens`` and the first stop id.
+
+    Returns:
+        (tokens appended, stopped).
+    """
+    room = request.max_new_tokens - len(out)
+    new = new[:room]
+    if request.stop_ids and not ignore_stops:
+        for i, tok in enumerate(new):
+            if tok in request.stop_ids:
+                out.extend(new[: i + 1])
+                return i + 1, True
+    out.extend(new)
+    return len(new), False

@@ -1,0 +1,259 @@
+"""Self-speculative decoding is exactly the target's greedy decoding (and bad input fails early).
+
+Greedy: every family x n in {1, 2, 4, 8} x k in {0, 1} x policy {condition, recompute} on
+several prompts equals autoregressive greedy decoding token for token, which equals
+``transformers``' own ``generate(do_sample=False)``. Stub drafters that know the answer force
+all-accept, all-reject and reject-at-position-i, so every branch of a cycle runs (crops,
+bonus token, empty kept states); a spy checks the trunk cache's id history after every crop.
+Targets are float64 so that near-ties cannot flip an argmax between a one-token and a
+window pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import mtpc
+from mtpc.circuits.params import CircuitParams
+from mtpc.decoding import POLICIES
+from mtpc.model import MTPCModel
+
+V = 48
+FAMILIES = [("ff", 1), ("cp", 3), ("hmm", 3), ("btree", 3)]
+PROMPTS = [[1, 5, 7, 9, 3], [40, 2], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
+NEW = 24
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """Batch-1 decoding of tiny models is fastest (and steadiest) on one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_target(vocab: int = V, hidden: int = 32, seed: int = 0, context: int = 128):
+    """A fresh 2-layer float64 Llama (fresh: LoRA is injected into the model it wraps)."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+        num_attention_heads=4 if hidden >= 32 else 2, num_key_value_heads=2 if hidden >= 32 else 1,
+        max_position_embeddings=context,
+    )  # fmt: skip
+    hf = LlamaForCausalLM(config).eval().to(torch.float64)
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    return hf
+
+
+def make_model(
+    kind: str, window: int, rank: int, k: int = 0, noise: float = 0.3, **target: int
+) -> MTPCModel:
+    """A draft with random (noised STP) heads and random LoRA: exactness must hold for any."""
+    hf = make_target(**target)
+    model = MTPCModel.from_hf(hf, kind=kind, window=window, rank=rank, lora_layers=k)
+    torch.manual_seed(1)
+    model.head.from_pretrained_unembeddings(hf.lm_head.weight.detach().float(), noise_std=noise)
+    with torch.no_grad():
+        for p in model.head.parameters():
+            if p is not model.head.unembedding:
+                p.normal_(0, 0.3)
+        if k:
+            for p in model.backbone.lora.parameters():
+                p.normal_(0, 0.05)
+    return model
+
+
+def hf_greedy(model: MTPCModel, prompt: list[int], new: int) -> list[int]:
+    out = model.backbone.hf_model.generate(
+        torch.tensor([prompt]), max_new_tokens=new, do_sample=False
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("k", [0, 1])
+@pytest.mark.parametrize("window", [1, 2, 4, 8])
+@pytest.mark.parametrize("kind,rank", FAMILIES)
+def test_greedy_equals_autoregressive_and_transformers(
+    kind: str, rank: int, window: int, k: int
+) -> None:
+    model = make_model(kind, window, rank, k)
+    for i, prompt in enumerate(PROMPTS):
+        ar = mtpc.generate(model, prompt, NEW, method="autoregressive", stop_ids=())
+        assert len(ar.tokens) == NEW
+        if window == 4 and kind == "cp":  # the oracle once per k (AR does not depend on the head)
+            assert ar.tokens == hf_greedy(model, prompt, NEW)
+        for policy in ("condition", "recompute"):
+            sd = mtpc.generate(model, prompt, NEW, policy=policy, stop_ids=())
+            assert sd.tokens == ar.tokens, (kind, window, k, policy, i)
+            assert sum(sd.emitted) == NEW
+            assert all(0 <= a <= window for a in sd.accepted)
+
+
+@pytest.mark.parametrize("mode", ["sample", "map", "chain"])
+@pytest.mark.parametrize("kind,rank", FAMILIES)
+def test_every_greedy_draft_mode_and_drop_are_exact(kind: str, rank: int, mode: str) -> None:
+    model = make_model(kind, 4, rank, k=1)
+    prompt = PROMPTS[0]
+    ar = mtpc.generate(model, prompt, NEW, method="autoregressive", stop_ids=())
+    for policy in POLICIES:
+        sd = mtpc.generate(model, prompt, NEW, policy=policy, draft_mode=mode, stop_ids=())
+        assert sd.tokens == ar.tokens, (kind, mode, policy)
+
+
+def test_a_draft_that_predicts_the_target_gets_accepted() -> None:
+    """Position 1 of a head initialised from the STP head is the verifier itself (k = 0)."""
+    model = make_model("cp", 4, 2, k=0, noise=0.0)
+    sd = mtpc.generate(model, PROMPTS[0], NEW, stop_ids=())
+    assert sd.accepted[0] >= 1  # the first window's first draft is the target's argmax
+
+
+# --- stub drafters: every branch of the cycle ------------------------------------------------
+
+
+def oracle(
+    reference: list[int], window: int, wrong_from: int | None
+) -> Callable[..., torch.Tensor]:
+    """Drafts the true continuation, wrong from window position ``wrong_from`` on."""
+
+    def drafter(
+        params: CircuitParams, evidence: torch.Tensor | None, position: int
+    ) -> torch.Tensor:
+        true = (reference + [0] * (window + 1))[position : position + window]
+        if evidence is not None:
+            assert int(evidence[0, 0]) == true[0], "the pending token is the true next token"
+        draft = [
+            t if wrong_from is None or i < wrong_from else (t + 1) % V for i, t in enumerate(true)
+        ]
+        if evidence is not None:
+            draft[0] = int(evidence[0, 0])
+        return torch.tensor([draft])
+
+    return drafter
+
+
+def spy_trunk_history(model: MTPCModel, reference: list[int]) -> list[int]:
+    """Checks, at every trunk call, that the cached id history is the true prefix."""
+    calls: list[int] = []
+    trunk = model.trunk
+
+    def spy(ids: torch.Tensor, cache=None, positions=None):  # type: ignore[no-untyped-def]
+        if cache is not None and cache.ids is not None:
+            assert cache.ids[0].tolist() == reference[: len(cache)], "a crop kept a rejected id"
+            assert len(cache.ids[0]) == len(cache)
+        calls.append(ids.shape[1])
+        return trunk(ids, cache, positions)
+
+    model.trunk = spy  # type: ignore[method-assign]
+    return calls
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("k", [0, 1])
+@pytest.mark.parametrize(
+    "case,wrong_from", [("all-accept", None), ("all-reject", 0), ("reject-at-1", 1), ("reject-at-2", 2), ("reject-at-3", 3)]
+)  # fmt: skip
+def test_stub_drafts_cover_every_branch(
+    case: str, wrong_from: int | None, k: int, policy: str
+) -> None:
+    n = 4
+    model = make_model("btree", n, 2, k)
+    prompt = PROMPTS[0]
+    ar = mtpc.generate(model, prompt, NEW, method="autoregressive", stop_ids=()).tokens
+    reference = prompt + ar
+    calls = spy_trunk_history(model, reference)
+    sd = mtpc.generate(
+        model, prompt, NEW, policy=policy, stop_ids=(), drafter=oracle(reference, n, wrong_from)
+    )
+    assert sd.tokens == ar
+    body = list(zip(sd.accepted, sd.offsets, strict=True))[:-1]  # the last cycle may be cut short
+    for s, pre in body:
+        m = n - pre
+        expected = m if wrong_from is None else max(0, min(m, wrong_from - pre))
+        assert s == expected, (case, policy, sd.accepted, sd.offsets)
+    if policy == "condition":
+        assert sd.offsets[0] == 0 and all(o == 1 for o in sd.offsets[1:])
+        assert sd.trunk_passes == len(sd.accepted) == len(calls) - 1
+        assert all(e == a + 1 for a, e in zip(sd.accepted[:-1], sd.emitted[:-1], strict=True))
+    if policy == "recompute":
+        assert all(o == 0 for o in sd.offsets)
+        assert sd.trunk_passes == 2 * len(sd.accepted) - 1  # one extra pass per cycle but the last
+    if policy == "drop" and wrong_from is None:
+        assert all(e == n for e in sd.emitted[:-1])  # bonus dropped, window re-verified
+
+
+def test_max_throughput_accepts_every_draft() -> None:
+    model = make_model("cp", 4, 2)
+    sd = mtpc.generate(model, PROMPTS[0], NEW, max_throughput=True, stop_ids=())
+    assert all(s == d for s, d in zip(sd.accepted, sd.drafted, strict=True))
+    assert len(sd.tokens) == NEW
+
+
+def test_stop_ids_end_generation_and_suppress_eos_forbids_them() -> None:
+    model = make_model("cp", 4, 2)
+    free = mtpc.generate(model, PROMPTS[0], NEW, method="autoregressive", stop_ids=()).tokens
+    stop = free[5]
+    first = free.index(stop)
+    for method in ("autoregressive", "speculative"):
+        res = mtpc.generate(model, PROMPTS[0], NEW, method=method, stop_ids=[stop])
+        assert res.tokens == free[: first + 1] and res.stopped
+        res = mtpc.generate(
+            model, PROMPTS[0], NEW, method=method, stop_ids=[stop], suppress_eos=True
+        )
+        assert stop not in res.tokens and len(res.tokens) == NEW and not res.stopped
+    ar = mtpc.generate(model, PROMPTS[0], NEW, "autoregressive", stop_ids=[stop], suppress_eos=True)
+    sd = mtpc.generate(model, PROMPTS[0], NEW, stop_ids=[stop], suppress_eos=True)
+    assert sd.tokens == ar.tokens
+
+
+def test_result_records_timings_and_breakdown() -> None:
+    model = make_model("hmm", 4, 2, k=1)
+    res = mtpc.generate(model, torch.tensor(PROMPTS[0]), NEW, stop_ids=(), profile=True)
+    assert len(res.cycle_seconds) == len(res.accepted) == len(res.emitted)
+    assert res.seconds >= sum(res.cycle_seconds) > 0
+    assert res.breakdown is not None and set(res.breakdown) >= {
+        "model",
+        "head",
+        "circuit",
+        "overhead",
+    }
+    assert sum(res.breakdown.values()) == pytest.approx(sum(res.cycle_seconds), rel=1e-6)
+
+
+# --- bad input -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"prompt_ids": []}, "prompt_ids is empty"),
+        ({"prompt_ids": torch.zeros(2, 3, dtype=torch.long)}, "batch size 1"),
+        ({"prompt_ids": [1, V]}, "allowed: 0..47"),
+        ({"prompt_ids": list(range(1, 40)) * 4}, "context is 128"),
+        ({"max_new_tokens": 120}, "exceeds the target's context"),
+        ({"max_new_tokens": 0}, "max_new_tokens=0 is not allowed"),
+        ({"policy": "keep"}, "policy='keep' is not allowed; allowed: condition, recompute, drop"),
+        ({"method": "beam"}, "method='beam' is not allowed"),
+        (
+            {"draft_mode": "argmax"},
+            "draft_mode='argmax' is not allowed; allowed: sample, map, chain",
+        ),
+        ({"draft_mode": "map", "greedy": False}, "allowed: sample"),
+        ({"greedy": False, "temperature": 0.0}, "temperature=0.0 is not allowed"),
+        ({"greedy": False, "top_p": 1.5}, "top_p=1.5 is not allowed"),
+        ({"top_k": 0}, "top_k=0 is not allowed"),
+        ({"stop_ids": [V + 3]}, "stop_ids contains 51"),
+    ],
+)
+def test_bad_input_fails_before_decoding(kwargs: dict, match: str) -> None:
+    model = make_model("cp", 4, 2)
+    calls = spy_trunk_history(model, [])
+    args = {"prompt_ids": PROMPTS[0], "max_new_tokens": 8, "stop_ids": (), **kwargs}
+    with pytest.raises(ValueError, match=match):
+        mtpc.generate(model, **args)
+    assert calls == []  # nothing ran
