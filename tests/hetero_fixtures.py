@@ -75,18 +75,19 @@ def whitespace_tokenizer(texts: list[str], vocab_size: int = 200) -> PreTrainedT
 
 
 def char_tokenizer(
-    symbols: list[str], merges: list[tuple[str, str]] = ()
-) -> PreTrainedTokenizerFast:  # type: ignore[assignment]
-    """id 0 is EOS, then ``symbols``, then the merged tokens in order."""
-    vocab = {EOS: 0}
+    symbols: list[str], merges: list[tuple[str, str]] | None = None, eos: str = EOS
+) -> PreTrainedTokenizerFast:
+    """id 0 is ``eos``, then ``symbols``, then the merged tokens in order (no pre-tokenizer)."""
+    merges = list(merges or [])
+    vocab = {eos: 0}
     for s in symbols:
         vocab[s] = len(vocab)
     for a, b in merges:
         vocab[a + b] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=list(merges)))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tok.decoder = decoders.Fuse()
-    tok.add_special_tokens([EOS])
-    return _wrap(tok)
+    tok.add_special_tokens([eos])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos)
 
 
 class BigramLM(nn.Module):
@@ -152,13 +153,22 @@ def encode_corpus(tok: Any, texts: list[str]) -> list[list[int]]:
 
 
 @cache
-def trained_models(steps: int = 150, num_rows: int = 300, bpe_vocab: int = 400) -> dict[str, Any]:
+def trained_models(steps: int = 100, num_rows: int = 200, bpe_vocab: int = 400) -> dict[str, Any]:
     """Briefly trained tiny models sharing the synthetic corpus (built once per process).
 
     Keys: ``codec`` (tiny byte codec), ``byte_lm`` (byte-level Llama, 320 ids), ``bpe``
     (byte-level BPE tokenizer), ``bpe_lm``, ``lower`` (NFKC + lowercase BPE), ``lower_lm``,
     ``byte_small`` (a smaller byte-level Llama: a same-vocabulary drafter), ``texts``.
     """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: one thread is fastest on a shared CPU
+    try:
+        return _train_all(steps, num_rows, bpe_vocab)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_all(steps: int, num_rows: int, bpe_vocab: int) -> dict[str, Any]:
     texts = corpus(num_rows)
     codec = get_codec("tiny")
     bpe = bpe_tokenizer(texts, bpe_vocab)
