@@ -16,7 +16,6 @@ import torch
 from scipy import stats
 
 from mtpc.decoding.hetero import (
-    CircuitDrafter,
     PathEnumerator,
     PsiBoundError,
     SLRSTable,
@@ -365,7 +364,7 @@ def test_slrs_circuit_psi_equals_enumerated_psi(models, circuit_drafter):
                 seed=seed,
                 max_new_tokens=6,
                 psi=psi,
-            )  # fmt: skip
+            )
             for psi in ("circuit", "enumerate")
         ]
         assert runs[0].tokens == runs[1].tokens and runs[0].accepted == runs[1].accepted
@@ -394,7 +393,7 @@ def test_tli_empty_intersection_suggests_slem():
 def test_drafter_that_cannot_express_the_text(models):
     ascii_only = whitespace_tokenizer(models["texts"][:50])
     drafter = tiny_llama(len(ascii_only), 0, 16, 1)
-    with pytest.raises(InexpressibleTextError, match="drafter.*cannot express.*'€'"):
+    with pytest.raises(InexpressibleTextError, match=r"drafter.*cannot express.*'€'"):
         generate_hetero(
             models["byte_lm"], models["codec"], drafter, ascii_only, "price: 5 € only",
             algorithm="slem", max_new_tokens=4,

@@ -684,8 +684,7 @@ def generate_hetero(
         if not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     t_tok, d_tok = as_tokenizer(target_tokenizer), as_tokenizer(drafter_tokenizer)
-    text_prompt = isinstance(prompt, str)
-    prompt_ids = t_tok.prompt_ids(prompt) if text_prompt else [int(i) for i in prompt]
+    prompt_ids = t_tok.prompt_ids(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
     if not prompt_ids:
         raise ValueError("prompt is empty: give text or at least one target id (e.g. BOS)")
     if _is_mtpc(drafter):

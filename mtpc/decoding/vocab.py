@@ -326,9 +326,9 @@ def vocab_mapping(target_tokenizer: Any, drafter_tokenizer: Any) -> VocabMapping
     by_name = {name: i for i, name in sorted(t.special_names.items(), reverse=True)}
     pairs: list[tuple[int, int]] = []
     for j, b in enumerate(d.token_bytes):
-        i = by_bytes.get(b) if b else by_name.get(d.special_names.get(j, "\x00"))
-        if i is not None:
-            pairs.append((i, j))
+        hit = by_bytes.get(b) if b else by_name.get(d.special_names.get(j, "\x00"))
+        if hit is not None:
+            pairs.append((hit, j))
     mapping = dict((j, i) for i, j in pairs)
     t_size = sum(1 for i, b in enumerate(t.token_bytes) if b or i in t.special_names)
     d_size = sum(1 for j, b in enumerate(d.token_bytes) if b or j in d.special_names)
