@@ -442,3 +442,16 @@ def test_enumeration_count_matches_lemma():
     enum.prefix_probs([b"aaa"])
     # internal nodes: (), a, aa, a|a -> spelled proper prefixes of "aaa" by token paths
     assert len(calls) == 4  # 2^(3-1) paths = {aaa}, {a, aa}, {aa, a}, {a, a, a}
+
+
+def test_evaluate_hetero_reports_metrics_and_overlap(models):
+    from mtpc.evaluation.hetero import evaluate_hetero
+
+    out = evaluate_hetero(
+        models["byte_lm"], models["codec"], models["bpe_lm"], models["bpe"], PROMPTS[:2],
+        algorithm="slem", lookahead=4, max_new_tokens=16, warmup=0, stop_ids=[],
+    )  # fmt: skip
+    ar, sd = out["rows"]
+    assert ar["mu_acc"] == 1.0 and sd["mu_acc"] >= 1.0 and sd["tokens"] == ar["tokens"] == 32
+    assert sd["speedup_ar"] > 0 and out["overlap"]["vocab_intersection"] == 256
+    assert 0 < out["overlap"]["prompt_intersection_over_target"] <= 1

@@ -1,0 +1,189 @@
+"""Evaluation of heterogeneous-vocabulary drafters (``eval.py drafter=hetero``).
+
+:func:`evaluate_hetero` decodes the same prompts with the target alone (autoregressive, KV
+cache) and with :func:`mtpc.generate_hetero`, in the same call, and reports the
+self-speculative evaluator's metrics (``mtpc.evaluation.metrics``) plus the vocabulary
+overlap of Timor et al.'s Tables 5-6. :func:`load_drafter` resolves ``drafter.model`` /
+``drafter.tokenizer`` of ``configs/drafter/hetero.yaml``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from mtpc.decoding.hetero import CachedLM, HeteroResult, generate_hetero
+from mtpc.decoding.verify import process_logits
+from mtpc.decoding.vocab import as_tokenizer, prompt_overlap, vocab_mapping
+
+FIXTURE_PREFIX = "fixture:"
+FIXTURES = ("bpe", "lower", "byte_small")
+
+
+@torch.no_grad()
+def autoregressive(
+    target: Any,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    greedy: bool = True,
+    seed: int = 0,
+    stop_ids: Sequence[int] = (),
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+) -> HeteroResult:
+    """Plain decoding of an HF causal LM with a KV cache (the AR reference)."""
+    lm = CachedLM(target)
+    g = torch.Generator().manual_seed(seed)
+    seq, out = list(prompt_ids), []  # type: list[int], list[int]
+    start = time.perf_counter()
+    while len(out) < max_new_tokens:
+        logits = lm.logits(seq, 1)[0]
+        if greedy:
+            tok = int(logits.argmax())
+        else:
+            probs = process_logits(logits, temperature, top_k, top_p).exp()
+            tok = int(torch.multinomial(probs.double(), 1, generator=g))
+        out.append(tok)
+        seq.append(tok)
+        if tok in stop_ids:
+            break
+    seconds = time.perf_counter() - start
+    return HeteroResult(out, "", [0] * len(out), lm.passes, 0, seconds, "ar")
+
+
+def _metrics(results: Sequence[HeteroResult]) -> dict[str, float]:
+    cycles = sum(len(r.accepted) for r in results)
+    tokens = sum(len(r.tokens) for r in results)
+    seconds = sum(r.seconds for r in results)
+    return {
+        "mu_lat": seconds / max(cycles, 1),
+        "mu_acc": tokens / max(cycles, 1),  # target tokens per target pass (cycle)
+        "mu_acc_drafts": sum(sum(r.accepted) for r in results) / max(cycles, 1),
+        "tok_s": tokens / seconds if seconds > 0 else 0.0,
+        "drafter_passes_per_cycle": sum(r.drafter_passes for r in results) / max(cycles, 1),
+        "cycles": float(cycles),
+        "tokens": float(tokens),
+    }
+
+
+def evaluate_hetero(
+    target: Any,
+    target_tokenizer: Any,
+    drafter: Any,
+    drafter_tokenizer: Any,
+    prompts: Sequence[str | Sequence[int]],
+    algorithm: str = "slem",
+    lookahead: int = 5,
+    greedy: bool = True,
+    seed: int = 0,
+    max_new_tokens: int = 128,
+    warmup: int = 1,
+    stop_ids: Sequence[int] | None = None,
+    **options: Any,
+) -> dict[str, Any]:
+    """AR vs heterogeneous speculative decoding of ``target`` on the same prompts.
+
+    Args:
+        target: HF causal LM.
+        target_tokenizer: its HF tokenizer or MTPC byte codec.
+        drafter: HF causal LM (or an MTPCModel for ``slrs``).
+        drafter_tokenizer: the drafter's tokenizer (HF or byte codec).
+        prompts: texts, or target ids (``EvalPrompt.prompt_ids``).
+        algorithm: slem | tli | slrs | union | standard.
+        lookahead: see :func:`mtpc.generate_hetero`.
+        greedy: argmax (True) or sampling.
+        seed: prompt i uses seed + i (same seeds for AR and the drafter).
+        max_new_tokens: per prompt.
+        warmup: untimed runs on the first prompt (each decoder).
+        stop_ids: target ids that end a prompt's decoding (default: the tokenizer's).
+        **options: more :func:`mtpc.generate_hetero` keywords (temperature, top_k, top_p,
+            look_behind, max_psi_paths, psi).
+
+    Returns:
+        ``{"rows": [ar_row, hetero_row], "overlap": {...}, "settings": {...}}``. Rows hold
+        mu_lat (s per cycle), mu_acc (target tokens per target pass), mu_acc_drafts
+        (accepted drafts per pass), tok_s, drafter_passes_per_cycle; the hetero row adds
+        speedup_ar (its tok_s over the AR row's). ``overlap``: vocab_target, vocab_drafter,
+        vocab_intersection (|T ∩ D|), vocab_intersection_over_target (Table 5) and the
+        prompt-level prompt_intersection_over_target (Table 6).
+    """
+    t_tok, d_tok = as_tokenizer(target_tokenizer), as_tokenizer(drafter_tokenizer)
+    stops = list(t_tok.stop_ids if stop_ids is None else stop_ids)
+    ids = [t_tok.prompt_ids(p) if isinstance(p, str) else list(p) for p in prompts]
+    if not ids:
+        raise ValueError("prompts is empty")
+    sample_kw = {k: options[k] for k in ("temperature", "top_k", "top_p") if k in options}
+
+    def run_ar(i: int, p: list[int]) -> HeteroResult:
+        return autoregressive(target, p, max_new_tokens, greedy, seed + i, stops, **sample_kw)
+
+    def run_sd(i: int, p: list[int]) -> HeteroResult:
+        return generate_hetero(
+            target, t_tok, drafter, d_tok, p, algorithm=algorithm, lookahead=lookahead,
+            greedy=greedy, seed=seed + i, max_new_tokens=max_new_tokens, stop_ids=stops,
+            **options,
+        )  # fmt: skip
+
+    for _ in range(warmup):
+        run_ar(0, ids[0])
+        run_sd(0, ids[0])
+    ar = _metrics([run_ar(i, p) for i, p in enumerate(ids)])
+    sd = _metrics([run_sd(i, p) for i, p in enumerate(ids)])
+    sd["speedup_ar"] = sd["tok_s"] / ar["tok_s"] if ar["tok_s"] > 0 else float("nan")
+    overlap = vocab_mapping(t_tok, d_tok).stats()
+    texts = [t_tok.decode_bytes(p) for p in ids]
+    overlap.update(prompt_overlap(t_tok, d_tok, [t[: len(t)] for t in texts]))
+    return {
+        "rows": [
+            {"name": "AR (target)", "kind": "ar", **ar},
+            {"name": f"hetero:{algorithm}", "kind": algorithm, "lookahead": lookahead, **sd},
+        ],
+        "overlap": overlap,
+        "settings": {
+            "algorithm": algorithm,
+            "lookahead": lookahead,
+            "greedy": greedy,
+            "seed": seed,
+            "max_new_tokens": max_new_tokens,
+            "num_prompts": len(ids),
+            **options,
+        },
+    }
+
+
+def load_drafter(model: str, tokenizer: str | None = None, device: str = "cpu") -> tuple[Any, Any]:
+    """Resolves ``drafter.model`` / ``drafter.tokenizer`` to (model, tokenizer).
+
+    Args:
+        model: a local HF causal-LM folder, or ``fixture:bpe`` | ``fixture:lower`` |
+            ``fixture:byte_small`` (the tiny drafters of ``tests/hetero_fixtures.py``,
+            trained on the synthetic corpus at first use; run from the repository root).
+        tokenizer: an HF tokenizer folder or a codec name (tiny | evabyte | llama3_byte);
+            None: the model folder's own tokenizer.
+        device: where the model goes.
+
+    Raises:
+        ValueError: an unknown fixture name.
+    """
+    if model.startswith(FIXTURE_PREFIX):
+        name = model[len(FIXTURE_PREFIX) :]
+        if name not in FIXTURES:
+            raise ValueError(f"drafter.model is {model!r}; allowed fixtures: {FIXTURES}")
+        from tests.hetero_fixtures import trained_models
+
+        built = trained_models()
+        lm = built["byte_small"] if name == "byte_small" else built[f"{name}_lm"]
+        tok = built["codec"] if name == "byte_small" else built[name]
+        return lm.to(device), tok
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mtpc.backbones.codecs import CODECS, get_codec
+
+    lm = AutoModelForCausalLM.from_pretrained(model).to(device).eval()  # type: ignore[arg-type]
+    if tokenizer in CODECS:
+        return lm, get_codec(str(tokenizer))
+    return lm, AutoTokenizer.from_pretrained(tokenizer or model)
