@@ -33,11 +33,19 @@ from mtpc.data.synthetic import generate_rows
 EOS = "<|endoftext|>"
 
 
-def corpus(num_rows: int = 400, seed: int = 0) -> list[str]:
-    """Plain-text conversations from the synthetic chat rows."""
+def corpus(num_rows: int = 400, seed: int = 0, chat: bool = False) -> list[str]:
+    """Conversations from the synthetic chat rows.
+
+    ``chat=False``: ``"role: content"`` lines; ``chat=True``: the tiny target's chat template
+    with its special tokens dropped (what a drafter sees of a byte-level target's prompt).
+    """
+    codec = get_codec("tiny")
     texts = []
     for row in generate_rows(num_rows, seed):
-        texts.append("".join(f"{m['role']}: {m['content']}\n" for m in row["messages"]))
+        if chat:
+            texts.append(codec.decode(codec.apply_chat_template(row["messages"]).ids))
+        else:
+            texts.append("".join(f"{m['role']}: {m['content']}\n" for m in row["messages"]))
     return texts
 
 
@@ -153,7 +161,9 @@ def encode_corpus(tok: Any, texts: list[str]) -> list[list[int]]:
 
 
 @cache
-def trained_models(steps: int = 100, num_rows: int = 200, bpe_vocab: int = 400) -> dict[str, Any]:
+def trained_models(
+    steps: int = 100, num_rows: int = 200, bpe_vocab: int = 400, chat: bool = False
+) -> dict[str, Any]:
     """Briefly trained tiny models sharing the synthetic corpus (built once per process).
 
     Keys: ``codec`` (tiny byte codec), ``byte_lm`` (byte-level Llama, 320 ids), ``bpe``
@@ -163,13 +173,13 @@ def trained_models(steps: int = 100, num_rows: int = 200, bpe_vocab: int = 400) 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices: one thread is fastest on a shared CPU
     try:
-        return _train_all(steps, num_rows, bpe_vocab)
+        return _train_all(steps, num_rows, bpe_vocab, chat)
     finally:
         torch.set_num_threads(threads)
 
 
-def _train_all(steps: int, num_rows: int, bpe_vocab: int) -> dict[str, Any]:
-    texts = corpus(num_rows)
+def _train_all(steps: int, num_rows: int, bpe_vocab: int, chat: bool) -> dict[str, Any]:
+    texts = corpus(num_rows, chat=chat)
     codec = get_codec("tiny")
     bpe = bpe_tokenizer(texts, bpe_vocab)
     lower = bpe_tokenizer(texts, bpe_vocab, normalize=True)
