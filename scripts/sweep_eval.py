@@ -1,0 +1,55 @@
+"""Evaluates every exported draft under a folder and writes one combined table.
+
+    python scripts/sweep_eval.py outputs/train                 # every */draft (any depth)
+    python scripts/sweep_eval.py outputs/train num_prompts=250 num_prompt_sets=3 device=cuda \
+        baseline=outputs/train/<ff run>/draft
+
+Extra arguments are ``eval.yaml`` overrides. All drafts go through one ``evaluate`` call, so
+they share the prompts, the AR reference and the trade-off plot (paper Fig. 1); the table,
+results.json/CSV and plots land in ``outputs/eval/sweep`` (or ``output_dir=...``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("PROJECT_ROOT", str(ROOT))
+
+
+def find_drafts(folder: Path) -> list[Path]:
+    """Exported draft folders (a config.json with head.safetensors beside it) under ``folder``."""
+    return sorted(
+        p.parent for p in folder.rglob("config.json") if (p.parent / "head.safetensors").is_file()
+    )
+
+
+def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1].startswith("-"):
+        print(__doc__)
+        raise SystemExit(2)
+    folder = Path(sys.argv[1])
+    drafts = find_drafts(folder)
+    if not drafts:
+        raise SystemExit(f"no exported drafts (config.json + head.safetensors) under {folder}")
+    from hydra import compose, initialize_config_dir
+
+    from mtpc.evaluation.run import evaluate
+
+    overrides = sys.argv[2:]
+    baseline = next((o.split("=", 1)[1] for o in overrides if o.startswith("baseline=")), None)
+    if baseline:  # the baseline is its own row, not also a draft
+        drafts = [d for d in drafts if d.resolve() != Path(baseline).resolve()]
+    listing = ",".join(f"'{d}'" for d in drafts)
+    if not any(o.startswith("output_dir=") for o in overrides):
+        overrides.append(f"output_dir={ROOT / 'outputs' / 'eval' / 'sweep'}")
+    with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose("eval", overrides=[f"draft=[{listing}]", *overrides])
+    evaluate(cfg)
+
+
+if __name__ == "__main__":
+    main()
