@@ -26,8 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mtpc.decoding import generate  # noqa: E402
-from mtpc.evaluation.metrics import set_metrics  # noqa: E402
+from mtpc.decoding import generate
+from mtpc.evaluation.metrics import set_metrics
 
 
 def _prompts(count: int, codec: str, max_len: int) -> list[list[int]]:
@@ -103,7 +103,7 @@ def main() -> None:
     }
     rows: list[dict[str, Any]] = []
     print(
-        f"| draft | mode | mu_lat ms | mu_acc | tok/s | x AR | model | head | circuit | verify | cache | overhead |"
+        "| draft | mode | mu_lat ms | mu_acc | tok/s | x AR | model | head | circuit | verify | cache | overhead |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, label in (("greedy", "AR greedy"), ("sampling", "AR sampling")):
