@@ -43,9 +43,12 @@ class RNGStateCallback(L.Callback):
     def on_save_checkpoint(
         self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
         checkpoint["rng_states"] = {
             "python": random.getstate(),
-            "numpy": np.random.get_state(),
+            # as tensors and plain numbers, so checkpoints load with weights_only=True
+            "numpy": (str(kind), torch.from_numpy(np.asarray(keys)), int(pos), int(has_gauss),
+                      float(gauss)),  # fmt: skip
             "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         }
@@ -57,7 +60,8 @@ class RNGStateCallback(L.Callback):
         if not states:
             return
         random.setstate(states["python"])
-        np.random.set_state(states["numpy"])
+        kind, keys, pos, has_gauss, gauss = states["numpy"]
+        np.random.set_state((kind, keys.numpy(), pos, has_gauss, gauss))
         torch.set_rng_state(states["torch"])
         if states.get("cuda") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(states["cuda"])
