@@ -1,0 +1,316 @@
+"""The bundled tiny target: an EvaByte-like byte LM shipped in ``assets/tiny_target``.
+
+It stands in for EvaByte-SFT wherever a test or the quickstart needs a model: a
+``transformers.LlamaForCausalLM`` with EvaByte's vocabulary layout (320 ids, byte ``b`` is
+id ``b + 64``) and chat template (``get_codec("tiny")``), plus 8 fully factorised MTP
+unembeddings in EvaByte's layout, pretrained jointly with the trunk by
+``scripts/pretrain_tiny_target.py`` on the synthetic chat data.
+
+Special ids: pad 0, bos 1, eos 2 (``config.eos_token_id``, as in EvaByte's tokenizer); the
+end of an assistant turn is ``<|eot_id|>`` = 11, so ``generation_config.eos_token_id`` is
+``[11, 2]`` (the codec's ``stop_ids``) and ``model.generate`` stops at the end of a turn.
+
+Asset layout (``TINY_TARGET_DIR``)::
+
+    config.json              LlamaConfig (LlamaForCausalLM.from_pretrained loads the folder)
+    generation_config.json   eos [11, 2], pad 0, bos 1
+    model.safetensors        trunk + lm_head (fp32)
+    mtp_heads.safetensors    "mtp_unembeddings": (8 * 320, d); rows k*320..(k+1)*320-1
+                             predict byte t+1+k from the final (normed) hidden state at t;
+                             block 0 equals lm_head.weight
+    metadata.json            training command and settings, steps, wall time, validation
+                             loss / bits per byte, sha256 of every other file
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+from mtpc.backbones.codecs import ByteCodec, get_codec
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TINY_TARGET_DIR = REPO_ROOT / "assets" / "tiny_target"
+REBUILD_COMMAND = "python scripts/pretrain_tiny_target.py"
+"""Run from the repository root (inside the virtualenv) to rebuild ``TINY_TARGET_DIR``."""
+
+NUM_MTP_HEADS = 8
+MTP_KEY = "mtp_unembeddings"
+WEIGHT_FILES = ("config.json", "model.safetensors", "mtp_heads.safetensors")
+"""Files whose sha256 ``metadata.json`` records and ``load_tiny_target`` checks."""
+
+
+class TinyTargetAssetError(RuntimeError):
+    """A file of the tiny target's assets is missing or corrupt."""
+
+
+@dataclass
+class TinyTarget:
+    """The loaded tiny target.
+
+    Attributes:
+        model: the causal LM, in eval mode.
+        mtp_unembeddings: (8 * 320, d) MTP unembeddings in EvaByte's layout; block 0 is
+            ``model.lm_head.weight``.
+        metadata: the contents of ``metadata.json``.
+        path: the asset folder it was loaded from.
+    """
+
+    model: LlamaForCausalLM
+    mtp_unembeddings: torch.Tensor
+    metadata: dict[str, Any] = field(default_factory=dict)
+    path: Path = TINY_TARGET_DIR
+
+    @property
+    def codec(self) -> ByteCodec:
+        return get_codec("tiny")
+
+
+def build_tiny_config(
+    hidden_size: int = 128,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    intermediate_size: int = 352,
+    max_position_embeddings: int = 1024,
+) -> LlamaConfig:
+    """A Llama config with EvaByte's vocabulary (320 ids) and special ids.
+
+    Raises:
+        ValueError: a size is not positive, or ``hidden_size`` is not divisible by
+            ``num_heads``.
+    """
+    sizes = {
+        "hidden_size": hidden_size,
+        "num_layers": num_layers,
+        "num_heads": num_heads,
+        "intermediate_size": intermediate_size,
+        "max_position_embeddings": max_position_embeddings,
+    }
+    for name, value in sizes.items():
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+    if hidden_size % num_heads:
+        raise ValueError(
+            f"hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads})"
+        )
+    codec = get_codec("tiny")
+    return LlamaConfig(
+        vocab_size=codec.vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-5,
+        bos_token_id=codec.bos_id,
+        eos_token_id=codec.eos_id,
+        pad_token_id=codec.pad_id,
+        tie_word_embeddings=False,
+    )
+
+
+def tiny_generation_config() -> GenerationConfig:
+    """Greedy by default; stops at ``<|eot_id|>`` (11) or ``<eos>`` (2)."""
+    codec = get_codec("tiny")
+    return GenerationConfig(
+        bos_token_id=codec.bos_id,
+        eos_token_id=list(codec.stop_ids),
+        pad_token_id=codec.pad_id,
+        do_sample=False,
+    )
+
+
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def save_tiny_target(
+    model: LlamaForCausalLM,
+    mtp_unembeddings: torch.Tensor,
+    path: str | os.PathLike[str],
+    metadata: Mapping[str, Any],
+) -> Path:
+    """Writes the asset folder (see the module docstring); returns its path.
+
+    Args:
+        model: the trained causal LM.
+        mtp_unembeddings: (8 * V, d); block 0 must equal ``model.lm_head.weight``.
+        path: the folder to write.
+        metadata: extra entries for ``metadata.json`` (command, metrics, ...).
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = model.config.vocab_size
+    if not torch.equal(mtp_unembeddings[:vocab], model.lm_head.weight):
+        raise ValueError("mtp_unembeddings block 0 must equal model.lm_head.weight")
+    model.generation_config = tiny_generation_config()
+    model.save_pretrained(path)
+    save_file(
+        {MTP_KEY: mtp_unembeddings.detach().contiguous().cpu()}, path / "mtp_heads.safetensors"
+    )
+    meta = dict(metadata)
+    meta["sha256"] = {name: sha256_file(path / name) for name in WEIGHT_FILES}
+    (path / "metadata.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    return path
+
+
+def _asset_error(file: Path, problem: str) -> TinyTargetAssetError:
+    return TinyTargetAssetError(
+        f"tiny target asset {file} {problem}. Rebuild the assets from the repository root "
+        f"with: {REBUILD_COMMAND} (or restore them with: git checkout -- {_repo_relative(file.parent)})"
+    )
+
+
+def _repo_relative(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        return str(path)
+
+
+def load_tiny_target(
+    path: str | os.PathLike[str] | None = None,
+    dtype: torch.dtype = torch.float32,
+    verify: bool = True,
+) -> TinyTarget:
+    """Loads the tiny target offline in one call.
+
+    Args:
+        path: asset folder; ``TINY_TARGET_DIR`` when None.
+        dtype: dtype of the model and the MTP unembeddings.
+        verify: check every weight file against the sha256 in ``metadata.json``.
+
+    Raises:
+        TinyTargetAssetError: a file is missing or corrupt; the message names the file and
+            the command that rebuilds it.
+    """
+    folder = TINY_TARGET_DIR if path is None else Path(path)
+    for name in (*WEIGHT_FILES, "metadata.json"):
+        if not (folder / name).is_file():
+            raise _asset_error(folder / name, "is missing")
+    try:
+        metadata = json.loads((folder / "metadata.json").read_text(encoding="utf-8"))
+        expected = metadata["sha256"]
+    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as err:
+        raise _asset_error(folder / "metadata.json", f"is corrupt ({err})") from err
+    if verify:
+        for name in WEIGHT_FILES:
+            if sha256_file(folder / name) != expected.get(name):
+                raise _asset_error(folder / name, "is corrupt (sha256 differs from metadata.json)")
+    try:
+        model = LlamaForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
+    except (OSError, ValueError, SafetensorError, json.JSONDecodeError) as err:
+        raise _asset_error(folder / "model.safetensors", f"could not be loaded ({err})") from err
+    try:
+        mtp = load_file(folder / "mtp_heads.safetensors")[MTP_KEY].to(dtype)
+    except (OSError, KeyError, SafetensorError) as err:
+        raise _asset_error(
+            folder / "mtp_heads.safetensors", f"could not be loaded ({err})"
+        ) from err
+    vocab, d = model.config.vocab_size, model.config.hidden_size
+    if tuple(mtp.shape) != (NUM_MTP_HEADS * vocab, d):
+        raise _asset_error(
+            folder / "mtp_heads.safetensors",
+            f"has {MTP_KEY} of shape {tuple(mtp.shape)}, expected {(NUM_MTP_HEADS * vocab, d)}",
+        )
+    model.eval()
+    return TinyTarget(model=model, mtp_unembeddings=mtp, metadata=metadata, path=folder)
+
+
+def mtp_log_probs(hidden: torch.Tensor, mtp_unembeddings: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities of the fully factorised MTP heads.
+
+    Args:
+        hidden: (..., d) final (normed) hidden states.
+        mtp_unembeddings: (K * V, d) in EvaByte's layout.
+
+    Returns:
+        (..., K, V); ``[..., k, :]`` is the distribution of the byte k + 1 positions ahead.
+    """
+    vocab = mtp_unembeddings.shape[0] // NUM_MTP_HEADS
+    logits = hidden @ mtp_unembeddings.T  # (..., K * V)
+    return logits.unflatten(-1, (-1, vocab)).log_softmax(-1)  # (..., K, V)
+
+
+def encode_chats(
+    rows: Sequence[Mapping[str, Any]], codec: ByteCodec | None = None
+) -> list[tuple[list[int], list[bool]]]:
+    """Renders Tülu-format rows with the chat template: (ids, assistant mask) per row."""
+    codec = get_codec("tiny") if codec is None else codec
+    out = []
+    for row in rows:
+        enc = codec.apply_chat_template(row["messages"])
+        out.append((enc.ids, enc.assistant_mask))
+    return out
+
+
+@torch.no_grad()
+def validation_metrics(
+    model: LlamaForCausalLM,
+    rows: Sequence[Mapping[str, Any]],
+    mtp_unembeddings: torch.Tensor | None = None,
+    batch_size: int = 32,
+) -> dict[str, float]:
+    """Next-byte loss of ``model`` on chat rows, one row per sequence (no packing).
+
+    Returns:
+        ``loss`` / ``bits_per_byte``: mean next-token NLL (nats / bits) over every target
+        after the first id; ``assistant_loss`` / ``assistant_bits_per_byte``: over the
+        assistant targets only (assistant bytes and their ``<|eot_id|>``); with
+        ``mtp_unembeddings``, ``mtp_loss_k`` for k = 1..7: NLL of head k (byte t+1+k) over
+        every target.
+    """
+    model.eval()
+    device = next(model.parameters()).device
+    encoded = sorted(encode_chats(rows), key=lambda e: len(e[0]))  # little padding per batch
+    pad = get_codec("tiny").pad_id  # padded positions are masked out anyway
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+
+    def add(key: str, nll: torch.Tensor, mask: torch.Tensor) -> None:
+        sums[key] = sums.get(key, 0.0) + float((nll * mask).sum())
+        counts[key] = counts.get(key, 0.0) + float(mask.sum())
+
+    for start in range(0, len(encoded), batch_size):
+        chunk = encoded[start : start + batch_size]
+        length = max(len(ids) for ids, _ in chunk)
+        ids = torch.full((len(chunk), length), pad, dtype=torch.long)
+        valid = torch.zeros(len(chunk), length, dtype=torch.bool)
+        assistant = torch.zeros(len(chunk), length, dtype=torch.bool)
+        for i, (row_ids, row_mask) in enumerate(chunk):
+            ids[i, : len(row_ids)] = torch.tensor(row_ids)
+            valid[i, : len(row_ids)] = True
+            assistant[i, : len(row_ids)] = torch.tensor(row_mask)
+        ids, valid, assistant = ids.to(device), valid.to(device), assistant.to(device)
+        hidden = model.model(
+            input_ids=ids, attention_mask=valid.long()
+        ).last_hidden_state  # (B, T, d)
+        log_probs = model.lm_head(hidden).float().log_softmax(-1)  # (B, T, V)
+        nll = -log_probs[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]  # (B, T-1)
+        add("loss", nll, valid[:, 1:])
+        add("assistant_loss", nll, assistant[:, 1:])
+        if mtp_unembeddings is not None:
+            mtp = mtp_log_probs(hidden.float(), mtp_unembeddings.float().to(device))  # (B, T, K, V)
+            for k in range(1, mtp.shape[2]):
+                nll_k = -mtp[:, : -1 - k, k].gather(-1, ids[:, 1 + k :, None])[..., 0]  # (B, T-1-k)
+                add(f"mtp_loss_{k}", nll_k, valid[:, 1 + k :])
+    metrics = {key: sums[key] / max(counts[key], 1.0) for key in sums}
+    metrics["bits_per_byte"] = metrics["loss"] / math.log(2)
+    metrics["assistant_bits_per_byte"] = metrics["assistant_loss"] / math.log(2)
+    return metrics
