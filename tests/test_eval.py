@@ -151,3 +151,16 @@ def test_a_draft_for_another_target_is_refused(tmp_path: Path, drafts: dict[str,
     (moved / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="exported for target model 'evabyte', but model=tiny"):
         evaluate(_cfg(tmp_path, draft=str(moved)))
+
+
+def test_hetero_drafter_rows_report_speedup_and_vocabulary_overlap(tmp_path: Path) -> None:
+    """eval.py drafter=hetero: a BPE drafter for the byte-level tiny target."""
+    drafter = {
+        "name": "hetero", "model": "fixture:bpe", "tokenizer": None, "algorithm": "slem",
+        "lookahead": 3, "look_behind": 8, "max_psi_paths": 4096, "psi": "auto",
+    }  # fmt: skip
+    res = evaluate(_cfg(tmp_path, drafter=drafter, max_throughput=False, plots=False))
+    ar, slem = res["rows"]
+    assert ar["kind"] == "ar" and slem["kind"] == "slem"
+    assert slem["mu_acc"] >= 1.0 and slem["speedup_ar"] > 0 and len(slem["per_set"]) == 2
+    assert 0 < slem["overlap"]["vocab_intersection_over_target"] <= 1

@@ -230,7 +230,9 @@ def evaluate(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
 
     validate_eval_config(cfg)
     check_eval_fields(cfg)
-    drafts = resolve_drafts(cfg)
+    drafter = _get(cfg, "drafter")
+    # drafter=hetero alone evaluates only the other-vocabulary drafter; with draft= both
+    drafts = resolve_drafts(cfg) if drafter is None or _get(cfg, "draft") else []
     baseline = _get(cfg, "baseline")
     base_paths = (
         resolve_drafts({"draft": baseline, "paths": _get(cfg, "paths")}) if baseline else []
@@ -240,8 +242,8 @@ def evaluate(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
     if threads:
         torch.set_num_threads(int(threads))
     configs = [read_config(p) for p in drafts + base_paths]
-    codec = configs[0]["codec"]
-    windows = [c["circuit"]["window"] for c in configs]
+    codec = configs[0]["codec"] if configs else str(_get(cfg, "model.codec", "tiny"))
+    windows = [c["circuit"]["window"] for c in configs] or [0]
     new = int(_get(cfg, "max_new_tokens", 128))
 
     rows: list[dict[str, Any]] = []
@@ -292,6 +294,10 @@ def evaluate(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
         rows.append(row)
         del model
         gc.collect()
+    if drafter is not None:
+        if prompt_sets is None:
+            prompt_sets = load_prompt_sets(cfg, codec, _get(cfg, "max_prompt_length"))
+        rows.extend(hetero_rows(cfg, prompt_sets, with_ar=not rows))
     if base_paths:
         ref_sets = rows[-1]["per_set"]
         for row in rows[1:]:
@@ -325,3 +331,59 @@ def evaluate(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
     results["files"] = write_outputs(results, Path(out_dir), plots=bool(_get(cfg, "plots", True)))
     print(f"results: {results['files']['json']}")
     return results
+
+
+def hetero_rows(cfg: Any, prompt_sets: list[list[Any]], with_ar: bool) -> list[dict[str, Any]]:
+    """Rows for ``drafter=hetero``: the configured target drafted by another vocabulary.
+
+    Each prompt set is decoded by :func:`mtpc.evaluation.hetero.evaluate_hetero` (AR and
+    the drafter in the same call, so ``x AR`` compares like with like); rows hold the
+    mean and std over sets, as the self-speculative rows do. The vocabulary overlap
+    (Timor et al., Tables 5-6) goes into the row's ``overlap``.
+    """
+    from mtpc.backbones import load_backbone
+    from mtpc.backbones.codecs import get_codec
+    from mtpc.evaluation.hetero import evaluate_hetero, load_drafter
+    from mtpc.evaluation.metrics import mean_std
+
+    device = str(_get(cfg, "device", "cpu"))
+    backbone = load_backbone(
+        str(_get(cfg, "model.name", "tiny")),
+        path=_get(cfg, "model.path"),
+        revision=_get(cfg, "model.revision"),
+        dtype=_get(cfg, "model.dtype", "float32"),
+        device=device,
+    )
+    codec = get_codec(str(_get(cfg, "model.codec", "tiny")))
+    model, tokenizer = load_drafter(
+        str(_get(cfg, "drafter.model")), _get(cfg, "drafter.tokenizer"), device=device
+    )
+    options = {key: _get(cfg, f"drafter.{key}") for key in ("look_behind", "max_psi_paths", "psi")}
+    if not _get(cfg, "greedy", True):
+        options.update({k: _get(cfg, k) for k in ("temperature", "top_k", "top_p")})
+    results = [
+        evaluate_hetero(
+            backbone.hf_model,
+            codec,
+            model,
+            tokenizer,
+            prompts=[p.prompt_ids for p in prompt_set],
+            algorithm=str(_get(cfg, "drafter.algorithm", "slem")),
+            lookahead=int(_get(cfg, "drafter.lookahead", 5)),
+            greedy=bool(_get(cfg, "greedy", True)),
+            seed=int(_get(cfg, "seed", 0)) + index,
+            max_new_tokens=int(_get(cfg, "max_new_tokens", 128)),
+            warmup=int(_get(cfg, "warmup", 1)),
+            **{k: v for k, v in options.items() if v is not None},
+        )  # fmt: skip
+        for index, prompt_set in enumerate(prompt_sets)
+    ]
+    rows = []
+    for position in (0, 1) if with_ar else (1,):
+        per_set = [r["rows"][position] for r in results]
+        row = _row(per_set[0]["name"], per_set, kind=per_set[0]["kind"])
+        if position == 1:
+            row["overlap"] = results[0]["overlap"]
+            row["speedup_ar"], row["speedup_ar_std"] = mean_std([m["speedup_ar"] for m in per_set])
+        rows.append(row)
+    return rows
