@@ -375,7 +375,7 @@ def hetero_rows(cfg: Any, prompt_sets: list[list[Any]], with_ar: bool) -> list[d
             max_new_tokens=int(_get(cfg, "max_new_tokens", 128)),
             warmup=int(_get(cfg, "warmup", 1)),
             **{k: v for k, v in options.items() if v is not None},
-        )  # fmt: skip
+        )
         for index, prompt_set in enumerate(prompt_sets)
     ]
     rows = []
