@@ -24,12 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import time
-from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
+from mtpc.benchmarking import best_time, reset_peak_rss, status_kb
 from mtpc.circuits.engine import _categorical
 from mtpc.heads import MTPCHead, chunked_log_likelihood
 
@@ -97,28 +96,6 @@ REFERENCES = {"cp": RefCP, "btree": RefBTree}
 # ---------------------------------------------------------------------------------------------
 
 
-def timeit(
-    fn: Callable[[], object], min_time: float = 0.3, warmup: int = 5, rounds: int = 7
-) -> float:
-    """Best (minimum) seconds per call over ``rounds`` rounds of at least ``min_time / 5``.
-
-    The minimum, not the median: on a shared machine other processes only ever add time.
-    """
-    for _ in range(warmup):
-        fn()
-    t0 = time.perf_counter()
-    fn()
-    once = max(time.perf_counter() - t0, 1e-7)
-    reps = max(1, int(min_time / 5 / once))
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        times.append((time.perf_counter() - t0) / reps)
-    return min(times)
-
-
 def bench_config(kind: str, n: int, r: int, V: int, d: int, train_batch: int) -> dict:
     torch.manual_seed(0)
     head = MTPCHead(kind, n, r, V, d)
@@ -128,7 +105,7 @@ def bench_config(kind: str, n: int, r: int, V: int, d: int, train_batch: int) ->
     e = torch.randn(1, d)
     row: dict = {"kind": kind, "n": n, "r": r}
     with torch.inference_mode():
-        row["head_ms"] = timeit(lambda: head(e)) * 1e3
+        row["head_ms"] = best_time(lambda: head(e)) * 1e3
         params = head(e)
         circ = head.circuit
 
@@ -136,7 +113,7 @@ def bench_config(kind: str, n: int, r: int, V: int, d: int, train_batch: int) ->
             x = circ.sample(params, generator=g)
             circ.prefix_log_prob(params, x)
 
-        row["sample_prefix_ms"] = timeit(generic) * 1e3
+        row["sample_prefix_ms"] = best_time(generic) * 1e3
         ref_cls = REFERENCES.get(kind)
         if ref_cls is not None:
             ref = ref_cls(n, r)
@@ -153,7 +130,7 @@ def bench_config(kind: str, n: int, r: int, V: int, d: int, train_batch: int) ->
             torch.testing.assert_close(
                 ref.prefix_from_leaves(leaves, lw), circ.prefix_log_prob(params, x)
             )
-            row["ref_sample_prefix_ms"] = timeit(reference) * 1e3
+            row["ref_sample_prefix_ms"] = best_time(reference) * 1e3
             row["ratio_b1"] = row["sample_prefix_ms"] / row["ref_sample_prefix_ms"]
 
     if train_batch:
@@ -165,7 +142,7 @@ def bench_config(kind: str, n: int, r: int, V: int, d: int, train_batch: int) ->
             out = chunked_log_likelihood(head, h, t, chunk_size=train_batch, checkpoint=False)
             out.sum().backward()
 
-        row["train_ms"] = timeit(train_generic, min_time=0.0, warmup=1, rounds=3) * 1e3
+        row["train_ms"] = best_time(train_generic, min_time=0.0, warmup=1, rounds=3) * 1e3
         if kind in REFERENCES:
             ref = REFERENCES[kind](n, r)
 
@@ -175,7 +152,7 @@ def bench_config(kind: str, n: int, r: int, V: int, d: int, train_batch: int) ->
                 assert lw is not None
                 ref.prefix_from_leaves(head.leaf_log_prob(h, t), lw).sum().backward()
 
-            row["ref_train_ms"] = timeit(train_ref, min_time=0.0, warmup=1, rounds=3) * 1e3
+            row["ref_train_ms"] = best_time(train_ref, min_time=0.0, warmup=1, rounds=3) * 1e3
             row["ratio_train"] = row["train_ms"] / row["ref_train_ms"]
     return row
 
@@ -188,26 +165,12 @@ def _memory_worker(
     head = MTPCHead(kind, n, r, V, d)
     hidden = torch.randn(T, d, requires_grad=True)
     targets = torch.randint(V, (T, n))
-    before = _status_kb("VmRSS")
-    _reset_peak_rss()
+    before = status_kb("VmRSS")
+    reset_peak_rss()
     out = chunked_log_likelihood(head, hidden, targets, chunk_size=chunk)
     out.sum().backward()
-    peak = _status_kb("VmHWM")  # peak RSS since the reset
+    peak = status_kb("VmHWM")  # peak RSS since the reset
     q.put({"T": T, "peak_extra_mb": (peak - before) / 1024, "hidden_mb": T * d * 4 / 2**20})
-
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
-def _reset_peak_rss() -> None:
-    """Reset VmHWM (Linux >= 4.0); ru_maxrss cannot be used, it survives fork + exec."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def bench_memory(

@@ -24,8 +24,8 @@ def _group_options() -> list[tuple[str, str]]:
     options = []
     for path in sorted(CONFIG_DIR.rglob("*.yaml")):
         rel = path.relative_to(CONFIG_DIR)
-        if len(rel.parts) == 1 or rel.parts[0] == "hydra":
-            continue
+        if len(rel.parts) == 1 or rel.parts[0] in ("hydra", "drafter"):
+            continue  # hydra/: launchers (below); drafter/: an eval.yaml group (below)
         options.append(("/".join(rel.parts[:-1]), rel.stem))
     return options
 
@@ -44,6 +44,13 @@ def test_every_config_file_composes(group: str, option: str) -> None:
     OmegaConf.to_container(cfg.model)  # the node resolves
     if group not in ("hparams_search",):
         validate_train_config(cfg)
+
+
+@pytest.mark.parametrize("drafter", ["hetero"])
+def test_eval_drafter_configs_compose(drafter: str) -> None:
+    cfg = _compose("eval", [f"drafter={drafter}"])
+    validate_eval_config(cfg)
+    assert cfg.drafter.algorithm in ("slem", "tli", "slrs", "union", "standard")
 
 
 @pytest.mark.parametrize("launcher", ["local", "slurm"])
