@@ -188,7 +188,7 @@ class Llama3ByteCodec(ByteCodec):
     byte_offset = 0
     bos_id, end_header_id, eos_id, eot_id, start_header_id = 256, 257, 258, 259, 260
     pad_id = eos_id  # tokenkit maps <pad> to <|end_of_text|>
-    role_ids = {"assistant": 261, "system": 262, "user": 263}
+    role_ids: Mapping[str, int] = {"assistant": 261, "system": 262, "user": 263}
     double_newline_id = 264
     special_tokens: Mapping[int, bytes] = {
         256: b"<|begin_of_text|>",

@@ -47,8 +47,13 @@ class RNGStateCallback(L.Callback):
         checkpoint["rng_states"] = {
             "python": random.getstate(),
             # as tensors and plain numbers, so checkpoints load with weights_only=True
-            "numpy": (str(kind), torch.from_numpy(np.asarray(keys)), int(pos), int(has_gauss),
-                      float(gauss)),  # fmt: skip
+            "numpy": (
+                str(kind),
+                torch.from_numpy(np.asarray(keys)),
+                int(pos),
+                int(has_gauss),
+                float(gauss),
+            ),
             "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         }
