@@ -223,3 +223,16 @@ def test_ddp_on_two_cpu_processes(tmp_path: Path) -> None:
     assert metrics["train/steps"] == 2
     assert (tmp_path / "ddp" / "draft" / "head.safetensors").exists()
     assert OmegaConf.load(tmp_path / "ddp" / ".hydra" / "config.yaml").trainer.devices == 2
+
+
+def test_multirun_sweep_over_circuits(tmp_path: Path) -> None:
+    """python train.py -m circuit=ff,btree: one run folder per setting."""
+    env = {**os.environ, "PROJECT_ROOT": str(tmp_path), "MTPC_CACHE": str(tmp_path / "cache")}
+    command = [sys.executable, str(REPO / "train.py"), "-m", "circuit=ff,btree",
+               "circuit.window=2", "trainer.fast_dev_run=true", "logger=none",
+               f"hydra.sweep.dir={tmp_path / 'sweep'}", *FAST]  # fmt: skip
+    result = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir())
+    assert runs == ["tiny-btree-n2-r8-k0-heads", "tiny-ff-n2-r1-k0-heads"]
+    assert all((tmp_path / "sweep" / run / "metrics.json").exists() for run in runs)
