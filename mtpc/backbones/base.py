@@ -243,16 +243,21 @@ class Backbone(nn.Module, ABC):
         for p in hf_model.parameters():
             p.requires_grad_(False)
 
-    # --- model-specific pieces -------------------------------------------------------------
+    # --- model-specific pieces (defaults: the HF decoder layout ``hf_model.model.*``) ------
     @property
-    @abstractmethod
-    def layers(self) -> nn.ModuleList:
-        """The decoder layers, in order."""
+    def inner(self) -> Any:
+        """The decoder stack (``hf_model.model`` in HF causal LMs)."""
+        return self.hf_model.model
 
     @property
-    @abstractmethod
+    def layers(self) -> nn.ModuleList:
+        """The decoder layers, in order."""
+        return self.inner.layers
+
+    @property
     def final_norm(self) -> nn.Module:
         """The norm applied after the last layer."""
+        return self.inner.norm
 
     @property
     def config(self) -> Any:
@@ -279,9 +284,13 @@ class Backbone(nn.Module, ABC):
     def device(self) -> torch.device:
         return next(self.hf_model.parameters()).device
 
-    @abstractmethod
     def embed(self, ids: torch.Tensor, past_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Input embeddings of ``ids`` (B, T) -> (B, T, d); ``past_ids`` (B, P) precede them."""
+        """Input embeddings of ``ids`` (B, T) -> (B, T, d); ``past_ids`` (B, P) precede them.
+
+        The default looks ``ids`` up in the input embedding table; models whose embedding
+        reads the id history (the byte Llama's expansion) override it.
+        """
+        return self.inner.embed_tokens(ids)  # (B, T, d)
 
     @abstractmethod
     def stp_unembedding(self) -> torch.Tensor:

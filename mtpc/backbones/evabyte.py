@@ -54,21 +54,6 @@ class EvaByteBackbone(Backbone):
         self.num_pred_heads = int(getattr(config, "num_pred_heads", 1) or 1)
         self.cache_batch_size = cache_batch_size
 
-    @property
-    def inner(self) -> Any:
-        return self.hf_model.model
-
-    @property
-    def layers(self) -> nn.ModuleList:
-        return self.inner.layers
-
-    @property
-    def final_norm(self) -> nn.Module:
-        return self.inner.norm
-
-    def embed(self, ids: torch.Tensor, past_ids: torch.Tensor | None = None) -> torch.Tensor:
-        return self.inner.embed_tokens(ids)  # (B, T, d)
-
     def _lm_head(self) -> torch.Tensor:
         return self.hf_model.lm_head.weight  # type: ignore[union-attr,return-value]
 

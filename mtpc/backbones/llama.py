@@ -44,21 +44,6 @@ class LlamaBackbone(Backbone):
         self._cache_kw = "past_key_values" if "past_key_values" in params else "past_key_value"
         self._pass_cache_position = "cache_position" in params
 
-    @property
-    def inner(self) -> Any:
-        return self.hf_model.model
-
-    @property
-    def layers(self) -> nn.ModuleList:
-        return self.inner.layers
-
-    @property
-    def final_norm(self) -> nn.Module:
-        return self.inner.norm
-
-    def embed(self, ids: torch.Tensor, past_ids: torch.Tensor | None = None) -> torch.Tensor:
-        return self.inner.embed_tokens(ids)  # (B, T, d)
-
     def stp_unembedding(self) -> torch.Tensor:
         return self.hf_model.lm_head.weight[: self.vocab_size]  # type: ignore[union-attr,index]
 
