@@ -8,7 +8,7 @@ SD). For every algorithm, greedy and sampling: tok/s, target tokens per target p
 accepted drafts per pass, speed-up over AR of the same target on the same prompts.
 
 Run from the repository root:
-    python scripts/bench_hetero.py [--prompts 8] [--new 64] [--steps 300] [--out docs/BENCHMARKS_hetero.md]
+    python scripts/bench_hetero.py [--prompts 8] [--new 64] [--steps 300] [--out bench_hetero.md]
 """
 
 from __future__ import annotations
