@@ -35,7 +35,7 @@ DEFAULT_GREEDY_DRAFT_MODE: dict[str, str] = {
     "hmm": "map",
     "btree": "map",
 }
-"""Greedy draft mode per circuit family (measured, see docs/BENCHMARKS_decoding.md).
+"""Greedy draft mode per circuit family (measured, see docs/BENCHMARKS.md).
 
 For ff the three modes draft the same tokens (independent positions); ``map`` is one
 max-product pass, the cheapest.
