@@ -236,3 +236,38 @@ def test_multirun_sweep_over_circuits(tmp_path: Path) -> None:
     runs = sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir())
     assert runs == ["tiny-btree-n2-r8-k0-heads", "tiny-ff-n2-r1-k0-heads"]
     assert all((tmp_path / "sweep" / run / "metrics.json").exists() for run in runs)
+
+
+def test_kl_distillation_loss_trains_the_head(tmp_path: Path) -> None:
+    """loss=kl: forward KL to the target's own next-byte distributions goes down."""
+    model = MTPCModel.from_hf(_random_llama(), kind="btree", window=3, rank=2, lora_layers=0)
+    with torch.no_grad():
+        model.head.unembedding.normal_(0.0, 0.5)  # start away from the target
+    datamodule = build_datamodule(
+        source="synthetic", codec="tiny", seq_len=32, window=3, batch_size=2, num_rows=200,
+        cache_dir=str(tmp_path),
+    )  # fmt: skip
+    datamodule.setup("fit")
+    batch = next(iter(datamodule.train_dataloader()))
+    module = MTPCLightningModule(
+        model, loss="kl", optimizer=lambda p: torch.optim.Adam(p, lr=1e-2), chunk_size=32
+    )
+    optimizer = module.configure_optimizers()
+    losses = []
+    for _ in range(10):
+        optimizer.zero_grad()
+        loss = module._objective(batch)[0].loss
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[0] > 0 and losses[-1] < 0.8 * losses[0], losses
+
+
+def test_global_batch_size_sets_gradient_accumulation(tmp_path: Path) -> None:
+    from mtpc.training.run import _accumulation
+
+    cfg = _compose(tmp_path, ["global_batch_size=256", "data.batch_size=4"])
+    assert _accumulation(cfg, world_size=8) == 8  # 256 sequences = 4 x 8 ranks x 8 batches
+    assert _accumulation(cfg, world_size=1) == 64
+    cfg.global_batch_size = None
+    assert _accumulation(cfg, world_size=8) == 1
