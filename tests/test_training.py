@@ -64,6 +64,19 @@ def _random_llama(vocab: int = 320) -> LlamaForCausalLM:
     return LlamaForCausalLM(config)
 
 
+def _optimise(module: MTPCLightningModule, batch: dict, steps: int) -> list[float]:
+    """Plain optimizer steps on one batch; the loss after each."""
+    optimizer = module.configure_optimizers()
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = module._objective(batch)[0].loss
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
 @pytest.mark.parametrize(("kind", "rank"), [("ff", 1), ("cp", 3), ("hmm", 3), ("btree", 3)])
 def test_loss_decreases_when_overfitting_one_batch(kind: str, rank: int, tmp_path: Path) -> None:
     model = MTPCModel.from_hf(_random_llama(), kind=kind, window=4, rank=rank, lora_layers=0)
@@ -76,14 +89,7 @@ def test_loss_decreases_when_overfitting_one_batch(kind: str, rank: int, tmp_pat
     module = MTPCLightningModule(
         model, optimizer=lambda params: torch.optim.Adam(params, lr=1e-2), chunk_size=64
     )
-    optimizer = module.configure_optimizers()
-    losses = []
-    for _ in range(15):
-        optimizer.zero_grad()
-        loss = module._objective(batch)[0].loss
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    losses = _optimise(module, batch, steps=15)
     assert losses[-1] < 0.8 * losses[0], losses
 
 
@@ -252,14 +258,7 @@ def test_kl_distillation_loss_trains_the_head(tmp_path: Path) -> None:
     module = MTPCLightningModule(
         model, loss="kl", optimizer=lambda p: torch.optim.Adam(p, lr=1e-2), chunk_size=32
     )
-    optimizer = module.configure_optimizers()
-    losses = []
-    for _ in range(10):
-        optimizer.zero_grad()
-        loss = module._objective(batch)[0].loss
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    losses = _optimise(module, batch, steps=10)
     assert losses[0] > 0 and losses[-1] < 0.8 * losses[0], losses
 
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mtpc.backbones.base import Backbone
+from mtpc.backbones.base import Backbone, load_remote_causal_lm
 
 HUB_ID = "EvaByte/EvaByte-SFT"
 
@@ -143,14 +143,8 @@ def load_evabyte(
     device: str = "cpu",
 ) -> EvaByteBackbone:
     """Loads EvaByte-SFT (remote code) from the hub or a local checkpoint."""
-    from transformers import AutoModelForCausalLM
-
     path = path or HUB_ID
-    hf_model = AutoModelForCausalLM.from_pretrained(
-        path, revision=revision, dtype=dtype, trust_remote_code=True
-    )
-    hf_model.to(device)  # type: ignore[arg-type]
-    hf_model.eval()
+    hf_model = load_remote_causal_lm(path, revision, dtype, device)
     return EvaByteBackbone(
         hf_model, source={"model": "evabyte", "path": path, "revision": revision}
     )

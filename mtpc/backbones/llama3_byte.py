@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mtpc.backbones.base import load_remote_causal_lm
 from mtpc.backbones.llama import LlamaBackbone
 
 HUB_ID = "benjamin/Llama3-2-3B-IT-Byte"
@@ -96,13 +97,7 @@ def load_llama3_byte(
     device: str = "cpu",
 ) -> Llama3ByteBackbone:
     """Loads the byte-level Llama (remote code) from the hub or a local checkpoint."""
-    from transformers import AutoModelForCausalLM
-
     path = path or HUB_ID
-    hf_model = AutoModelForCausalLM.from_pretrained(
-        path, revision=revision, dtype=dtype, trust_remote_code=True
-    )
-    hf_model.to(device)  # type: ignore[arg-type]
-    hf_model.eval()
+    hf_model = load_remote_causal_lm(path, revision, dtype, device)
     source = {"model": "llama3_byte", "path": path, "revision": revision}
     return Llama3ByteBackbone(hf_model, source=source)
