@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -171,6 +172,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
         and ``train/steps``.
     """
     validate_train_config(cfg)
+    # the frozen target stays in eval mode on purpose (no dropout in the verifier's states)
+    warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
     run_dir = _run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     checkpoint_dir = run_dir / "checkpoints"
