@@ -224,6 +224,7 @@ class MTPCModel(nn.Module):
         ids: torch.Tensor,
         cache: LayerCache | None = None,
         positions: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Embeds ``ids`` (B, T) and runs layers 0..L-k-1 -> pre-norm hidden (B, T, d).
 
@@ -232,7 +233,9 @@ class MTPCModel(nn.Module):
         """
         past = None if cache is None else cache.ids
         hidden = self.backbone.embed(ids, past)  # (B, T, d)
-        hidden = self.backbone.run_layers(hidden, 0, self.split, positions, cache, adapter=False)
+        hidden = self.backbone.run_layers(
+            hidden, 0, self.split, positions, cache, adapter=False, documents=documents
+        )
         if cache is not None:
             cache.record_ids(ids)
         return hidden
@@ -242,20 +245,26 @@ class MTPCModel(nn.Module):
         hidden: torch.Tensor,
         cache: LayerCache | None = None,
         positions: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Layers L-k..L-1 with base weights (adapter off): (B, T, d) -> (B, T, d)."""
         n = self.backbone.num_layers
-        return self.backbone.run_layers(hidden, self.split, n, positions, cache, adapter=False)
+        return self.backbone.run_layers(
+            hidden, self.split, n, positions, cache, adapter=False, documents=documents
+        )
 
     def draft_tail(
         self,
         hidden: torch.Tensor,
         cache: LayerCache | None = None,
         positions: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Layers L-k..L-1 with the LoRA adapter on: (B, T, d) -> (B, T, d)."""
         n = self.backbone.num_layers
-        return self.backbone.run_layers(hidden, self.split, n, positions, cache, adapter=self.k > 0)
+        return self.backbone.run_layers(
+            hidden, self.split, n, positions, cache, adapter=self.k > 0, documents=documents
+        )
 
     def verifier_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Target next-token logits of verifier-tail hidden states (..., d) -> (..., V)."""
@@ -270,18 +279,27 @@ class MTPCModel(nn.Module):
         e = self.draft_features(hidden).reshape(-1, self.backbone.hidden_size)  # (B*, d)
         return self.head(e)
 
-    def forward(self, ids: torch.Tensor, return_verifier_logits: bool = False) -> MTPCOutput:
+    def forward(
+        self,
+        ids: torch.Tensor,
+        return_verifier_logits: bool = False,
+        positions: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
+    ) -> MTPCOutput:
         """Training forward (no cache): ids (B, T) -> draft features, optional verifier logits.
 
         The frozen trunk runs without autograd; gradients reach the LoRA tail and the head.
+        For packed rows pass ``positions`` (restarting per document) and ``documents``
+        (B, T): attention then stays inside each document where the backbone supports it.
         """
         with torch.no_grad():
-            trunk = self.trunk(ids)  # (B, T, d)
-        features = self.draft_features(self.draft_tail(trunk))  # (B, T, d)
+            trunk = self.trunk(ids, None, positions, documents)  # (B, T, d)
+        features = self.draft_features(self.draft_tail(trunk, None, positions, documents))
         logits = None
         if return_verifier_logits:
             with torch.no_grad():
-                logits = self.verifier_logits(self.verifier_tail(trunk) if self.k else trunk)
+                verified = self.verifier_tail(trunk, None, positions, documents) if self.k else trunk
+                logits = self.verifier_logits(verified)  # (B, T, V)
         return MTPCOutput(features, logits)
 
     def trainable_parameters(self) -> list[nn.Parameter]:

@@ -72,3 +72,23 @@ def test_window_past_pretrained_heads_copies_last() -> None:
     model = MTPCModel.from_hf(hf, kind="ff", window=10, rank=1)
     w = model.head.unembedding[:, 0]  # (n, V, d)
     assert torch.equal(w[9], hf.lm_head.weight[7 * V : 8 * V])
+
+
+@pytest.mark.parametrize("lora_layers", [0, 1])
+def test_packed_documents_do_not_attend_across_boundaries(lora_layers: int) -> None:
+    """Each document of a packed row gets the features (and verifier logits) it has alone."""
+    model = MTPCModel.from_hf(tiny_llama(), kind="cp", window=2, rank=2, lora_layers=lora_layers)
+    torch.manual_seed(1)
+    first, second = torch.randint(3, 40, (1, 5)), torch.randint(3, 40, (1, 7))
+    packed = torch.cat([first, second], dim=1)  # (1, 12)
+    documents = torch.tensor([[0] * 5 + [1] * 7])
+    positions = torch.cat([torch.arange(5), torch.arange(7)])[None]
+    out = model(packed, True, positions=positions, documents=documents)
+    alone = [model(doc, True) for doc in (first, second)]
+    torch.testing.assert_close(out.draft_features[:, :5], alone[0].draft_features)
+    torch.testing.assert_close(out.draft_features[:, 5:], alone[1].draft_features)
+    assert out.verifier_logits is not None and alone[1].verifier_logits is not None
+    torch.testing.assert_close(out.verifier_logits[:, 5:], alone[1].verifier_logits)
+    # without the document mask the second document would see the first
+    leaky = model(packed).draft_features[:, 5:]
+    assert not torch.allclose(leaky, alone[1].draft_features, atol=1e-4)

@@ -105,6 +105,26 @@ def causal_mask(
     return mask[None, None].expand(batch, 1, length, past + length)
 
 
+def document_mask(documents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive causal mask that keeps attention inside each document of packed rows.
+
+    Args:
+        documents: (B, T) document index per position; padding (negative) attends only to
+            padding, so no row of the mask is empty.
+        dtype: the attention scores' dtype.
+
+    Returns:
+        (B, 1, T, T): 0 where query i may attend key j (j <= i, same document), the dtype's
+        minimum elsewhere.
+    """
+    t = documents.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=documents.device).tril()  # (T, T)
+    same = documents[:, :, None] == documents[:, None, :]  # (B, T, T)
+    allowed = (same & causal)[:, None]  # (B, 1, T, T)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=documents.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
 class LayerCache:
     """The KV cache of one component (layers ``start..end-1`` of a backbone).
 
@@ -317,8 +337,13 @@ class Backbone(nn.Module, ABC):
         positions: torch.Tensor,
         native: Any,
         past: int,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Runs layers ``start..end-1``; ``native`` may be ``None`` (no cache)."""
+        """Runs layers ``start..end-1``; ``native`` may be ``None`` (no cache).
+
+        ``documents`` (B, T), only without a cache: attention stays inside each document
+        of a packed row where the backbone supports it.
+        """
 
     # --- shared machinery ------------------------------------------------------------------
     def norm(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -356,6 +381,7 @@ class Backbone(nn.Module, ABC):
         positions: torch.Tensor | None = None,
         cache: LayerCache | None = None,
         adapter: bool = False,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Runs layers ``start..end-1`` on ``hidden`` (B, T, d) -> (B, T, d).
 
@@ -367,9 +393,14 @@ class Backbone(nn.Module, ABC):
             cache: appended to (the new positions follow the cached ones); cached runs are
                 inference and run without autograd. ``None`` runs without a cache (training).
             adapter: LoRA adapter on (draft tail) or off (trunk, verifier tail).
+            documents: (B, T) document index of each position of packed training rows
+                (negative on padding); attention does not cross documents where the
+                backbone supports it. Only without a cache.
         """
         b, t, _ = hidden.shape
         past = 0 if cache is None else cache.length
+        if documents is not None and cache is not None:
+            raise ValueError("documents (packed-row attention) is for cache-free training runs")
         if cache is not None and (cache.start, cache.end) != (start, end):
             raise ValueError(
                 f"cache covers layers [{cache.start}, {cache.end}) but run_layers got [{start}, {end})"
@@ -383,9 +414,8 @@ class Backbone(nn.Module, ABC):
                 cache._record(hidden, positions, adapter)
             grad = contextlib.nullcontext() if cache is None else torch.no_grad()
             with grad, self.adapter(adapter):
-                hidden = self._run(
-                    hidden, start, end, positions, None if cache is None else cache.native, past
-                )
+                native = None if cache is None else cache.native
+                hidden = self._run(hidden, start, end, positions, native, past, documents)
         if cache is not None:
             cache.length += t
         return hidden

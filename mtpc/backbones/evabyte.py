@@ -102,7 +102,10 @@ class EvaByteBackbone(Backbone):
         positions: torch.Tensor,
         native: Any,
         past: int,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        # EVA attention builds its own (chunked, causal) masks: packed documents attend
+        # across boundaries here; the loss still never uses a window across documents.
         if native is None:
             native = self.new_native_cache(start, end)
         elif past > 0 and hidden.shape[1] > 1:  # EVA decodes one position per call

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from mtpc.backbones.base import Backbone, causal_mask
+from mtpc.backbones.base import Backbone, causal_mask, document_mask
 
 _FAST_CAUSAL = ("sdpa", "flash_attention_2", "flash_attention_3")
 
@@ -64,7 +64,11 @@ class LlamaBackbone(Backbone):
     def native_crop(self, native: Any, remove: int) -> None:
         native.crop(-remove)
 
-    def _mask(self, hidden: torch.Tensor, past: int) -> torch.Tensor | None:
+    def _mask(
+        self, hidden: torch.Tensor, past: int, documents: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        if documents is not None:
+            return document_mask(documents, hidden.dtype)  # (B, 1, T, T)
         impl = getattr(self.hf_model.config, "_attn_implementation", None)
         if past == 0 and impl in _FAST_CAUSAL and self._cache_kw == "past_key_values":
             return None  # the kernel's own causal mask
@@ -78,8 +82,9 @@ class LlamaBackbone(Backbone):
         positions: torch.Tensor,
         native: Any,
         past: int,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        mask = self._mask(hidden, past)
+        mask = self._mask(hidden, past, documents)
         cos_sin = self.inner.rotary_emb(hidden, positions)
         kwargs: dict[str, Any] = {
             "attention_mask": mask,

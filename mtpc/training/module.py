@@ -79,7 +79,12 @@ class MTPCLightningModule(L.LightningModule):
     def _window_log_probs(self, batch: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, Any]:
         """Prefix log-probs (B, L, n) of the data windows and the model output."""
         ids = batch["input_ids"]
-        out = self.model(ids, return_verifier_logits=self.loss_name == "kl")
+        out = self.model(
+            ids,
+            return_verifier_logits=self.loss_name == "kl",
+            positions=batch.get("position_ids"),  # restart at every packed document
+            documents=batch.get("document_ids"),  # attention stays inside a document
+        )
         features = out.draft_features  # (B, L, d)
         B, L, d = features.shape
         n = self.head.window
