@@ -298,7 +298,9 @@ class MTPCModel(nn.Module):
         logits = None
         if return_verifier_logits:
             with torch.no_grad():
-                verified = self.verifier_tail(trunk, None, positions, documents) if self.k else trunk
+                verified = (
+                    self.verifier_tail(trunk, None, positions, documents) if self.k else trunk
+                )
                 logits = self.verifier_logits(verified)  # (B, T, V)
         return MTPCOutput(features, logits)
 

@@ -270,7 +270,32 @@ class MTPCDataModule(L.LightningDataModule):
         num_replicas: int | None = None,
         rank: int | None = None,
     ) -> None:
-        """See ``build_datamodule`` for the arguments."""
+        """Flat arguments (also the Hydra ``_target_`` as ``build_datamodule``).
+
+        Args:
+            source: ``synthetic``, ``tulu3`` or ``local``.
+            path: a local dataset of the Tülu 3 schema (jsonl | json | parquet | arrow dir |
+                save_to_disk dir); used instead of the hub for any ``source``.
+            codec: the target model's codec (``tiny``, ``evabyte``, ``llama3_byte``).
+            seq_len: length L of packed sequences.
+            window: n, future bytes per position.
+            batch_size: packed sequences per batch and rank.
+            seed: split shuffle, sampler shuffle and synthetic generator seed.
+            num_workers: dataloader worker processes.
+            cache_dir: root of the data cache; ``$MTPC_CACHE`` or ``<repo>/.cache/mtpc`` when None.
+            max_bytes: context limit in ids; longer conversations are dropped (paper: 8192).
+            validation_fraction: validation share (paper: 0.01).
+            num_rows: use only the first rows (synthetic: rows to generate).
+            streaming: stream the hub dataset.
+            revision: hub revision of the dataset.
+            hf_name: hub dataset id.
+            val_batch_size: validation batch size (``batch_size`` when None).
+            shuffle: shuffle training sequences each epoch.
+            drop_last: cut the epoch to a multiple of the world size instead of padding.
+            pin_memory: pin host memory in the dataloaders.
+            num_replicas: world size override (default: the initialised process group).
+            rank: this process's rank override (default: the process group's).
+        """
         super().__init__()
         if seq_len < 2 or window < 1 or batch_size < 1:
             raise ValueError(
@@ -456,69 +481,5 @@ def _default_cache_dir() -> Path:
     return default_cache_dir()
 
 
-def build_datamodule(
-    source: str = "synthetic",
-    path: str | None = None,
-    codec: str = "tiny",
-    seq_len: int = 8192,
-    window: int = 8,
-    batch_size: int = 1,
-    seed: int = 0,
-    num_workers: int = 0,
-    cache_dir: str | None = None,
-    max_bytes: int = DEFAULT_MAX_BYTES,
-    validation_fraction: float = DEFAULT_VALIDATION_FRACTION,
-    num_rows: int | None = None,
-    streaming: bool = False,
-    revision: str | None = None,
-    hf_name: str = TULU3_DATASET,
-    val_batch_size: int | None = None,
-    shuffle: bool = True,
-    drop_last: bool = False,
-    pin_memory: bool = False,
-) -> MTPCDataModule:
-    """Builds the data module (the Hydra ``_target_`` of ``configs/data/*.yaml``).
-
-    Args:
-        source: ``synthetic``, ``tulu3`` or ``local``.
-        path: a local dataset of the Tülu 3 schema (jsonl | json | parquet | arrow dir |
-            save_to_disk dir); used instead of the hub for any ``source``.
-        codec: the target model's codec (``tiny``, ``evabyte``, ``llama3_byte``).
-        seq_len: length L of packed sequences.
-        window: n, future bytes per position.
-        batch_size: packed sequences per batch and rank.
-        seed: split shuffle, sampler shuffle and synthetic generator seed.
-        num_workers: dataloader worker processes.
-        cache_dir: root of the data cache; ``$MTPC_CACHE`` or ``<repo>/.cache/mtpc`` when None.
-        max_bytes: context limit in ids; longer conversations are dropped (paper: 8192).
-        validation_fraction: validation share (paper: 0.01).
-        num_rows: use only the first rows (synthetic: rows to generate).
-        streaming: stream the hub dataset.
-        revision: hub revision of the dataset.
-        hf_name: hub dataset id.
-        val_batch_size: validation batch size (``batch_size`` when None).
-        shuffle: shuffle training sequences each epoch.
-        drop_last: cut the epoch to a multiple of the world size instead of padding.
-        pin_memory: pin host memory in the dataloaders.
-    """
-    return MTPCDataModule(
-        source=source,
-        path=path,
-        codec=codec,
-        seq_len=seq_len,
-        window=window,
-        batch_size=batch_size,
-        seed=seed,
-        num_workers=num_workers,
-        cache_dir=cache_dir,
-        max_bytes=max_bytes,
-        validation_fraction=validation_fraction,
-        num_rows=num_rows,
-        streaming=streaming,
-        revision=revision,
-        hf_name=hf_name,
-        val_batch_size=val_batch_size,
-        shuffle=shuffle,
-        drop_last=drop_last,
-        pin_memory=pin_memory,
-    )
+# The Hydra ``_target_`` of ``configs/data/*.yaml``: the class itself takes flat arguments.
+build_datamodule = MTPCDataModule

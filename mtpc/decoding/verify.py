@@ -119,22 +119,15 @@ def verify_sampling(
         generator: RNG for the acceptance tests and the emitted sample.
     """
     n = draft.shape[0]
-    if target_probs.shape[0] != n + 1 or draft_probs.shape[0] != n:
+    if draft_probs.shape[0] != n:
         raise ValueError(
             f"need target_probs (n+1, V) and draft_probs (n, V) for n = {n}; got "
             f"{tuple(target_probs.shape)} and {tuple(draft_probs.shape)}"
         )
-    if n:
-        positions = torch.arange(n, device=draft.device)
-        p = target_probs[positions, draft].double()  # (n,)
-        q = draft_probs[positions, draft].double()  # (n,)
-        ratio = torch.where(q > 0, p / q.clamp(min=1e-300), torch.ones_like(p))
-        u = torch.rand(n, generator=generator, dtype=torch.float64, device=ratio.device)
-        rejected = (u >= ratio).nonzero()
-        if rejected.numel():
-            s = int(rejected[0, 0])
-            return Verdict(s, _sample(residual(target_probs[s], draft_probs[s]), generator))
-    return Verdict(n, _sample(target_probs[n], generator))
+    positions = torch.arange(n, device=draft.device)
+    return verify_sampling_lazy(
+        target_probs, draft_probs[positions, draft], draft, draft_probs.__getitem__, generator
+    )
 
 
 def verify_sampling_lazy(

@@ -116,6 +116,19 @@ def resolve_drafts(cfg: Any) -> list[Path]:
     return out
 
 
+def load_target(cfg: Any) -> Any:
+    """The configured target (``model=``) as a backbone on ``device``."""
+    from mtpc.backbones import load_backbone
+
+    return load_backbone(
+        str(_get(cfg, "model.name", "tiny")),
+        path=_get(cfg, "model.path"),
+        revision=_get(cfg, "model.revision"),
+        dtype=_get(cfg, "model.dtype", "float32"),
+        device=str(_get(cfg, "device", "cpu")),
+    )
+
+
 def load_for_eval(path: Path, cfg: Any) -> Any:
     """Loads a draft against the configured target (``model=``), refusing another target.
 
@@ -123,7 +136,7 @@ def load_for_eval(path: Path, cfg: Any) -> Any:
         ValueError: the draft names another registry target than ``model.name``.
         TargetMismatchError: the target's weights differ from the recorded fingerprint.
     """
-    from mtpc.backbones import BACKBONES, load_backbone
+    from mtpc.backbones import BACKBONES
     from mtpc.export import read_config
     from mtpc.model import MTPCModel
 
@@ -136,14 +149,7 @@ def load_for_eval(path: Path, cfg: Any) -> Any:
             f"evaluate it with model={recorded}"
         )
     if recorded == name:
-        backbone = load_backbone(
-            name,
-            path=_get(cfg, "model.path"),
-            revision=_get(cfg, "model.revision"),
-            dtype=_get(cfg, "model.dtype", "float32"),
-            device=device,
-        )
-        return MTPCModel.from_pretrained(path, target=backbone)
+        return MTPCModel.from_pretrained(path, target=load_target(cfg))
     return MTPCModel.from_pretrained(path, device=device)  # an HF target rebuilt from its path
 
 
@@ -341,19 +347,12 @@ def hetero_rows(cfg: Any, prompt_sets: list[list[Any]], with_ar: bool) -> list[d
     mean and std over sets, as the self-speculative rows do. The vocabulary overlap
     (Timor et al., Tables 5-6) goes into the row's ``overlap``.
     """
-    from mtpc.backbones import load_backbone
     from mtpc.backbones.codecs import get_codec
     from mtpc.evaluation.hetero import evaluate_hetero, load_drafter
     from mtpc.evaluation.metrics import mean_std
 
     device = str(_get(cfg, "device", "cpu"))
-    backbone = load_backbone(
-        str(_get(cfg, "model.name", "tiny")),
-        path=_get(cfg, "model.path"),
-        revision=_get(cfg, "model.revision"),
-        dtype=_get(cfg, "model.dtype", "float32"),
-        device=device,
-    )
+    backbone = load_target(cfg)
     codec = get_codec(str(_get(cfg, "model.codec", "tiny")))
     model, tokenizer = load_drafter(
         str(_get(cfg, "drafter.model")), _get(cfg, "drafter.tokenizer"), device=device
