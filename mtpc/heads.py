@@ -311,28 +311,5 @@ def chunked_log_likelihood(
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
-def build_head(
-    kind: str,
-    window: int,
-    rank: int,
-    vocab_size: int,
-    hidden_size: int,
-    homogeneous: bool = False,
-    contextual_transitions: bool = True,
-    identity_init: bool = True,
-    identity_logit: float = 10.0,
-    init_std: float = 0.02,
-) -> MTPCHead:
-    """Flat builder for Hydra ``_target_`` (same arguments as :class:`MTPCHead`)."""
-    return MTPCHead(
-        kind,
-        window,
-        rank,
-        vocab_size,
-        hidden_size,
-        homogeneous=homogeneous,
-        contextual_transitions=contextual_transitions,
-        identity_init=identity_init,
-        identity_logit=identity_logit,
-        init_std=init_std,
-    )
+# The flat builder a Hydra ``_target_`` names: the class itself takes flat arguments.
+build_head = MTPCHead
