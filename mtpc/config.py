@@ -10,9 +10,12 @@ by Hydra itself, with the list of available options.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+
+from mtpc.errors import UserError
 
 MODEL_NAMES = ("tiny", "evabyte", "llama3_byte")
 CODEC_NAMES = ("tiny", "evabyte", "llama3_byte")
@@ -22,7 +25,7 @@ LOSS_NAMES = ("nll", "kl")
 STAGES = ("heads", "lora")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A config value is outside what MTPC accepts; the message names the field."""
 
 
@@ -89,6 +92,37 @@ def _check_model(cfg: Mapping[str, Any]) -> None:
     _check_choice(cfg, "model.name", MODEL_NAMES)
     _check_choice(cfg, "model.dtype", DTYPES)
     _check_choice(cfg, "model.codec", CODEC_NAMES)
+    path = _get(cfg, "model.path")
+    local = _get(cfg, "model.name") == "tiny" or (isinstance(path, str) and _looks_local(path))
+    if isinstance(path, str) and path and local and not Path(path).expanduser().exists():
+        raise ConfigError(
+            f"model.path={path!r} does not exist; allowed: an existing local checkpoint folder, "
+            "a hub id (owner/name; not for model=tiny), or null for the model's default"
+        )
+
+
+def _looks_local(path: str) -> bool:
+    """A path rather than a hub id (``owner/name`` with no leading ``.``, ``/`` or ``~``)."""
+    if path.startswith((".", "/", "~")) or "\\" in path:
+        return True
+    return path.count("/") != 1  # a hub id is exactly owner/name
+
+
+def _check_schedule(cfg: Mapping[str, Any]) -> None:
+    """optimizer.lr, trainer.max_steps and the checkpoint interval (training only)."""
+    lr = _get(cfg, "optimizer.lr")
+    if lr is not _MISSING:
+        if isinstance(lr, bool) or not isinstance(lr, int | float) or not 0 < lr < float("inf"):
+            raise ConfigError(f"optimizer.lr={lr!r} is not allowed; allowed: a number > 0")
+    steps = _get(cfg, "trainer.max_steps")
+    if steps is not _MISSING and steps is not None:
+        if isinstance(steps, bool) or not isinstance(steps, int) or (steps < 1 and steps != -1):
+            raise ConfigError(
+                f"trainer.max_steps={steps!r} is not allowed; allowed: an integer >= 1, "
+                "or -1 (the whole epoch); a run of 0 steps would export an untrained draft"
+            )
+    _check_int(cfg, "callbacks.checkpoint_every_n_steps", 1, optional=True)
+    _check_int(cfg, "callbacks.save_top_k", -1, optional=True)
 
 
 def _check_circuit(cfg: Mapping[str, Any]) -> None:
@@ -143,6 +177,7 @@ def validate_train_config(cfg: DictConfig | Mapping[str, Any]) -> None:
     _run_checks(
         cfg, (_check_model, _check_circuit, _check_lora, _check_loss, _check_stage, _check_data)
     )
+    _check_schedule(cfg)
     _check_int(cfg, "seed", 0)
 
 

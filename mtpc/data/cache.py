@@ -190,6 +190,14 @@ def prepare(
                 source, get_codec(codec), max_bytes, None, ids_file, mask_file
             )
         stats.log(source.name)
+        if source.row_limit is not None:
+            logger.warning(
+                "%s: limited to its first %d rows by data.num_rows=%d (data.num_rows=null reads "
+                "every row)",
+                source.name,
+                source.row_limit,
+                source.row_limit,
+            )
         if docs.num_docs == 0:
             _write_json(
                 summary_path(folder), {"dataset": source.name, "codec": codec, **stats.as_dict()}
@@ -213,6 +221,7 @@ def prepare(
             "dataset": source.name,
             "codec": codec,
             "max_bytes": max_bytes,
+            "row_limit": source.row_limit,
             **stats.as_dict(),
             "train_docs": len(train),
             "val_docs": len(val),

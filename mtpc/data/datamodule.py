@@ -391,6 +391,13 @@ class MTPCDataModule(L.LightningDataModule):
             self.seq_len,
             {k: v for k, v in summary["dropped"].items() if v},
         )
+        if summary.get("row_limit") is not None:
+            logger.warning(
+                "data %s: only the first %d rows are used (data.num_rows=%d; null: every row)",
+                summary["dataset"],
+                summary["row_limit"],
+                summary["row_limit"],
+            )
 
     @property
     def source_names(self) -> list[str]:

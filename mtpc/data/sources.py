@@ -54,6 +54,8 @@ class RowSource:
         num_rows: number of rows when known up front (None for streaming sources).
         take_rows: optional fast random access ``positions -> rows``; without it ``take``
             iterates once more over the source.
+        row_limit: the user's ``num_rows`` when it cut a local or hub dataset to its first
+            rows (reported as a limit in the log and ``summary.json``); None: every row.
     """
 
     name: str
@@ -61,6 +63,7 @@ class RowSource:
     iter_rows: Callable[[], Iterator[Row]]
     num_rows: int | None = None
     take_rows: Callable[[Sequence[int]], list[Row]] | None = None
+    row_limit: int | None = None
 
     def __iter__(self) -> Iterator[Row]:
         return self.iter_rows()
@@ -96,8 +99,9 @@ def load_source(
         source: ``synthetic`` (``mtpc.data.synthetic``), ``tulu3`` (the hub dataset, or a
             local copy when ``path`` is given) or ``local`` (needs ``path``).
         path: a local dataset (see the module docstring for formats); overrides the hub.
-        num_rows: keep only the first ``num_rows`` rows (synthetic: how many to generate,
-            default ``mtpc.data.synthetic.DEFAULT_NUM_ROWS``).
+        num_rows: keep only the first ``num_rows`` rows, reported as a limit (synthetic: how
+            many to generate, default ``mtpc.data.synthetic.DEFAULT_NUM_ROWS``); None: a
+            local or hub dataset is read whole.
         seed: the synthetic generator's seed (ignored by the other sources).
         streaming: stream the hub dataset instead of downloading it first.
         revision: hub revision (branch, tag or commit); pin a commit for reproducible caches.
@@ -235,7 +239,9 @@ def _limit(src: RowSource, num_rows: int | None) -> RowSource:
             yield row
 
     known = None if src.num_rows is None else min(n, src.num_rows)
-    return RowSource(f"{src.name}[:{n}]", f"{src.fingerprint}:first{n}", rows, known, src.take_rows)
+    return RowSource(
+        f"{src.name}[:{n}]", f"{src.fingerprint}:first{n}", rows, known, src.take_rows, row_limit=n
+    )
 
 
 def _arrow_source(ds: Any, name: str, fingerprint: str) -> RowSource:

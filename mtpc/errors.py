@@ -1,0 +1,42 @@
+"""The one base class of errors caused by the user's input rather than by a bug.
+
+Entry points (``train.py``, ``eval.py``) print a :class:`UserError` as one or two lines
+(what is wrong, the field or file, the allowed values or the fix) and exit with status 2;
+every other exception is a bug and keeps its traceback. ``HYDRA_FULL_ERROR=1`` shows the
+full traceback of user errors too.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+USER_ERROR_EXIT_CODE = 2
+
+
+class UserError(Exception):
+    """A wrong setting, a missing or corrupt file, a draft for another target."""
+
+
+class DraftError(UserError, ValueError):
+    """An exported draft folder is missing, incomplete, corrupt or inconsistent."""
+
+
+class DataError(UserError, ValueError):
+    """A dataset or the data cache cannot be used; the message names the path."""
+
+
+def run_reporting_user_errors(main: Callable[[], Any]) -> Any:
+    """Calls ``main()``; a :class:`UserError` becomes ``error: <message>`` and exit code 2.
+
+    With ``HYDRA_FULL_ERROR=1`` the exception propagates unchanged (full traceback).
+    """
+    try:
+        return main()
+    except UserError as err:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(USER_ERROR_EXIT_CODE) from None
