@@ -111,16 +111,16 @@ def _looks_local(path: str) -> bool:
 def _check_schedule(cfg: Mapping[str, Any]) -> None:
     """optimizer.lr, trainer.max_steps and the checkpoint interval (training only)."""
     lr = _get(cfg, "optimizer.lr")
-    if lr is not _MISSING:
-        if isinstance(lr, bool) or not isinstance(lr, int | float) or not 0 < lr < float("inf"):
-            raise ConfigError(f"optimizer.lr={lr!r} is not allowed; allowed: a number > 0")
+    numeric = not isinstance(lr, bool) and isinstance(lr, int | float)
+    if lr is not _MISSING and not (numeric and 0 < lr < float("inf")):
+        raise ConfigError(f"optimizer.lr={lr!r} is not allowed; allowed: a number > 0")
     steps = _get(cfg, "trainer.max_steps")
-    if steps is not _MISSING and steps is not None:
-        if isinstance(steps, bool) or not isinstance(steps, int) or (steps < 1 and steps != -1):
-            raise ConfigError(
-                f"trainer.max_steps={steps!r} is not allowed; allowed: an integer >= 1, "
-                "or -1 (the whole epoch); a run of 0 steps would export an untrained draft"
-            )
+    whole = not isinstance(steps, bool) and isinstance(steps, int) and (steps >= 1 or steps == -1)
+    if steps is not _MISSING and steps is not None and not whole:
+        raise ConfigError(
+            f"trainer.max_steps={steps!r} is not allowed; allowed: an integer >= 1, "
+            "or -1 (the whole epoch); a run of 0 steps would export an untrained draft"
+        )
     _check_int(cfg, "callbacks.checkpoint_every_n_steps", 1, optional=True)
     _check_int(cfg, "callbacks.save_top_k", -1, optional=True)
 

@@ -70,3 +70,32 @@ def test_local_dataset_is_not_cut_to_the_synthetic_row_count(tmp_path: Path, cap
         limited.setup()
     assert limited.summary["rows_seen"] == 7 and limited.summary["row_limit"] == 7
     assert "first 7 rows" in caplog.text and "data.num_rows=7" in caplog.text
+
+
+# -- 3: the data cache is checked against the hashes written with it -----------------------
+
+
+def test_a_corrupt_data_cache_is_detected_and_rebuilt(tmp_path: Path, caplog) -> None:
+    import numpy as np
+
+    from mtpc.data.cache import CacheCorruptError, load_prepared
+
+    cfg = _compose(tmp_path, [])
+    module = instantiate(cfg.data)
+    module.setup()
+    folder = module.data.folder
+    ids = np.fromfile(folder / "ids.u16", dtype="<u2")
+    good = ids.copy()
+    ids[:] = 65 + 64  # in range ('A'), same size: trained "normally" before
+    ids.tofile(folder / "ids.u16")
+    with pytest.raises(CacheCorruptError, match=rf"{folder}.*ids\.u16"):
+        load_prepared(folder)
+    with caplog.at_level(logging.WARNING):
+        rebuilt = instantiate(cfg.data)
+        rebuilt.setup()
+    assert "rebuilding" in caplog.text and str(folder) in caplog.text
+    assert np.array_equal(np.asarray(rebuilt.data.ids), good)
+
+    (folder / "offsets.npy").write_bytes(b"garbage")  # truncated: was a raw numpy/pickle error
+    with pytest.raises(CacheCorruptError, match=rf"{folder}.*offsets\.npy"):
+        load_prepared(folder)

@@ -20,7 +20,11 @@ mapped) and does not tokenise again. Layout::
         pack-L<seq_len>-<split>.npz   packing plans, one per sequence length
 
 The folder is written under a temporary name and renamed into place, so a crash never
-leaves a half-written cache and concurrent ranks do not read one.
+leaves a half-written cache and concurrent ranks do not read one. ``meta.json`` records the
+size and BLAKE2b hash of every other file; ``load_prepared`` checks them (sizes always,
+hashes when ``verify``) and raises :class:`CacheCorruptError` naming the folder and the file,
+and ``ensure_prepared`` then rebuilds the folder. A damaged packing plan is recomputed.
+Leftover temporary folders of killed preparations are removed.
 """
 
 from __future__ import annotations
@@ -48,13 +52,65 @@ from mtpc.data.preprocess import (
     tokenize_rows,
 )
 from mtpc.data.sources import Row, RowSource
+from mtpc.errors import DataError
 
 logger = logging.getLogger(__name__)
 
-CACHE_VERSION = 1
-"""Bump when the on-disk format or the preprocessing changes."""
+CACHE_VERSION = 2
+"""Bump when the on-disk format or the preprocessing changes (2: file hashes in meta.json)."""
 
 SPLITS = ("train", "val")
+
+
+class CacheCorruptError(DataError):
+    """A cache folder's files do not match the sizes and hashes in its ``meta.json``."""
+
+
+def file_digest(path: Path) -> str:
+    """BLAKE2b (128-bit) hex digest of a file's bytes, read in 1 MiB blocks."""
+    h = hashlib.blake2b(digest_size=16)
+    with path.open("rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _file_records(folder: Path) -> dict[str, dict[str, Any]]:
+    """``{name: {"size", "blake2b"}}`` of every file in ``folder`` but ``meta.json``."""
+    return {
+        f.name: {"size": f.stat().st_size, "blake2b": file_digest(f)}
+        for f in sorted(folder.iterdir())
+        if f.is_file() and f.name != "meta.json"
+    }
+
+
+def verify_files(folder: Path, meta: dict[str, Any], hashes: bool = True) -> None:
+    """Checks the files recorded in ``meta["files"]`` (sizes; hashes when ``hashes``).
+
+    Raises:
+        CacheCorruptError: a file is missing or differs, naming the folder and the file.
+    """
+    records = meta.get("files")
+    if not isinstance(records, dict) or not records:
+        raise CacheCorruptError(_corrupt(folder, "meta.json", "has no file sizes and hashes"))
+    for name, record in records.items():
+        path = folder / name
+        if not path.is_file():
+            raise CacheCorruptError(_corrupt(folder, name, "is missing"))
+        size = path.stat().st_size
+        if size != record.get("size"):
+            raise CacheCorruptError(
+                _corrupt(folder, name, f"has {size} bytes, meta.json says {record.get('size')}")
+            )
+        if hashes and file_digest(path) != record.get("blake2b"):
+            raise CacheCorruptError(_corrupt(folder, name, "differs from its hash in meta.json"))
+
+
+def _corrupt(folder: Path, name: str, what: str) -> str:
+    return (
+        f"data cache {folder} is corrupt: {name} {what}; it is rebuilt automatically by the "
+        f"data module, or delete the folder (rm -r {folder}) to rebuild it"
+    )
 
 
 def cache_key(parts: dict[str, Any]) -> str:
@@ -128,8 +184,12 @@ class PreparedData:
         """The split's packing plan for ``seq_len``, computed and cached on first use."""
         path = self.folder / f"pack-L{seq_len}-{split}.npz"
         if path.is_file():
-            with np.load(path) as arrays:
-                return PackPlan.from_arrays(dict(arrays))
+            try:
+                with np.load(path) as arrays:
+                    return PackPlan.from_arrays(dict(arrays))
+            except Exception as err:  # a damaged plan is derived data: recompute it
+                logger.warning("packing plan %s is unreadable (%s); recomputing it", path, err)
+                path.unlink(missing_ok=True)
         start = time.perf_counter()
         plan = plan_packing(self.doc_lengths(split), seq_len)
         tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.npz")
@@ -177,6 +237,7 @@ def prepare(
         logger.info("data cache hit: %s", folder)
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_tmp(folder.parent)
     tmp = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -236,6 +297,7 @@ def prepare(
         }
         _write_json(tmp / "summary.json", summary)
         _write_json(summary_path(folder), summary)
+        meta["files"] = _file_records(tmp)
         _write_json(tmp / "meta.json", meta)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -257,10 +319,81 @@ def prepare(
     return folder
 
 
-def load_prepared(folder: str | os.PathLike[str]) -> PreparedData:
-    """Reads a cache folder written by ``prepare`` (the big arrays memory mapped)."""
+def load_prepared(folder: str | os.PathLike[str], verify: bool = True) -> PreparedData:
+    """Reads a cache folder written by ``prepare`` (the big arrays memory mapped).
+
+    Args:
+        folder: the cache folder.
+        verify: check every file's hash against ``meta.json`` (sizes are always checked);
+            dataloader workers reopening a folder already verified pass False.
+
+    Raises:
+        CacheCorruptError: a file is missing, unreadable or differs from ``meta.json``.
+    """
     folder = Path(folder)
-    meta = json.loads((folder / "meta.json").read_text())
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CacheCorruptError(_corrupt(folder, "meta.json", f"is unreadable ({err})")) from err
+    verify_files(folder, meta, hashes=verify)
+    try:
+        return _read_prepared(folder, meta)
+    except (OSError, ValueError, KeyError, json.JSONDecodeError) as err:
+        raise CacheCorruptError(_corrupt(folder, "a file", f"is unreadable ({err})")) from err
+
+
+_VERIFIED: set[tuple[str, str]] = set()
+
+
+def _stat_stamp(folder: Path) -> str:
+    """Names, sizes and mtimes of a folder's files: changes when any file is rewritten."""
+    return repr(sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in folder.iterdir()))
+
+
+def ensure_prepared(
+    source: RowSource,
+    codec: str,
+    cache_dir: str | os.PathLike[str],
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    seed: int = 0,
+    validation_fraction: float = DEFAULT_VALIDATION_FRACTION,
+) -> PreparedData:
+    """``prepare`` then ``load_prepared``; a corrupt cache folder is removed and rebuilt once."""
+    folder = prepare(source, codec, cache_dir, max_bytes, seed, validation_fraction)
+    try:
+        stamp = (str(folder), _stat_stamp(folder))
+        data = load_prepared(folder, verify=stamp not in _VERIFIED)
+        _VERIFIED.add(stamp)  # prepare_data and setup of one process hash the files once
+        return data
+    except (CacheCorruptError, OSError) as err:
+        logger.warning("%s; rebuilding it now", str(err).split("; it is rebuilt")[0])
+        shutil.rmtree(folder, ignore_errors=True)
+    folder = prepare(source, codec, cache_dir, max_bytes, seed, validation_fraction)
+    return load_prepared(folder)
+
+
+def remove_stale_tmp(parent: Path) -> None:
+    """Removes ``.<name>.<pid>.tmp`` folders of preparations whose process is gone."""
+    for tmp in parent.glob(".*.tmp"):
+        pid = tmp.name.rsplit(".", 2)[-2]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            logger.info("removing %s, left by an interrupted data preparation", tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _read_prepared(folder: Path, meta: dict[str, Any]) -> PreparedData:
     summary = json.loads((folder / "summary.json").read_text())
     num_ids = int(meta["num_ids"])
     ids = (

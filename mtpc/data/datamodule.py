@@ -47,7 +47,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from mtpc.backbones.codecs import get_codec
-from mtpc.data.cache import PreparedData, cache_folder, load_prepared, prepare
+from mtpc.data.cache import PreparedData, cache_folder, ensure_prepared, load_prepared
 from mtpc.data.packing import PackPlan, build_sequence
 from mtpc.data.preprocess import DEFAULT_MAX_BYTES, DEFAULT_VALIDATION_FRACTION
 from mtpc.data.prompts import PROMPT_SET_SEEDS, EvalPrompt, build_prompt_sets
@@ -85,8 +85,8 @@ class PackedDataset(Dataset[dict[str, Tensor]]):
         return state
 
     def __getitem__(self, index: int) -> dict[str, Tensor]:
-        if self._data is None:
-            self._data = load_prepared(self.folder)
+        if self._data is None:  # a worker: the folder was verified by setup()
+            self._data = load_prepared(self.folder, verify=False)
         seq = build_sequence(
             self.plan,
             int(index),
@@ -357,7 +357,13 @@ class MTPCDataModule(L.LightningDataModule):
         return folder
 
     def prepare_data(self) -> None:
-        folder = prepare(
+        data = self._ensure_prepared()
+        for split in ("train", "val"):
+            data.pack_plan(split, self.seq_len)
+
+    def _ensure_prepared(self) -> PreparedData:
+        """The prepared data, checked against its hashes (rebuilt once if corrupt)."""
+        return ensure_prepared(
             self.row_source(),
             self.codec_name,
             self.cache_dir,
@@ -365,17 +371,11 @@ class MTPCDataModule(L.LightningDataModule):
             self.seed,
             self.validation_fraction,
         )
-        data = load_prepared(folder)
-        for split in ("train", "val"):
-            data.pack_plan(split, self.seq_len)
 
     def setup(self, stage: str | None = None) -> None:
         if self.data is not None:
             return
-        folder = self.cache_folder()
-        if not (folder / "meta.json").is_file():  # prepare_data was not called (no Lightning)
-            self.prepare_data()
-        self.data = load_prepared(folder)
+        self.data = self._ensure_prepared()
         for split in ("train", "val"):
             self.datasets[split] = PackedDataset(
                 self.data, split, self.seq_len, self.window, self.codec.pad_id
