@@ -14,14 +14,17 @@ import torch
 from torch import nn
 
 from mtpc.backbones.base import DTYPES, Backbone, LayerCache, resolve_dtype
+from mtpc.backbones.compat import ATTENTION_IMPLS, TargetLoadError
 
 BACKBONES = ("tiny", "evabyte", "llama3_byte")
 
 __all__ = [
+    "ATTENTION_IMPLS",
     "BACKBONES",
     "DTYPES",
     "Backbone",
     "LayerCache",
+    "TargetLoadError",
     "backbone_from_hf",
     "load_backbone",
     "resolve_dtype",
@@ -34,6 +37,7 @@ def load_backbone(
     revision: str | None = None,
     dtype: str | torch.dtype = "float32",
     device: str = "cpu",
+    attention_impl: str = "auto",
     **_: Any,
 ) -> Backbone:
     """Loads a target by registry name (flat arguments for Hydra ``model=`` configs).
@@ -44,14 +48,25 @@ def load_backbone(
         revision: hub revision (ignored for ``tiny``).
         dtype: ``float32``, ``bfloat16`` or ``float16`` (checked against ``device`` first).
         device: ``cpu`` or ``cuda[:i]``.
+        attention_impl: EvaByte's attention path, ``auto`` (triton kernels on a GPU with
+            triton, else pure torch), ``torch`` or ``triton``; ignored by the other targets.
         **_: other ``model.*`` config fields (``codec``, ``trust_remote_code``) are ignored.
 
+    Real targets (``evabyte``, ``llama3_byte``) are loaded through
+    :mod:`mtpc.backbones.compat` and checked by :func:`mtpc.backbones.sanity.check_target`.
+
     Raises:
-        ValueError: unknown name, or a dtype the device cannot run, before loading anything.
+        ValueError: unknown name, a dtype the device cannot run, or an attention path that
+            cannot run here, before loading anything.
+        TargetLoadError: a real target cannot be loaded or fails its load-time check.
     """
     if name not in BACKBONES:
         raise ValueError(f"model.name is {name!r}; allowed: {list(BACKBONES)}")
     torch_dtype = resolve_dtype(dtype, device)
+    if name == "evabyte":
+        from mtpc.backbones.compat import resolve_attention_impl
+
+        resolve_attention_impl(attention_impl, device)  # fails before any download
     if name == "tiny":
         from mtpc.backbones.tiny import load_tiny_target
 
@@ -61,7 +76,7 @@ def load_backbone(
     if name == "evabyte":
         from mtpc.backbones.evabyte import load_evabyte
 
-        return load_evabyte(path, revision, torch_dtype, device)
+        return load_evabyte(path, revision, torch_dtype, device, attention_impl)
     from mtpc.backbones.llama3_byte import load_llama3_byte
 
     return load_llama3_byte(path, revision, torch_dtype, device)

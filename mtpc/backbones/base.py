@@ -454,17 +454,3 @@ def weights_fingerprint(model: nn.Module, samples: int = 4096) -> str:
         h.update(sample.numpy().tobytes())
     return h.hexdigest()
 
-
-def load_remote_causal_lm(
-    path: str, revision: str | None, dtype: torch.dtype, device: str
-) -> nn.Module:
-    """A hub or local causal LM whose modelling code ships with it (``trust_remote_code``),
-    moved to ``device`` in eval mode."""
-    from transformers import AutoModelForCausalLM
-
-    hf_model = AutoModelForCausalLM.from_pretrained(
-        path, revision=revision, dtype=dtype, trust_remote_code=True
-    )
-    hf_model.to(device)  # type: ignore[arg-type]
-    hf_model.eval()
-    return hf_model

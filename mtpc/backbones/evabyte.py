@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mtpc.backbones.base import Backbone, load_remote_causal_lm
+from mtpc.backbones.base import Backbone
 
 HUB_ID = "EvaByte/EvaByte-SFT"
 
@@ -144,10 +144,28 @@ def load_evabyte(
     revision: str | None = None,
     dtype: torch.dtype = torch.bfloat16,
     device: str = "cpu",
+    attention_impl: str = "auto",
 ) -> EvaByteBackbone:
-    """Loads EvaByte-SFT (remote code) from the hub or a local checkpoint."""
+    """Loads EvaByte-SFT (remote code) from the hub or a local checkpoint and checks it.
+
+    Args:
+        path: local checkpoint or hub id (default :data:`HUB_ID`).
+        revision: hub revision.
+        dtype: the weights' dtype.
+        device: where the model runs.
+        attention_impl: ``auto`` (triton kernels on a GPU with triton, else the pure-torch
+            EVA of ``eva_pt_ref.py``), ``torch`` or ``triton``; the choice is logged.
+
+    Raises:
+        TargetLoadError: the checkpoint cannot be loaded or fails the load-time check.
+    """
+    from mtpc.backbones.compat import load_remote_causal_lm
+    from mtpc.backbones.sanity import check_target
+
     path = path or HUB_ID
-    hf_model = load_remote_causal_lm(path, revision, dtype, device)
-    return EvaByteBackbone(
+    hf_model = load_remote_causal_lm("evabyte", path, revision, dtype, device, attention_impl)
+    backbone = EvaByteBackbone(
         hf_model, source={"model": "evabyte", "path": path, "revision": revision}
     )
+    check_target(backbone, f"model=evabyte (path={path!r})")
+    return backbone

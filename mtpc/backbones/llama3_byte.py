@@ -20,7 +20,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from mtpc.backbones.base import load_remote_causal_lm
 from mtpc.backbones.llama import LlamaBackbone
 
 HUB_ID = "benjamin/Llama3-2-3B-IT-Byte"
@@ -96,8 +95,17 @@ def load_llama3_byte(
     dtype: torch.dtype = torch.bfloat16,
     device: str = "cpu",
 ) -> Llama3ByteBackbone:
-    """Loads the byte-level Llama (remote code) from the hub or a local checkpoint."""
+    """Loads the byte-level Llama (remote code) from the hub or a local checkpoint and checks it.
+
+    Raises:
+        TargetLoadError: the checkpoint cannot be loaded or fails the load-time check.
+    """
+    from mtpc.backbones.compat import load_remote_causal_lm
+    from mtpc.backbones.sanity import check_target
+
     path = path or HUB_ID
-    hf_model = load_remote_causal_lm(path, revision, dtype, device)
+    hf_model = load_remote_causal_lm("llama3_byte", path, revision, dtype, device)
     source = {"model": "llama3_byte", "path": path, "revision": revision}
-    return Llama3ByteBackbone(hf_model, source=source)
+    backbone = Llama3ByteBackbone(hf_model, source=source)
+    check_target(backbone, f"model=llama3_byte (path={path!r})")
+    return backbone

@@ -1,0 +1,435 @@
+"""Loading hub remote code (EvaByte, tokenkit's byte Llama) under the pinned transformers 5.x.
+
+The remote modelling code of both real targets was written for transformers 4.4x. Every
+workaround for the pinned transformers lives in this module, each named after the failure it
+fixes (see ``docs/BACKBONES.md``, "Loading real checkpoints"):
+
+1. **Kernel packages imported at import time** (EvaByte: ``eva_prep_kv_kernel.py`` imports
+   ``triton`` unconditionally and ``multibyte_decoding_evabyte.py`` imports it, so the model
+   cannot be imported without triton). :func:`remote_imports` turns a remote module that fails
+   on an *optional* package into a placeholder whose functions raise when called, and can
+   *block* a package so that the remote ``try: import triton`` falls back to the pure-torch
+   path (``eva_pt_ref.py``). Any other missing package is a clear :class:`TargetLoadError`.
+2. **rope_scaling rewritten**: transformers 5 makes ``config.rope_scaling`` an alias of the
+   standardised ``rope_parameters`` (``{"rope_theta": ..., "rope_type": "default"}`` even when
+   ``config.json`` says ``null``); EvaByte's ``_init_rope`` then fails with ``KeyError:
+   'type'``. :func:`patch_remote_config` gives the remote config class back the 4.4x view
+   (``None`` for plain RoPE, ``{"type": ..., "factor": ...}`` otherwise).
+3. **No "default" RoPE initialiser**: transformers 5 dropped ``ROPE_INIT_FUNCTIONS["default"]``,
+   which tokenkit's rotary embedding looks up (``KeyError: 'default'``).
+   :func:`patch_remote_module` gives the remote module (only it) a copy with the closed form.
+4. **Config keys the config class lacks** (EvaByte reads ``num_pred_heads``, ``fp32_ln``,
+   ``fp32_logits``, ``fp32_skip_add``, ``mixedp_attn``; its class defines none of them). Hub
+   ``config.json`` files carry them; :data:`REMOTE_CONFIG_DEFAULTS` fills the ones a config lacks.
+5. **Non-persistent buffers left uninitialised**: transformers 5 builds every model on the
+   meta device and then gives non-persistent buffers (rotary ``inv_freq``, ``cos_cached``,
+   ``sin_cached``) ``torch.empty`` storage; only its own models recompute them. Remote models
+   therefore run with garbage. :func:`restore_non_persistent_buffers` rebuilds the model's
+   buffers by running its own ``__init__`` with parameters on the meta device (cheap) and
+   copies every non-persistent buffer (and plain tensor attributes such as
+   ``original_inv_freq``) into the loaded model.
+
+:func:`load_remote_causal_lm` applies all five and is the only loader of remote code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import logging
+import sys
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+ATTENTION_IMPLS = ("auto", "torch", "triton")
+
+# Values a remote config gets for keys its config.json lacks (the hub configs carry them).
+# EvaByte: fp32_* as EvaByte's own checkpoint converter writes them ("legacy attributes");
+# num_pred_heads = 1 is how EvaByteForCausalLM's constructor treats a missing key;
+# mixedp_attn = False keeps the attention in the model's dtype (unverified, docs/BACKBONES.md).
+REMOTE_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
+    "evabyte": {
+        "num_pred_heads": 1,
+        "fp32_ln": True,
+        "fp32_logits": True,
+        "fp32_skip_add": False,
+        "mixedp_attn": False,
+    },
+    "llama3_byte": {},
+}
+
+# Packages a remote module may fail to import without the model being unusable: the remote
+# code has a fallback (EvaByte's pure-torch EVA) and only calls them on the GPU path.
+OPTIONAL_PACKAGES: dict[str, frozenset[str]] = {
+    "evabyte": frozenset({"triton"}),
+    "llama3_byte": frozenset(),
+}
+
+
+class TargetLoadError(RuntimeError):
+    """A real target could not be loaded, or loaded wrong (names the model and the problem)."""
+
+
+# ---------------------------------------------------------------- 1. optional imports ----
+def triton_available() -> bool:
+    """Whether the ``triton`` package can be imported (without importing it)."""
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def resolve_attention_impl(requested: str, device: str | torch.device) -> str:
+    """EvaByte's attention path: ``triton`` (GPU kernels) or ``torch`` (``eva_pt_ref.py``).
+
+    Args:
+        requested: ``auto`` (triton when a CUDA device is used and triton is installed, else
+            torch), ``torch`` or ``triton``.
+        device: where the model will run.
+
+    Returns:
+        ``"torch"`` or ``"triton"``.
+
+    Raises:
+        ValueError: unknown value, or ``triton`` where it cannot run (no triton, or a CPU).
+    """
+    if requested not in ATTENTION_IMPLS:
+        raise ValueError(f"model.attention_impl is {requested!r}; allowed: {list(ATTENTION_IMPLS)}")
+    on_gpu = torch.device(device).type == "cuda"
+    if requested == "auto":
+        return "triton" if on_gpu and triton_available() else "torch"
+    if requested == "triton" and not triton_available():
+        raise ValueError(
+            "model.attention_impl is 'triton' but triton is not installed; allowed here: "
+            "['auto', 'torch']"
+        )
+    if requested == "triton" and not on_gpu:
+        raise ValueError(
+            f"model.attention_impl is 'triton' but device is {str(device)!r}; triton kernels "
+            "need a CUDA device; allowed on cpu: ['auto', 'torch']"
+        )
+    return requested
+
+
+def _unavailable(module: str, package: str, reason: str) -> Callable[[str], Any]:
+    """A module ``__getattr__`` whose names are functions raising a clear error when called."""
+
+    def getattr_(name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+
+        def placeholder(*_: Any, **__: Any) -> Any:
+            raise RuntimeError(f"{module}.{name} needs {package}, which is {reason}")
+
+        placeholder.__name__ = name
+        return placeholder
+
+    return getattr_
+
+
+class _StubOnOptionalImport(importlib.abc.Loader):
+    """Runs a remote module; if it fails importing an optional package, leaves a placeholder."""
+
+    def __init__(self, loader: Any, optional: frozenset[str], blocked: frozenset[str]) -> None:
+        self.loader = loader
+        self.optional = optional
+        self.blocked = blocked
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self.loader.create_module(spec)  # type: ignore[no-any-return]
+
+    def exec_module(self, module: ModuleType) -> None:
+        try:
+            self.loader.exec_module(module)
+        except ModuleNotFoundError as error:
+            package = (error.name or "").split(".")[0]
+            if package not in self.optional:
+                raise
+            reason = "disabled (model.attention_impl=torch)" if package in self.blocked else (
+                "not installed"
+            )
+            module.__getattr__ = _unavailable(module.__name__, package, reason)  # type: ignore[method-assign]
+            module.__mtpc_unavailable__ = package  # type: ignore[attr-defined]
+            log.info("%s imports %s (%s): its functions are placeholders", module.__name__, package, reason)
+
+
+class _RemoteModuleFinder(importlib.abc.MetaPathFinder):
+    """Wraps the loaders of ``transformers_modules.*`` (remote code) in :class:`_StubOnOptionalImport`."""
+
+    def __init__(self, optional: frozenset[str], blocked: frozenset[str]) -> None:
+        self.optional = optional
+        self.blocked = blocked
+
+    def find_spec(
+        self, fullname: str, path: Any = None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if not fullname.startswith("transformers_modules.") or path is None:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        if spec is None or spec.loader is None or spec.submodule_search_locations is not None:
+            return spec
+        spec.loader = _StubOnOptionalImport(spec.loader, self.optional, self.blocked)
+        return spec
+
+
+@contextlib.contextmanager
+def remote_imports(
+    optional: frozenset[str] = frozenset(), blocked: frozenset[str] = frozenset()
+) -> Iterator[None]:
+    """Imports of remote code inside the block tolerate missing ``optional`` packages.
+
+    Args:
+        optional: packages a remote module may fail to import; that module becomes a
+            placeholder whose functions raise when called.
+        blocked: packages made unimportable inside the block (``import triton`` raises), so
+            remote ``try: import ...`` fallbacks take their pure-torch path. Restored after.
+    """
+    saved = {
+        name: module
+        for name, module in sys.modules.items()
+        if any(name == p or name.startswith(p + ".") for p in blocked)
+    }
+    for name in saved:
+        del sys.modules[name]
+    for package in blocked:
+        sys.modules[package] = None  # type: ignore[assignment]
+    finder = _RemoteModuleFinder(optional | blocked, blocked)
+    sys.meta_path.insert(0, finder)
+    try:
+        yield
+    finally:
+        sys.meta_path.remove(finder)
+        for package in blocked:
+            sys.modules.pop(package, None)
+        sys.modules.update(saved)
+
+
+def _forget_remote_package(module_name: str, keep: str) -> None:
+    """Drops the remote package of ``module_name`` from ``sys.modules`` (except ``keep``), so
+    the next import runs it again (EvaByte picks its attention path at import time)."""
+    package = module_name.rpartition(".")[0]
+    for name in [n for n in sys.modules if n.startswith(package + ".") and n != keep]:
+        del sys.modules[name]
+    importlib.invalidate_caches()
+
+
+# ------------------------------------------------------------ 2./4. remote config ----
+def legacy_rope_scaling(rope_parameters: Any) -> dict[str, Any] | None:
+    """The 4.4x ``rope_scaling`` of transformers 5's standardised ``rope_parameters``.
+
+    ``None`` for plain RoPE; otherwise ``{"type": rope_type, <its other keys>}`` without
+    ``rope_theta`` (EvaByte reads ``["type"]`` and ``["factor"]``; tokenkit reads the type).
+    """
+    if not isinstance(rope_parameters, dict):
+        return None
+    rope_type = rope_parameters.get("rope_type", rope_parameters.get("type", "default"))
+    if rope_type == "default":
+        return None
+    dropped = ("rope_theta", "rope_type", "type", "partial_rotary_factor")
+    return {"type": rope_type, **{k: v for k, v in rope_parameters.items() if k not in dropped}}
+
+
+def _legacy_rope_scaling_property(base: Any) -> property:
+    setter = base.fset
+
+    def getter(config: Any) -> dict[str, Any] | None:
+        return legacy_rope_scaling(getattr(config, "rope_parameters", None))
+
+    return property(getter, setter, doc="rope_scaling as transformers 4.4x gave it (mtpc compat)")
+
+
+def patch_remote_config(config: Any, name: str) -> None:
+    """Makes a remote config read as its 4.4x code expects (in place; idempotent).
+
+    Gives the config's (remote) class the legacy ``rope_scaling`` view and sets
+    :data:`REMOTE_CONFIG_DEFAULTS` keys the config lacks.
+    """
+    cls = type(config)
+    base = getattr(cls, "rope_scaling", None)
+    is_remote = cls.__module__.startswith("transformers_modules.")
+    if is_remote and isinstance(base, property) and not getattr(cls, "_mtpc_legacy_rope", False):
+        cls.rope_scaling = _legacy_rope_scaling_property(base)  # type: ignore[attr-defined]
+        cls._mtpc_legacy_rope = True  # type: ignore[attr-defined]
+    for key, value in REMOTE_CONFIG_DEFAULTS.get(name, {}).items():
+        if not hasattr(config, key):
+            setattr(config, key, value)
+
+
+# ------------------------------------------------------------ 3. remote module ----
+def compute_default_rope_parameters(
+    config: Any,
+    device: torch.device | str | None = None,
+    seq_len: int | None = None,
+    layer_type: str | None = None,
+    **_: Any,
+) -> tuple[torch.Tensor, float]:
+    """Plain RoPE: ``inv_freq[i] = 1 / theta ** (2i / dim)`` (dim = head_dim x partial factor).
+
+    Returns:
+        (dim // 2,) float32 inverse frequencies and the attention scaling 1.0.
+    """
+    params = getattr(config, "rope_parameters", None) or {}
+    base = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    partial = float(params.get("partial_rotary_factor", 1.0))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dim = int(head_dim * partial)
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float32)
+    return 1.0 / (base ** (exponents / dim)), 1.0
+
+
+def patch_remote_module(module: ModuleType) -> None:
+    """Gives a remote module that looks up ``ROPE_INIT_FUNCTIONS["default"]`` its own copy
+    of transformers' table with the plain-RoPE closed form added (transformers is untouched)."""
+    table = getattr(module, "ROPE_INIT_FUNCTIONS", None)
+    if isinstance(table, dict) and "default" not in table:
+        module.ROPE_INIT_FUNCTIONS = {**table, "default": compute_default_rope_parameters}  # type: ignore[attr-defined]
+
+
+# ------------------------------------------------------ 5. non-persistent buffers ----
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Inside the block, new parameters live on the meta device; buffers are real."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None:
+            p = module._parameters[name]
+            assert p is not None
+            module._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def non_persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every non-persistent buffer of ``model`` by its full name."""
+    out = {}
+    for module_name, module in model.named_modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name in module._non_persistent_buffers_set:
+                out[f"{module_name}.{name}" if module_name else name] = buffer
+    return out
+
+
+def restore_non_persistent_buffers(model: nn.Module, dtype: torch.dtype) -> list[str]:
+    """Recomputes ``model``'s non-persistent buffers with its own ``__init__`` (in place).
+
+    Builds the same class from a copy of its config with parameters on the meta device and
+    ``dtype`` as the default dtype (what ``from_pretrained`` sets while it builds), then copies
+    each non-persistent buffer, and the plain tensor attributes of the modules holding them
+    (``original_inv_freq``), into ``model`` on the device of the buffer they replace.
+
+    Returns:
+        The names of the buffers replaced.
+    """
+    config = copy.deepcopy(model.config)  # type: ignore[union-attr]
+    build_dtype = dtype if dtype.is_floating_point else torch.float32
+    with _default_dtype(build_dtype), _parameters_on_meta(), torch.device("cpu"):
+        skeleton = type(model)(config)
+    fresh = non_persistent_buffers(skeleton)
+    replaced = []
+    for full_name, old in non_persistent_buffers(model).items():
+        if full_name not in fresh:
+            continue
+        module_name, _, name = full_name.rpartition(".")
+        module = model.get_submodule(module_name)
+        source = skeleton.get_submodule(module_name)
+        device = old.device if old.device.type != "meta" else torch.device("cpu")
+        module._buffers[name] = fresh[full_name].to(device)
+        for attr, value in vars(source).items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+                setattr(module, attr, value.to(device))
+        replaced.append(full_name)
+    return replaced
+
+
+# ------------------------------------------------------------------------ loader ----
+def load_remote_causal_lm(
+    name: str,
+    path: str,
+    revision: str | None,
+    dtype: torch.dtype,
+    device: str,
+    attention_impl: str = "auto",
+) -> nn.Module:
+    """Loads a ``trust_remote_code`` causal LM with fixes 1-5, on ``device``, in eval mode.
+
+    Args:
+        name: registry name (``evabyte`` or ``llama3_byte``): picks the config defaults, the
+            optional packages and, for EvaByte, the attention path.
+        path: local checkpoint or hub id.
+        revision: hub revision.
+        dtype: the weights' dtype.
+        device: where the model runs.
+        attention_impl: EvaByte's attention path (``auto|torch|triton``); ignored otherwise.
+
+    Raises:
+        TargetLoadError: the remote code imports a package that is not installed, or the
+            checkpoint has no remote model class.
+        ValueError: ``attention_impl`` cannot run here.
+    """
+    from transformers import AutoConfig
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    label = f"model={name} (path={path!r})"
+    optional = OPTIONAL_PACKAGES.get(name, frozenset())
+    impl = resolve_attention_impl(attention_impl, device) if name == "evabyte" else None
+    blocked = frozenset({"triton"}) if impl == "torch" else frozenset()
+    if impl is not None:
+        log.info(
+            "%s: EVA attention path %r (model.attention_impl=%s, device=%s, triton %s)",
+            label, impl, attention_impl, device,
+            "installed" if triton_available() else "not installed",
+        )  # fmt: skip
+    try:
+        with remote_imports(optional, blocked):
+            config = AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=True)
+            class_ref = (getattr(config, "auto_map", None) or {}).get("AutoModelForCausalLM")
+            if class_ref is None:
+                raise TargetLoadError(
+                    f"{label}: config.json has no auto_map.AutoModelForCausalLM; expected a "
+                    "checkpoint with its modelling code (trust_remote_code)"
+                )
+            model_cls = get_class_from_dynamic_module(class_ref, path, revision=revision)
+            module = sys.modules[model_cls.__module__]
+            if impl is not None and bool(getattr(module, "USE_TRITON_IMPL", False)) != (
+                impl == "triton"
+            ):  # imported earlier with the other path: import it again
+                _forget_remote_package(model_cls.__module__, keep=type(config).__module__)
+                model_cls = get_class_from_dynamic_module(class_ref, path, revision=revision)
+                module = sys.modules[model_cls.__module__]
+    except ImportError as error:
+        missing = getattr(error, "name", None)
+        what = f"imports {missing!r}, which is not installed" if missing else f"failed: {error}"
+        raise TargetLoadError(f"{label}: its remote modelling code {what}") from error
+    patch_remote_config(config, name)
+    patch_remote_module(module)
+    model = model_cls.from_pretrained(path, config=config, revision=revision, dtype=dtype)
+    replaced = restore_non_persistent_buffers(model, dtype)
+    log.info("%s: rebuilt non-persistent buffers %s", label, replaced)
+    model.to(device)  # type: ignore[arg-type]
+    model.eval()
+    return model

@@ -1,0 +1,131 @@
+"""Load-time sanity check of a real target: silent garbage must fail before training starts.
+
+:func:`check_target` runs right after a real checkpoint is loaded (``load_backbone`` for
+``evabyte`` and ``llama3_byte``) and raises :class:`~mtpc.backbones.compat.TargetLoadError`
+naming the model and what is wrong when
+
+* a tensor is still on the meta device;
+* a rotary table differs from its closed form: ``inv_freq[i] = 1 / theta ** (2i / dim)`` (or
+  the config's RoPE variant through transformers' ``ROPE_INIT_FUNCTIONS``), and
+  ``cos_cached``/``sin_cached`` = cos/sin of ``positions x inv_freq`` (positions divided by
+  the factor for linear scaling);
+* the logits of a short fixed prompt, through the backbone's own split path, are not finite
+  or are constant.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from mtpc.backbones.compat import TargetLoadError, compute_default_rope_parameters
+
+PROMPT = "The quick brown fox jumps over the lazy dog. 0123456789"
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    return 1e-4 if dtype in (torch.float32, torch.float64) else 2e-2
+
+
+def _closed_form_inv_freq(module: nn.Module, config: Any) -> torch.Tensor:
+    """The inverse frequencies a rotary module must hold, from its config or attributes."""
+    init_fn = getattr(module, "rope_init_fn", None)
+    module_config = getattr(module, "config", None)
+    if callable(init_fn) and module_config is not None:
+        kwargs = getattr(module, "rope_kwargs", None) or {}
+        return init_fn(module_config, torch.device("cpu"), **kwargs)[0].float()
+    dim, base = getattr(module, "dim", None), getattr(module, "base", None)
+    if isinstance(dim, int) and isinstance(base, int | float):
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64).float()
+        return 1.0 / (float(base) ** (exponents / dim))  # (dim // 2,)
+    return compute_default_rope_parameters(config)[0]
+
+
+def rotary_problems(hf_model: nn.Module) -> list[str]:
+    """Rotary buffers of ``hf_model`` that differ from their closed form (empty: all equal)."""
+    problems = []
+    config = getattr(hf_model, "config", None)
+    for name, module in hf_model.named_modules():
+        inv_freq = module._buffers.get("inv_freq")
+        if inv_freq is None:
+            continue
+        expected = _closed_form_inv_freq(module, config)  # (hd / 2,)
+        actual = inv_freq.detach().float().cpu()
+        tol = _tolerance(inv_freq.dtype)
+        if actual.shape != expected.shape or not torch.allclose(actual, expected, rtol=tol, atol=0):
+            worst = (actual - expected).abs().max().item() if actual.shape == expected.shape else None
+            problems.append(
+                f"{name}.inv_freq differs from its closed form 1/theta^(2i/d) (max abs error "
+                f"{worst:.3g}; first values {actual.flatten()[:3].tolist()} vs "
+                f"{expected[:3].tolist()})"
+                if worst is not None
+                else f"{name}.inv_freq has shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
+            )
+            continue
+        cos = module._buffers.get("cos_cached")
+        sin = module._buffers.get("sin_cached")
+        if cos is None or sin is None:
+            continue
+        positions = torch.arange(cos.shape[0], dtype=torch.float32)  # (S,)
+        if "linear" in type(module).__name__.lower():
+            positions = positions / float(getattr(module, "scaling_factor", 1.0))
+        freqs = torch.outer(positions, expected)  # (S, hd / 2)
+        emb = torch.cat([freqs, freqs], dim=-1)  # (S, hd)
+        for table, want in (("cos_cached", emb.cos()), ("sin_cached", emb.sin())):
+            got = module._buffers[table].detach().float().cpu()
+            tol = _tolerance(module._buffers[table].dtype)
+            if got.shape != want.shape or not torch.allclose(got, want, rtol=0, atol=tol):
+                error = (got - want).abs().max().item() if got.shape == want.shape else float("nan")
+                problems.append(
+                    f"{name}.{table} differs from cos/sin(positions x inv_freq) "
+                    f"(max abs error {error:.3g}, shape {tuple(got.shape)})"
+                )
+    return problems
+
+
+def meta_tensors(hf_model: nn.Module) -> list[str]:
+    """Names of parameters and buffers still on the meta device."""
+    tensors = list(hf_model.named_parameters()) + list(hf_model.named_buffers())
+    return [name for name, t in tensors if t.device.type == "meta"]
+
+
+@torch.no_grad()
+def prompt_logits(backbone: Any) -> torch.Tensor:
+    """STP logits (1, T, V) of :data:`PROMPT` through the backbone's split path, adapter off."""
+    from mtpc.backbones.codecs import get_codec
+
+    codec = get_codec(backbone.codec)
+    ids = torch.tensor([[codec.bos_id, *codec.encode(PROMPT)]], device=backbone.device)  # (1, T)
+    hidden = backbone.embed(ids)  # (1, T, d)
+    hidden = backbone.run_layers(hidden, 0, backbone.num_layers)
+    return backbone.stp_logits(backbone.norm(hidden))  # type: ignore[no-any-return]
+
+
+def check_target(backbone: Any, label: str) -> None:
+    """Raises if the loaded target is not the real model (see the module docstring).
+
+    Args:
+        backbone: the loaded :class:`~mtpc.backbones.base.Backbone`.
+        label: how to name it in the error (``model=evabyte (path=...)``).
+
+    Raises:
+        TargetLoadError: every problem found, with the model's name.
+    """
+    hf_model = backbone.hf_model
+    problems = [f"{name} is still on the meta device" for name in meta_tensors(hf_model)[:5]]
+    problems += rotary_problems(hf_model)
+    if not problems:
+        logits = prompt_logits(backbone).float()  # (1, T, V)
+        if not torch.isfinite(logits).all():
+            bad = int((~torch.isfinite(logits)).sum())
+            problems.append(f"the logits of a fixed {logits.shape[1]}-token prompt have {bad} non-finite values")
+        elif logits.std() == 0:
+            problems.append("the logits of a fixed prompt are constant")
+    if problems:
+        raise TargetLoadError(
+            f"{label} failed its load-time check (the loaded model is not the real model): "
+            + "; ".join(problems)
+            + ". See docs/BACKBONES.md, 'Loading real checkpoints'."
+        )

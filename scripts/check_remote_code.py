@@ -1,0 +1,249 @@
+"""Conformance of our loaders and adapters with a target's real remote modelling code.
+
+Takes a directory holding the real remote code (a hub snapshot's ``*.py``, or EvaByte's
+``evabyte_hf/`` / tokenkit's ``tokenkit/hf/`` from their repositories), builds a tiny random
+model of it, saves it as a hub-style checkpoint (``config.json`` in the 4.4x form with
+``auto_map``, the remote ``*.py``, ``model.safetensors``) and checks, on CPU:
+
+1. ``load_backbone(kind, path=<checkpoint>)`` loads it (attention on the pure-torch path) and
+   passes the load-time sanity check;
+2. every non-persistent buffer of the loaded model equals the directly built model's;
+3. the loaded model's own forward gives the directly built model's logits;
+4. the backbone's split path (embed, layers, norm, STP head) gives the same logits;
+5. greedy self-speculative and autoregressive decoding through ``mtpc.generate`` (random
+   LoRA on the last layer) equal the directly built model's own greedy decoding (argmax of
+   its full forward, one id at a time) for prompt lengths across EVA's chunk and window
+   boundaries.
+
+The directly built model is the remote class's own ``__init__`` on CPU (its buffers computed
+for real). Under transformers 5 the remote classes cannot even be built without the config
+view of ``mtpc.backbones.compat`` (rope_scaling, missing keys), which it therefore uses.
+
+    python scripts/check_remote_code.py evabyte /tmp/evabyte_hf
+    python scripts/check_remote_code.py llama3_byte /tmp/tokenkit/hf --rope llama3
+    python scripts/check_remote_code.py llama3_byte /tmp/tokenkit/hf --rope default
+
+Exit status 0 when every check passes; the report is printed as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mtpc.backbones import load_backbone  # noqa: E402
+from mtpc.backbones.compat import (  # noqa: E402
+    OPTIONAL_PACKAGES,
+    non_persistent_buffers,
+    patch_remote_config,
+    patch_remote_module,
+    remote_imports,
+)
+from mtpc.decoding import generate  # noqa: E402
+from mtpc.model import MTPCModel  # noqa: E402
+
+EVABYTE_CONFIG: dict[str, Any] = {
+    "architectures": ["EvaByteForCausalLM"],
+    "auto_map": {
+        "AutoConfig": "configuration_evabyte.EvaByteConfig",
+        "AutoModelForCausalLM": "modeling_evabyte.EvaByteForCausalLM",
+    },
+    "model_type": "evabyte",
+    "vocab_size": 320,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 128,
+    "window_size": 16,
+    "chunk_size": 4,
+    "num_pred_heads": 8,
+    "rope_theta": 10000.0,
+    "rope_scaling": None,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+}
+
+LLAMA3_BYTE_CONFIG: dict[str, Any] = {
+    "architectures": ["TPULlamaForCausalLM"],
+    "auto_map": {
+        "AutoConfig": "configuration_tpu_llama.TPULlamaConfig",
+        "AutoModelForCausalLM": "modelling_tpu_llama.TPULlamaForCausalLM",
+    },
+    "model_type": "tpu_llama",
+    "vocab_size": 272,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rope_theta": 500000.0,
+    "bos_token_id": 256,
+    "eos_token_id": 259,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+    "attn_implementation": "eager",
+    "expand_input_ids": True,
+    "expand_input_ids_maxlen": 3,
+    "expand_input_ids_vocab_size": 40,
+}
+
+ROPE_SCALING = {
+    "default": None,
+    "llama3": {
+        "factor": 32.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 64,
+        "rope_type": "llama3",
+    },
+    "linear": {"type": "linear", "factor": 2.0},
+}
+
+
+def expand_table(vocab: int, expand_vocab: int) -> list[Any]:
+    """tokenkit's serialised expansion table: {"a,b": id} over shifted ids, and singles."""
+    table: dict[str, int] = {}
+    for a in range(1, vocab + 1):
+        table[str(a)] = a % (expand_vocab - 1) + 1
+        for b in range(1, 40):
+            table[f"{a},{b}"] = (7 * a + 3 * b) % (expand_vocab - 1) + 1
+    singles = [a for a in range(1, vocab + 1) if a % 11 == 0]
+    return [table, singles]
+
+
+def write_checkpoint(kind: str, code: Path, rope: str, root: Path) -> tuple[Path, Any]:
+    """A hub-style tiny random checkpoint of the real code; returns it and the direct model."""
+    from transformers import AutoConfig
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    folder = root / f"{kind}_{rope}_{uuid.uuid4().hex[:8]}"  # unique remote module name
+    folder.mkdir(parents=True)
+    for source in code.glob("*.py"):
+        if source.name != "__init__.py" and "flax" not in source.name:
+            shutil.copy(source, folder / source.name)
+    config = dict(EVABYTE_CONFIG if kind == "evabyte" else LLAMA3_BYTE_CONFIG)
+    config["rope_scaling"] = ROPE_SCALING[rope]
+    if kind == "llama3_byte":
+        config["expand_input_ids_dict"] = expand_table(config["vocab_size"], 40)
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    with remote_imports(OPTIONAL_PACKAGES[kind], frozenset({"triton"})):
+        hf_config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
+        cls = get_class_from_dynamic_module(config["auto_map"]["AutoModelForCausalLM"], folder)
+    patch_remote_config(hf_config, kind)
+    patch_remote_module(sys.modules[cls.__module__])
+    torch.manual_seed(0)
+    direct = cls(hf_config).eval()
+    with torch.no_grad():
+        for name, p in direct.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 1.0 / p.shape[-1] ** 0.5)
+            elif "norm" not in name:
+                p.normal_(0, 0.1)
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in direct.state_dict().items()}, folder / "model.safetensors")
+    return folder, direct
+
+
+def own_logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    """The model's own full forward: STP logits (B, T, V)."""
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=False)
+    logits = out.logits if hasattr(out, "logits") else out[0]
+    return logits[..., : model.config.vocab_size].float()
+
+
+def own_greedy(model: Any, prompt: list[int], steps: int) -> list[int]:
+    """The model's own greedy decoding: argmax of its full forward, one id at a time."""
+    ids = list(prompt)
+    for _ in range(steps):
+        ids.append(int(own_logits(model, torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+def check(kind: str, code: Path, rope: str, steps: int) -> dict[str, Any]:
+    """Runs checks 1-5; returns the report (``ok`` is their conjunction)."""
+    report: dict[str, Any] = {"kind": kind, "code": str(code), "rope_scaling": rope}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder, direct = write_checkpoint(kind, code, rope, Path(tmp))
+        backbone = load_backbone(
+            kind, path=str(folder), dtype="float32", device="cpu", attention_impl="torch"
+        )
+        report["1_loaded_and_sanity_checked"] = True
+        mine, theirs = non_persistent_buffers(backbone.hf_model), non_persistent_buffers(direct)
+        report["2_buffers"] = {
+            name: float((mine[name].float() - t.float()).abs().max()) for name, t in theirs.items()
+        }
+        vocab = backbone.vocab_size
+        torch.manual_seed(1)
+        ids = torch.randint(3, vocab, (2, 37))
+        ref = own_logits(direct, ids)
+        report["3_forward_max_abs_diff"] = float((own_logits(backbone.hf_model, ids) - ref).abs().max())
+        with torch.no_grad():
+            split = backbone.stp_logits(
+                backbone.norm(backbone.run_layers(backbone.embed(ids), 0, backbone.num_layers))
+            ).float()
+        report["4_split_max_abs_diff"] = float((split - ref).abs().max())
+        model = MTPCModel.from_backbone(backbone, "cp", 4, 2, lora_layers=1)
+        with torch.no_grad():
+            for p in model.backbone.lora.parameters():
+                p.normal_(0, 0.05)
+        lengths = [1, 3, 4, 5, 15, 16, 17, 31, 33]
+        greedy: dict[str, Any] = {}
+        for length in lengths:
+            prompt = torch.randint(3, vocab, (length,)).tolist()
+            want = own_greedy(direct, prompt, steps)
+            got = {
+                method: generate(
+                    model, prompt, max_new_tokens=steps, method=method, greedy=True, stop_ids=()
+                ).tokens
+                for method in ("speculative", "autoregressive")
+            }
+            greedy[str(length)] = {m: list(t) == want for m, t in got.items()}
+        report["5_greedy_equal"] = greedy
+    report["ok"] = (
+        all(v == 0.0 for v in report["2_buffers"].values())
+        and report["3_forward_max_abs_diff"] <= 1e-5
+        and report["4_split_max_abs_diff"] <= 1e-4
+        and all(all(v.values()) for v in greedy.values())
+    )
+    return report
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("kind", choices=("evabyte", "llama3_byte"))
+    parser.add_argument("code", type=Path, help="directory holding the real remote *.py")
+    parser.add_argument(
+        "--rope",
+        choices=sorted(ROPE_SCALING),
+        default=None,
+        help="rope_scaling of the tiny config (default: the real checkpoint's: "
+        "evabyte -> default (null), llama3_byte -> llama3)",
+    )
+    parser.add_argument("--steps", type=int, default=24, help="new ids per greedy comparison")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rope = args.rope or ("default" if args.kind == "evabyte" else "llama3")
+    report = check(args.kind, args.code.resolve(), rope, args.steps)
+    print(json.dumps(report, indent=1))
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
