@@ -99,3 +99,72 @@ def test_a_corrupt_data_cache_is_detected_and_rebuilt(tmp_path: Path, caplog) ->
     (folder / "offsets.npy").write_bytes(b"garbage")  # truncated: was a raw numpy/pickle error
     with pytest.raises(CacheCorruptError, match=rf"{folder}.*offsets\.npy"):
         load_prepared(folder)
+
+
+# -- 2: one run per folder: a lock, and a config check on resume ---------------------------
+
+
+def test_a_second_run_on_a_busy_run_folder_is_refused(tmp_path: Path) -> None:
+    from mtpc.training.resume import RunFolderBusyError, RunLock
+    from mtpc.training.run import train
+
+    cfg = _compose(tmp_path, ["trainer.max_steps=1", "validate_before_training=false"])
+    (tmp_path / "run").mkdir()
+    with RunLock(tmp_path / "run"), pytest.raises(RunFolderBusyError, match=str(tmp_path / "run")):
+        train(cfg)  # was: a second run interleaving metrics.csv and checkpoints
+
+
+def test_resume_with_changed_settings_is_refused_naming_the_fields(tmp_path: Path) -> None:
+    import torch
+
+    from mtpc.training.resume import ResumeConfigError
+    from mtpc.training.run import train
+
+    common = ["callbacks.checkpoint_every_n_steps=1", "validate_before_training=false",
+              "export=false"]  # fmt: skip
+    train(_compose(tmp_path, [*common, "trainer.max_steps=2"]))
+    changed = _compose(tmp_path, [*common, "trainer.max_steps=3", "optimizer.lr=0.01"])
+    with pytest.raises(ResumeConfigError, match=r"optimizer\.lr: 0\.0003 -> 0\.01") as err:
+        train(changed)  # was: resumed silently at the checkpoint's lr
+    assert "allow_resume_changes=true" in str(err.value) and "run_name=" in str(err.value)
+    # a longer budget is not a change that matters
+    train(_compose(tmp_path, [*common, "trainer.max_steps=3"]))
+    # the explicit override resumes with the new learning rate
+    train(_compose(tmp_path, [*common, "trainer.max_steps=4", "optimizer.lr=0.01",
+                              "allow_resume_changes=true"]))  # fmt: skip
+    last = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert last["global_step"] == 4
+    assert last["optimizer_states"][0]["param_groups"][0]["lr"] == pytest.approx(0.01)
+
+
+# -- 6 and 13: a truncated last.ckpt; a resumed run keeps its start's init/ metrics ---------
+
+
+def test_truncated_last_checkpoint_falls_back_and_init_metrics_survive(
+    tmp_path: Path, caplog
+) -> None:
+    from mtpc.training.resume import CheckpointUnreadableError
+    from mtpc.training.run import train
+
+    common = ["callbacks.checkpoint_every_n_steps=1", "trainer.val_check_interval=1"]
+    first = train(_compose(tmp_path, [*common, "trainer.max_steps=2"]))
+    checkpoints = tmp_path / "run" / "checkpoints"
+    (best,) = checkpoints.glob("best-*.ckpt")
+    last = checkpoints / "last.ckpt"
+    last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])  # killed mid-copy
+    stray = checkpoints / ".last.ckpt.tmp-999999999"
+    stray.write_bytes(b"partial")
+    with caplog.at_level(logging.WARNING):
+        resumed = train(_compose(tmp_path, [*common, "trainer.max_steps=3"]))
+    assert "unreadable" in caplog.text and best.name in caplog.text  # was: a raw torch error
+    assert resumed["train/steps"] == 3 and not stray.exists()
+    # 13: the untrained draft's metrics are the run's start's, in metrics.json and the card
+    saved = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert saved["init/val/loss"] == pytest.approx(first["init/val/loss"])
+    card = (tmp_path / "run" / "draft" / "README.md").read_text()
+    assert f"| init/val/loss | {first['init/val/loss']} |" in card
+
+    for ckpt in checkpoints.glob("*.ckpt"):
+        ckpt.write_bytes(b"truncated")
+    with pytest.raises(CheckpointUnreadableError, match=str(checkpoints / "last.ckpt")):
+        train(_compose(tmp_path, [*common, "trainer.max_steps=4"]))

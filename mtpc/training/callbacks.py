@@ -70,3 +70,44 @@ class RNGStateCallback(L.Callback):
         torch.set_rng_state(states["torch"])
         if states.get("cuda") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(states["cuda"])
+
+
+class RunRecordCallback(L.Callback):
+    """Stores the run's settings and its untrained draft's metrics in every checkpoint.
+
+    A resumed run compares its settings with ``checkpoint["mtpc_config"]``
+    (``mtpc.training.resume``) and reports the ``init/...`` metrics measured when the run
+    started (``checkpoint["mtpc_init_metrics"]``), not none. With
+    ``allow_resume_changes=true`` and a changed ``optimizer.lr``, the restored optimizer
+    takes the new learning rate instead of silently keeping the checkpoint's.
+
+    Args:
+        config: the comparable settings (``{dotted field: value}``, plain values).
+        init_metrics: the untrained draft's metrics; the dict is read at every save, so it
+            may be filled after the callback is built.
+        new_lr: the learning rate to put into restored optimizer states, or None.
+    """
+
+    def __init__(
+        self, config: dict[str, Any], init_metrics: dict[str, float], new_lr: float | None = None
+    ) -> None:
+        self.config = config
+        self.init_metrics = init_metrics
+        self.new_lr = new_lr
+
+    def on_save_checkpoint(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        checkpoint["mtpc_config"] = dict(self.config)
+        checkpoint["mtpc_init_metrics"] = dict(self.init_metrics)
+
+    def on_load_checkpoint(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        if self.new_lr is None:
+            return
+        for state in checkpoint.get("optimizer_states", []):
+            for group in state.get("param_groups", []):
+                group["lr"] = self.new_lr
+                if "initial_lr" in group:
+                    group["initial_lr"] = self.new_lr

@@ -24,9 +24,22 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file
 
 from mtpc.config import ConfigError, validate_train_config
+from mtpc.errors import UserError
 from mtpc.model import MTPCModel
-from mtpc.training.callbacks import AtomicCheckpointIO, RNGStateCallback
+from mtpc.training.callbacks import AtomicCheckpointIO, RNGStateCallback, RunRecordCallback
 from mtpc.training.module import MTPCLightningModule
+from mtpc.training.resume import (
+    CONFIG_KEY,
+    RunFolderBusyError,
+    RunLock,
+    check_resume_config,
+    comparable_config,
+    find_resume_checkpoint,
+    is_global_zero,
+    remove_stale_tmp,
+    restore_hydra,
+    snapshot_hydra,
+)
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +143,7 @@ def _world_size(cfg: DictConfig) -> int:
     return 1
 
 
-def _callbacks(cfg: DictConfig, checkpoint_dir: Path) -> list[L.Callback]:
+def _callbacks(cfg: DictConfig, checkpoint_dir: Path, record: L.Callback) -> list[L.Callback]:
     every = cfg.callbacks.get("checkpoint_every_n_steps")
     monitor = cfg.callbacks.get("monitor", "val/loss")
     last = ModelCheckpoint(
@@ -148,7 +161,7 @@ def _callbacks(cfg: DictConfig, checkpoint_dir: Path) -> list[L.Callback]:
         save_top_k=int(cfg.callbacks.get("save_top_k", 1)),
         auto_insert_metric_name=False,
     )
-    return [last, best, RNGStateCallback()]
+    return [last, best, RNGStateCallback(), record]
 
 
 def _run_dir(cfg: DictConfig) -> Path:
@@ -160,6 +173,26 @@ def _run_dir(cfg: DictConfig) -> Path:
         return Path(cfg.get("run_dir") or Path.cwd() / "outputs" / "train" / cfg.run_name)
 
 
+def _plain(cfg: DictConfig) -> dict[str, Any]:
+    """The config as plain containers, resolved where it can be (``hydra:`` needs Hydra)."""
+    plain: dict[str, Any] = {}
+    for key in cfg:
+        node = cfg._get_node(str(key))
+        try:
+            plain[str(key)] = (
+                OmegaConf.to_container(cfg[key], resolve=True)
+                if OmegaConf.is_config(node)
+                else cfg[key]
+            )
+        except Exception:  # an interpolation only Hydra can resolve (``paths.output_dir``)
+            plain[str(key)] = (
+                OmegaConf.to_container(cfg[key], resolve=False)
+                if OmegaConf.is_config(node)
+                else None
+            )
+    return plain
+
+
 def _scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items() if isinstance(v, int | float | torch.Tensor)}
 
@@ -167,16 +200,60 @@ def _scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
 def train(cfg: DictConfig) -> dict[str, float]:
     """Trains the draft described by ``cfg`` and returns its final metrics.
 
+    The run folder is locked for the whole run (a second job on it stops at once).
+
     Returns:
-        ``val/...`` metrics of the trained draft, the untrained draft's as ``init/...``,
-        and ``train/steps``.
+        ``val/...`` metrics of the trained draft, the untrained draft's as ``init/...``
+        (measured when the run started, also after a resume), and ``train/steps``.
+
+    Raises:
+        ConfigError: a setting is invalid (before any work).
+        RunFolderBusyError: another run holds the run folder.
+        ResumeConfigError: the folder's checkpoint was written with other settings.
+        CheckpointUnreadableError: no checkpoint of the folder can be read.
     """
     validate_train_config(cfg)
     # the frozen target stays in eval mode on purpose (no dropout in the verifier's states)
     warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
     run_dir = _run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
+    lock = RunLock(run_dir, enabled=is_global_zero())
+    try:
+        lock.acquire()
+    except RunFolderBusyError:
+        restore_hydra(run_dir)  # Hydra wrote this command's .hydra/ over the owner's
+        raise
+    try:
+        return _train_locked(cfg, run_dir)
+    finally:
+        lock.release()
+
+
+def _train_locked(cfg: DictConfig, run_dir: Path) -> dict[str, float]:
     checkpoint_dir = run_dir / "checkpoints"
+    remove_stale_tmp(checkpoint_dir)
+    remove_stale_tmp(run_dir)
+    fast = bool(cfg.trainer.get("fast_dev_run"))
+    settings = comparable_config(_plain(cfg))
+    resume = None if fast else find_resume_checkpoint(checkpoint_dir, LAST_CHECKPOINT)
+    init_metrics: dict[str, float] = {}
+    new_lr = None
+    if resume is not None:
+        try:
+            changes = check_resume_config(
+                resume[0],
+                resume[1].get(CONFIG_KEY),
+                settings,
+                str(cfg.get("run_name")),
+                bool(cfg.get("allow_resume_changes", False)),
+            )
+        except Exception:
+            restore_hydra(run_dir)
+            raise
+        if any(c.startswith("optimizer.lr:") for c in changes):
+            new_lr = float(cfg.optimizer.lr)
+        init_metrics.update(resume[1].get("mtpc_init_metrics") or {})
+    snapshot_hydra(run_dir)
     L.seed_everything(int(cfg.seed), workers=True)
 
     datamodule = instantiate(cfg.data)
@@ -187,6 +264,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         model,
         loss=cfg.loss.name,
         gamma=cfg.loss.get("gamma"),
+        normalise_discount=bool(cfg.loss.get("normalise_discount", False)),
         chunk_size=int(cfg.loss.get("chunk_size") or 1024),
         optimizer=instantiate(cfg.optimizer),
         scheduler=instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
@@ -196,25 +274,28 @@ def train(cfg: DictConfig) -> dict[str, float]:
     assert isinstance(trainer_cfg, dict)
     trainer_cfg.pop("_target_", None)
     trainer_cfg["accumulate_grad_batches"] = _accumulation(cfg, _world_size(cfg))
-    fast = bool(trainer_cfg.get("fast_dev_run"))
     logger = instantiate(cfg.logger) if cfg.get("logger") and not fast else False
     trainer = L.Trainer(
         **{str(key): value for key, value in trainer_cfg.items()},
         default_root_dir=str(run_dir),
         logger=logger,
-        callbacks=_callbacks(cfg, checkpoint_dir),
+        callbacks=_callbacks(
+            cfg, checkpoint_dir, RunRecordCallback(settings, init_metrics, new_lr)
+        ),
         plugins=[AtomicCheckpointIO()],
         enable_checkpointing=True,
     )
 
-    resume = checkpoint_dir / LAST_CHECKPOINT
-    ckpt_path = str(resume) if resume.exists() and not fast else None
+    ckpt_path = None if resume is None else str(resume[0])
     metrics: dict[str, float] = {}
     if ckpt_path is None and cfg.get("validate_before_training", True) and not fast:
         initial = trainer.validate(module, datamodule=datamodule, verbose=False)
-        metrics.update({f"init/{k}": v for k, v in _scalars(initial[0]).items()} if initial else {})
-    else:
+        init_metrics.update(
+            {f"init/{k}": v for k, v in _scalars(initial[0]).items()} if initial else {}
+        )
+    elif ckpt_path is not None:
         log.info("resuming from %s", ckpt_path)
+    metrics.update(init_metrics)  # a resumed run reports its start's, kept in the checkpoint
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     metrics.update(_scalars(trainer.callback_metrics))
     if not fast and trainer.limit_val_batches != 0:  # the final draft, whatever the schedule
@@ -222,6 +303,12 @@ def train(cfg: DictConfig) -> dict[str, float]:
         metrics.update(_scalars(final[0]) if final else {})
     metrics["train/steps"] = float(trainer.global_step)
 
+    if trainer.global_step == 0 and not fast:
+        raise UserError(
+            f"the run in {run_dir} took no optimizer step (trainer.max_steps="
+            f"{cfg.trainer.get('max_steps')}, {len(datamodule.datasets.get('train', []))} training "
+            "sequences): nothing was trained, so no draft is exported"
+        )
     if trainer.is_global_zero:
         (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
         if cfg.get("export", True) and not fast:

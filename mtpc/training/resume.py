@@ -1,0 +1,326 @@
+"""One run per folder: the run-folder lock, picking the checkpoint to resume, config checks.
+
+* :class:`RunLock` holds an exclusive ``flock`` on ``<run dir>/.lock`` for the whole run
+  (global rank 0 only), so a second job on the same folder stops at once with a message
+  naming the folder and the holder, instead of interleaving logs and checkpoints.
+* :func:`find_resume_checkpoint` opens ``checkpoints/last.ckpt``; when it is unreadable
+  (truncated, say) it falls back to the newest readable checkpoint of the folder and says
+  so, and stops with a message naming the file when there is none.
+* :func:`config_changes` compares the settings that shape the result (model, circuit,
+  LoRA, loss, optimizer, data, seed, ...) with the ones stored in the checkpoint; the run
+  refuses to resume on a change unless ``allow_resume_changes=true``.
+* The ``.hydra/`` files of the run that owns the folder are kept in ``.mtpc/hydra`` and
+  put back when a refused command has overwritten them (Hydra writes them first).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mtpc.errors import UserError
+
+log = logging.getLogger(__name__)
+
+LOCK_NAME = ".lock"
+CONFIG_KEY = "mtpc_config"
+"""Checkpoint key of the resolved config that wrote it (see ``RunConfigCallback``)."""
+
+MATTERS = (
+    "model",
+    "circuit",
+    "lora",
+    "loss",
+    "optimizer",
+    "scheduler",
+    "data",
+    "seed",
+    "stage",
+    "init_from",
+    "global_batch_size",
+    "trainer",
+)
+"""Top-level config keys whose values shape the trained draft."""
+
+FREE_TO_CHANGE = (
+    "data.num_workers",
+    "data.cache_dir",
+    "data.pin_memory",
+    "model.device",
+    "trainer.max_steps",
+    "trainer.max_epochs",
+    "trainer.max_time",
+    "trainer.accelerator",
+    "trainer.devices",
+    "trainer.num_nodes",
+    "trainer.strategy",
+    "trainer.enable_progress_bar",
+    "trainer.log_every_n_steps",
+    "trainer.val_check_interval",
+    "trainer.check_val_every_n_epoch",
+    "trainer.limit_val_batches",
+    "trainer.num_sanity_val_steps",
+    "trainer.deterministic",
+    "trainer.fast_dev_run",
+)
+"""Dotted fields that may differ on resume (budget, hardware, logging)."""
+
+
+class RunFolderBusyError(UserError):
+    """Another run holds the run folder's lock."""
+
+
+class ResumeConfigError(UserError):
+    """The run folder's checkpoint was written with settings that differ from the config's."""
+
+
+class CheckpointUnreadableError(UserError):
+    """No checkpoint of the run folder can be read."""
+
+
+class RunLock:
+    """An exclusive lock on a run folder (``flock`` on ``<folder>/.lock``; no-op off rank 0).
+
+    The lock is released when the process ends, however it ends, so a killed run never
+    leaves a stale lock behind.
+    """
+
+    def __init__(self, folder: Path, enabled: bool = True) -> None:
+        self.path = folder / LOCK_NAME
+        self.enabled = enabled
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Takes the lock.
+
+        Raises:
+            RunFolderBusyError: another process holds it (the message names the folder).
+        """
+        if not self.enabled or self._fd is not None:
+            return
+        import fcntl
+
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = self.path.read_text(errors="replace").strip() or "unknown process"
+            os.close(fd)
+            raise RunFolderBusyError(
+                f"run folder {self.path.parent} is in use by another run ({holder}); wait for "
+                "it to finish, or give this run another folder (run_name=<new name>)"
+            ) from None
+        os.ftruncate(fd, 0)
+        started = time.strftime("%Y-%m-%dT%H:%M:%S")
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since {started}\n".encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        """Releases the lock (the file stays; it only records the last holder)."""
+        if self._fd is None:
+            return
+        import fcntl
+
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None
+
+    def __enter__(self) -> RunLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def is_global_zero() -> bool:
+    """Whether this process is global rank 0 (from the launcher's environment variables)."""
+    for key in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):
+        value = os.environ.get(key)
+        if value is not None and value.isdigit():
+            return int(value) == 0
+    return True
+
+
+def remove_stale_tmp(folder: Path) -> None:
+    """Removes ``.<name>.tmp-<pid>`` files of checkpoint writes and exports whose process died."""
+    if not folder.is_dir():
+        return
+    for tmp in folder.glob(".*.tmp*"):
+        pid = tmp.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and _alive(int(pid)):
+            continue
+        log.warning("removing %s, left by an interrupted write", tmp)
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _read_checkpoint(path: Path) -> dict[str, Any]:
+    # memory-mapped: checks the archive without reading the tensors
+    checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise ValueError("not a Lightning checkpoint (no state_dict)")
+    return checkpoint
+
+
+def find_resume_checkpoint(
+    checkpoint_dir: Path, last_name: str = "last.ckpt"
+) -> tuple[Path, dict[str, Any]] | None:
+    """The checkpoint to resume from and its contents, or None when the folder has none.
+
+    ``last.ckpt`` first; if it cannot be read it is renamed to ``<name>.unreadable`` and
+    the readable checkpoint with the highest global step is used, with a warning.
+
+    Raises:
+        CheckpointUnreadableError: checkpoints exist but none can be read (names the file).
+    """
+    last = checkpoint_dir / last_name
+    if not last.exists():
+        return None
+    try:
+        return last, _read_checkpoint(last)
+    except Exception as err:  # truncated archive, garbage, wrong format
+        reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    readable: list[tuple[int, Path, dict[str, Any]]] = []
+    for other in sorted(checkpoint_dir.glob("*.ckpt")):
+        if other == last:
+            continue
+        try:
+            checkpoint = _read_checkpoint(other)
+        except Exception:
+            continue
+        readable.append((int(checkpoint.get("global_step", -1)), other, checkpoint))
+    if not readable:
+        raise CheckpointUnreadableError(
+            f"cannot resume: {last} is unreadable ({reason}) and no other checkpoint in "
+            f"{checkpoint_dir} is readable; delete {last} to start the run over"
+        )
+    step, path, checkpoint = max(readable, key=lambda item: item[0])
+    aside = last.with_name(f"{last.name}.unreadable")
+    os.replace(last, aside)
+    log.warning(
+        "%s is unreadable (%s); moved it to %s and resuming from %s (global step %d) instead",
+        last,
+        reason,
+        aside.name,
+        path,
+        step,
+    )
+    return path, checkpoint
+
+
+def comparable_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings that must match on resume, flattened to ``{dotted field: value}``."""
+    flat: dict[str, Any] = {}
+    for key in MATTERS:
+        if key in cfg:
+            _flatten(cfg[key], key, flat)
+    return {k: v for k, v in flat.items() if not k.startswith(FREE_TO_CHANGE)}
+
+
+def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
+    if isinstance(value, Mapping) and value:
+        for k, v in value.items():
+            _flatten(v, f"{prefix}.{k}", out)
+    else:
+        out[prefix] = list(value) if isinstance(value, list | tuple) else value
+
+
+def config_changes(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """``field: saved -> current`` for every setting that differs (both already comparable)."""
+    missing = object()
+    changes = []
+    for field in sorted(set(saved) | set(current)):
+        old, new = saved.get(field, missing), current.get(field, missing)
+        if old != new:
+            show = ["(unset)" if v is missing else repr(v) for v in (old, new)]
+            changes.append(f"{field}: {show[0]} -> {show[1]}")
+    return changes
+
+
+def check_resume_config(
+    checkpoint_path: Path,
+    saved: Mapping[str, Any] | None,
+    current: Mapping[str, Any],
+    run_name: str,
+    allow: bool,
+) -> list[str]:
+    """Refuses to resume a checkpoint written with other settings (unless ``allow``).
+
+    Args:
+        checkpoint_path: the checkpoint (named in the message).
+        saved: its comparable config (None: written before configs were stored).
+        current: this run's comparable config.
+        run_name: this run's name, for the suggested new name.
+        allow: ``allow_resume_changes=true``: resume anyway, with a warning.
+
+    Returns:
+        The changes (empty when the settings match).
+
+    Raises:
+        ResumeConfigError: naming the fields that differ and the ways out.
+    """
+    if saved is None:
+        log.warning(
+            "%s records no config; cannot check the settings of the resumed run", checkpoint_path
+        )
+        return []
+    changes = config_changes(saved, current)
+    if not changes:
+        return []
+    if allow:
+        log.warning(
+            "resuming %s with changed settings (allow_resume_changes=true): %s",
+            checkpoint_path,
+            "; ".join(changes),
+        )
+        return changes
+    suffix = "-".join(
+        f"{c.split(':')[0].rsplit('.', 1)[-1]}{c.rsplit('-> ', 1)[-1].strip(chr(39))}"
+        for c in changes[:2]
+    )
+    raise ResumeConfigError(
+        f"the run folder's checkpoint {checkpoint_path} was written with other settings: "
+        f"{'; '.join(changes)}. Rerun with the same settings to resume, start a separate run "
+        f"with run_name={run_name}-{suffix}, or pass allow_resume_changes=true to resume "
+        "with the new settings"
+    )
+
+
+def snapshot_hydra(run_dir: Path) -> None:
+    """Keeps a copy of ``.hydra/`` of the run that owns the folder in ``.mtpc/hydra``."""
+    hydra = run_dir / ".hydra"
+    if hydra.is_dir():
+        keep = run_dir / ".mtpc" / "hydra"
+        shutil.rmtree(keep, ignore_errors=True)
+        shutil.copytree(hydra, keep)
+
+
+def restore_hydra(run_dir: Path) -> None:
+    """Puts back the owner's ``.hydra/`` after a refused command overwrote it."""
+    keep = run_dir / ".mtpc" / "hydra"
+    if keep.is_dir():
+        for file in keep.iterdir():
+            shutil.copy2(file, run_dir / ".hydra" / file.name)
