@@ -463,6 +463,7 @@ class MTPCDataModule(L.LightningDataModule):
         seeds: Sequence[int] = PROMPT_SET_SEEDS,
         english_only: bool = True,
         max_prompt_length: int | None = None,
+        sources: Sequence[str] | None = None,
     ) -> list[list[EvalPrompt]]:
         """Evaluation prompt sets from the validation split (``mtpc.data.prompts``)."""
         return build_prompt_sets(
@@ -472,6 +473,7 @@ class MTPCDataModule(L.LightningDataModule):
             seeds=seeds,
             english_only=english_only,
             max_prompt_length=max_prompt_length,
+            sources=sources,
         )
 
     def _prepared(self) -> PreparedData:

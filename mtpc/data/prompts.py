@@ -216,6 +216,10 @@ def make_prompts(
     return out
 
 
+class UnknownSourceError(ValueError):
+    """``sources`` names a source that no usable prompt has; the message lists the available."""
+
+
 def build_prompt_sets(
     rows: Iterable[Mapping[str, Any]],
     codec: ByteCodec,
@@ -223,15 +227,29 @@ def build_prompt_sets(
     seeds: Sequence[int] = PROMPT_SET_SEEDS,
     english_only: bool = True,
     max_prompt_length: int | None = None,
+    sources: Sequence[str] | None = None,
 ) -> list[list[EvalPrompt]]:
     """One prompt set per seed, drawn from the validation rows.
 
     Set k is a seeded sample of ``num_prompts`` prompts (``seeds[k]``) from the pool left
     by the sets before it, so the sets are disjoint while the pool allows; a smaller pool
     gives overlapping sets (sampled from the whole pool, with a warning) or, when it holds
-    fewer than ``num_prompts``, all of it in a seeded order.
+    fewer than ``num_prompts``, all of it in a seeded order. ``sources`` keeps only the
+    prompts of those ``source`` values (``synthetic/multi_answer``, a Tülu 3 subset, ...).
+
+    Raises:
+        UnknownSourceError: a name in ``sources`` that no usable prompt has.
     """
     pool = make_prompts(rows, codec, english_only, max_prompt_length)
+    if sources is not None:
+        names = sorted({p.source for p in pool})
+        unknown = [s for s in sources if s not in names]
+        if unknown:
+            raise UnknownSourceError(
+                f"sources={list(sources)}: no evaluation prompt has source "
+                f"{', '.join(map(repr, unknown))}; available: {', '.join(names)}"
+            )
+        pool = [p for p in pool if p.source in set(sources)]
     disjoint = len(pool) >= num_prompts * len(seeds)
     if not disjoint:
         logger.warning(

@@ -1,5 +1,9 @@
 """The paper's throughput metrics (Sec. 4.2) over decoding runs, and mean +- std over prompt sets.
 
+Every number is computed from *prompt records* (:func:`prompt_record`): the measurements of
+one decoded prompt, which the evaluator streams to ``records.jsonl`` (``mtpc.evaluation.
+records``), so a table can be rebuilt from the file alone.
+
 Per prompt set (cycles pooled over its prompts):
 
 * ``mu_lat``: mean wall time of a cycle (draft + verify + bookkeeping), seconds; for
@@ -8,6 +12,8 @@ Per prompt set (cycles pooled over its prompts):
   (accepted drafts + 1 with the ``condition`` / ``recompute`` policies; AR: 1). This is what
   the throughput divides: the tokens the user gets per cycle.
 * ``mu_acc_drafts``: mean accepted drafts per cycle (the correction not counted), in [0, n].
+  Only drafts that were emitted count: when ``max_new_tokens`` or a stop id cuts the last
+  cycle short, its accepted drafts past the cut are not part of the output.
 * ``tok_s``: ``mu_acc / mu_lat`` (paper Eq. 2); ``wall_tok_s``: new tokens / total wall time
   including the prefill.
 * ``acceptance``: per window position i (1..n), the share of cycles whose draft at position
@@ -18,7 +24,7 @@ Per prompt set (cycles pooled over its prompts):
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mtpc.decoding.common import GenerationResult
@@ -26,31 +32,76 @@ from mtpc.decoding.common import GenerationResult
 SCALARS = ("mu_lat", "mu_acc", "mu_acc_drafts", "tok_s", "wall_tok_s")
 
 
-def set_metrics(results: Sequence[GenerationResult], window: int = 1) -> dict[str, Any]:
-    """Metrics of one prompt set (see the module docstring)."""
-    cycles = sum(len(r.cycle_seconds) for r in results)
-    seconds = sum(sum(r.cycle_seconds) for r in results)
-    emitted = sum(sum(r.emitted) for r in results)
-    accepted = sum(sum(r.accepted) for r in results)
-    tokens = sum(len(r.tokens) for r in results)
-    wall = sum(r.seconds for r in results)
+def prompt_record(result: GenerationResult, per_cycle: bool = True) -> dict[str, Any]:
+    """The measurements of one decoded prompt, as stored in ``records.jsonl``.
+
+    Args:
+        result: one decoding run.
+        per_cycle: keep the per-cycle lists (``accepted``, ``drafted``, ``offsets``), which
+            the acceptance per window position needs; False for runs that have no drafts to
+            judge (autoregressive, ``max_throughput``), whose lists would be all zeros.
+
+    Returns:
+        ``new_tokens``, ``cycles``, ``accepted_total`` (drafts accepted and emitted),
+        ``cycle_seconds`` (sum over cycles), ``prefill_seconds``, ``seconds`` (wall time,
+        prefill included), ``stopped``; with ``per_cycle`` also ``accepted`` (drafts
+        accepted and emitted, per cycle), ``drafted`` (drafts judged per cycle) and
+        ``offsets`` (window position of the first judged draft, per cycle). A cycle cut
+        short inside its accepted drafts counts only the emitted ones as judged and accepted.
+    """
+    accepted: list[int] = []
+    drafted: list[int] = []
+    for s, e, m in zip(result.accepted, result.emitted, result.drafted, strict=True):
+        cut = s > e  # max_new_tokens / a stop id ended the output inside the accepted drafts
+        accepted.append(e if cut else s)
+        drafted.append(e if cut else m)
+    record: dict[str, Any] = {
+        "new_tokens": len(result.tokens),
+        "cycles": len(result.cycle_seconds),
+        "accepted_total": sum(accepted),
+        "cycle_seconds": sum(result.cycle_seconds),
+        "prefill_seconds": result.prefill_seconds,
+        "seconds": result.seconds,
+        "stopped": result.stopped,
+    }
+    if per_cycle:
+        record.update(accepted=accepted, drafted=drafted, offsets=list(result.offsets))
+    return record
+
+
+def set_metrics(
+    records: Sequence[Mapping[str, Any] | GenerationResult], window: int = 1
+) -> dict[str, Any]:
+    """Metrics of one prompt set (see the module docstring).
+
+    Args:
+        records: prompt records (:func:`prompt_record`) or the decoding results themselves.
+        window: the draft's window n (the length of ``acceptance``).
+    """
+    recs = [prompt_record(r) if isinstance(r, GenerationResult) else r for r in records]
+    cycles = sum(r["cycles"] for r in recs)
+    seconds = sum(r["cycle_seconds"] for r in recs)
+    tokens = sum(r["new_tokens"] for r in recs)
+    wall = sum(r["seconds"] for r in recs)
     mu_lat = seconds / max(1, cycles)
-    mu_acc = emitted / max(1, cycles)
+    mu_acc = tokens / max(1, cycles)  # sum(emitted) == new tokens
     tried = [0] * window
     hits = [0] * window
-    for r in results:
-        for s, m, pre in zip(r.accepted, r.drafted, r.offsets, strict=True):
+    for r in recs:
+        cols = (r.get("accepted", ()), r.get("drafted", ()), r.get("offsets", ()))  # per cycle
+        for s, m, pre in zip(*cols, strict=True):
             for j in range(pre, min(window, pre + m)):
                 tried[j] += 1
                 hits[j] += j - pre < s
     return {
         "mu_lat": mu_lat,
         "mu_acc": mu_acc,
-        "mu_acc_drafts": accepted / max(1, cycles),
+        "mu_acc_drafts": sum(r["accepted_total"] for r in recs) / max(1, cycles),
         "tok_s": mu_acc / mu_lat if mu_lat > 0 else 0.0,
         "wall_tok_s": tokens / wall if wall > 0 else 0.0,
         "cycles": cycles,
         "tokens": tokens,
+        "prompts": len(recs),
         "acceptance": [h / t if t else float("nan") for h, t in zip(hits, tried, strict=True)],
     }
 

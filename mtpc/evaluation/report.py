@@ -1,17 +1,31 @@
-"""Reports of an evaluation: stdout table, results.json, CSV, and plots (matplotlib Agg).
+"""Reports of an evaluation, rebuilt from its records: tables, results.json, CSV and plots.
 
-Plots: accepted tokens per cycle vs latency with iso-throughput lines across every draft of
-one call (paper Fig. 1), and acceptance per window position.
+Every number comes from the per-prompt records of one or more evaluation folders
+(``mtpc.evaluation.records``): :func:`build_report` turns them into rows (mean ± std over
+prompt sets) and per-source rows, :func:`report_folders` does that for one folder or
+several merged and writes the outputs, with no decoding. ``evaluate`` calls the same
+function after decoding, so a rebuilt report equals the one printed at the end of a run.
+
+Plots: accepted tokens per cycle vs latency with iso-throughput lines across every draft
+(paper Fig. 1), and acceptance per window position.
 """
 
 from __future__ import annotations
 
 import csv
-import json
 import math
-from collections.abc import Sequence
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from mtpc.evaluation.metrics import aggregate, mean_std, set_metrics
+from mtpc.evaluation.records import (
+    check_mergeable,
+    read_manifest,
+    read_records,
+    write_json,
+)
 
 COLUMNS = (
     ("name", "draft", "{}"),
@@ -26,8 +40,20 @@ COLUMNS = (
     ("max_tok_s", "max tok/s", "1f"),
     ("speedup_ar", "x AR", "2f"),
     ("speedup_baseline", "x baseline", "2f"),
+    ("exact", "= AR", "{}"),
     ("peak_memory_mb", "peak MB", "0f"),
 )
+SOURCE_COLUMNS = (
+    ("name", "draft", "{}"),
+    ("source", "source", "{}"),
+    ("prompts", "prompts", "{}"),
+    ("mu_acc", "mu_acc tok/cyc", "2f"),
+    ("mu_acc_drafts", "acc drafts", "2f"),
+    ("tok_s", "tok/s", "1f"),
+    ("speedup_ar", "x AR", "2f"),
+)
+TIMING = ("mu_lat", "tok_s", "wall_tok_s", "max_tok_s", "speedup_ar", "speedup_baseline")
+"""Row fields that depend on timing (the rest is a function of the decoded tokens)."""
 
 
 def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
@@ -44,11 +70,15 @@ def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
     return text
 
 
-def format_table(rows: Sequence[dict[str, Any]], title: str = "") -> str:
-    """A markdown table (mean ± std over prompt sets)."""
-    header = [label for _, label, _ in COLUMNS]
-    body = [[_cell(r, key, fmt) for key, _, fmt in COLUMNS] for r in rows]
-    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(header)]
+def format_table(
+    rows: Sequence[dict[str, Any]],
+    title: str = "",
+    columns: Sequence[tuple[str, str, str]] = COLUMNS,
+) -> str:
+    """A markdown table (mean ± std over prompt sets where a ``*_std`` field exists)."""
+    header = [label for _, label, _ in columns]
+    body = [[_cell(r, key, fmt) for key, _, fmt in columns] for r in rows]
+    widths = [max([len(h), *(len(b[i]) for b in body)]) for i, h in enumerate(header)]
     lines = [title] if title else []
     lines.append("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |")
     lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
@@ -57,21 +87,202 @@ def format_table(rows: Sequence[dict[str, Any]], title: str = "") -> str:
     return "\n".join(lines)
 
 
-def write_outputs(results: dict[str, Any], out_dir: Path, plots: bool = True) -> dict[str, str]:
-    """results.json, results.csv and the plots; returns their paths."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    files = {"json": str(out_dir / "results.json"), "csv": str(out_dir / "results.csv")}
-    Path(files["json"]).write_text(json.dumps(results, indent=2, default=str) + "\n")
-    rows = results["rows"]
+def _by_set(records: Sequence[Mapping[str, Any]], window: int) -> dict[int, dict[str, Any]]:
+    """Metrics per prompt set index (sets with no record are absent)."""
+    groups: dict[int, list[Mapping[str, Any]]] = defaultdict(list)
+    for r in sorted(records, key=lambda r: (r["set"], r["index"])):
+        groups[r["set"]].append(r)
+    return {k: {"set": k, **set_metrics(v, window)} for k, v in sorted(groups.items())}
+
+
+def _row(name: str, per_set: dict[int, dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    row = {"name": name, **extra, **aggregate(list(per_set.values()))}
+    row["prompts"] = sum(m["prompts"] for m in per_set.values())
+    row["per_set"] = list(per_set.values())
+    return row
+
+
+def _ratios(a: dict[int, dict[str, Any]], b: dict[int, dict[str, Any]], key: str) -> list[float]:
+    return [a[k][key] / b[k]["tok_s"] for k in a if k in b and b[k]["tok_s"] > 0]
+
+
+def build_report(
+    manifest: Mapping[str, Any], records: Sequence[Mapping[str, Any]]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Rows and per-source rows of one evaluation folder, from its records alone.
+
+    Args:
+        manifest: the folder's manifest (settings and drafts).
+        records: its records (``prompt`` and ``pass`` lines).
+
+    Returns:
+        ``(rows, source_rows)``. ``rows``: the AR row, then one per draft in manifest order
+        (baselines last); each has mu_lat, mu_acc, mu_acc_drafts, tok_s, wall_tok_s (mean and
+        ``*_std`` over sets), max_tok_s and speedup_ar (mean ± std of per-set values),
+        acceptance per position, prompts, exact (greedy: outputs equal to AR / checked),
+        peak_memory_mb and per_set. ``source_rows``: per draft and ``source``, the cycles
+        of every set pooled: prompts, mu_acc, mu_acc_drafts, tok_s, speedup_ar.
+    """
+    groups: dict[tuple[Any, str], list[Mapping[str, Any]]] = defaultdict(list)
+    peaks: dict[Any, float] = {}
+    for r in records:
+        if r.get("type") == "prompt":
+            groups[(r.get("draft_path"), r["pass"])].append(r)
+        elif r.get("type") == "pass" and r.get("peak_memory_mb") is not None:
+            key = r.get("draft_path")
+            peaks[key] = max(peaks.get(key, 0.0), float(r["peak_memory_mb"]))
+    settings = manifest["settings"]
+    ar_recs = groups[(None, "ar")]
+    ar = _by_set(ar_recs, 1)
+    rows = [_row("AR (target)", ar, kind="ar", peak_memory_mb=peaks.get(None))] if ar else []
+    source_rows: list[dict[str, Any]] = []
+    for d in manifest["drafts"]:
+        sd_recs = groups[(d["path"], "speculative")]
+        sd = _by_set(sd_recs, d["window"])
+        checked = [r["equal_reference"] for r in sd_recs if r.get("equal_reference") is not None]
+        row = _row(
+            d["name"], sd, path=d["path"], kind=d["kind"], window=d["window"], rank=d["rank"],
+            lora_layers=d["lora_layers"], policy=settings.get("policy"),
+            draft_mode=next((r.get("draft_mode") for r in sd_recs), None),
+            baseline=bool(d.get("baseline")), peak_memory_mb=peaks.get(d["path"]),
+            exact=f"{sum(checked)}/{len(checked)}" if checked else None,
+        )  # fmt: skip
+        mx = _by_set(groups[(d["path"], "max_throughput")], d["window"])
+        for key, values in (("speedup_ar", _ratios(sd, ar, "tok_s")),
+                            ("max_tok_s", [m["tok_s"] for m in mx.values()])):  # fmt: skip
+            if values:
+                row[key], row[f"{key}_std"] = mean_std(values)
+        rows.append(row)
+        for source in sorted({r["source"] for r in sd_recs}):
+            m = set_metrics([r for r in sd_recs if r["source"] == source], d["window"])
+            a = set_metrics([r for r in ar_recs if r["source"] == source])
+            source_rows.append(
+                {"name": d["name"], "path": d["path"], "source": source, **m,
+                 "speedup_ar": m["tok_s"] / a["tok_s"] if a["tok_s"] > 0 else float("nan")}
+            )  # fmt: skip
+    return rows, source_rows
+
+
+def _baseline_speedups(rows: list[dict[str, Any]]) -> None:
+    """Adds ``speedup_baseline`` (per-set tok/s over the baseline draft's) to every row."""
+    base = [r for r in rows if r.get("baseline")]
+    if len(base) != 1:
+        return
+
+    def by_set(row: Mapping[str, Any]) -> dict[int, dict[str, Any]]:
+        return {m.get("set", i): m for i, m in enumerate(row["per_set"])}
+
+    ref = by_set(base[0])
+    for row in rows:
+        per = by_set(row)
+        row["speedup_baseline"], row["speedup_baseline_std"] = mean_std(_ratios(per, ref, "tok_s"))
+
+
+def title_of(manifest: Mapping[str, Any], rows: Sequence[Mapping[str, Any]] = ()) -> str:
+    """The table's title line: decoding mode, prompt sets, device (and what is missing)."""
+    s = manifest["settings"]
+    title = (
+        f"{'greedy' if s.get('greedy', True) else 'sampling'} | policy={s.get('policy')} | "
+        f"{s.get('num_prompt_sets')} set(s) x {s.get('num_prompts')} prompts x "
+        f"{s.get('max_new_tokens')} bytes | device={s.get('device')}"
+    )
+    if s.get("sources"):
+        title += f" | sources={','.join(s['sources'])}"
+    expected = max((r.get("prompts", 0) for r in rows), default=0)
+    partial = [r["name"] for r in rows if "prompts" in r and r["prompts"] < expected]
+    if partial:
+        title += f" | INCOMPLETE: {', '.join(partial)}"
+    return title + " | mu_acc counts the kept correction/bonus token"
+
+
+def report_folders(
+    folders: Sequence[Path],
+    out_dir: Path,
+    plots: bool = True,
+    extra_rows: Sequence[dict[str, Any]] = (),
+    echo: bool = True,
+) -> dict[str, Any]:
+    """Tables, results.json, CSVs and plots of one evaluation folder or several merged.
+
+    Merged folders must agree on settings, target, data and device
+    (:func:`mtpc.evaluation.records.check_mergeable`): the AR row is the first folder's, and
+    each draft's ``x AR`` is against the AR of its own folder (same machine, same call).
+
+    Args:
+        folders: evaluation folders (with manifest.json and records.jsonl).
+        out_dir: where results.json, results.csv, by_source.csv and the plots go.
+        plots: draw the plots.
+        extra_rows: rows not derived from records (``drafter=hetero``), appended.
+        echo: print the tables.
+
+    Returns:
+        ``{"settings", "target", "data", "device_name", "drafts", "folders", "provenance",
+        "rows", "by_source", "table", "source_table", "files"}``.
+
+    Raises:
+        RecordsError: the folders cannot be merged.
+    """
+    manifests = [read_manifest(f) for f in folders]
+    check_mergeable(manifests, folders)
+    rows: list[dict[str, Any]] = []
+    source_rows: list[dict[str, Any]] = []
+    for index, (folder, manifest) in enumerate(zip(folders, manifests, strict=True)):
+        folder_rows, folder_sources = build_report(manifest, read_records(folder))
+        rows += [r for r in folder_rows if index == 0 or r["kind"] != "ar"]
+        source_rows += folder_sources
+    rows.sort(key=lambda r: bool(r.get("baseline")))  # baselines last (stable)
+    rows += list(extra_rows)
+    _baseline_speedups(rows)
+    first = manifests[0]
+    title = title_of(first, rows) + (
+        f" | {len(folders)} folders merged" if len(folders) > 1 else ""
+    )
+    table = format_table(rows, title)
+    source_table = format_table(
+        source_rows, "per source (cycles of every set pooled)", SOURCE_COLUMNS
+    )
+    if echo:
+        print(table)
+        if source_rows:
+            print(source_table)
+    results: dict[str, Any] = {
+        **{k: first.get(k) for k in ("settings", "target", "data", "device_name")},
+        "drafts": [d for m in manifests for d in m["drafts"]],
+        "folders": [str(f) for f in folders],
+        "provenance": [s for m in manifests for s in m.get("sessions", [])],
+        "rows": rows,
+        "by_source": source_rows,
+        "table": table,
+        "source_table": source_table,
+    }
+    results["files"] = write_outputs(results, out_dir, plots=plots)
+    return results
+
+
+def _write_csv(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
     keys = sorted({k for r in rows for k, v in r.items() if not isinstance(v, list | dict)})
-    with open(files["csv"], "w", newline="") as f:
+    with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=keys)
         writer.writeheader()
         for r in rows:
             writer.writerow({k: r.get(k) for k in keys})
-    if plots:
+
+
+def write_outputs(results: dict[str, Any], out_dir: Path, plots: bool = True) -> dict[str, str]:
+    """results.json (strict JSON: NaN is null), results.csv, by_source.csv and the plots."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = {
+        "json": str(out_dir / "results.json"),
+        "csv": str(out_dir / "results.csv"),
+        "by_source_csv": str(out_dir / "by_source.csv"),
+    }
+    rows = results["rows"]
+    _write_csv(Path(files["csv"]), rows)
+    _write_csv(Path(files["by_source_csv"]), results.get("by_source", []))
+    if plots and rows:
         files.update(plot_tradeoff(rows, out_dir / "tradeoff.png"))
         files.update(plot_acceptance(rows, out_dir / "acceptance.png"))
+    write_json(Path(files["json"]), {**results, "files": files})
     return files
 
 
@@ -82,6 +293,9 @@ def plot_tradeoff(rows: Sequence[dict[str, Any]], path: Path) -> dict[str, str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if r.get("mu_lat") is not None and r.get("tok_s")]
+    if not rows:
+        return {}
     fig, ax = plt.subplots(figsize=(6, 4.5))
     lats = [r["mu_lat"] * 1e3 for r in rows]
     accs = [r["mu_acc"] for r in rows]

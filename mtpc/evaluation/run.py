@@ -7,25 +7,45 @@ self-speculative decoding (and, with ``max_throughput``, once more accepting eve
 after ``warmup`` untimed runs. Autoregressive decoding of the same target runs on the same
 prompts in the same call; the speed-up is the ratio of throughputs per prompt set. Metrics
 are defined in ``mtpc.evaluation.metrics``.
+
+Each decoded prompt is appended to the evaluation folder's ``records.jsonl`` as it finishes
+(``mtpc.evaluation.records``); the tables are then built from those records
+(``mtpc.evaluation.report``). Re-running the same command finds the same folder and decodes
+only the prompts not recorded yet; ``report=<folder>`` (or several) rebuilds the tables
+without decoding. A progress bar per draft and pass (tqdm, on a terminal only, off with
+``progress=false``) and one log line per finished draft say how far a run is.
 """
 
 from __future__ import annotations
 
 import gc
+import hashlib
+import json
+import logging
+import math
 import resource
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from mtpc.decoding import DRAFT_MODES, POLICIES, GenerationResult, generate
-from mtpc.evaluation.metrics import aggregate, set_metrics
-from mtpc.evaluation.report import format_table, write_outputs
+from mtpc.data.prompts import UnknownSourceError
+from mtpc.decoding import DRAFT_MODES, POLICIES, generate
+from mtpc.evaluation.metrics import prompt_record
+from mtpc.evaluation.records import RecordsError, RecordStore, expand_folders
+from mtpc.evaluation.report import build_report, report_folders
+
+logger = logging.getLogger(__name__)
 
 TRAIN_HINT = "train one with `python train.py` or pass draft=<exported draft dir>"
+
+
+RESUME = ("auto", "force")
+"""``resume=``: resume a folder of the same evaluation (refusing another's), or resume anyway."""
 
 
 class EvalConfigError(ValueError):
@@ -57,8 +77,18 @@ def check_eval_fields(cfg: Any) -> None:
 
     choice("policy", POLICIES)
     choice("draft_mode", DRAFT_MODES, optional=True)
-    for field in ("greedy", "suppress_eos", "max_throughput", "english_only", "plots"):
-        choice(field, (True, False))
+    for field in ("greedy", "suppress_eos", "max_throughput", "english_only", "plots", "progress"):
+        choice(field, (True, False), optional=field == "progress")
+    choice("resume", RESUME, optional=True)
+    sources = _plain(_get(cfg, "sources"))
+    if sources is not None and not (
+        isinstance(sources, str)
+        or (isinstance(sources, list) and sources and all(isinstance(x, str) for x in sources))
+    ):
+        raise EvalConfigError(
+            f"sources={sources!r} is not allowed; allowed: null or a list of source names, "
+            "e.g. sources=[synthetic/multi_answer]"
+        )
     for field, low in (("warmup", 0), ("num_threads", 1), ("top_k", 1), ("max_prompt_length", 1)):
         value = _get(cfg, field)
         if value is not None and (
@@ -129,6 +159,25 @@ def load_target(cfg: Any) -> Any:
     )
 
 
+def check_target_name(path: Path, cfg: Any) -> str | None:
+    """The registry target a draft was exported for; refuses one other than ``model.name``.
+
+    Raises:
+        ValueError: the draft names another registry target than ``model.name``.
+    """
+    from mtpc.backbones import BACKBONES
+    from mtpc.export import read_config
+
+    recorded = read_config(path)["target"].get("model")
+    name = _get(cfg, "model.name", "tiny")
+    if recorded in BACKBONES and recorded != name:
+        raise ValueError(
+            f"draft {path} was exported for target model {recorded!r}, but model={name}; "
+            f"evaluate it with model={recorded}"
+        )
+    return recorded
+
+
 def load_for_eval(path: Path, cfg: Any) -> Any:
     """Loads a draft against the configured target (``model=``), refusing another target.
 
@@ -136,25 +185,18 @@ def load_for_eval(path: Path, cfg: Any) -> Any:
         ValueError: the draft names another registry target than ``model.name``.
         TargetMismatchError: the target's weights differ from the recorded fingerprint.
     """
-    from mtpc.backbones import BACKBONES
-    from mtpc.export import read_config
     from mtpc.model import MTPCModel
 
-    recorded = read_config(path)["target"].get("model")
+    recorded = check_target_name(path, cfg)
     name = _get(cfg, "model.name", "tiny")
     device = str(_get(cfg, "device", "cpu"))
-    if recorded in BACKBONES and recorded != name:
-        raise ValueError(
-            f"draft {path} was exported for target model {recorded!r}, but model={name}; "
-            f"evaluate it with model={recorded}"
-        )
     if recorded == name:
         return MTPCModel.from_pretrained(path, target=load_target(cfg))
     return MTPCModel.from_pretrained(path, device=device)  # an HF target rebuilt from its path
 
 
 def load_prompt_sets(cfg: Any, codec: str, max_prompt_length: int | None) -> list[list[Any]]:
-    """Evaluation prompt sets from the data pipeline's validation split."""
+    """Evaluation prompt sets from the data pipeline's validation split (``sources``: only those)."""
     from hydra.utils import instantiate
 
     data = _get(cfg, "data")
@@ -165,11 +207,13 @@ def load_prompt_sets(cfg: Any, codec: str, max_prompt_length: int | None) -> lis
         module = build_datamodule(codec=codec)
     seed = int(_get(cfg, "seed", 0))
     sets = int(_get(cfg, "num_prompt_sets", 1))
+    sources = _plain(_get(cfg, "sources"))
     return module.prompt_sets(
         num_prompts=int(_get(cfg, "num_prompts", 8)),
         seeds=tuple(range(seed, seed + sets)),
         english_only=bool(_get(cfg, "english_only", True)),
         max_prompt_length=max_prompt_length,
+        **({"sources": [sources] if isinstance(sources, str) else sources} if sources else {}),
     )
 
 
@@ -186,11 +230,9 @@ def _peak_memory_mb(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**20
 
 
-def decode_sets(
-    model: Any, prompt_sets: Sequence[Sequence[Any]], cfg: Any, **overrides: Any
-) -> list[list[GenerationResult]]:
-    """Decodes every prompt of every set after ``warmup`` untimed runs."""
-    kwargs: dict[str, Any] = {
+def decode_kwargs(cfg: Any) -> dict[str, Any]:
+    """The ``mtpc.generate`` keywords the evaluation settings give."""
+    return {
         "max_new_tokens": int(_get(cfg, "max_new_tokens", 128)),
         "greedy": bool(_get(cfg, "greedy", True)),
         "policy": _get(cfg, "policy", "condition"),
@@ -200,62 +242,222 @@ def decode_sets(
         "top_p": _get(cfg, "top_p"),
         "suppress_eos": bool(_get(cfg, "suppress_eos", True)),
     }
-    kwargs.update(overrides)
-    seed = int(_get(cfg, "seed", 0))
-    first = prompt_sets[0][0].prompt_ids
-    for w in range(int(_get(cfg, "warmup", 1))):
-        generate(model, first, seed=seed + w, **kwargs)
-    return [
-        [generate(model, p.prompt_ids, seed=seed + i, **kwargs) for i, p in enumerate(prompts)]
-        for prompts in prompt_sets
-    ]
 
 
-def _row(name: str, per_set: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-    row = {"name": name, **extra, **aggregate(per_set)}
-    row["per_set"] = per_set
-    return row
+PASSES: dict[str, dict[str, Any]] = {
+    "ar": {"method": "autoregressive"},
+    "speculative": {},
+    "max_throughput": {"max_throughput": True},
+}
+"""The decoding passes of an evaluation and their ``mtpc.generate`` overrides."""
+
+SETTINGS = (
+    "greedy", "policy", "draft_mode", "temperature", "top_k", "top_p", "num_prompts",
+    "num_prompt_sets", "max_new_tokens", "warmup", "suppress_eos", "max_throughput",
+    "device", "english_only", "seed", "num_threads", "max_prompt_length", "sources",
+)  # fmt: skip
+"""Settings that define a measurement (their change starts another evaluation folder)."""
+
+DATA_IGNORED = ("cache_dir", "num_workers", "batch_size", "streaming")
+"""Data fields that do not change the prompts."""
 
 
-def _ratio(per_set: list[dict[str, Any]], ref: list[dict[str, Any]]) -> list[float]:
-    return [a["tok_s"] / b["tok_s"] for a, b in zip(per_set, ref, strict=True) if b["tok_s"] > 0]
+def _plain(value: Any) -> Any:
+    if isinstance(value, DictConfig | ListConfig):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
 
 
-def evaluate(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
-    """Evaluates the configured drafts; prints the table, writes results and plots.
+def _draft_name(path: Path) -> str:
+    return path.name if path.name != "draft" else path.parent.name
 
-    Returns:
-        ``{"rows": [AR row, draft rows..., baseline row], "table": str, "files": {...},
-        "settings": {...}}``; each row has mu_lat, mu_acc, mu_acc_drafts, tok_s, max_tok_s,
-        speedup_ar, speedup_baseline (mean and ``*_std`` over prompt sets), peak memory and
-        the acceptance per window position.
-    """
-    from mtpc.config import validate_eval_config
-    from mtpc.evaluation.metrics import mean_std
+
+def build_manifest(cfg: Any, drafts: Sequence[Path], baselines: Sequence[Path]) -> dict[str, Any]:
+    """What an evaluation measures (settings, target, data, drafts, device) and its provenance."""
+    from mtpc.evaluation.records import FORMAT_VERSION, device_name, draft_fingerprint, provenance
     from mtpc.export import read_config
 
-    validate_eval_config(cfg)
-    check_eval_fields(cfg)
-    drafter = _get(cfg, "drafter")
-    # drafter=hetero alone evaluates only the other-vocabulary drafter; with draft= both
-    drafts = resolve_drafts(cfg) if drafter is None or _get(cfg, "draft") else []
-    baseline = _get(cfg, "baseline")
-    base_paths = (
-        resolve_drafts({"draft": baseline, "paths": _get(cfg, "paths")}) if baseline else []
-    )
+    entries = []
+    for i, path in enumerate([*drafts, *baselines]):
+        check_target_name(path, cfg)
+        config = read_config(path)
+        c = config["circuit"]
+        entries.append(
+            {"path": str(path), "name": _draft_name(path), "kind": c["kind"],
+             "window": c["window"], "rank": c["rank"], "lora_layers": config["lora"]["layers"],
+             "baseline": i >= len(drafts), "fingerprint": draft_fingerprint(path)}
+        )  # fmt: skip
+    data = _plain(_get(cfg, "data")) or {}
     device = str(_get(cfg, "device", "cpu"))
-    threads = _get(cfg, "num_threads")
-    if threads:
-        torch.set_num_threads(int(threads))
-    configs = [read_config(p) for p in drafts + base_paths]
-    codec = configs[0]["codec"] if configs else str(_get(cfg, "model.codec", "tiny"))
-    windows = [c["circuit"]["window"] for c in configs] or [0]
-    new = int(_get(cfg, "max_new_tokens", 128))
+    return {
+        "format": FORMAT_VERSION,
+        "settings": {k: _plain(_get(cfg, k)) for k in SETTINGS},
+        "target": _plain(_get(cfg, "model")),
+        "data": {k: v for k, v in data.items() if k not in DATA_IGNORED},
+        "drafts": entries,
+        "device_name": device_name(device),
+        "sessions": [provenance(device, _root(cfg))],
+    }
 
-    rows: list[dict[str, Any]] = []
+
+def eval_folder(cfg: Any, manifest: Mapping[str, Any]) -> Path:
+    """``output_dir`` when given, else ``outputs/eval/<name from the drafts and settings>``."""
+    from mtpc.evaluation.records import folder_name
+
+    try:
+        out = _get(cfg, "output_dir")
+    except Exception:  # an interpolation such as ${hydra:...} outside a Hydra run
+        out = None
+    return Path(out) if out else _root(cfg) / "outputs" / "eval" / folder_name(manifest)
+
+
+class _Progress:
+    """A tqdm bar over the prompts of one pass (stderr, terminals only), or nothing."""
+
+    def __init__(self, enabled: bool, total: int, done: int, desc: str) -> None:
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(
+            total=total, initial=done, desc=desc, unit="prompt", leave=False,
+            dynamic_ncols=True, disable=None if enabled else True,
+        )  # fmt: skip
+
+    def step(self, note: str) -> None:
+        self.bar.set_postfix_str(note, refresh=False)
+        self.bar.update()
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def run_pass(
+    store: RecordStore,
+    model: Any,
+    prompt_sets: Sequence[Sequence[Any]],
+    cfg: Any,
+    draft: Mapping[str, Any] | None,
+    pass_name: str,
+) -> int:
+    """Decodes the prompts of one pass that ``store`` has no record of; returns their number.
+
+    ``warmup`` untimed runs on the first prompt come first; each prompt's record is appended
+    (and flushed) as soon as it is decoded; a ``pass`` record with the peak memory closes
+    the pass.
+
+    Args:
+        store: the evaluation folder.
+        model: the loaded draft (its backbone is the target for the ``ar`` pass).
+        prompt_sets: the prompt sets.
+        cfg: the evaluation settings.
+        draft: the draft's manifest entry; None for the ``ar`` pass.
+        pass_name: a key of :data:`PASSES`.
+    """
+    path = None if draft is None else draft["path"]
+    name = "AR (target)" if draft is None else draft["name"]
+    todo = [
+        (k, i, p)
+        for k, prompts in enumerate(prompt_sets)
+        for i, p in enumerate(prompts)
+        if (path, pass_name, k, i) not in store.done
+    ]
+    if not todo:  # killed between the last prompt and the pass record
+        store.append(
+            {"type": "pass", "draft_path": path, "pass": pass_name, "peak_memory_mb": None}
+        )
+        return 0
+    kwargs = {**decode_kwargs(cfg), **PASSES[pass_name]}
+    seed = int(_get(cfg, "seed", 0))
+    device = str(_get(cfg, "device", "cpu"))
+    reference = {
+        (r["set"], r["index"]): r["tokens_sha1"]
+        for r in store.records
+        if r.get("type") == "prompt" and r["pass"] == "ar"
+    }
+    check = pass_name == "speculative" and kwargs["greedy"]
+    _sync_memory_reset(device)
+    for w in range(int(_get(cfg, "warmup", 1))):
+        generate(model, prompt_sets[0][0].prompt_ids, seed=seed + w, **kwargs)
+    total = sum(len(p) for p in prompt_sets)
+    bar = _Progress(
+        bool(_get(cfg, "progress", True)), total, total - len(todo), f"{name} [{pass_name}]"
+    )
+    try:
+        for k, i, p in todo:
+            res = generate(model, p.prompt_ids, seed=seed + i, **kwargs)
+            sha = hashlib.sha1(json.dumps(res.tokens).encode()).hexdigest()
+            store.append(
+                {"type": "prompt", "draft": name, "draft_path": path, "pass": pass_name,
+                 "set": k, "index": i, "prompt_id": p.id, "source": p.source, "seed": seed + i,
+                 "tokens_sha1": sha,
+                 "equal_reference": reference.get((k, i)) == sha if check else None,
+                 **({"draft_mode": res.draft_mode} if pass_name == "speculative" else {}),
+                 **prompt_record(res, per_cycle=pass_name == "speculative")}
+            )  # fmt: skip
+            bar.step(f"set {k + 1}/{len(prompt_sets)}")
+    finally:
+        bar.close()
+    store.append(
+        {"type": "pass", "draft_path": path, "pass": pass_name,
+         "peak_memory_mb": _peak_memory_mb(device)}
+    )  # fmt: skip
+    return len(todo)
+
+
+def _check_prompts(store: RecordStore, prompt_sets: Sequence[Sequence[Any]]) -> None:
+    """Refuses records whose (set, index) is another prompt than today's (the data changed)."""
+    for r in store.records:
+        if r.get("type") != "prompt":
+            continue
+        k, i = r["set"], r["index"]
+        here = prompt_sets[k][i].id if k < len(prompt_sets) and i < len(prompt_sets[k]) else None
+        if here != r["prompt_id"]:
+            raise RecordsError(
+                f"{store.folder}: set {k} prompt {i} was {r['prompt_id']!r} and is now {here!r}: "
+                "the prompts changed; use another output_dir (or resume=force after removing "
+                "records.jsonl)"
+            )
+
+
+def _load_prompts(cfg: Any, codec: str, limit: int | None) -> list[list[Any]]:
+    try:
+        return load_prompt_sets(cfg, codec, limit)
+    except UnknownSourceError as e:
+        raise EvalConfigError(str(e)) from None
+
+
+def decode_all(
+    cfg: Any, store: RecordStore, drafts: Sequence[Path], baselines: Sequence[Path]
+) -> list[list[Any]] | None:
+    """Decodes what ``store`` lacks: AR (with the first draft's target), then every draft.
+
+    Returns:
+        The prompt sets when a model was loaded (None when every record was there).
+    """
+    entries = store.manifest["drafts"]
+    codec = str(_get(cfg, "model.codec", "tiny"))
+    if entries:
+        from mtpc.export import read_config
+
+        codec = read_config(Path(entries[0]["path"]))["codec"]
+    windows = [d["window"] for d in entries] or [0]
+    new = int(_get(cfg, "max_new_tokens", 128))
+    passes = ["speculative"] + (["max_throughput"] if _get(cfg, "max_throughput", True) else [])
     prompt_sets: list[list[Any]] | None = None
-    ar_sets: list[dict[str, Any]] = []
-    for i, path in enumerate(drafts + base_paths):
+    for index, (path, draft) in enumerate(zip([*drafts, *baselines], entries, strict=True)):
+        wanted = (["ar"] if index == 0 else []) + passes
+
+        def missing(pass_name: str, draft: Mapping[str, Any] = draft) -> bool:
+            key = None if pass_name == "ar" else draft["path"]
+            return not any(
+                r.get("type") == "pass" and r["pass"] == pass_name and r["draft_path"] == key
+                for r in store.records
+            )
+
+        todo = [p for p in wanted if missing(p)]
+        if not todo:
+            logger.info("[%d/%d] %s: already recorded", index + 1, len(entries), draft["name"])
+            continue
+        start = time.perf_counter()
         model = load_for_eval(path, cfg)
         if prompt_sets is None:  # the target's context bounds the prompts
             context = getattr(model.backbone.config, "max_position_embeddings", None)
@@ -263,80 +465,86 @@ def evaluate(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
             if context:
                 fit = int(context) - new - max(windows)
                 limit = fit if limit is None else min(int(limit), fit)
-            prompt_sets = load_prompt_sets(cfg, codec, limit)
-            _sync_memory_reset(device)
-            ar = decode_sets(model, prompt_sets, cfg, method="autoregressive")
-            ar_sets = [set_metrics(s) for s in ar]
-            rows.append(
-                _row("AR (target)", ar_sets, kind="ar", peak_memory_mb=_peak_memory_mb(device))
-            )
-        c = configs[i]["circuit"]
-        n = c["window"]
-        _sync_memory_reset(device)
-        sd = decode_sets(model, prompt_sets, cfg)
-        per_set = [set_metrics(s, n) for s in sd]
-        for m, ref in zip(per_set, ar_sets, strict=True):
-            m["speedup_ar"] = m["tok_s"] / ref["tok_s"] if ref["tok_s"] > 0 else float("nan")
-        if _get(cfg, "max_throughput", True):
-            mx = decode_sets(model, prompt_sets, cfg, max_throughput=True)
-            for m, s in zip(per_set, mx, strict=True):
-                m["max_tok_s"] = set_metrics(s, n)["tok_s"]
-        row = _row(
-            Path(path).name if Path(path).name != "draft" else Path(path).parent.name,
-            per_set,
-            path=str(path),
-            kind=c["kind"],
-            window=n,
-            rank=c["rank"],
-            lora_layers=configs[i]["lora"]["layers"],
-            policy=_get(cfg, "policy", "condition"),
-            draft_mode=sd[0][0].draft_mode,
-            baseline=i >= len(drafts),
-            peak_memory_mb=_peak_memory_mb(device),
+            prompt_sets = _load_prompts(cfg, codec, limit)
+            _check_prompts(store, prompt_sets)
+        decoded = sum(
+            run_pass(store, model, prompt_sets, cfg, None if p == "ar" else draft, p) for p in todo
         )
-        for key in ("speedup_ar", "max_tok_s"):
-            if all(key in m for m in per_set):
-                row[key], row[f"{key}_std"] = mean_std([m[key] for m in per_set])
-        rows.append(row)
+        rows, _ = build_report(store.manifest, store.records)
+        row = next(r for r in rows if r.get("path") == draft["path"])
+        logger.info(
+            "[%d/%d] %s: %.2f tokens/cycle, %.2fx AR (%d prompts decoded in %.1f s)",
+            index + 1, len(entries), draft["name"], row.get("mu_acc", math.nan),
+            row.get("speedup_ar", math.nan), decoded, time.perf_counter() - start,
+        )  # fmt: skip
         del model
         gc.collect()
+    return prompt_sets
+
+
+def evaluate(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
+    """Evaluates the configured drafts (resuming their folder); prints the tables, writes results.
+
+    With ``report=<folder>`` (or a list, globs allowed) nothing is decoded: the tables,
+    results.json, CSVs and plots are rebuilt from the folders' records, merged.
+
+    Returns:
+        ``mtpc.evaluation.report.report_folders``'s result plus ``folder``: ``rows`` is
+        [AR row, draft rows..., baseline row]; each row has mu_lat, mu_acc, mu_acc_drafts,
+        tok_s, max_tok_s, speedup_ar, speedup_baseline (mean and ``*_std`` over prompt
+        sets), peak memory and the acceptance per window position; ``by_source`` the
+        per-source rows; ``settings``, ``provenance``, ``table``, ``files``.
+
+    Raises:
+        EvalConfigError: a setting outside what the evaluator accepts.
+        RecordsError: the folder holds another evaluation's records, another evaluation
+            writes to it, or the report folders cannot be merged.
+    """
+    from mtpc.config import validate_eval_config
+
+    validate_eval_config(cfg)
+    check_eval_fields(cfg)
+    plots = bool(_get(cfg, "plots", True))
+    report = _plain(_get(cfg, "report"))
+    if report:
+        folders = expand_folders([report] if isinstance(report, str) else report, _root(cfg))
+        try:
+            out = _get(cfg, "output_dir")
+        except Exception:
+            out = None
+        if out is None and len(folders) > 1:
+            raise EvalConfigError(
+                "report= with several folders needs output_dir=<where the merged report goes>"
+            )
+        result = report_folders(folders, Path(out) if out else folders[0], plots=plots)
+        print(f"results: {result['files']['json']}")
+        return result
+
+    drafter = _get(cfg, "drafter")
+    # drafter=hetero alone evaluates only the other-vocabulary drafter; with draft= both
+    drafts = resolve_drafts(cfg) if drafter is None or _get(cfg, "draft") else []
+    baseline = _get(cfg, "baseline")
+    base_paths = (
+        resolve_drafts({"draft": baseline, "paths": _get(cfg, "paths")}) if baseline else []
+    )
+    threads = _get(cfg, "num_threads")
+    if threads:
+        torch.set_num_threads(int(threads))
+    manifest = build_manifest(cfg, drafts, base_paths)
+    folder = eval_folder(cfg, manifest)
+    logger.info("evaluation folder: %s", folder)
+    extra: list[dict[str, Any]] = []
+    with RecordStore.open(folder, manifest, force=_get(cfg, "resume", "auto") == "force") as store:
+        prompt_sets = decode_all(cfg, store, drafts, base_paths)
     if drafter is not None:
         if prompt_sets is None:
-            prompt_sets = load_prompt_sets(cfg, codec, _get(cfg, "max_prompt_length"))
-        rows.extend(hetero_rows(cfg, prompt_sets, with_ar=not rows))
-    if base_paths:
-        ref_sets = rows[-1]["per_set"]
-        for row in rows[1:]:
-            row["speedup_baseline"], row["speedup_baseline_std"] = mean_std(
-                _ratio(row["per_set"], ref_sets)
+            prompt_sets = _load_prompts(
+                cfg, str(_get(cfg, "model.codec", "tiny")), _get(cfg, "max_prompt_length")
             )
-
-    greedy = bool(_get(cfg, "greedy", True))
-    title = (
-        f"{'greedy' if greedy else 'sampling'} | policy={_get(cfg, 'policy', 'condition')} | "
-        f"{len(prompt_sets or [])} set(s) x {_get(cfg, 'num_prompts', 8)} prompts x {new} bytes | "
-        f"device={device} | mu_acc counts the kept correction/bonus token"
-    )
-    table = format_table(rows, title)
-    print(table)
-    settings = {
-        k: _get(cfg, k)
-        for k in (
-            "greedy", "policy", "draft_mode", "temperature", "top_k", "top_p", "num_prompts",
-            "num_prompt_sets", "max_new_tokens", "warmup", "suppress_eos", "max_throughput",
-            "device", "english_only", "seed", "num_threads",
-        )
-    }  # fmt: skip
-    results: dict[str, Any] = {"settings": settings, "rows": rows, "table": table}
-    try:
-        out_dir = _get(cfg, "output_dir")
-    except Exception:  # ${hydra:...} outside a Hydra run
-        out_dir = None
-    if out_dir is None:
-        out_dir = _root(cfg) / "outputs" / "eval" / "latest"
-    results["files"] = write_outputs(results, Path(out_dir), plots=bool(_get(cfg, "plots", True)))
-    print(f"results: {results['files']['json']}")
-    return results
+        extra = hetero_rows(cfg, prompt_sets, with_ar=not drafts and not base_paths)
+    result = report_folders([folder], folder, plots=plots, extra_rows=extra)
+    print(f"results: {result['files']['json']}")
+    return {**result, "folder": str(folder)}
 
 
 def hetero_rows(cfg: Any, prompt_sets: list[list[Any]], with_ar: bool) -> list[dict[str, Any]]:
@@ -349,7 +557,7 @@ def hetero_rows(cfg: Any, prompt_sets: list[list[Any]], with_ar: bool) -> list[d
     """
     from mtpc.backbones.codecs import get_codec
     from mtpc.evaluation.hetero import evaluate_hetero, load_drafter
-    from mtpc.evaluation.metrics import mean_std
+    from mtpc.evaluation.metrics import aggregate, mean_std
 
     device = str(_get(cfg, "device", "cpu"))
     backbone = load_target(cfg)
@@ -380,7 +588,8 @@ def hetero_rows(cfg: Any, prompt_sets: list[list[Any]], with_ar: bool) -> list[d
     rows = []
     for position in (0, 1) if with_ar else (1,):
         per_set = [r["rows"][position] for r in results]
-        row = _row(per_set[0]["name"], per_set, kind=per_set[0]["kind"])
+        row = {"name": per_set[0]["name"], "kind": per_set[0]["kind"], **aggregate(per_set)}
+        row["per_set"] = per_set
         if position == 1:
             row["overlap"] = results[0]["overlap"]
             row["speedup_ar"], row["speedup_ar_std"] = mean_std([m["speedup_ar"] for m in per_set])

@@ -1,0 +1,361 @@
+"""The evaluation folder: its manifest, its streamed per-prompt records, resume and provenance.
+
+An evaluation folder (``outputs/eval/<drafts>-<mode>-<sets>x<prompts>x<bytes>-<key>/``)
+holds::
+
+    manifest.json    what is measured: settings, target, data, drafts (+ fingerprints),
+                     the device and the provenance of every session that decoded records
+    records.jsonl    one JSON object per line, appended and flushed as each prompt finishes
+    .lock            held (flock) while an evaluation writes here
+    results.json     tables, rows and provenance, rebuilt from the records (strict JSON)
+    results.csv, by_source.csv, tradeoff.png, acceptance.png
+
+``<key>`` hashes the manifest's ``identity`` (settings, target, data, drafts, device), so
+the same command finds the same folder (and resumes) and any change gets a new folder: no
+evaluation overwrites another. A folder given with ``output_dir=`` whose manifest differs
+is refused, naming the fields, unless ``resume=force``.
+
+Record lines (``type`` first):
+
+* ``prompt``: ``draft`` (row name), ``draft_path`` (None for AR), ``pass`` (``ar`` |
+  ``speculative`` | ``max_throughput``), ``set``, ``index``, ``prompt_id``, ``source``,
+  ``seed``, ``tokens_sha1`` (of the new ids), ``equal_reference`` (greedy speculative: the
+  output equals the AR output of the same prompt; None where not checked), ``draft_mode``
+  (speculative), and the measurements of :func:`mtpc.evaluation.metrics.prompt_record`.
+* ``pass``: a finished pass of one draft over every prompt: ``draft_path``, ``pass``,
+  ``peak_memory_mb``.
+
+A SIGKILL loses at most the line being written; :meth:`RecordStore.open` drops such a
+partial last line before appending.
+"""
+
+from __future__ import annotations
+
+import datetime
+import fcntl
+import hashlib
+import json
+import math
+import os
+import platform
+import re
+import subprocess
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+RECORDS = "records.jsonl"
+MANIFEST = "manifest.json"
+LOCK = ".lock"
+FORMAT_VERSION = 1
+IDENTITY = ("settings", "target", "data", "drafts", "device_name")
+"""Manifest fields that must agree to resume a folder (and, but ``drafts``, to merge)."""
+
+
+class RecordsError(ValueError):
+    """A folder that cannot be resumed or merged; the message names the fields and the fix."""
+
+
+def strict_json(value: Any) -> Any:
+    """``value`` with every NaN / inf float replaced by None (JSON has no NaN)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {str(k): strict_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [strict_json(v) for v in value]
+    if isinstance(value, str | int | bool) or value is None:
+        return value
+    return str(value)
+
+
+def dumps(value: Any, **kwargs: Any) -> str:
+    """Strict JSON text (NaN -> null, non-JSON objects -> their ``str``)."""
+    return json.dumps(strict_json(value), allow_nan=False, **kwargs)
+
+
+def write_json(path: Path, value: Any) -> None:
+    """Writes strict, indented JSON atomically (temporary file + rename)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(dumps(value, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def draft_fingerprint(path: Path) -> str:
+    """A fast fingerprint of an exported draft: its config.json and its head file's size and ends.
+
+    Re-exporting a draft into the same folder changes it, so its records are not reused.
+    """
+    h = hashlib.sha256((path / "config.json").read_bytes())
+    for head in sorted(path.glob("*.safetensors")):
+        size = head.stat().st_size
+        h.update(f"{head.name}:{size}".encode())
+        with open(head, "rb") as f:
+            h.update(f.read(1 << 20))
+            f.seek(max(0, size - (1 << 20)))
+            h.update(f.read(1 << 20))
+    return h.hexdigest()[:16]
+
+
+def device_name(device: str) -> str:
+    """The accelerator's name for ``cuda*``, else the CPU model."""
+    if device.startswith("cuda"):
+        import torch
+
+        return str(torch.cuda.get_device_name(torch.device(device)))
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def git_commit(root: Path) -> str | None:
+    """The project's git commit (``+dirty`` with local changes), or None outside a checkout."""
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return commit + ("+dirty" if dirty else "") if commit else None
+
+
+def provenance(device: str, root: Path) -> dict[str, Any]:
+    """Where and with what a measurement ran: device, versions, commit, threads, date."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+    import transformers
+
+    try:
+        mtpc_version: str | None = version("mtpc")
+    except PackageNotFoundError:
+        mtpc_version = None
+    return {
+        "device": device,
+        "device_name": device_name(device),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "mtpc": mtpc_version,
+        "python": platform.python_version(),
+        "git_commit": git_commit(root),
+        "num_threads": torch.get_num_threads(),
+        "host": platform.node(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def identity(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields of a manifest that define what was measured (:data:`IDENTITY`)."""
+    return {k: manifest.get(k) for k in IDENTITY}
+
+
+def folder_name(manifest: Mapping[str, Any]) -> str:
+    """``<drafts>-<greedy|sampling>-<sets>x<prompts>x<bytes>-<key>``; the key hashes the identity."""
+    key = hashlib.sha256(dumps(identity(manifest), sort_keys=True).encode()).hexdigest()[:10]
+    drafts = [d["name"] for d in manifest["drafts"]] or ["ar"]
+    label = drafts[0] + (f"+{len(drafts) - 1}" if len(drafts) > 1 else "")
+    label = re.sub(r"[^A-Za-z0-9_.+-]+", "_", label)[:48]
+    s = manifest["settings"]
+    mode = "greedy" if s.get("greedy", True) else "sampling"
+    shape = f"{s.get('num_prompt_sets')}x{s.get('num_prompts')}x{s.get('max_new_tokens')}"
+    return f"{label}-{mode}-{shape}-{key}"
+
+
+def differences(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """Human-readable differences between two JSON-like values, one per changed field."""
+    if isinstance(old, Mapping) and isinstance(new, Mapping):
+        out: list[str] = []
+        for k in sorted(set(old) | set(new), key=str):
+            out += differences(old.get(k), new.get(k), f"{prefix}.{k}" if prefix else str(k))
+        return out
+    if prefix == "drafts" and isinstance(old, list) and isinstance(new, list):
+        before = {d["path"]: d for d in old}
+        after = {d["path"]: d for d in new}
+        out = [f"drafts: {p} removed" for p in before if p not in after]
+        out += [f"drafts: {p} added" for p in after if p not in before]
+        for p in before.keys() & after.keys():
+            out += differences(before[p], after[p], f"drafts[{p}]")
+        return out
+    return [] if strict_json(old) == strict_json(new) else [f"{prefix}: {old!r} -> {new!r}"]
+
+
+def read_records(folder: Path) -> list[dict[str, Any]]:
+    """Every complete record of ``folder`` (a partial last line, from a kill, is skipped).
+
+    Raises:
+        RecordsError: a line other than the last does not parse (the file is damaged).
+    """
+    path = folder / RECORDS
+    if not path.is_file():
+        return []
+    lines = path.read_bytes().split(b"\n")
+    out = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            if number == len(lines):  # no newline after it: the line in flight at a kill
+                continue
+            raise RecordsError(f"{path}:{number} is not a JSON record; remove that line") from None
+    return out
+
+
+def read_manifest(folder: Path) -> dict[str, Any]:
+    """The manifest of an evaluation folder.
+
+    Raises:
+        RecordsError: ``folder`` is not an evaluation folder.
+    """
+    path = folder / MANIFEST
+    if not path.is_file():
+        raise RecordsError(f"{folder} is not an evaluation folder (no {MANIFEST})")
+    return dict(json.loads(path.read_text(encoding="utf-8")))
+
+
+def record_key(record: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What a prompt record measured: (draft path, pass, set, index)."""
+    return (record.get("draft_path"), record["pass"], record["set"], record["index"])
+
+
+class RecordStore:
+    """An evaluation folder open for appending records (see the module docstring).
+
+    Attributes:
+        folder: the evaluation folder.
+        manifest: its manifest (this session's provenance appended to ``sessions``).
+        records: every record read at open, then every record appended.
+        done: keys (:func:`record_key`) of the prompt records held.
+    """
+
+    def __init__(self, folder: Path, manifest: dict[str, Any], lock: IO[str]) -> None:
+        self.folder = folder
+        self.manifest = manifest
+        self.records = read_records(folder)
+        self.done = {record_key(r) for r in self.records if r.get("type") == "prompt"}
+        self._lock = lock
+        self._trim_partial_line()
+        self._file = open(folder / RECORDS, "a", encoding="utf-8")  # noqa: SIM115
+
+    @classmethod
+    def open(cls, folder: Path, manifest: dict[str, Any], force: bool = False) -> RecordStore:
+        """Opens (or creates) ``folder`` for the evaluation ``manifest`` describes.
+
+        Args:
+            folder: the evaluation folder.
+            manifest: ``identity`` fields plus ``sessions`` (this session's provenance).
+            force: resume even when the folder's manifest differs (``resume=force``).
+
+        Raises:
+            RecordsError: another evaluation holds the folder, or its records were measured
+                with other settings, drafts, target, data or device (the message lists them).
+        """
+        folder.mkdir(parents=True, exist_ok=True)
+        lock = open(folder / LOCK, "w")  # noqa: SIM115
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            lock.close()
+            raise RecordsError(
+                f"another evaluation is writing to {folder}; wait for it or use another output_dir"
+            ) from None
+        if (folder / MANIFEST).is_file():
+            old = read_manifest(folder)
+            changed = differences(identity(old), identity(manifest))
+            if changed and not force:
+                lock.close()
+                raise RecordsError(
+                    f"{folder} holds records of another evaluation; changed: "
+                    + "; ".join(changed)
+                    + ". Use another output_dir (or none: each evaluation gets its own folder),"
+                    " or resume=force to add to these records anyway."
+                )
+            manifest = {**manifest, "sessions": old.get("sessions", []) + manifest["sessions"]}
+        write_json(folder / MANIFEST, manifest)
+        return cls(folder, manifest, lock)
+
+    def _trim_partial_line(self) -> None:
+        path = self.folder / RECORDS
+        if path.is_file():
+            data = path.read_bytes()
+            end = data.rfind(b"\n") + 1
+            if end < len(data):
+                with open(path, "r+b") as f:
+                    f.truncate(end)
+
+    def append(self, record: dict[str, Any]) -> None:
+        """Appends one record and flushes it to the OS (it survives a kill of this process)."""
+        self._file.write(dumps(record, separators=(",", ":")) + "\n")
+        self._file.flush()
+        self.records.append(record)
+        if record.get("type") == "prompt":
+            self.done.add(record_key(record))
+
+    def close(self) -> None:
+        """Syncs the records to disk and releases the folder."""
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        self._lock.close()
+
+    def __enter__(self) -> RecordStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def check_mergeable(manifests: Sequence[Mapping[str, Any]], folders: Sequence[Path]) -> None:
+    """Refuses to merge folders measured on different targets, data, devices or settings.
+
+    Raises:
+        RecordsError: names the folders and the fields that differ, or a draft in two folders.
+    """
+    first = {k: v for k, v in identity(manifests[0]).items() if k != "drafts"}
+    seen: dict[str, Path] = {}
+    for manifest, folder in zip(manifests, folders, strict=True):
+        changed = differences(first, {k: v for k, v in identity(manifest).items() if k != "drafts"})
+        if changed:
+            raise RecordsError(
+                f"cannot merge {folders[0]} and {folder}: measured differently; "
+                + "; ".join(changed)
+            )
+        for d in manifest["drafts"]:
+            if d["path"] in seen:
+                raise RecordsError(
+                    f"cannot merge: draft {d['path']} was evaluated in both {seen[d['path']]} "
+                    f"and {folder}; keep one of the folders"
+                )
+            seen[d["path"]] = folder
+
+
+def expand_folders(patterns: Iterable[str], root: Path) -> list[Path]:
+    """Evaluation folders named by paths or glob patterns (relative to ``root``), in order.
+
+    Raises:
+        RecordsError: a pattern matches no evaluation folder.
+    """
+    out: list[Path] = []
+    for pattern in patterns:
+        base = Path(pattern) if Path(pattern).is_absolute() else root / pattern
+        if any(c in pattern for c in "*?["):
+            anchor = Path(base.anchor)
+            matches = sorted(p for p in anchor.glob(str(base.relative_to(anchor))) if p.is_dir())
+        else:
+            matches = [base]
+        found = [p for p in matches if (p / MANIFEST).is_file()]
+        if not found:
+            raise RecordsError(f"report={pattern}: no evaluation folder (with {MANIFEST}) there")
+        out += [p for p in found if p not in out]
+    return out
