@@ -18,9 +18,47 @@ from omegaconf import DictConfig
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="eval")
 def main(cfg: DictConfig) -> None:
-    from mtpc.evaluation.run import evaluate
+    """Evaluates; a user's mistake prints one or two lines and exits with status 2.
 
-    evaluate(cfg)
+    ``HYDRA_FULL_ERROR=1`` shows the full traceback of those too; bugs always show it.
+    """
+    from mtpc.errors import run_reporting_user_errors
+    from mtpc.evaluation import run as evaluation
+
+    user_errors: tuple[type[BaseException], ...] = (FileNotFoundError,)
+    config_error = getattr(evaluation, "EvalConfigError", None)
+    if isinstance(config_error, type) and issubclass(config_error, BaseException):
+        user_errors += (config_error,)
+
+    def run() -> None:
+        check_draft_folders(cfg)
+        evaluation.evaluate(cfg)
+
+    run_reporting_user_errors(run, also=user_errors)
+
+
+def check_draft_folders(cfg: DictConfig) -> None:
+    """Refuses a ``draft=`` / ``baseline=`` that is a training run folder, naming its draft.
+
+    Raises:
+        DraftError: the folder has no ``config.json`` but holds ``draft/config.json``.
+    """
+    from mtpc.errors import DraftError
+    from mtpc.export import CONFIG_NAME
+
+    root = Path(str(cfg.paths.root_dir)) if cfg.get("paths") else Path.cwd()
+    for key in ("draft", "baseline"):
+        value = cfg.get(key)
+        if value is None:
+            continue
+        for given in [value] if isinstance(value, str) else list(value):
+            path = Path(str(given))
+            path = path if path.is_absolute() else root / path
+            if not (path / CONFIG_NAME).is_file() and (path / "draft" / CONFIG_NAME).is_file():
+                raise DraftError(
+                    f"{key}={given} is a training run folder, not an exported draft; "
+                    f"use {key}={Path(str(given)) / 'draft'}"
+                )
 
 
 if __name__ == "__main__":

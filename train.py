@@ -20,12 +20,20 @@ from omegaconf import DictConfig
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> float | None:
+    """Trains; a user's mistake prints one or two lines and exits with status 2.
+
+    ``HYDRA_FULL_ERROR=1`` shows the full traceback of those too; bugs always show it.
+    """
+    from mtpc.errors import run_reporting_user_errors
     from mtpc.training.run import train
 
-    metrics = train(cfg)
-    # A sweeper (optuna) minimises the metric the config names.
-    metric_name = cfg.get("optimized_metric")
-    return metrics.get(metric_name) if metric_name else None
+    def run() -> float | None:
+        metrics = train(cfg)
+        # A sweeper (optuna) minimises the metric the config names.
+        metric_name = cfg.get("optimized_metric")
+        return metrics.get(metric_name) if metric_name else None
+
+    return run_reporting_user_errors(run, also=(FileNotFoundError,))
 
 
 if __name__ == "__main__":

@@ -24,18 +24,30 @@ class DraftError(UserError, ValueError):
     """An exported draft folder is missing, incomplete, corrupt or inconsistent."""
 
 
+class MissingFileError(UserError, FileNotFoundError):
+    """A file or folder the user named does not exist; the message names it and the fix."""
+
+
 class DataError(UserError, ValueError):
     """A dataset or the data cache cannot be used; the message names the path."""
 
 
-def run_reporting_user_errors(main: Callable[[], Any]) -> Any:
-    """Calls ``main()``; a :class:`UserError` becomes ``error: <message>`` and exit code 2.
+def run_reporting_user_errors(
+    main: Callable[[], Any], also: tuple[type[BaseException], ...] = ()
+) -> Any:
+    """Calls ``main()``; a user error becomes ``error: <message>`` on stderr and exit code 2.
 
-    With ``HYDRA_FULL_ERROR=1`` the exception propagates unchanged (full traceback).
+    Args:
+        main: the entry point's work.
+        also: further exception types to treat as user errors (``FileNotFoundError`` for a
+            path the user named, an evaluator's own config error).
+
+    With ``HYDRA_FULL_ERROR=1`` the exception propagates unchanged (full traceback). Any
+    other exception is a bug and keeps its traceback.
     """
     try:
         return main()
-    except UserError as err:
+    except (UserError, *also) as err:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         print(f"error: {err}", file=sys.stderr)

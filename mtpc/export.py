@@ -10,8 +10,11 @@ An exported draft is a folder::
     README.md             model card: the settings above, training config and metrics
 
 ``load_draft`` rebuilds the target from the recorded identity (or attaches to a given
-``target``), refuses a target whose fingerprint differs (the error names both), and checks
-the circuit and LoRA tensors against the config before loading them.
+``target``), refuses a target whose fingerprint differs (the error names both) or whose
+codec differs from the recorded one (the codec is the target's, never the draft's), and
+checks the circuit and LoRA tensors against the config before loading them: an unreadable
+file, a shape that does not match the circuit, or a NaN / inf weight is a
+:class:`~mtpc.errors.DraftError` naming the file.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from mtpc.errors import DraftError, UserError
 
 if TYPE_CHECKING:
     from mtpc.model import MTPCModel
@@ -34,7 +39,7 @@ ADAPTER_NAME = "adapter.safetensors"
 CARD_NAME = "README.md"
 
 
-class TargetMismatchError(ValueError):
+class TargetMismatchError(UserError, ValueError):
     """The draft was exported for another target."""
 
 
@@ -162,18 +167,54 @@ def read_config(path: str | Path) -> dict[str, Any]:
     """Reads and checks an exported draft's ``config.json``.
 
     Raises:
-        ValueError: not an MTPC draft folder, or a field is missing.
+        DraftError: not an MTPC draft folder (a training run folder: the message names its
+            ``draft/``), unreadable JSON, or a field is missing.
     """
-    file = Path(path) / CONFIG_NAME
+    folder = Path(path)
+    file = folder / CONFIG_NAME
     if not file.is_file():
-        raise ValueError(f"{file} does not exist; expected an exported MTPC draft folder")
-    config = json.loads(file.read_text(encoding="utf-8"))
-    if config.get("format") != FORMAT:
-        raise ValueError(f"{file}: format is {config.get('format')!r}; expected {FORMAT!r}")
+        if (folder / "draft" / CONFIG_NAME).is_file():
+            raise DraftError(
+                f"{folder} is a training run folder, not an exported draft; use "
+                f"draft={folder / 'draft'}"
+            )
+        raise DraftError(f"{file} does not exist; expected an exported MTPC draft folder")
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise DraftError(f"{file} is not valid JSON ({err}); re-export the draft") from err
+    if not isinstance(config, dict) or config.get("format") != FORMAT:
+        found = config.get("format") if isinstance(config, dict) else type(config).__name__
+        raise DraftError(f"{file}: format is {found!r}; expected {FORMAT!r}")
     for key in ("circuit", "lora", "target", "codec"):
         if key not in config:
-            raise ValueError(f"{file}: field {key!r} is missing")
+            raise DraftError(f"{file}: field {key!r} is missing")
     return config
+
+
+def read_tensors(file: str | Path, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Reads a draft's safetensors file, refusing unreadable files and non-finite weights.
+
+    Raises:
+        DraftError: the file is missing, is not a safetensors file (truncated, say), or a
+            tensor holds NaN or inf; the message names the file (and the tensor).
+    """
+    file = Path(file)
+    if not file.is_file():
+        raise DraftError(f"{file} does not exist; re-export the draft")
+    try:
+        state = load_file(file, device=device)
+    except Exception as err:  # safetensors' own error names neither the file nor the fix
+        raise DraftError(
+            f"{file} is not a readable safetensors file ({err}); re-export the draft"
+        ) from err
+    for name, tensor in state.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise DraftError(
+                f"{file}: tensor {name!r} holds NaN or inf values; the draft is corrupt or its "
+                "training diverged: re-export it from a good checkpoint"
+            )
+    return state
 
 
 def check_target(expected: dict[str, Any], backbone: Any) -> str:
@@ -202,19 +243,19 @@ def check_head_state(
     """Checks that the saved head tensors match the circuit in ``config``.
 
     Raises:
-        ValueError: naming the circuit field and the tensor that differs.
+        DraftError: naming the circuit field and the tensor that differs.
     """
     own = head.state_dict()
     c = config["circuit"]
     circuit = f"kind={c['kind']!r}, window={c['window']}, rank={c['rank']}"
     if set(own) != set(state):
-        raise ValueError(
+        raise DraftError(
             f"head.safetensors does not match config.json circuit ({circuit}): tensors "
             f"{sorted(set(state) ^ set(own))[:4]} differ"
         )
     for name, t in own.items():
         if tuple(t.shape) != tuple(state[name].shape):
-            raise ValueError(
+            raise DraftError(
                 f"head.safetensors tensor {name!r} has shape {tuple(state[name].shape)} but "
                 f"config.json circuit ({circuit}) needs {tuple(t.shape)}"
             )
@@ -233,7 +274,8 @@ def load_draft(
         dtype: the target's dtype when rebuilding it (default: the recorded one).
 
     Raises:
-        ValueError: bad folder or circuit/LoRA tensors that do not match the config.
+        DraftError: bad folder, unreadable or non-finite tensors, circuit/LoRA tensors that
+            do not match the config, a codec that is not the target's.
         TargetMismatchError: ``target`` (or the rebuilt one) is not the recorded target.
     """
     from mtpc.backbones import backbone_from_hf, load_backbone
@@ -274,6 +316,12 @@ def load_draft(
     else:
         backbone = backbone_from_hf(target)
     fingerprint = check_target(t, backbone)  # identity first: nothing attached to a wrong target
+    if config["codec"] != backbone.codec:
+        raise DraftError(
+            f"{folder / CONFIG_NAME} names codec {config['codec']!r} but its target "
+            f"{_target_label(t)} uses codec {backbone.codec!r}; the codec comes from the "
+            "target: re-export the draft (or fix the codec field)"
+        )
     model = MTPCModel.from_backbone(
         backbone,
         c["kind"],
@@ -289,13 +337,13 @@ def load_draft(
     )
     model.head_init = config.get("head_init", "pretrained")
     model._fingerprint = fingerprint
-    state = load_file(folder / HEAD_NAME, device=str(backbone.device))
+    state = read_tensors(folder / HEAD_NAME, device=str(backbone.device))
     check_head_state(config, state, model.head)
     model.head.load_state_dict(state)
     if lora["layers"] > 0:
         file = folder / ADAPTER_NAME
         if not file.is_file():
-            raise ValueError(f"{file} is missing but config.json lora.layers is {lora['layers']}")
+            raise DraftError(f"{file} is missing but config.json lora.layers is {lora['layers']}")
         assert backbone.lora is not None
-        backbone.lora.load_state_dict(load_file(file, device=str(backbone.device)))
+        backbone.lora.load_state_dict(read_tensors(file, device=str(backbone.device)))
     return model

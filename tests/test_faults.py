@@ -168,3 +168,69 @@ def test_truncated_last_checkpoint_falls_back_and_init_metrics_survive(
         ckpt.write_bytes(b"truncated")
     with pytest.raises(CheckpointUnreadableError, match=str(checkpoints / "last.ckpt")):
         train(_compose(tmp_path, [*common, "trainer.max_steps=4"]))
+
+
+# -- 5 and 9: wrong metadata and corrupt drafts are refused, naming the file ---------------
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(tmp_path_factory) -> Path:
+    from mtpc.model import MTPCModel
+
+    folder = tmp_path_factory.mktemp("draft") / "draft"
+    MTPCModel.from_config("tiny", kind="cp", window=2, rank=2).save_pretrained(folder)
+    return folder
+
+
+def _copy(draft: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(draft, tmp_path / "draft"))
+
+
+def test_a_draft_naming_another_codec_is_refused(tiny_draft: Path, tmp_path: Path) -> None:
+    from mtpc.model import MTPCModel
+
+    draft = _copy(tiny_draft, tmp_path)
+    config = json.loads((draft / "config.json").read_text())
+    config["codec"] = "llama3_byte"  # was: prompts encoded in the wrong codec
+    (draft / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"codec 'llama3_byte'.*target.*codec 'tiny'"):
+        MTPCModel.from_pretrained(draft)
+
+
+def test_non_finite_head_weights_are_refused_on_load(tiny_draft: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from mtpc.model import MTPCModel
+
+    draft = _copy(tiny_draft, tmp_path)
+    state = load_file(draft / "head.safetensors")
+    name = sorted(state)[0]
+    state[name].view(-1)[0] = float("nan")  # was: loaded silently
+    save_file(state, draft / "head.safetensors")
+    with pytest.raises(ValueError, match=rf"head\.safetensors: tensor '{name}' holds NaN"):
+        MTPCModel.from_pretrained(draft)
+
+
+def test_a_corrupt_head_file_error_names_the_file(tiny_draft: Path, tmp_path: Path) -> None:
+    from mtpc.export import read_config
+    from mtpc.model import MTPCModel
+
+    draft = _copy(tiny_draft, tmp_path)
+    head = draft / "head.safetensors"
+    head.write_bytes(head.read_bytes()[:100])  # was: safetensors' error without a file name
+    with pytest.raises(ValueError, match=rf"{head} is not a readable safetensors file"):
+        MTPCModel.from_pretrained(draft)
+    with pytest.raises(ValueError, match=rf"use draft={draft}"):
+        read_config(tmp_path)  # the run folder instead of its draft/
+
+
+def test_zero_steps_is_refused_and_never_repoints_last_draft(tmp_path: Path) -> None:
+    from mtpc.config import ConfigError
+    from mtpc.training.run import train
+
+    with pytest.raises(ConfigError, match=r"trainer\.max_steps=0"):
+        train(_compose(tmp_path, ["trainer.max_steps=0"]))  # was: exported an untrained draft
+    assert not (tmp_path / "outputs" / "last_draft.txt").exists()
+    assert not (tmp_path / "run" / "draft").exists()

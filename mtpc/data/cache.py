@@ -263,7 +263,7 @@ def prepare(
             _write_json(
                 summary_path(folder), {"dataset": source.name, "codec": codec, **stats.as_dict()}
             )
-            raise ValueError(
+            raise DataError(
                 f"dataset {source.name!r} has no usable rows: {stats.rows_seen} rows read, "
                 f"dropped by reason { ({k: v for k, v in stats.dropped.items() if v}) }"
             )

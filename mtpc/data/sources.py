@@ -30,6 +30,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from mtpc.errors import DataError, MissingFileError
+
 logger = logging.getLogger(__name__)
 
 Row = dict[str, Any]
@@ -114,11 +116,11 @@ def load_source(
         FileNotFoundError: ``path`` does not exist.
     """
     if source not in SOURCES:
-        raise ValueError(f"data source is {source!r}; allowed: {SOURCES}")
+        raise DataError(f"data source is {source!r}; allowed: {SOURCES}")
     if path is not None:
         return _limit(local_source(path), num_rows)
     if source == "local":
-        raise ValueError("data source 'local' needs data.path=<jsonl | parquet | arrow dir>")
+        raise DataError("data source 'local' needs data.path=<jsonl | parquet | arrow dir>")
     if source == "synthetic":
         return synthetic_source(num_rows, seed)
     return hub_source(
@@ -186,7 +188,10 @@ def local_source(path: str | os.PathLike[str]) -> RowSource:
     """
     p = Path(path).expanduser()
     if not p.exists():
-        raise FileNotFoundError(f"data.path {str(p)!r} does not exist")
+        raise MissingFileError(
+            f"data.path {str(p)!r} does not exist; allowed: a .jsonl, .json, .parquet or "
+            ".arrow file, or a folder of them"
+        )
     fingerprint = f"local:{p.resolve()}:{_files_fingerprint(p)}"
     if p.is_file():
         suffix = p.suffix.lower()
@@ -198,7 +203,7 @@ def local_source(path: str | os.PathLike[str]) -> RowSource:
             import datasets
 
             return _arrow_source(datasets.Dataset.from_file(str(p)), p.name, fingerprint)
-        raise ValueError(
+        raise DataError(
             f"data.path {str(p)!r}: unknown file type {suffix!r}; use .jsonl, .json, .parquet or .arrow"
         )
     if (p / "state.json").is_file() or (p / "dataset_dict.json").is_file():
@@ -221,7 +226,7 @@ def local_source(path: str | os.PathLike[str]) -> RowSource:
             ds = datasets.concatenate_datasets([datasets.Dataset.from_file(str(f)) for f in files])
             return _arrow_source(ds, p.name, fingerprint)
         return RowSource(p.name, fingerprint, partial(_iter_json_files, files))
-    raise ValueError(
+    raise DataError(
         f"data.path {str(p)!r}: no .jsonl, .json, .parquet or .arrow files and no save_to_disk dataset"
     )
 
@@ -267,7 +272,7 @@ def _iter_json(path: Path) -> Iterator[Row]:
         try:
             data = json.loads(path.read_bytes().decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise ValueError(f"{path}: not a JSON array of rows ({err})") from err
+            raise DataError(f"{path}: not a JSON array of rows ({err})") from err
         for position, item in enumerate(data):
             yield (
                 item

@@ -21,7 +21,6 @@ import torch
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
-from safetensors.torch import load_file
 
 from mtpc.config import ConfigError, validate_train_config
 from mtpc.errors import UserError
@@ -47,26 +46,93 @@ LAST_CHECKPOINT = "last.ckpt"
 
 
 def build_model(cfg: DictConfig) -> MTPCModel:
-    """The draft model of ``cfg.model`` / ``cfg.circuit`` / ``cfg.lora`` (flat builder)."""
+    """The draft model of ``cfg.model`` / ``cfg.circuit`` / ``cfg.lora`` (flat builder).
+
+    The target is loaded first; the head's memory is checked against the training
+    device's free memory (:func:`check_head_memory`) before the head is allocated.
+    """
+    from mtpc.backbones import load_backbone
+
     circuit = OmegaConf.to_container(cfg.circuit, resolve=True)
     assert isinstance(circuit, dict)
     head_options = {str(k): v for k, v in circuit.items() if k not in ("kind", "window", "rank")}
     lora = cfg.lora
-    return MTPCModel.from_config(
-        model=cfg.model.name,
-        kind=circuit["kind"],
-        window=circuit["window"],
-        rank=circuit["rank"],
-        lora_layers=lora.layers,
+    backbone = load_backbone(
+        cfg.model.name,
         path=cfg.model.path,
         revision=cfg.model.get("revision"),
         dtype=cfg.model.dtype,
         device="cpu",
+    )
+    check_head_memory(cfg, backbone.vocab_size, backbone.hidden_size)
+    return MTPCModel.from_backbone(
+        backbone,
+        circuit["kind"],
+        circuit["window"],
+        circuit["rank"],
+        lora_layers=lora.layers,
         lora_rank=lora.rank,
         lora_alpha=float(lora.alpha),
         lora_dropout=float(lora.dropout),
         lora_target_modules=list(lora.target_modules),
         **head_options,
+    )
+
+
+GIB = 1024**3
+
+
+def head_memory_bytes(
+    window: int, rank: int, vocab_size: int, hidden_size: int, chunk_size: int
+) -> dict[str, int]:
+    """Estimated training memory of an MTPC head, in bytes (float32).
+
+    Returns:
+        ``parameters`` (the unembedding tensor W of n * r * V * d entries), ``optimizer``
+        (its gradient and Adam's two moments: 3x the parameters) and ``logits`` (one loss
+        chunk's (chunk, n, r, V) logits, their log-softmax and its gradient: 3x).
+    """
+    params = window * rank * vocab_size * hidden_size * 4
+    logits = chunk_size * window * rank * vocab_size * 4 * 3
+    return {"parameters": params, "optimizer": 3 * params, "logits": logits}
+
+
+def available_memory(cfg: DictConfig) -> tuple[str, int | None]:
+    """The training device's name and free memory in bytes (None when unknown)."""
+    accelerator = str(cfg.trainer.get("accelerator") or "cpu")
+    if accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info()
+        return "cuda", int(free)
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return "cpu", int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return "cpu", None
+
+
+def check_head_memory(cfg: DictConfig, vocab_size: int, hidden_size: int) -> None:
+    """Refuses a head whose estimated training memory exceeds the device's free memory.
+
+    Raises:
+        ConfigError: with the estimate, its parts and the free memory.
+    """
+    n, r = int(cfg.circuit.window), int(cfg.circuit.rank)
+    chunk = int(cfg.loss.get("chunk_size") or 1024)
+    need = head_memory_bytes(n, r, vocab_size, hidden_size, chunk)
+    device, free = available_memory(cfg)
+    total = sum(need.values())
+    if free is None or total <= free:
+        return
+    raise ConfigError(
+        f"circuit.window={n} circuit.rank={r} needs about {total / GIB:.1f} GiB to train "
+        f"(n*r*V*d = {n}*{r}*{vocab_size}*{hidden_size} = {n * r * vocab_size * hidden_size:.3g} "
+        f"parameters: {need['parameters'] / GIB:.1f} GiB, gradient and Adam state "
+        f"{need['optimizer'] / GIB:.1f} GiB, loss.chunk_size={chunk} logits "
+        f"{need['logits'] / GIB:.1f} GiB) but {device} has {free / GIB:.1f} GiB free; "
+        "lower circuit.rank, circuit.window or loss.chunk_size"
     )
 
 
@@ -81,7 +147,7 @@ def load_initial_weights(model: MTPCModel, init_from: str | Path) -> None:
     Raises:
         ConfigError: the path does not exist, or its circuit differs from the config's.
     """
-    from mtpc.export import ADAPTER_NAME, HEAD_NAME, check_head_state, read_config
+    from mtpc.export import ADAPTER_NAME, HEAD_NAME, check_head_state, read_config, read_tensors
 
     path = Path(init_from)
     if path.is_dir():
@@ -94,14 +160,20 @@ def load_initial_weights(model: MTPCModel, init_from: str | Path) -> None:
                 f"init_from={path} holds a {got} draft but the config asks for {wanted}; "
                 "use the same circuit.kind / circuit.window / circuit.rank as stage 1"
             )
-        head_state = load_file(str(path / HEAD_NAME))
+        head_state = read_tensors(path / HEAD_NAME)
         check_head_state(config, head_state, model.head)
         model.head.load_state_dict(head_state)
         adapter = path / ADAPTER_NAME
         if adapter.exists() and model.backbone.lora is not None:
-            _load_matching(model.backbone.lora, load_file(str(adapter)))
+            _load_matching(model.backbone.lora, read_tensors(adapter))
     elif path.is_file():
-        state = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+        except Exception as err:  # truncated, not a Lightning checkpoint
+            raise ConfigError(
+                f"init_from={path} is not a readable Lightning checkpoint ({err}); pass an "
+                "exported draft folder or another checkpoint"
+            ) from err
         head_state = {k.removeprefix("model.head."): v for k, v in state.items() if ".head." in k}
         model.head.load_state_dict(head_state)
         if model.backbone.lora is not None:
