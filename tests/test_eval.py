@@ -40,7 +40,11 @@ def _save_target(path: Path, seed: int) -> LlamaForCausalLM:
 
 @pytest.fixture(scope="module")
 def drafts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("drafts")
+    return make_drafts(tmp_path_factory.mktemp("drafts"))
+
+
+def make_drafts(root: Path) -> dict[str, Path]:
+    """Untrained btree (k = 1) and ff drafts of one random target, and a cp draft of another."""
     out = {}
     for name, kind, rank, k in (("btree", "btree", 2, 1), ("ff", "ff", 1, 0)):
         hf = _save_target(root / "target", 0)

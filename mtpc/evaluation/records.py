@@ -44,6 +44,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from mtpc.errors import UserError
+
 RECORDS = "records.jsonl"
 MANIFEST = "manifest.json"
 LOCK = ".lock"
@@ -52,7 +54,7 @@ IDENTITY = ("settings", "target", "data", "drafts", "device_name")
 """Manifest fields that must agree to resume a folder (and, but ``drafts``, to merge)."""
 
 
-class RecordsError(ValueError):
+class RecordsError(UserError, ValueError):
     """A folder that cannot be resumed or merged; the message names the fields and the fix."""
 
 

@@ -35,6 +35,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from mtpc.data.prompts import UnknownSourceError
 from mtpc.decoding import DRAFT_MODES, POLICIES, generate
+from mtpc.errors import UserError
 from mtpc.evaluation.metrics import prompt_record
 from mtpc.evaluation.records import RecordsError, RecordStore, expand_folders
 from mtpc.evaluation.report import build_report, report_folders
@@ -48,7 +49,7 @@ RESUME = ("auto", "force")
 """``resume=``: resume a folder of the same evaluation (refusing another's), or resume anyway."""
 
 
-class EvalConfigError(ValueError):
+class EvalConfigError(UserError, ValueError):
     """An evaluation setting outside what the evaluator accepts; names the field."""
 
 

@@ -1,0 +1,270 @@
+"""Evaluation records: a killed run resumes to the same table, reports rebuilt and merged from
+records, refusals on changed settings, progress output, source selection, strict JSON."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pty
+import re
+import select
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import termios
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from mtpc.decoding.common import GenerationResult
+from mtpc.evaluation.metrics import prompt_record, set_metrics
+from mtpc.evaluation.records import RecordsError, read_records
+from mtpc.evaluation.report import TIMING
+from mtpc.evaluation.run import EvalConfigError, evaluate
+from tests.test_eval import _cfg, make_drafts
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = "import json, sys; from mtpc.evaluation.run import evaluate; evaluate(json.load(open(sys.argv[1])))"
+UNTIMED = ("mu_acc", "mu_acc_drafts", "acceptance", "prompts", "exact", "kind", "name", "window")
+
+
+@pytest.fixture(scope="module")
+def drafts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return make_drafts(tmp_path_factory.mktemp("drafts"))
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def _spawn(cfg: dict[str, Any], tmp_path: Path, **kwargs: Any) -> subprocess.Popen[bytes]:
+    path = tmp_path / f"cfg-{time.monotonic_ns()}.json"
+    path.write_text(json.dumps(cfg))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-c", RUN, str(path)], cwd=ROOT, env=env, **kwargs)
+
+
+def _untimed(row: dict[str, Any]) -> dict[str, Any]:
+    """A row without the fields that depend on timing or memory."""
+    out = {k: row.get(k) for k in UNTIMED}
+    out["per_set"] = [
+        {k: v for k, v in m.items() if k not in TIMING and k != "mu_lat"} for m in row["per_set"]
+    ]
+    return json.loads(json.dumps(out).replace("NaN", "null"))
+
+
+def _strict(text: str) -> Any:
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def _prompt_records(folder: Path) -> list[dict[str, Any]]:
+    return [r for r in read_records(folder) if r["type"] == "prompt"]
+
+
+def test_killed_evaluation_resumes_to_the_uninterrupted_table(
+    tmp_path: Path, drafts: dict[str, Path]
+) -> None:
+    """SIGKILL midway (and a half-written last line): the rerun decodes only the rest."""
+    over = {"draft": [str(drafts["btree"])], "baseline": str(drafts["ff"]), "plots": False}
+    killed = _cfg(tmp_path, **over, output_dir=str(tmp_path / "killed"))
+    records = tmp_path / "killed" / "records.jsonl"
+    proc = _spawn(killed, tmp_path)
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline:
+        if records.is_file() and records.read_text().count('"type":"prompt"') >= 7:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.02)
+    assert proc.wait() == -signal.SIGKILL, "the evaluation ended before it could be killed"
+    before = _prompt_records(tmp_path / "killed")
+    total = 4 * (1 + 2 + 2)  # 2 sets x 2 prompts x (AR + btree sd/max + ff sd/max)
+    assert 7 <= len(before) < total
+    with open(records, "ab") as f:  # a kill in the middle of a write
+        f.write(b'{"type":"prompt","draft":"btr')
+
+    resumed = evaluate(killed)
+    after = _prompt_records(tmp_path / "killed")
+    keys = [(r["draft_path"], r["pass"], r["set"], r["index"]) for r in after]
+    assert len(after) == total and len(set(keys)) == total  # nothing decoded twice
+    assert after[: len(before)] == before  # the records of the killed run were kept
+
+    whole = evaluate(_cfg(tmp_path, **over, output_dir=str(tmp_path / "whole")))
+    assert [_untimed(r) for r in resumed["rows"]] == [_untimed(r) for r in whole["rows"]]
+    assert [r["name"] for r in resumed["rows"]] == ["AR (target)", "btree", "ff"]
+    strip = [{k: r[k] for k in ("name", "source", "prompts", "mu_acc")} for r in whole["by_source"]]
+    assert strip == [{k: r[k] for k in strip[0]} for r in resumed["by_source"]]
+
+
+def test_records_add_up_to_the_table_and_rebuild_it_without_decoding(
+    tmp_path: Path, drafts: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    res = evaluate(_cfg(tmp_path, draft=[str(drafts["btree"])], max_new_tokens=5, plots=False))
+    folder = Path(res["folder"])
+    recs = _prompt_records(folder)
+    by_pass: dict[tuple[Any, str], list[dict[str, Any]]] = {}
+    for r in recs:
+        by_pass.setdefault((r["draft_path"], r["pass"]), []).append(r)
+        assert {"prompt_id", "source", "seed", "new_tokens", "cycles", "seconds"} <= r.keys()
+        if r["pass"] == "speculative":
+            assert len(r["accepted"]) == r["cycles"] == len(r["drafted"])
+            assert sum(r["accepted"]) == r["accepted_total"] <= r["new_tokens"] <= 5
+            assert r["equal_reference"] is not None  # greedy: checked against AR
+    ar, btree = res["rows"]
+    sd = by_pass[(str(drafts["btree"]), "speculative")]
+    for row, group in ((btree, sd), (ar, by_pass[(None, "ar")])):
+        per_set = []
+        for k in (0, 1):
+            part = [r for r in group if r["set"] == k]
+            per_set.append(sum(r["new_tokens"] for r in part) / sum(r["cycles"] for r in part))
+        assert row["mu_acc"] == pytest.approx(sum(per_set) / 2)
+        assert row["prompts"] == len(group) == 4
+    drafts_per_set = [
+        sum(r["accepted_total"] for r in sd if r["set"] == k)
+        / sum(r["cycles"] for r in sd if r["set"] == k)
+        for k in (0, 1)
+    ]
+    assert btree["mu_acc_drafts"] == pytest.approx(sum(drafts_per_set) / 2)
+    assert btree["mu_acc_drafts"] <= btree["mu_acc"]  # only emitted drafts count
+    assert btree["exact"] == f"{sum(r['equal_reference'] for r in sd)}/4"
+    assert sum(r["prompts"] for r in res["by_source"]) == 4
+    saved = _strict(Path(res["files"]["json"]).read_text())  # strict JSON: no NaN
+    session = saved["provenance"][0]
+    for key in ("device_name", "torch", "transformers", "mtpc", "git_commit", "num_threads"):
+        assert key in session
+    assert session["date"] and session["num_threads"] == 1
+    capsys.readouterr()
+
+    rebuilt = evaluate(_cfg(tmp_path, report=str(folder), plots=False))
+    assert rebuilt["table"] == res["table"] and rebuilt["source_table"] == res["source_table"]
+    assert rebuilt["table"] in capsys.readouterr().out
+    assert _prompt_records(folder) == recs  # nothing decoded
+
+
+def test_same_command_resumes_its_folder_and_other_settings_get_their_own(
+    tmp_path: Path, drafts: dict[str, Path]
+) -> None:
+    over = {"draft": str(drafts["ff"]), "num_prompt_sets": 1, "max_throughput": False}
+    first = evaluate(_cfg(tmp_path, **over, output_dir=None, plots=False))
+    folder = Path(first["folder"])
+    assert folder.parent == tmp_path / "outputs" / "eval" and folder.name.startswith("ff-greedy-")
+    again = evaluate(_cfg(tmp_path, **over, output_dir=None, plots=False))
+    assert again["folder"] == first["folder"] and again["table"] == first["table"]
+    other = evaluate(_cfg(tmp_path, **over, output_dir=None, plots=False, max_new_tokens=8))
+    assert other["folder"] != first["folder"]
+    assert (folder / "results.json").is_file()  # the first evaluation's results are kept
+
+    with pytest.raises(RecordsError, match=r"settings\.max_new_tokens: 16 -> 8.*resume=force"):
+        evaluate(_cfg(tmp_path, **over, output_dir=str(folder), max_new_tokens=8))
+    forced = evaluate(
+        _cfg(tmp_path, **over, output_dir=str(folder), max_new_tokens=8, resume="force")
+    )
+    assert forced["rows"][1]["prompts"] == 2  # the records were kept, nothing re-decoded
+
+
+def test_merged_report_and_refusals(tmp_path: Path, drafts: dict[str, Path]) -> None:
+    """One folder per draft (a SLURM array) merges into one table; mismatches are refused."""
+    over = {"num_prompt_sets": 1, "max_throughput": False, "plots": False}
+    a = evaluate(_cfg(tmp_path, **over, draft=str(drafts["btree"]), output_dir=str(tmp_path / "a")))
+    b = evaluate(_cfg(tmp_path, **over, draft=str(drafts["ff"]), output_dir=str(tmp_path / "b")))
+    merged = evaluate(
+        _cfg(tmp_path, report=[str(tmp_path / "a"), "b"], output_dir=str(tmp_path / "m"))
+    )
+    assert [r["name"] for r in merged["rows"]] == ["AR (target)", "btree", "ff"]
+    assert _untimed(merged["rows"][1]) == _untimed(a["rows"][1])
+    assert _untimed(merged["rows"][2]) == _untimed(b["rows"][1])
+    assert "2 folders merged" in merged["table"] and (tmp_path / "m" / "results.json").is_file()
+    globbed = evaluate(
+        _cfg(tmp_path, report=str(tmp_path / "[ab]"), output_dir=str(tmp_path / "g"))
+    )
+    assert globbed["table"] == merged["table"]
+
+    for field, value, match in (
+        ("settings", {"max_new_tokens": 32}, r"settings\.max_new_tokens: 16 -> 32"),
+        ("device_name", "another GPU", "device_name"),
+        ("target", {"name": "evabyte"}, r"target\.name: 'tiny' -> 'evabyte'"),
+    ):
+        shutil.rmtree(tmp_path / "c", ignore_errors=True)
+        shutil.copytree(tmp_path / "b", tmp_path / "c")
+        manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
+        manifest[field] = {**manifest[field], **value} if isinstance(value, dict) else value
+        manifest["drafts"] = []
+        (tmp_path / "c" / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(RecordsError, match=f"cannot merge .*{match}"):
+            evaluate(_cfg(tmp_path, report=["a", "c"], output_dir=str(tmp_path / "m")))
+    shutil.copytree(tmp_path / "a", tmp_path / "a2")
+    with pytest.raises(RecordsError, match="evaluated in both"):
+        evaluate(_cfg(tmp_path, report=["a", "a2", "b"], output_dir=str(tmp_path / "m")))
+    with pytest.raises(EvalConfigError, match="output_dir"):
+        evaluate(_cfg(tmp_path, report=["a", "b"], output_dir=None))
+
+
+def test_sources_select_prompts_and_unknown_names_list_the_available(
+    tmp_path: Path, drafts: dict[str, Path]
+) -> None:
+    over = {"draft": str(drafts["ff"]), "num_prompt_sets": 1, "max_throughput": False}
+    res = evaluate(_cfg(tmp_path, **over, sources=["synthetic/multi_answer"], plots=False))
+    sources = {r["source"] for r in _prompt_records(Path(res["folder"]))}
+    assert sources == {"synthetic/multi_answer"}
+    assert [r["source"] for r in res["by_source"]] == ["synthetic/multi_answer"]
+    assert "sources=synthetic/multi_answer" in res["table"]
+    with pytest.raises(EvalConfigError, match=r"'synthetic/nope'; available: .*synthetic/arithm"):
+        evaluate(
+            _cfg(tmp_path, **over, sources=["synthetic/nope"], output_dir=str(tmp_path / "no"))
+        )
+
+
+def test_acc_drafts_counts_only_the_emitted_drafts() -> None:
+    """max_new_tokens = 5 cuts a cycle that accepted 8 drafts: 4 of them are emitted."""
+    cut = GenerationResult(
+        tokens=list(range(5)), accepted=[8], emitted=[5], drafted=[8], offsets=[0],
+        cycle_seconds=[0.1], seconds=0.1,
+    )  # fmt: skip
+    m = set_metrics([prompt_record(cut)], window=8)
+    assert m["mu_acc"] == 5 and m["mu_acc_drafts"] == 5  # the 5 emitted tokens are drafts
+    assert m["acceptance"][:5] == [1.0] * 5
+    assert all(a != a for a in m["acceptance"][5:])  # positions 6..8 were never emitted
+
+
+def test_progress_bar_on_a_terminal_leaves_the_table_intact(
+    tmp_path: Path, drafts: dict[str, Path]
+) -> None:
+    """stdout and stderr on one pseudo-terminal: the bar shows, then the table reads whole."""
+    cfg = _cfg(
+        tmp_path, draft=str(drafts["ff"]), num_prompt_sets=1, max_throughput=False, plots=False
+    )
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # 120 columns
+    proc = _spawn(cfg, tmp_path, stdout=follower, stderr=follower, stdin=subprocess.DEVNULL)
+    os.close(follower)
+    raw = b""
+    while True:
+        ready, _, _ = select.select([leader], [], [], 300)
+        try:
+            chunk = os.read(leader, 65536) if ready else b""
+        except OSError:  # EIO: the child closed the terminal
+            chunk = b""
+        if not chunk:
+            break
+        raw += chunk
+    os.close(leader)
+    assert proc.wait() == 0
+    text = raw.decode(errors="replace").replace("\r\n", "\n")
+    assert re.search(r"ff \[speculative\].*prompt", text), "no progress bar on a terminal"
+    shown = [line.rsplit("\r", 1)[-1] for line in text.split("\n")]  # what a terminal shows
+    table = json.loads((Path(cfg["output_dir"]) / "results.json").read_text())["table"]
+    lines = table.splitlines()
+    start = shown.index(lines[0])
+    assert shown[start : start + len(lines)] == lines
