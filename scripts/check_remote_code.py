@@ -41,16 +41,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mtpc.backbones import load_backbone  # noqa: E402
-from mtpc.backbones.compat import (  # noqa: E402
+from mtpc.backbones import load_backbone
+from mtpc.backbones.compat import (
     OPTIONAL_PACKAGES,
     non_persistent_buffers,
     patch_remote_config,
     patch_remote_module,
     remote_imports,
 )
-from mtpc.decoding import generate  # noqa: E402
-from mtpc.model import MTPCModel  # noqa: E402
+from mtpc.decoding import generate
+from mtpc.model import MTPCModel
 
 EVABYTE_CONFIG: dict[str, Any] = {
     "architectures": ["EvaByteForCausalLM"],
@@ -156,7 +156,9 @@ def write_checkpoint(kind: str, code: Path, rope: str, root: Path) -> tuple[Path
                 p.normal_(0, 0.1)
     from safetensors.torch import save_file
 
-    save_file({k: v.contiguous() for k, v in direct.state_dict().items()}, folder / "model.safetensors")
+    save_file(
+        {k: v.contiguous() for k, v in direct.state_dict().items()}, folder / "model.safetensors"
+    )
     return folder, direct
 
 
@@ -193,7 +195,9 @@ def check(kind: str, code: Path, rope: str, steps: int) -> dict[str, Any]:
         torch.manual_seed(1)
         ids = torch.randint(3, vocab, (2, 37))
         ref = own_logits(direct, ids)
-        report["3_forward_max_abs_diff"] = float((own_logits(backbone.hf_model, ids) - ref).abs().max())
+        report["3_forward_max_abs_diff"] = float(
+            (own_logits(backbone.hf_model, ids) - ref).abs().max()
+        )
         with torch.no_grad():
             split = backbone.stp_logits(
                 backbone.norm(backbone.run_layers(backbone.embed(ids), 0, backbone.num_layers))

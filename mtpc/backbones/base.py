@@ -453,4 +453,3 @@ def weights_fingerprint(model: nn.Module, samples: int = 4096) -> str:
         h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
         h.update(sample.numpy().tobytes())
     return h.hexdigest()
-

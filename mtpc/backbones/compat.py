@@ -145,7 +145,7 @@ class _StubOnOptionalImport(importlib.abc.Loader):
         self.blocked = blocked
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self.loader.create_module(spec)  # type: ignore[no-any-return]
+        return self.loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
         try:
@@ -154,12 +154,19 @@ class _StubOnOptionalImport(importlib.abc.Loader):
             package = (error.name or "").split(".")[0]
             if package not in self.optional:
                 raise
-            reason = "disabled (model.attention_impl=torch)" if package in self.blocked else (
-                "not installed"
+            reason = (
+                "disabled (model.attention_impl=torch)"
+                if package in self.blocked
+                else ("not installed")
             )
             module.__getattr__ = _unavailable(module.__name__, package, reason)  # type: ignore[method-assign]
             module.__mtpc_unavailable__ = package  # type: ignore[attr-defined]
-            log.info("%s imports %s (%s): its functions are placeholders", module.__name__, package, reason)
+            log.info(
+                "%s imports %s (%s): its functions are placeholders",
+                module.__name__,
+                package,
+                reason,
+            )
 
 
 class _RemoteModuleFinder(importlib.abc.MetaPathFinder):
@@ -257,8 +264,8 @@ def patch_remote_config(config: Any, name: str) -> None:
     base = getattr(cls, "rope_scaling", None)
     is_remote = cls.__module__.startswith("transformers_modules.")
     if is_remote and isinstance(base, property) and not getattr(cls, "_mtpc_legacy_rope", False):
-        cls.rope_scaling = _legacy_rope_scaling_property(base)  # type: ignore[attr-defined]
-        cls._mtpc_legacy_rope = True  # type: ignore[attr-defined]
+        cls.rope_scaling = _legacy_rope_scaling_property(base)
+        cls._mtpc_legacy_rope = True
     for key, value in REMOTE_CONFIG_DEFAULTS.get(name, {}).items():
         if not hasattr(config, key):
             setattr(config, key, value)
@@ -307,7 +314,7 @@ def _parameters_on_meta() -> Iterator[None]:
             assert p is not None
             module._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
 
-    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
@@ -345,7 +352,7 @@ def restore_non_persistent_buffers(model: nn.Module, dtype: torch.dtype) -> list
     Returns:
         The names of the buffers replaced.
     """
-    config = copy.deepcopy(model.config)  # type: ignore[union-attr]
+    config = copy.deepcopy(model.config)
     build_dtype = dtype if dtype.is_floating_point else torch.float32
     with _default_dtype(build_dtype), _parameters_on_meta(), torch.device("cpu"):
         skeleton = type(model)(config)
@@ -427,9 +434,9 @@ def load_remote_causal_lm(
         raise TargetLoadError(f"{label}: its remote modelling code {what}") from error
     patch_remote_config(config, name)
     patch_remote_module(module)
-    model = model_cls.from_pretrained(path, config=config, revision=revision, dtype=dtype)
+    model: Any = model_cls.from_pretrained(path, config=config, revision=revision, dtype=dtype)  # type: ignore[attr-defined]
     replaced = restore_non_persistent_buffers(model, dtype)
     log.info("%s: rebuilt non-persistent buffers %s", label, replaced)
-    model.to(device)  # type: ignore[arg-type]
+    model.to(device)
     model.eval()
     return model

@@ -55,7 +55,9 @@ def rotary_problems(hf_model: nn.Module) -> list[str]:
         actual = inv_freq.detach().float().cpu()
         tol = _tolerance(inv_freq.dtype)
         if actual.shape != expected.shape or not torch.allclose(actual, expected, rtol=tol, atol=0):
-            worst = (actual - expected).abs().max().item() if actual.shape == expected.shape else None
+            worst = (
+                (actual - expected).abs().max().item() if actual.shape == expected.shape else None
+            )
             problems.append(
                 f"{name}.inv_freq differs from its closed form 1/theta^(2i/d) (max abs error "
                 f"{worst:.3g}; first values {actual.flatten()[:3].tolist()} vs "
@@ -100,7 +102,7 @@ def prompt_logits(backbone: Any) -> torch.Tensor:
     ids = torch.tensor([[codec.bos_id, *codec.encode(PROMPT)]], device=backbone.device)  # (1, T)
     hidden = backbone.embed(ids)  # (1, T, d)
     hidden = backbone.run_layers(hidden, 0, backbone.num_layers)
-    return backbone.stp_logits(backbone.norm(hidden))  # type: ignore[no-any-return]
+    return backbone.stp_logits(backbone.norm(hidden))
 
 
 def check_target(backbone: Any, label: str) -> None:
@@ -120,7 +122,9 @@ def check_target(backbone: Any, label: str) -> None:
         logits = prompt_logits(backbone).float()  # (1, T, V)
         if not torch.isfinite(logits).all():
             bad = int((~torch.isfinite(logits)).sum())
-            problems.append(f"the logits of a fixed {logits.shape[1]}-token prompt have {bad} non-finite values")
+            problems.append(
+                f"the logits of a fixed {logits.shape[1]}-token prompt have {bad} non-finite values"
+            )
         elif logits.std() == 0:
             problems.append("the logits of a fixed prompt are constant")
     if problems:
