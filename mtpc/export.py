@@ -316,6 +316,9 @@ def load_draft(
     else:
         backbone = backbone_from_hf(target)
     fingerprint = check_target(t, backbone)  # identity first: nothing attached to a wrong target
+    from mtpc.model import assign_codec
+
+    assign_codec(backbone)
     if config["codec"] != backbone.codec:
         raise DraftError(
             f"{folder / CONFIG_NAME} names codec {config['codec']!r} but its target "

@@ -27,6 +27,27 @@ from mtpc.backbones.lora import LoraSettings, as_settings, attach_lora, validate
 HEAD_INITS = ("pretrained", "stp", "random")
 
 
+def assign_codec(backbone: Backbone) -> None:
+    """Only byte models get a byte codec.
+
+    A generic HF Llama (``backbone.name == "llama"``) is wrapped with the tiny target's
+    codec by default; it keeps it only when its vocabulary is that codec's (a byte Llama of
+    EvaByte's layout). Any other vocabulary (BPE, a toy vocabulary) gets ``codec = None``,
+    and decoding then stops on the model's ``generation_config.eos_token_id``, as
+    ``transformers`` does (``mtpc.decoding.common.default_stop_ids``).
+    """
+    if backbone.name != "llama" or backbone.codec is None:
+        return
+    from mtpc.backbones.codecs import get_codec
+
+    try:
+        vocab = get_codec(backbone.codec).vocab_size
+    except (ValueError, KeyError):
+        vocab = None
+    if vocab != backbone.vocab_size:
+        backbone.codec = None  # type: ignore[assignment]  # Backbone.codec: a name or None
+
+
 @dataclass
 class Caches:
     """The three component caches of one decoding stream (S, V, D)."""
@@ -135,6 +156,7 @@ class MTPCModel(nn.Module):
         """
         from mtpc.heads import MTPCHead
 
+        assign_codec(backbone)
         if head_init not in HEAD_INITS:
             raise ValueError(f"head_init is {head_init!r}; allowed: {list(HEAD_INITS)}")
         settings = as_settings(

@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -132,26 +134,67 @@ def context_length(model: Any) -> int | None:
 
 
 def default_stop_ids(model: Any) -> tuple[int, ...]:
-    """The stop ids of the target's byte codec (end of turn, eos); () if it has no codec."""
+    """The stop ids of the target's byte codec (end of turn, eos).
+
+    A target without a byte codec (a generic HF model) stops on its
+    ``generation_config.eos_token_id`` (else ``config.eos_token_id``), as ``transformers``
+    does; () when it has neither.
+    """
     from mtpc.backbones.codecs import get_codec
 
-    try:
-        return tuple(get_codec(model.backbone.codec).stop_ids)
-    except (ValueError, KeyError, AttributeError):
+    backbone = model.backbone
+    codec = getattr(backbone, "codec", None)
+    if codec is not None:
+        try:
+            return tuple(get_codec(codec).stop_ids)
+        except (ValueError, KeyError):
+            pass
+    generation = getattr(getattr(backbone, "hf_model", None), "generation_config", None)
+    eos = getattr(generation, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(getattr(backbone, "config", None), "eos_token_id", None)
+    if eos is None:
         return ()
+    return tuple(int(e) for e in (eos if isinstance(eos, list | tuple) else [eos]))
+
+
+def _check_integers(name: str, items: Sequence[Any]) -> None:
+    """Refuses a float (or any non-integer) id instead of truncating it."""
+    for item in items:
+        nested = isinstance(item, list | tuple)
+        for value in item if nested else [item]:
+            if isinstance(value, Tensor) and value.numel() == 1 and not value.is_floating_point():
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ValueError(
+                    f"{name} contains {value!r}; allowed: integer token ids (not floats)"
+                )
 
 
 def prompt_tensor(model: Any, prompt_ids: Any) -> Tensor:
     """Normalises a prompt (list of ids, (T,) or (1, T) tensor) to a (1, T) long tensor.
 
     Raises:
-        ValueError: empty prompt, a batch of more than one prompt, or ids outside [0, V-1].
+        ValueError: empty prompt, a batch of more than one prompt, ids that are not integers
+            (floats are never truncated), or ids outside [0, V-1].
     """
     if isinstance(prompt_ids, Tensor):
+        if prompt_ids.is_floating_point() or prompt_ids.is_complex():
+            raise ValueError(
+                f"prompt_ids is a {str(prompt_ids.dtype).removeprefix('torch.')} tensor; "
+                "allowed: integer token ids (an int64 tensor or a list of ints)"
+            )
         ids = prompt_ids.detach().to("cpu", torch.long)
     else:
         try:
-            ids = torch.tensor(list(prompt_ids), dtype=torch.long)
+            items = list(prompt_ids)
+        except TypeError as err:
+            raise ValueError(
+                f"prompt_ids must be a list of ints or a 1-D / (1, T) tensor; got {prompt_ids!r:.80}"
+            ) from err
+        _check_integers("prompt_ids", items)
+        try:
+            ids = torch.tensor(items, dtype=torch.long)
         except (TypeError, ValueError, RuntimeError) as err:
             raise ValueError(
                 f"prompt_ids must be a list of ints or a 1-D / (1, T) tensor; got {prompt_ids!r:.80}"
@@ -212,14 +255,18 @@ def check_request(
             f"draft_mode={draft_mode!r} is not allowed with greedy=False; allowed: sample "
             "(speculative sampling is exact only for drafts drawn from the circuit)"
         )
-    if not greedy:
-        if isinstance(temperature, bool) or not isinstance(temperature, int | float):
-            raise ValueError(f"temperature={temperature!r} is not allowed; allowed: a number > 0")
-        if temperature <= 0:
-            raise ValueError(
-                f"temperature={temperature!r} is not allowed with greedy=False; allowed: a "
-                "number > 0 (use greedy=True for argmax decoding)"
-            )
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, int | float)
+        or math.isnan(temperature)
+        or (not greedy and math.isinf(temperature))
+    ):
+        raise ValueError(f"temperature={temperature!r} is not allowed; allowed: a number > 0")
+    if not greedy and temperature <= 0:
+        raise ValueError(
+            f"temperature={temperature!r} is not allowed with greedy=False; allowed: a "
+            "number > 0 (use greedy=True for argmax decoding)"
+        )
     if top_k is not None:
         _int("top_k", top_k, 1)
     if top_p is not None and (
@@ -227,6 +274,8 @@ def check_request(
     ):
         raise ValueError(f"top_p={top_p!r} is not allowed; allowed: a number in (0, 1] or None")
     vocab = model.backbone.vocab_size
+    if stop_ids is not None:
+        _check_integers("stop_ids", list(stop_ids))
     stops = default_stop_ids(model) if stop_ids is None else tuple(int(s) for s in stop_ids)
     bad = [s for s in stops if not 0 <= s < vocab]
     if bad:

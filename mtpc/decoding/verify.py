@@ -48,7 +48,7 @@ def process_logits(
     Removed tokens get -inf. ``temperature`` must be > 0 (greedy decoding uses argmax
     and needs no processing).
     """
-    if temperature <= 0:
+    if not temperature > 0:  # also refuses NaN
         raise ValueError(f"temperature must be > 0, got {temperature}; use greedy=True for argmax")
     scores = logits.float() / temperature
     vocab = scores.shape[-1]
