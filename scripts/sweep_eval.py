@@ -5,12 +5,18 @@
         baseline=outputs/train/<ff run>/draft
 
 Extra arguments are ``eval.yaml`` overrides. All drafts go through one ``evaluate`` call, so
-they share the prompts, the AR reference and the trade-off plot (paper Fig. 1); the table,
-results.json/CSV and plots land in ``outputs/eval/sweep`` (or ``output_dir=...``).
+they share the prompts, the AR reference and the trade-off plot (paper Fig. 1). The records,
+table, results.json/CSV and plots land in the evaluation's own folder
+(``outputs/eval/<first draft>+<N>-<mode>-<shape>-<key>``, or ``output_dir=...``); running
+the same command again after a crash resumes it. To spread drafts over separate jobs
+instead (a SLURM array), evaluate one draft per job and merge the folders without
+decoding: ``python eval.py 'report=[outputs/eval/*-greedy-3x250x1024-*]' output_dir=<dir>``
+(see docs/EVALUATION.md).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -37,18 +43,18 @@ def main() -> None:
         raise SystemExit(f"no exported drafts (config.json + head.safetensors) under {folder}")
     from hydra import compose, initialize_config_dir
 
+    from mtpc.errors import run_reporting_user_errors
     from mtpc.evaluation.run import evaluate
 
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s] %(message)s")
     overrides = sys.argv[2:]
     baseline = next((o.split("=", 1)[1] for o in overrides if o.startswith("baseline=")), None)
     if baseline:  # the baseline is its own row, not also a draft
         drafts = [d for d in drafts if d.resolve() != Path(baseline).resolve()]
     listing = ",".join(f"'{d}'" for d in drafts)
-    if not any(o.startswith("output_dir=") for o in overrides):
-        overrides.append(f"output_dir={ROOT / 'outputs' / 'eval' / 'sweep'}")
     with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
         cfg = compose("eval", overrides=[f"draft=[{listing}]", *overrides])
-    evaluate(cfg)
+    run_reporting_user_errors(lambda: evaluate(cfg))
 
 
 if __name__ == "__main__":

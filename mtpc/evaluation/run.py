@@ -24,6 +24,7 @@ import json
 import logging
 import math
 import resource
+import shutil
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -37,7 +38,7 @@ from mtpc.data.prompts import UnknownSourceError
 from mtpc.decoding import DRAFT_MODES, POLICIES, generate
 from mtpc.errors import UserError
 from mtpc.evaluation.metrics import prompt_record
-from mtpc.evaluation.records import RecordsError, RecordStore, expand_folders
+from mtpc.evaluation.records import MANIFEST, RecordsError, RecordStore, expand_folders
 from mtpc.evaluation.report import build_report, report_folders
 
 logger = logging.getLogger(__name__)
@@ -157,6 +158,7 @@ def load_target(cfg: Any) -> Any:
         revision=_get(cfg, "model.revision"),
         dtype=_get(cfg, "model.dtype", "float32"),
         device=str(_get(cfg, "device", "cpu")),
+        attention_impl=str(_get(cfg, "model.attention_impl", "auto")),
     )
 
 
@@ -535,8 +537,14 @@ def evaluate(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
     folder = eval_folder(cfg, manifest)
     logger.info("evaluation folder: %s", folder)
     extra: list[dict[str, Any]] = []
+    new = not (folder / MANIFEST).is_file()
     with RecordStore.open(folder, manifest, force=_get(cfg, "resume", "auto") == "force") as store:
-        prompt_sets = decode_all(cfg, store, drafts, base_paths)
+        try:
+            prompt_sets = decode_all(cfg, store, drafts, base_paths)
+        except Exception:
+            if new and not store.records:  # refused before any decoding: leave no folder
+                shutil.rmtree(folder, ignore_errors=True)
+            raise
     if drafter is not None:
         if prompt_sets is None:
             prompt_sets = _load_prompts(
