@@ -13,14 +13,16 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from mtpc.errors import UserError
 
 MODEL_NAMES = ("tiny", "evabyte", "llama3_byte")
 CODEC_NAMES = ("tiny", "evabyte", "llama3_byte")
 CIRCUIT_KINDS = ("ff", "cp", "hmm", "btree")
+EXTRA_POSITIONS = ("repeat_last", "random")  # mtpc.heads.EXTRA_POSITIONS (no torch import here)
 DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_IMPLS = ("auto", "torch", "triton")  # mtpc.backbones.compat.ATTENTION_IMPLS
 LOSS_NAMES = ("nll", "kl")
 STAGES = ("heads", "lora")
 
@@ -92,6 +94,8 @@ def _check_model(cfg: Mapping[str, Any]) -> None:
     _check_choice(cfg, "model.name", MODEL_NAMES)
     _check_choice(cfg, "model.dtype", DTYPES)
     _check_choice(cfg, "model.codec", CODEC_NAMES)
+    if _get(cfg, "model.attention_impl") is not _MISSING:  # EvaByte's attention path
+        _check_choice(cfg, "model.attention_impl", ATTENTION_IMPLS)
     path = _get(cfg, "model.path")
     local = _get(cfg, "model.name") == "tiny" or (isinstance(path, str) and _looks_local(path))
     if isinstance(path, str) and path and local and not Path(path).expanduser().exists():
@@ -134,6 +138,29 @@ def _check_circuit(cfg: Mapping[str, Any]) -> None:
             f"circuit.rank={rank} is not allowed with circuit.kind=ff; allowed: 1 "
             "(use circuit=cp for a mixture of rank > 1)"
         )
+    _check_float(cfg, "circuit.sum_init_std", 0.0, float("inf"), high_open=True)
+    _check_float(cfg, "circuit.init_std", 0.0, float("inf"), high_open=True)
+    if _get(cfg, "circuit.extra_positions") is not _MISSING:
+        _check_choice(cfg, "circuit.extra_positions", EXTRA_POSITIONS)
+    for flag in ("circuit.identity_init", "loss.normalise_discount"):
+        if _get(cfg, flag) not in (_MISSING, True, False):
+            raise ConfigError(f"{flag}={_get(cfg, flag)!r} is not allowed; allowed: true, false")
+
+
+def _check_optimizer(cfg: Mapping[str, Any]) -> None:
+    """AdamW's weight decay and betas (the lr is checked with the schedule)."""
+    _check_float(cfg, "optimizer.weight_decay", 0.0, float("inf"), high_open=True)
+    betas = _get(cfg, "optimizer.betas")
+    if betas is _MISSING or betas is None:
+        return
+    values = list(betas) if isinstance(betas, list | tuple | ListConfig) else None
+    if values is None or len(values) != 2 or not all(
+        not isinstance(b, bool) and isinstance(b, int | float) and 0 <= b < 1 for b in values
+    ):
+        raise ConfigError(
+            f"optimizer.betas={betas!r} is not allowed; allowed: two numbers in [0, 1), "
+            "e.g. [0.9, 0.999]"
+        )
 
 
 def _check_lora(cfg: Mapping[str, Any]) -> None:
@@ -175,7 +202,16 @@ def _run_checks(
 def validate_train_config(cfg: DictConfig | Mapping[str, Any]) -> None:
     """Raises :class:`ConfigError` naming the first invalid field of a training config."""
     _run_checks(
-        cfg, (_check_model, _check_circuit, _check_lora, _check_loss, _check_stage, _check_data)
+        cfg,
+        (
+            _check_model,
+            _check_circuit,
+            _check_lora,
+            _check_loss,
+            _check_optimizer,
+            _check_stage,
+            _check_data,
+        ),
     )
     _check_schedule(cfg)
     _check_int(cfg, "seed", 0)

@@ -221,6 +221,7 @@ class MTPCModel(nn.Module):
         revision: str | None = None,
         dtype: str = "float32",
         device: str = "cpu",
+        attention_impl: str = "auto",
         **kwargs: Any,
     ) -> MTPCModel:
         """Flat builder for Hydra: loads ``model`` (see ``load_backbone``) and attaches a head.
@@ -228,7 +229,14 @@ class MTPCModel(nn.Module):
         Every setting is checked (dtype on the device, k, LoRA modules via the layer count
         once loaded, circuit via the head) before training starts.
         """
-        backbone = load_backbone(model, path=path, revision=revision, dtype=dtype, device=device)
+        backbone = load_backbone(
+            model,
+            path=path,
+            revision=revision,
+            dtype=dtype,
+            device=device,
+            attention_impl=attention_impl,
+        )
         return cls.from_backbone(backbone, kind, window, rank, lora_layers, **kwargs)
 
     # --- components ------------------------------------------------------------------------

@@ -369,7 +369,9 @@ def test_evabyte_checkpoint_loads_the_real_model_without_triton(
     factor = rope_scaling["factor"] if rope_scaling else 1.0
     want = closed_form(8, 96, factor)
     rotary = hf.model.rotary_emb
-    for got, expected in zip((rotary.inv_freq, rotary.cos_cached, rotary.sin_cached), want, strict=True):
+    for got, expected in zip(
+        (rotary.inv_freq, rotary.cos_cached, rotary.sin_cached), want, strict=True
+    ):
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
     # logits: the loaded model's forward and the split path equal the directly built model's
     ids = torch.randint(3, 320, (2, 21))
@@ -454,3 +456,22 @@ def test_attention_path_is_chosen_checked_and_logged(
         )
     assert backbone.use_triton is False
     assert "EVA attention path 'torch'" in caplog.text
+
+
+def test_attention_impl_is_a_validated_model_field() -> None:
+    from hydra import compose, initialize_config_dir
+
+    from mtpc.config import ConfigError, validate_train_config
+
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    with initialize_config_dir(config_dir=str(configs), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["model=evabyte"])
+        assert cfg.model.attention_impl == "auto"
+        validate_train_config(cfg)
+        bad = compose(
+            config_name="train", overrides=["model=evabyte", "model.attention_impl=flash"]
+        )
+    with pytest.raises(
+        ConfigError, match=r"model\.attention_impl='flash' is not allowed; allowed: auto"
+    ):
+        validate_train_config(bad)

@@ -63,6 +63,7 @@ def build_model(cfg: DictConfig) -> MTPCModel:
         revision=cfg.model.get("revision"),
         dtype=cfg.model.dtype,
         device="cpu",
+        attention_impl=cfg.model.get("attention_impl", "auto"),
     )
     check_head_memory(cfg, backbone.vocab_size, backbone.hidden_size)
     return MTPCModel.from_backbone(
