@@ -78,7 +78,7 @@ def test_local_dataset_is_not_cut_to_the_synthetic_row_count(tmp_path: Path, cap
 def test_a_corrupt_data_cache_is_detected_and_rebuilt(tmp_path: Path, caplog) -> None:
     import numpy as np
 
-    from mtpc.data.cache import CacheCorruptError, load_prepared
+    from mtpc.data.cache import load_prepared
 
     cfg = _compose(tmp_path, [])
     module = instantiate(cfg.data)
@@ -88,8 +88,9 @@ def test_a_corrupt_data_cache_is_detected_and_rebuilt(tmp_path: Path, caplog) ->
     good = ids.copy()
     ids[:] = 65 + 64  # in range ('A'), same size: trained "normally" before
     ids.tofile(folder / "ids.u16")
-    with pytest.raises(CacheCorruptError, match=rf"{folder}.*ids\.u16"):
-        load_prepared(folder)
+    with pytest.raises(Exception, match=rf"{folder}.*ids\.u16") as err:
+        load_prepared(folder)  # was: read silently (validation loss 63.7 instead of 2.75)
+    assert type(err.value).__name__ == "CacheCorruptError"
     with caplog.at_level(logging.WARNING):
         rebuilt = instantiate(cfg.data)
         rebuilt.setup()
@@ -97,7 +98,7 @@ def test_a_corrupt_data_cache_is_detected_and_rebuilt(tmp_path: Path, caplog) ->
     assert np.array_equal(np.asarray(rebuilt.data.ids), good)
 
     (folder / "offsets.npy").write_bytes(b"garbage")  # truncated: was a raw numpy/pickle error
-    with pytest.raises(CacheCorruptError, match=rf"{folder}.*offsets\.npy"):
+    with pytest.raises(Exception, match=rf"{folder}.*offsets\.npy"):
         load_prepared(folder)
 
 
@@ -105,26 +106,30 @@ def test_a_corrupt_data_cache_is_detected_and_rebuilt(tmp_path: Path, caplog) ->
 
 
 def test_a_second_run_on_a_busy_run_folder_is_refused(tmp_path: Path) -> None:
-    from mtpc.training.resume import RunFolderBusyError, RunLock
+    import fcntl
+
     from mtpc.training.run import train
 
     cfg = _compose(tmp_path, ["trainer.max_steps=1", "validate_before_training=false"])
     (tmp_path / "run").mkdir()
-    with RunLock(tmp_path / "run"), pytest.raises(RunFolderBusyError, match=str(tmp_path / "run")):
-        train(cfg)  # was: a second run interleaving metrics.csv and checkpoints
+    with (tmp_path / "run" / ".lock").open("w") as running:  # what a running job holds
+        fcntl.flock(running, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(Exception, match=rf"run folder {tmp_path / 'run'} is in use") as err:
+            train(cfg)  # was: a second run interleaving metrics.csv and checkpoints
+    assert type(err.value).__name__ == "RunFolderBusyError"
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_resume_with_changed_settings_is_refused_naming_the_fields(tmp_path: Path) -> None:
     import torch
 
-    from mtpc.training.resume import ResumeConfigError
     from mtpc.training.run import train
 
     common = ["callbacks.checkpoint_every_n_steps=1", "validate_before_training=false",
               "export=false"]  # fmt: skip
     train(_compose(tmp_path, [*common, "trainer.max_steps=2"]))
     changed = _compose(tmp_path, [*common, "trainer.max_steps=3", "optimizer.lr=0.01"])
-    with pytest.raises(ResumeConfigError, match=r"optimizer\.lr: 0\.0003 -> 0\.01") as err:
+    with pytest.raises(Exception, match=r"optimizer\.lr: 0\.0003 -> 0\.01") as err:
         train(changed)  # was: resumed silently at the checkpoint's lr
     assert "allow_resume_changes=true" in str(err.value) and "run_name=" in str(err.value)
     # a longer budget is not a change that matters
@@ -137,17 +142,15 @@ def test_resume_with_changed_settings_is_refused_naming_the_fields(tmp_path: Pat
     assert last["optimizer_states"][0]["param_groups"][0]["lr"] == pytest.approx(0.01)
 
 
-# -- 6 and 13: a truncated last.ckpt; a resumed run keeps its start's init/ metrics ---------
+# -- 6: a truncated last.ckpt falls back to the newest readable checkpoint ---------------
 
 
-def test_truncated_last_checkpoint_falls_back_and_init_metrics_survive(
-    tmp_path: Path, caplog
-) -> None:
-    from mtpc.training.resume import CheckpointUnreadableError
+def test_truncated_last_checkpoint_falls_back_to_a_readable_one(tmp_path: Path, caplog) -> None:
     from mtpc.training.run import train
 
-    common = ["callbacks.checkpoint_every_n_steps=1", "trainer.val_check_interval=1"]
-    first = train(_compose(tmp_path, [*common, "trainer.max_steps=2"]))
+    common = ["callbacks.checkpoint_every_n_steps=1", "trainer.val_check_interval=1",
+              "validate_before_training=false", "export=false"]  # fmt: skip
+    train(_compose(tmp_path, [*common, "trainer.max_steps=2"]))
     checkpoints = tmp_path / "run" / "checkpoints"
     (best,) = checkpoints.glob("best-*.ckpt")
     last = checkpoints / "last.ckpt"
@@ -158,16 +161,28 @@ def test_truncated_last_checkpoint_falls_back_and_init_metrics_survive(
         resumed = train(_compose(tmp_path, [*common, "trainer.max_steps=3"]))
     assert "unreadable" in caplog.text and best.name in caplog.text  # was: a raw torch error
     assert resumed["train/steps"] == 3 and not stray.exists()
-    # 13: the untrained draft's metrics are the run's start's, in metrics.json and the card
+
+    for ckpt in checkpoints.glob("*.ckpt"):
+        ckpt.write_bytes(b"truncated")
+    with pytest.raises(Exception, match=rf"{checkpoints / 'last.ckpt'} is unreadable"):
+        train(_compose(tmp_path, [*common, "trainer.max_steps=4"]))
+
+
+# -- 13: a resumed run reports the untrained draft of its start, not nothing ---------------
+
+
+def test_a_resumed_run_keeps_its_init_metrics(tmp_path: Path) -> None:
+    from mtpc.training.run import train
+
+    common = ["callbacks.checkpoint_every_n_steps=1"]
+    first = train(_compose(tmp_path, [*common, "trainer.max_steps=2"]))
+    resumed = train(_compose(tmp_path, [*common, "trainer.max_steps=3"]))
+    assert resumed["train/steps"] == 3
+    # was: the resumed run's metrics.json and model card had no init/ metrics at all
     saved = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert saved["init/val/loss"] == pytest.approx(first["init/val/loss"])
     card = (tmp_path / "run" / "draft" / "README.md").read_text()
     assert f"| init/val/loss | {first['init/val/loss']} |" in card
-
-    for ckpt in checkpoints.glob("*.ckpt"):
-        ckpt.write_bytes(b"truncated")
-    with pytest.raises(CheckpointUnreadableError, match=str(checkpoints / "last.ckpt")):
-        train(_compose(tmp_path, [*common, "trainer.max_steps=4"]))
 
 
 # -- 5 and 9: wrong metadata and corrupt drafts are refused, naming the file ---------------
