@@ -45,9 +45,10 @@ def run_reporting_user_errors(
     With ``HYDRA_FULL_ERROR=1`` the exception propagates unchanged (full traceback). Any
     other exception is a bug and keeps its traceback.
     """
+    caught: tuple[type[BaseException], ...] = (UserError, *also)
     try:
         return main()
-    except (UserError, *also) as err:
+    except caught as err:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         print(f"error: {err}", file=sys.stderr)
