@@ -475,3 +475,27 @@ def test_attention_impl_is_a_validated_model_field() -> None:
         ConfigError, match=r"model\.attention_impl='flash' is not allowed; allowed: auto"
     ):
         validate_train_config(bad)
+
+
+def test_attention_path_switch_imports_the_remote_code_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EvaByte picks its path at import time: a load with the other path re-imports it."""
+    site = tmp_path / "site"  # a stand-in triton package (no kernels are ever run)
+    (site / "triton").mkdir(parents=True)
+    (site / "triton" / "__init__.py").write_text("def jit(fn=None, **kw):\n    return fn\n")
+    (site / "triton" / "language.py").write_text("constexpr = int\n")
+    monkeypatch.syspath_prepend(str(site))
+    folder, _ = eva_checkpoint(tmp_path, None)
+    paths = []
+    try:
+        for impl in ("torch", "triton", "torch"):
+            monkeypatch.setattr(compat_module, "resolve_attention_impl", lambda *_, i=impl: i)
+            model = compat_module.load_remote_causal_lm(
+                "evabyte", str(folder), None, torch.float32, "cpu", impl
+            )
+            paths.append(sys.modules[type(model).__module__].USE_TRITON_IMPL)
+    finally:
+        for name in [n for n in sys.modules if n == "triton" or n.startswith("triton.")]:
+            del sys.modules[name]
+    assert paths == [False, True, False]

@@ -154,11 +154,8 @@ class _StubOnOptionalImport(importlib.abc.Loader):
             package = (error.name or "").split(".")[0]
             if package not in self.optional:
                 raise
-            reason = (
-                "disabled (model.attention_impl=torch)"
-                if package in self.blocked
-                else ("not installed")
-            )
+            blocked = package in self.blocked
+            reason = "disabled (model.attention_impl=torch)" if blocked else "not installed"
             module.__getattr__ = _unavailable(module.__name__, package, reason)  # type: ignore[method-assign]
             module.__mtpc_unavailable__ = package  # type: ignore[attr-defined]
             log.info(
