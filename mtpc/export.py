@@ -59,6 +59,8 @@ def draft_config(model: MTPCModel) -> dict[str, Any]:
             "vocab_size": head.vocab_size,
             "hidden_size": head.hidden_size,
             "dtype": str(next(head.parameters()).dtype).removeprefix("torch."),
+            **head.structure_options(),
+            "init": head.init_options(),
         },
         "head_init": model.head_init,
         "lora": model.lora.to_dict(),
@@ -337,6 +339,8 @@ def load_draft(
         lora_target_modules=lora["target_modules"],
         head_init="random",
         head_dtype=c.get("dtype", "float32"),
+        homogeneous=bool(c.get("homogeneous", False)),
+        contextual_transitions=bool(c.get("contextual_transitions", True)),
     )
     model.head_init = config.get("head_init", "pretrained")
     model._fingerprint = fingerprint

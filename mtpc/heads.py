@@ -19,7 +19,9 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 from mtpc.circuits import Circuit, CircuitParams, build_structure
 from mtpc.circuits.structure import check_kind_window_rank
 
-__all__ = ["MTPCHead", "build_head", "chunked_log_likelihood"]
+__all__ = ["EXTRA_POSITIONS", "MTPCHead", "build_head", "chunked_log_likelihood"]
+
+EXTRA_POSITIONS = ("repeat_last", "random")
 
 
 class MTPCHead(nn.Module):
@@ -34,10 +36,22 @@ class MTPCHead(nn.Module):
         homogeneous: HMM only: one transition matrix shared by all steps (ablation).
         contextual_transitions: HMM only: transitions depend on e_t (False: a learned bias
             only, the non-contextual ablation).
-        identity_init: HMM only: initialise transitions at (near) identity through the bias.
-        identity_logit: Bias on the diagonal of identity-initialised transitions
+        identity_init: HMM and BTree: initialise the r x r sums (HMM transitions, BTree's
+            inner regions) at (near) identity through the bias, so unit j of a region
+            starts as unit j of its inputs (BTree then starts as a CP; the root stays
+            uniform or random).
+        identity_logit: Bias on the diagonal of identity-initialised sums
             (weight ``1 / (1 + (r - 1) exp(-identity_logit))`` on the diagonal).
         init_std: Std of the random normal initialisation of ``W``.
+        sum_init_std: Std of the random normal initialisation of the contextual sum-unit
+            projections ``R`` (0: uniform sums everywhere). Random ``R`` keeps the exact
+            step-0 equality with FF (units start identical, so any sum weights give FF's
+            distribution) but makes each unit's weight depend on the context, so the
+            identical units get different gradients and separate (docs/CIRCUITS.md).
+        extra_positions: What :meth:`from_pretrained_unembeddings` gives window positions
+            past the m pretrained heads (n = 16 on EvaByte's 8): ``"repeat_last"`` (copy
+            head m) or ``"random"`` (``N(0, init_std^2)``, shared by the units of a
+            position so the start stays FF).
 
     Raises:
         ValueError: For an invalid kind, window, rank, vocab_size or hidden_size, or HMM
@@ -57,6 +71,8 @@ class MTPCHead(nn.Module):
         identity_init: bool = True,
         identity_logit: float = 10.0,
         init_std: float = 0.02,
+        sum_init_std: float = 0.02,
+        extra_positions: str = "repeat_last",
     ) -> None:
         super().__init__()
         check_kind_window_rank(kind, window, rank)
@@ -75,9 +91,24 @@ class MTPCHead(nn.Module):
                 "homogeneous / contextual_transitions are options of kind='hmm' only, "
                 f"got kind={kind!r}"
             )
+        elif kind == "btree":
+            options = {"identity": identity_init}
         self.kind, self.window, self.rank = kind, window, rank
+        self.homogeneous, self.contextual_transitions = homogeneous, contextual_transitions
+        self.identity_init = identity_init
         self.vocab_size, self.hidden_size = vocab_size, hidden_size
         self.identity_logit = float(identity_logit)
+        if isinstance(sum_init_std, bool) or not isinstance(sum_init_std, int | float):
+            raise ValueError(f"sum_init_std must be a number >= 0, got {sum_init_std!r}")
+        if not sum_init_std >= 0:
+            raise ValueError(f"sum_init_std must be a number >= 0, got {sum_init_std!r}")
+        self.sum_init_std = float(sum_init_std)
+        if extra_positions not in EXTRA_POSITIONS:
+            raise ValueError(
+                f"extra_positions must be one of {list(EXTRA_POSITIONS)}, got {extra_positions!r}"
+            )
+        self.extra_positions = extra_positions
+        self.init_std = float(init_std)
         self.structure = build_structure(kind, window, rank, **options)
         self.circuit = Circuit(self.structure)
         s = self.structure
@@ -92,10 +123,24 @@ class MTPCHead(nn.Module):
         self.register_buffer("_sum_tie", s.sum_tie.clone(), persistent=False)
         self._tied = not torch.equal(s.sum_tie, torch.arange(s.num_sum_rows))
         self._all_ctx = ctx_rows.numel() == s.num_param_rows
-        # (P_ctx * r, d): sum-unit projections R; zero = uniform sums (+ bias)
+        # (P_ctx * r, d): sum-unit projections R (random: context-dependent sums; zero: uniform)
         self.sum_proj = nn.Parameter(torch.zeros(ctx_rows.numel() * rank, hidden_size))
         self.sum_bias = nn.Parameter(torch.zeros(s.num_param_rows, rank))  # (P, r)
         self.reset_sum_parameters()
+
+    def structure_options(self) -> dict[str, bool]:
+        """Options that change the parameter shapes (needed to rebuild the head)."""
+        return {"homogeneous": self.homogeneous, "contextual_transitions": self.contextual_transitions}
+
+    def init_options(self) -> dict[str, object]:
+        """How the head was initialised (recorded with exported drafts)."""
+        return {
+            "init_std": self.init_std,
+            "sum_init_std": self.sum_init_std,
+            "identity_init": self.identity_init,
+            "identity_logit": self.identity_logit,
+            "extra_positions": self.extra_positions,
+        }
 
     def extra_repr(self) -> str:
         return (
@@ -110,8 +155,16 @@ class MTPCHead(nn.Module):
 
     @torch.no_grad()
     def reset_sum_parameters(self) -> None:
-        """Uniform sums (zero projections, zero bias), identity-initialised transitions."""
-        self.sum_proj.zero_()
+        """Random projections ``R ~ N(0, sum_init_std^2)``, zero bias, identity transitions.
+
+        With ``sum_init_std = 0`` every sum starts uniform. Bias-only rows (the non-contextual
+        HMM transitions) start at the identity or uniform either way: they are broken out of
+        symmetry by the contextual root sum above them.
+        """
+        if self.sum_init_std > 0:
+            self.sum_proj.normal_(0.0, self.sum_init_std)
+        else:
+            self.sum_proj.zero_()
         self.sum_bias.zero_()
         s = self.structure
         rows = s.param_identity.nonzero().flatten()
@@ -124,8 +177,10 @@ class MTPCHead(nn.Module):
     ) -> MTPCHead:
         """Initialise from pretrained (MTP or STP) unembeddings.
 
-        ``W[i, j] = U[min(i, m - 1)]`` for every unit j, uniform sums and identity HMM
-        transitions, so every family starts with exactly FF's distribution.
+        ``W[i, j] = U[i]`` for every unit j, and for positions ``i >= m`` past the pretrained
+        heads ``U[m - 1]`` or a random matrix (``extra_positions``) shared by the units;
+        sum projections drawn anew (:meth:`reset_sum_parameters`). The units of a region are
+        identical, so every family starts with exactly FF's distribution.
 
         Args:
             unembeddings: ``(m, V, d)`` (m pretrained heads) or ``(V, d)`` (one STP head).
@@ -145,8 +200,11 @@ class MTPCHead(nn.Module):
                 f"unembeddings must have shape (m, V={V}, d={d}) or (V, d), "
                 f"got {tuple(unembeddings.shape)}"
             )
-        idx = torch.arange(self.window).clamp_max(u.shape[0] - 1)
+        m = u.shape[0]
+        idx = torch.arange(self.window).clamp_max(m - 1)
         w = u.to(self.unembedding)[idx.to(u.device)]  # (n, V, d)
+        if self.extra_positions == "random" and self.window > m:
+            w[m:] = torch.randn_like(w[m:]) * self.init_std
         self.unembedding.copy_(w.unsqueeze(1).expand_as(self.unembedding))
         if noise_std > 0:
             noise = torch.randn(

@@ -64,6 +64,13 @@ def test_launchers_compose(launcher: str) -> None:
     assert "launcher" in cfg.hydra
 
 
+def test_config_choices_match_the_head() -> None:
+    from mtpc.config import EXTRA_POSITIONS
+    from mtpc.heads import EXTRA_POSITIONS as HEAD_EXTRA_POSITIONS
+
+    assert EXTRA_POSITIONS == HEAD_EXTRA_POSITIONS
+
+
 def test_unknown_group_option_lists_allowed_values() -> None:
     with pytest.raises(ConfigCompositionException) as excinfo:
         _compose("train", ["circuit=foo"])
@@ -89,6 +96,13 @@ def test_unknown_group_option_lists_allowed_values() -> None:
         (["stage=lora"], "init_from", "stage=heads"),
         (["stage=both"], "stage", "heads, lora"),
         (["seed=-1"], "seed", "integer >= 0"),
+        (["circuit.sum_init_std=-0.1"], "circuit.sum_init_std", "[0.0, inf)"),
+        (["circuit.extra_positions=zeros"], "circuit.extra_positions", "repeat_last, random"),
+        (["circuit.identity_init=maybe"], "circuit.identity_init", "true, false"),
+        (["loss.normalise_discount=2"], "loss.normalise_discount", "true, false"),
+        (["optimizer.weight_decay=-1"], "optimizer.weight_decay", "[0.0, inf)"),
+        (["optimizer.betas=[0.9,1.5]"], "optimizer.betas", "two numbers in [0, 1)"),
+        (["optimizer.betas=[0.9]"], "optimizer.betas", "two numbers in [0, 1)"),
     ],
 )
 def test_bad_train_values_name_the_field(overrides: list[str], field: str, allowed: str) -> None:

@@ -74,6 +74,9 @@ def test_round_trip_is_bit_identical(tmp_path: Path, k: int) -> None:
         "vocab_size": V,
         "hidden_size": 32,
         "dtype": "float32",
+        "homogeneous": False,
+        "contextual_transitions": True,
+        "init": model.head.init_options(),
     }
     assert config["lora"]["layers"] == k and config["codec"] == "tiny"
 
@@ -120,3 +123,19 @@ def tiny_copy(hf: torch.nn.Module) -> torch.nn.Module:
     fresh = tiny_llama(3)
     fresh.load_state_dict(hf.state_dict())
     return fresh
+
+
+@pytest.mark.parametrize(
+    "options", [{"homogeneous": True}, {"contextual_transitions": False}]
+)
+def test_hmm_ablations_round_trip(tmp_path: Path, options: dict[str, bool]) -> None:
+    """Options that change the parameter shapes are recorded and rebuilt on load."""
+    torch.manual_seed(1)
+    hf = tiny_llama(3)
+    model = MTPCModel.from_hf(hf, kind="hmm", window=3, rank=2, lora_layers=0, **options)
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["circuit"]["init"]["sum_init_std"] == model.head.sum_init_std
+    loaded = MTPCModel.from_pretrained(tmp_path, target=hf)
+    for key, value in model.head.state_dict().items():
+        assert torch.equal(loaded.head.state_dict()[key], value), key

@@ -73,7 +73,7 @@ def test_init_single_stp_head_and_bad_shape() -> None:
 
 def test_hmm_transitions_identity_and_variants() -> None:
     e = torch.randn(2, D, dtype=torch.float64)
-    head = make_head("hmm", 3, 4)
+    head = make_head("hmm", 3, 4, sum_init_std=0.0)
     lw = head(e).sum_logw
     assert lw is not None
     trans = lw[:, :-1].exp().view(2, 3, 3, 3)  # (B, steps, z_i, z_{i+1})
@@ -97,7 +97,7 @@ def test_hmm_transitions_identity_and_variants() -> None:
     torch.testing.assert_close(lw[0, :-1], lw[1, :-1])  # transitions ignore e
     assert not torch.allclose(lw[0, -1], lw[1, -1])  # the initial distribution does not
 
-    uni = make_head("hmm", 3, 4, identity_init=False)
+    uni = make_head("hmm", 3, 4, identity_init=False, sum_init_std=0.0)
     lw = uni(e).sum_logw
     assert lw is not None
     torch.testing.assert_close(lw.exp(), torch.full_like(lw, 1 / 3))

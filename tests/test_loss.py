@@ -46,6 +46,18 @@ def test_composite_nll_matches_hand_computed_normalisation() -> None:
     l2 = -((-2.0) / 1 + (-1.5 - 3.5) / 2) / 2
     assert out.per_position.tolist() == pytest.approx([l1, l2])
     assert out.loss.item() == pytest.approx(l1 + gamma * l2)
+    normalised = composite_nll(prefix, mask, gamma=gamma, normalise_discount=True)
+    assert normalised.loss.item() == pytest.approx((l1 + gamma * l2) / (1 + gamma))
+    assert normalised.per_position.tolist() == pytest.approx([l1, l2])
+
+
+def test_normalised_kl_is_a_weighted_mean_of_positions() -> None:
+    teacher = torch.log_softmax(torch.randn(1, 2, 3, 5, dtype=torch.float64), -1)
+    draft = torch.log_softmax(torch.randn(1, 2, 3, 5, dtype=torch.float64), -1)
+    mask = torch.ones(1, 2, 3, dtype=torch.bool)
+    plain = distillation_kl(teacher, draft, mask, gamma=0.5)
+    normalised = distillation_kl(teacher, draft, mask, gamma=0.5, normalise_discount=True)
+    assert normalised.loss.item() == pytest.approx(plain.loss.item() / 1.75)
 
 
 def test_sequence_without_valid_targets_adds_nothing() -> None:

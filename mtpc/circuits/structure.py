@@ -358,11 +358,16 @@ def build_hmm(
     return b.sum(node, 1)
 
 
-def build_btree(b: StructureBuilder) -> int:
+def build_btree(b: StructureBuilder, *, identity: bool = False) -> int:
     """BTree: balanced binary tree of latent variables, split recursively in halves.
 
     Every internal region is a Hadamard product of its two halves followed by an r x r sum;
     the root sum has one unit. The left half gets the extra position when the length is odd.
+
+    Args:
+        b: The builder.
+        identity: Identity-initialise the r x r sums (unit j of a region starts as the
+            product of unit j of its halves, a CP over the window, as HMM transitions do).
     """
 
     if b.window == 1:
@@ -372,7 +377,8 @@ def build_btree(b: StructureBuilder) -> int:
         if hi - lo == 1:
             return b.leaf(lo)
         mid = lo + (hi - lo + 1) // 2
-        return b.sum(b.product(internal(lo, mid, None), internal(mid, hi, None)), units)
+        product = b.product(internal(lo, mid, None), internal(mid, hi, None))
+        return b.sum(product, units, identity=identity and units is None)
 
     return internal(0, b.window, 1)
 

@@ -55,13 +55,17 @@ class LossOutput:
     per_position: Tensor
 
 
-def _normalised_sum(terms: Tensor, target_mask: Tensor, gamma: float | None) -> LossOutput:
+def _normalised_sum(
+    terms: Tensor, target_mask: Tensor, gamma: float | None, normalise_discount: bool = False
+) -> LossOutput:
     """-(1/N) sum_i (1/V_{i,j}) sum_t terms, discounted over j.
 
     Args:
         terms: per-position log-likelihood-like terms; (N, L, n). Larger is better.
         target_mask: which terms are valid targets; (N, L, n) bool.
         gamma: discount; None for the paper's default.
+        normalise_discount: divide the discounted total by sum_j gamma^{j-1}, so the loss
+            is a weighted mean of the L_j (same optimum, a scale independent of n).
     """
     mask = target_mask.to(terms.dtype)
     valid_counts = mask.sum(dim=1)  # (N, n): V_{i,j}
@@ -69,11 +73,16 @@ def _normalised_sum(terms: Tensor, target_mask: Tensor, gamma: float | None) -> 
     per_sequence = summed / valid_counts.clamp(min=1.0)  # sequences with V_ij = 0 add 0
     per_position = -per_sequence.mean(dim=0)  # (n,)
     weights = discount_weights(terms.shape[-1], gamma).to(per_position)
+    if normalise_discount:
+        weights = weights / weights.sum()
     return LossOutput((weights * per_position).sum(), per_position.detach())
 
 
 def composite_nll(
-    prefix_log_probs: Tensor, target_mask: Tensor, gamma: float | None = None
+    prefix_log_probs: Tensor,
+    target_mask: Tensor,
+    gamma: float | None = None,
+    normalise_discount: bool = False,
 ) -> LossOutput:
     """The discounted composite NLL over overlapping windows (paper Eq. 4).
 
@@ -83,13 +92,15 @@ def composite_nll(
         target_mask: True where x_{t+j} is a valid target (an assistant byte of the same
             document); (N, L, n).
         gamma: discount factor; None for 0.8 (n <= 8) or 0.9 (n > 8).
+        normalise_discount: divide by sum_j gamma^{j-1} (the paper's Eq. 4 does not).
     """
     if prefix_log_probs.shape != target_mask.shape:
         raise ValueError(
             f"prefix_log_probs {tuple(prefix_log_probs.shape)} and target_mask "
             f"{tuple(target_mask.shape)} must have the same (N, L, n) shape"
         )
-    return _normalised_sum(conditionals_from_prefix(prefix_log_probs), target_mask, gamma)
+    conditionals = conditionals_from_prefix(prefix_log_probs)
+    return _normalised_sum(conditionals, target_mask, gamma, normalise_discount)
 
 
 def distillation_kl(
@@ -97,6 +108,7 @@ def distillation_kl(
     draft_log_conditionals: Tensor,
     target_mask: Tensor,
     gamma: float | None = None,
+    normalise_discount: bool = False,
 ) -> LossOutput:
     """Forward KL(p || q) per window position, normalised like Eq. 4 (paper App. G, Eq. 5).
 
@@ -106,10 +118,11 @@ def distillation_kl(
         draft_log_conditionals: the draft's log q(. | x_{t+1..t+j-1}, x_{<=t}); (N, L, n, V).
         target_mask: (N, L, n).
         gamma: discount factor; None for the paper's default.
+        normalise_discount: divide by sum_j gamma^{j-1}.
     """
     teacher = teacher_log_probs.float()
     kl = (teacher.exp() * (teacher - draft_log_conditionals.float())).sum(dim=-1)  # (N, L, n)
-    return _normalised_sum(-kl, target_mask, gamma)
+    return _normalised_sum(-kl, target_mask, gamma, normalise_discount)
 
 
 def expected_accepted(prefix_log_probs: Tensor, target_mask: Tensor) -> Tensor:

@@ -41,6 +41,8 @@ class MTPCLightningModule(L.LightningModule):
         model: the draft model (frozen target + head + optional LoRA tail).
         loss: ``nll`` (paper Eq. 4) or ``kl`` (paper App. G).
         gamma: window discount; None for 0.8 (n <= 8) or 0.9 (n > 8).
+        normalise_discount: divide the discounted loss by sum_j gamma^{j-1} (the paper's
+            Eq. 4 does not; the reference code offers it).
         chunk_size: positions per chunk of the memory-lean likelihood.
         optimizer: a partial optimizer taking the trainable parameters (Adam by default).
         scheduler: an optional partial LR scheduler taking the optimizer.
@@ -52,6 +54,7 @@ class MTPCLightningModule(L.LightningModule):
         model: MTPCModel,
         loss: str = "nll",
         gamma: float | None = None,
+        normalise_discount: bool = False,
         chunk_size: int = 1024,
         optimizer: OptimizerFactory | None = None,
         scheduler: SchedulerFactory | None = None,
@@ -63,6 +66,7 @@ class MTPCLightningModule(L.LightningModule):
         self.model = model
         self.loss_name = loss
         self.gamma = gamma
+        self.normalise_discount = normalise_discount
         self.chunk_size = chunk_size
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
@@ -99,13 +103,14 @@ class MTPCLightningModule(L.LightningModule):
         prefix, features, out = self._window_log_probs(batch)
         mask = batch["target_mask"]
         if self.loss_name == "nll":
-            result = composite_nll(prefix, mask, self.gamma)
+            result = composite_nll(prefix, mask, self.gamma, self.normalise_discount)
         else:
             result = distillation_kl(
                 self._teacher_log_probs(out.verifier_logits),
                 self._draft_conditionals(features, batch),
                 mask,
                 self.gamma,
+                self.normalise_discount,
             )
         return result, prefix, features
 
