@@ -297,9 +297,10 @@ def check_resume_config(
             "; ".join(changes),
         )
         return changes
+    changed = [c for c in changes if ": (unset) ->" not in c] or changes  # edits before new fields
     suffix = "-".join(
         f"{c.split(':')[0].rsplit('.', 1)[-1]}{c.rsplit('-> ', 1)[-1].strip(chr(39))}"
-        for c in changes[:2]
+        for c in changed[:2]
     )
     raise ResumeConfigError(
         f"the run folder's checkpoint {checkpoint_path} was written with other settings: "
