@@ -83,7 +83,7 @@ def main() -> None:
                 if mode == "streamed" and not sample:
                     sample = read_records(out)
         prompts = [r for r in sample if r["type"] == "prompt"]
-        manifest = {"sessions": [], "drafts": [], "settings": {}}
+        manifest: dict[str, Any] = {"sessions": [], "drafts": [], "settings": {}}
         store = RecordStore.open(Path(tmp) / "append", manifest)
         start = time.perf_counter()
         for i in range(1000):

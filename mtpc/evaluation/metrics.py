@@ -23,6 +23,7 @@ Per prompt set (cycles pooled over its prompts):
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -85,14 +86,19 @@ def set_metrics(
     wall = sum(r["seconds"] for r in recs)
     mu_lat = seconds / max(1, cycles)
     mu_acc = tokens / max(1, cycles)  # sum(emitted) == new tokens
-    tried = [0] * window
-    hits = [0] * window
+    # difference arrays: a cycle judges positions [pre, pre + m) and accepts [pre, pre + s)
+    tried = [0] * (window + 1)
+    hits = [0] * (window + 1)
     for r in recs:
         cols = (r.get("accepted", ()), r.get("drafted", ()), r.get("offsets", ()))  # per cycle
         for s, m, pre in zip(*cols, strict=True):
-            for j in range(pre, min(window, pre + m)):
-                tried[j] += 1
-                hits[j] += j - pre < s
+            if pre < window:
+                tried[pre] += 1
+                tried[min(window, pre + m)] -= 1
+                hits[pre] += 1
+                hits[min(window, pre + min(s, m))] -= 1
+    tried = list(itertools.accumulate(tried[:window]))
+    hits = list(itertools.accumulate(hits[:window]))
     return {
         "mu_lat": mu_lat,
         "mu_acc": mu_acc,

@@ -473,8 +473,9 @@ def decode_all(
         decoded = sum(
             run_pass(store, model, prompt_sets, cfg, None if p == "ar" else draft, p) for p in todo
         )
-        rows, _ = build_report(store.manifest, store.records)
-        row = next(r for r in rows if r.get("path") == draft["path"])
+        mine = [r for r in store.records if r.get("draft_path") in (None, draft["path"])]
+        rows, _ = build_report({**store.manifest, "drafts": [draft]}, mine)
+        row = rows[-1]
         logger.info(
             "[%d/%d] %s: %.2f tokens/cycle, %.2fx AR (%d prompts decoded in %.1f s)",
             index + 1, len(entries), draft["name"], row.get("mu_acc", math.nan),
