@@ -26,7 +26,7 @@ import torch
 from mtpc.decoding.common import GenerationResult
 from mtpc.evaluation.metrics import prompt_record, set_metrics
 from mtpc.evaluation.records import RecordsError, read_records
-from mtpc.evaluation.report import TIMING
+from mtpc.evaluation.report import TIMING, write_outputs
 from mtpc.evaluation.run import EvalConfigError, evaluate
 from tests.test_eval import _cfg, make_drafts
 
@@ -236,6 +236,16 @@ def test_acc_drafts_counts_only_the_emitted_drafts() -> None:
     assert m["mu_acc"] == 5 and m["mu_acc_drafts"] == 5  # the 5 emitted tokens are drafts
     assert m["acceptance"][:5] == [1.0] * 5
     assert all(a != a for a in m["acceptance"][5:])  # positions 6..8 were never emitted
+
+
+def test_results_json_is_strict_json(tmp_path: Path) -> None:
+    """NaN (an acceptance position no cycle reached, an empty ratio) is written as null."""
+    nan = float("nan")
+    row = {"name": "x", "kind": "btree", "mu_lat": 0.1, "mu_acc": 2.0, "tok_s": 20.0,
+           "speedup_ar": nan, "acceptance": [1.0, nan], "per_set": []}  # fmt: skip
+    files = write_outputs({"rows": [row], "by_source": []}, tmp_path, plots=False)
+    saved = _strict(Path(files["json"]).read_text())
+    assert saved["rows"][0]["speedup_ar"] is None and saved["rows"][0]["acceptance"] == [1.0, None]
 
 
 def test_progress_bar_on_a_terminal_leaves_the_table_intact(

@@ -292,9 +292,12 @@ def build_manifest(cfg: Any, drafts: Sequence[Path], baselines: Sequence[Path]) 
         )  # fmt: skip
     data = _plain(_get(cfg, "data")) or {}
     device = str(_get(cfg, "device", "cpu"))
+    settings = {k: _plain(_get(cfg, k)) for k in SETTINGS}
+    if isinstance(settings["sources"], str):  # sources=a is sources=[a]
+        settings["sources"] = [settings["sources"]]
     return {
         "format": FORMAT_VERSION,
-        "settings": {k: _plain(_get(cfg, k)) for k in SETTINGS},
+        "settings": settings,
         "target": _plain(_get(cfg, "model")),
         "data": {k: v for k, v in data.items() if k not in DATA_IGNORED},
         "drafts": entries,
