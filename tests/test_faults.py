@@ -161,6 +161,7 @@ def test_truncated_last_checkpoint_falls_back_to_a_readable_one(tmp_path: Path, 
         resumed = train(_compose(tmp_path, [*common, "trainer.max_steps=3"]))
     assert "unreadable" in caplog.text and best.name in caplog.text  # was: a raw torch error
     assert resumed["train/steps"] == 3 and not stray.exists()
+    assert sorted(p.name for p in checkpoints.glob("last*.ckpt")) == ["last.ckpt"]  # no last-v1
 
     for ckpt in checkpoints.glob("*.ckpt"):
         ckpt.write_bytes(b"truncated")

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -111,7 +112,13 @@ class RunLock:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except OSError as err:
+            if err.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
+                os.close(fd)  # a file system without locks: run unlocked, but say so
+                log.warning(
+                    "cannot lock %s (%s); running without a run-folder lock", self.path, err
+                )
+                return
             holder = self.path.read_text(errors="replace").strip() or "unknown process"
             os.close(fd)
             raise RunFolderBusyError(
@@ -190,8 +197,9 @@ def find_resume_checkpoint(
 ) -> tuple[Path, dict[str, Any]] | None:
     """The checkpoint to resume from and its contents, or None when the folder has none.
 
-    ``last.ckpt`` first; if it cannot be read it is renamed to ``<name>.unreadable`` and
-    the readable checkpoint with the highest global step is used, with a warning.
+    ``last.ckpt`` first; if it cannot be read, the readable checkpoint with the highest
+    global step is used, with a warning (every rank makes the same choice; the next save
+    overwrites the unreadable ``last.ckpt``).
 
     Raises:
         CheckpointUnreadableError: checkpoints exist but none can be read (names the file).
@@ -217,14 +225,11 @@ def find_resume_checkpoint(
             f"cannot resume: {last} is unreadable ({reason}) and no other checkpoint in "
             f"{checkpoint_dir} is readable; delete {last} to start the run over"
         )
-    step, path, checkpoint = max(readable, key=lambda item: item[0])
-    aside = last.with_name(f"{last.name}.unreadable")
-    os.replace(last, aside)
+    step, path, checkpoint = max(readable, key=lambda item: (item[0], item[1].name))
     log.warning(
-        "%s is unreadable (%s); moved it to %s and resuming from %s (global step %d) instead",
+        "%s is unreadable (%s); resuming from %s (global step %d) instead",
         last,
         reason,
-        aside.name,
         path,
         step,
     )
