@@ -304,8 +304,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
 def _train_locked(cfg: DictConfig, run_dir: Path) -> dict[str, float]:
     checkpoint_dir = run_dir / "checkpoints"
-    remove_stale_tmp(checkpoint_dir)
-    remove_stale_tmp(run_dir)
+    for folder in (checkpoint_dir, run_dir, run_dir / "draft"):  # interrupted writes
+        remove_stale_tmp(folder)
     fast = bool(cfg.trainer.get("fast_dev_run"))
     settings = comparable_config(_plain(cfg))
     resume = None if fast else find_resume_checkpoint(checkpoint_dir, LAST_CHECKPOINT)
