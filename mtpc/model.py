@@ -16,13 +16,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from mtpc.backbones import Backbone, LayerCache, backbone_from_hf, load_backbone, resolve_dtype
 from mtpc.backbones.lora import LoraSettings, as_settings, attach_lora, validate_lora
+
+if TYPE_CHECKING:
+    from mtpc.heads import MTPCHead
 
 HEAD_INITS = ("pretrained", "stp", "random")
 
@@ -106,7 +109,7 @@ class MTPCModel(nn.Module):
     """
 
     def __init__(
-        self, backbone: Backbone, head: nn.Module, lora: LoraSettings, head_init: str
+        self, backbone: Backbone, head: MTPCHead, lora: LoraSettings, head_init: str
     ) -> None:
         super().__init__()
         self.backbone = backbone
