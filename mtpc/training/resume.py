@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 LOCK_NAME = ".lock"
 CONFIG_KEY = "mtpc_config"
-"""Checkpoint key of the resolved config that wrote it (see ``RunConfigCallback``)."""
+"""Checkpoint key of the settings that wrote it (``callbacks.RunRecordCallback``)."""
 
 MATTERS = (
     "model",
