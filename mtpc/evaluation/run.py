@@ -169,12 +169,12 @@ def check_target_name(path: Path, cfg: Any) -> str | None:
         ValueError: the draft names another registry target than ``model.name``.
     """
     from mtpc.backbones import BACKBONES
-    from mtpc.export import read_config
+    from mtpc.export import TargetMismatchError, read_config
 
     recorded = read_config(path)["target"].get("model")
     name = _get(cfg, "model.name", "tiny")
     if recorded in BACKBONES and recorded != name:
-        raise ValueError(
+        raise TargetMismatchError(
             f"draft {path} was exported for target model {recorded!r}, but model={name}; "
             f"evaluate it with model={recorded}"
         )
