@@ -23,18 +23,13 @@ def main(cfg: DictConfig) -> None:
     ``HYDRA_FULL_ERROR=1`` shows the full traceback of those too; bugs always show it.
     """
     from mtpc.errors import run_reporting_user_errors
-    from mtpc.evaluation import run as evaluation
-
-    user_errors: tuple[type[BaseException], ...] = (FileNotFoundError,)
-    config_error = getattr(evaluation, "EvalConfigError", None)
-    if isinstance(config_error, type) and issubclass(config_error, BaseException):
-        user_errors += (config_error,)
+    from mtpc.evaluation.run import evaluate
 
     def run() -> None:
         check_draft_folders(cfg)
-        evaluation.evaluate(cfg)
+        evaluate(cfg)
 
-    run_reporting_user_errors(run, also=user_errors)
+    run_reporting_user_errors(run, also=(FileNotFoundError,))
 
 
 def check_draft_folders(cfg: DictConfig) -> None:
