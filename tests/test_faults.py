@@ -129,7 +129,7 @@ def test_resume_with_changed_settings_is_refused_naming_the_fields(tmp_path: Pat
               "export=false"]  # fmt: skip
     train(_compose(tmp_path, [*common, "trainer.max_steps=2"]))
     changed = _compose(tmp_path, [*common, "trainer.max_steps=3", "optimizer.lr=0.01"])
-    with pytest.raises(Exception, match=r"optimizer\.lr: 0\.0003 -> 0\.01") as err:
+    with pytest.raises(Exception, match=r"optimizer\.lr: [0-9.e-]+ -> 0\.01") as err:
         train(changed)  # was: resumed silently at the checkpoint's lr
     assert "allow_resume_changes=true" in str(err.value) and "run_name=" in str(err.value)
     # a longer budget is not a change that matters
