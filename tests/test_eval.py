@@ -111,6 +111,21 @@ def test_evaluate_drafts_with_baseline_writes_table_json_csv_plots(
     assert saved["settings"]["policy"] == "condition" and len(saved["rows"]) == 3
 
 
+def test_baseline_listed_among_the_drafts_is_evaluated_once(
+    tmp_path: Path, drafts: dict[str, Path]
+) -> None:
+    """``draft=[btree, ff] baseline=ff``: the FF row appears once, as the baseline."""
+    cfg = _cfg(
+        tmp_path,
+        draft=[str(drafts["btree"]), str(drafts["ff"])],
+        baseline=str(drafts["ff"]),
+        num_prompt_sets=1, max_throughput=False, plots=False,
+    )  # fmt: skip
+    rows = evaluate(cfg)["rows"]
+    assert [r.get("kind") for r in rows[1:]] == ["btree", "ff"]
+    assert rows[-1]["baseline"] and rows[-1]["speedup_baseline"] == pytest.approx(1.0)
+
+
 def test_default_draft_is_the_last_trained_one(tmp_path: Path, drafts: dict[str, Path]) -> None:
     with pytest.raises(FileNotFoundError, match=r"python train\.py"):
         evaluate(_cfg(tmp_path))

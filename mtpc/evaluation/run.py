@@ -534,6 +534,7 @@ def evaluate(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
     base_paths = (
         resolve_drafts({"draft": baseline, "paths": _get(cfg, "paths")}) if baseline else []
     )
+    drafts = [d for d in drafts if d not in base_paths]  # a draft that is also the baseline: once
     threads = _get(cfg, "num_threads")
     if threads:
         torch.set_num_threads(int(threads))
