@@ -154,8 +154,12 @@ def _check_optimizer(cfg: Mapping[str, Any]) -> None:
     if betas is _MISSING or betas is None:
         return
     values = list(betas) if isinstance(betas, list | tuple | ListConfig) else None
-    if values is None or len(values) != 2 or not all(
-        not isinstance(b, bool) and isinstance(b, int | float) and 0 <= b < 1 for b in values
+    if (
+        values is None
+        or len(values) != 2
+        or not all(
+            not isinstance(b, bool) and isinstance(b, int | float) and 0 <= b < 1 for b in values
+        )
     ):
         raise ConfigError(
             f"optimizer.betas={betas!r} is not allowed; allowed: two numbers in [0, 1), "

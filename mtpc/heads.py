@@ -130,7 +130,10 @@ class MTPCHead(nn.Module):
 
     def structure_options(self) -> dict[str, bool]:
         """Options that change the parameter shapes (needed to rebuild the head)."""
-        return {"homogeneous": self.homogeneous, "contextual_transitions": self.contextual_transitions}
+        return {
+            "homogeneous": self.homogeneous,
+            "contextual_transitions": self.contextual_transitions,
+        }
 
     def init_options(self) -> dict[str, object]:
         """How the head was initialised (recorded with exported drafts)."""

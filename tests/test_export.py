@@ -125,9 +125,7 @@ def tiny_copy(hf: torch.nn.Module) -> torch.nn.Module:
     return fresh
 
 
-@pytest.mark.parametrize(
-    "options", [{"homogeneous": True}, {"contextual_transitions": False}]
-)
+@pytest.mark.parametrize("options", [{"homogeneous": True}, {"contextual_transitions": False}])
 def test_hmm_ablations_round_trip(tmp_path: Path, options: dict[str, bool]) -> None:
     """Options that change the parameter shapes are recorded and rebuilt on load."""
     torch.manual_seed(1)
