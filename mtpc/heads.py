@@ -49,9 +49,10 @@ class MTPCHead(nn.Module):
             distribution) but makes each unit's weight depend on the context, so the
             identical units get different gradients and separate (docs/CIRCUITS.md).
         extra_positions: What :meth:`from_pretrained_unembeddings` gives window positions
-            past the m pretrained heads (n = 16 on EvaByte's 8): ``"repeat_last"`` (copy
-            head m) or ``"random"`` (``N(0, init_std^2)``, shared by the units of a
-            position so the start stays FF).
+            past the m pretrained heads (n = 16 on EvaByte's 8): ``"random"``
+            (``N(0, init_std^2)``, shared by the units of a position so the start stays FF;
+            the default, as the paper's reference code, and measured better) or
+            ``"repeat_last"`` (copy head m).
 
     Raises:
         ValueError: For an invalid kind, window, rank, vocab_size or hidden_size, or HMM
@@ -72,7 +73,7 @@ class MTPCHead(nn.Module):
         identity_logit: float = 10.0,
         init_std: float = 0.02,
         sum_init_std: float = 0.02,
-        extra_positions: str = "repeat_last",
+        extra_positions: str = "random",
     ) -> None:
         super().__init__()
         check_kind_window_rank(kind, window, rank)

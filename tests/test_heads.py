@@ -43,13 +43,25 @@ def test_public_api_smoke() -> None:
 
 @pytest.mark.parametrize(("kind", "rank"), FAMILIES)
 @pytest.mark.parametrize("m", [1, 2, 5])
-def test_init_from_unembeddings_equals_ff(kind: str, rank: int, m: int) -> None:
+@pytest.mark.parametrize("extra", ["random", "repeat_last"])
+def test_init_from_unembeddings_equals_ff(kind: str, rank: int, m: int, extra: str) -> None:
     n = 3
     U = torch.randn(m, V, D, dtype=torch.float64)
-    ff = make_head("ff", 1, n).from_pretrained_unembeddings(U)
-    head = make_head(kind, rank, n).from_pretrained_unembeddings(U)
+    ff, head = (
+        make_head("ff", 1, n, extra_positions=extra),
+        make_head(kind, rank, n, extra_positions=extra),
+    )
+    torch.manual_seed(0)  # the same random extra positions for both heads
+    ff.from_pretrained_unembeddings(U)
+    torch.manual_seed(0)
+    head.from_pretrained_unembeddings(U)
     for i, j in itertools.product(range(n), range(rank)):
-        torch.testing.assert_close(head.unembedding[i, j], U[min(i, m - 1)])
+        torch.testing.assert_close(head.unembedding[i, j], ff.unembedding[i, 0])
+        if i < m or extra == "repeat_last":
+            torch.testing.assert_close(head.unembedding[i, j], U[min(i, m - 1)])
+        else:  # past the pretrained heads: random, shared by the units
+            assert not torch.equal(head.unembedding[i, j], U[m - 1])
+            assert head.unembedding[i, j].std().item() == pytest.approx(head.init_std, rel=0.2)
     e = torch.randn(2, D, dtype=torch.float64)
     X = torch.tensor(list(itertools.product(range(V), repeat=n)))
     N = X.shape[0]
@@ -65,10 +77,16 @@ def test_init_from_unembeddings_equals_ff(kind: str, rank: int, m: int) -> None:
 
 def test_init_single_stp_head_and_bad_shape() -> None:
     U = torch.randn(V, D, dtype=torch.float64)
-    head = make_head("cp", 2).from_pretrained_unembeddings(U)
+    head = make_head("cp", 2, extra_positions="repeat_last").from_pretrained_unembeddings(U)
     assert torch.equal(head.unembedding[2, 1], U)
+    head = make_head("cp", 2).from_pretrained_unembeddings(U)  # default: random past head 1
+    assert torch.equal(head.unembedding[0, 1], U)
+    assert torch.equal(head.unembedding[2, 1], head.unembedding[2, 0])
+    assert not torch.equal(head.unembedding[2, 1], U)
     with pytest.raises(ValueError, match="unembeddings must have shape"):
         head.from_pretrained_unembeddings(torch.randn(2, V + 1, D))
+    with pytest.raises(ValueError, match="extra_positions must be one of"):
+        make_head("cp", 2, extra_positions="zeros")
 
 
 def test_hmm_transitions_identity_and_variants() -> None:

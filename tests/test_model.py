@@ -60,18 +60,27 @@ def test_cp_equals_ff_at_step_zero_and_matches_mtp_heads(which: str) -> None:
 
 def test_head_init_falls_back_to_stp() -> None:
     hf = tiny_llama(2)
-    model = MTPCModel.from_hf(hf, kind="cp", window=3, rank=2)
+    model = MTPCModel.from_hf(hf, kind="cp", window=3, rank=2, extra_positions="repeat_last")
     w = model.head.unembedding  # (n, r, V, d)
     for i in range(3):
         for j in range(2):
             assert torch.equal(w[i, j], hf.lm_head.weight)
+    model = MTPCModel.from_hf(tiny_llama(2), kind="cp", window=3, rank=2)  # default: random
+    w = model.head.unembedding
+    assert torch.equal(w[0, 1], model.backbone.stp_unembedding())
+    assert torch.equal(w[2, 0], w[2, 1]) and not torch.equal(w[2, 0], w[0, 0])
 
 
-def test_window_past_pretrained_heads_copies_last() -> None:
+def test_window_past_pretrained_heads() -> None:
     hf = fake_evabyte(1)
-    model = MTPCModel.from_hf(hf, kind="ff", window=10, rank=1)
+    model = MTPCModel.from_hf(hf, kind="ff", window=10, rank=1, extra_positions="repeat_last")
     w = model.head.unembedding[:, 0]  # (n, V, d)
     assert torch.equal(w[9], hf.lm_head.weight[7 * V : 8 * V])
+    hf = fake_evabyte(1)
+    model = MTPCModel.from_hf(hf, kind="ff", window=10, rank=1)
+    w = model.head.unembedding[:, 0]
+    assert torch.equal(w[7], hf.lm_head.weight[7 * V : 8 * V])
+    assert not torch.equal(w[9], w[7])  # past the 8 pretrained heads: random
 
 
 @pytest.mark.parametrize("lora_layers", [0, 1])

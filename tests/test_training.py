@@ -132,8 +132,8 @@ def _read_losses(run_dir: Path) -> dict[int, float]:
 def test_two_stage_training_exports_and_beats_the_untrained_head(tmp_path: Path) -> None:
     cfg = _compose(tmp_path, ["circuit=btree", "circuit.window=4", "circuit.rank=4",
                               "trainer.max_steps=12", "+circuit.head_init=stp"], "heads")  # fmt: skip
-    # head_init=stp: every window position starts from the next-byte unembedding, far from
-    # the data, so a dozen steps must show (the default init is the target's MTP heads)
+    # head_init=stp: position 1 starts from the next-byte unembedding, the rest at random,
+    # far from the data, so a dozen steps must show (the default init is the target's MTP heads)
     metrics = train(cfg)
     draft = tmp_path / "heads" / "draft"
     assert (draft / "config.json").exists() and (draft / "head.safetensors").exists()
