@@ -14,6 +14,8 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import DictConfig, open_dict
 
+from tests.test_training import _compose as compose_run
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO / "configs"
 FAST = [
@@ -32,14 +34,7 @@ FAST = [
 
 
 def _compose(tmp_path: Path, overrides: list[str], name: str = "run") -> DictConfig:
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=[*FAST, *overrides], return_hydra_config=False)
-    with open_dict(cfg):
-        cfg.paths.root_dir = str(tmp_path)
-        cfg.paths.cache_dir = str(tmp_path / "cache")
-        cfg.paths.output_dir = str(tmp_path / name)
-        cfg.run_dir = str(tmp_path / name)
-    return cfg
+    return compose_run(tmp_path, overrides, name, fast=FAST)
 
 
 def _chat_rows(path: Path, count: int) -> Path:

@@ -40,9 +40,12 @@ FAST = [
 ]
 
 
-def _compose(tmp_path: Path, overrides: list[str], name: str = "run") -> DictConfig:
+def _compose(
+    tmp_path: Path, overrides: list[str], name: str = "run", fast: list[str] = FAST
+) -> DictConfig:
+    """The training config of ``fast + overrides``, writing only under ``tmp_path``."""
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=[*FAST, *overrides], return_hydra_config=False)
+        cfg = compose("train", overrides=[*fast, *overrides], return_hydra_config=False)
     with open_dict(cfg):
         cfg.paths.root_dir = str(tmp_path)
         cfg.paths.cache_dir = str(tmp_path / "cache")

@@ -376,12 +376,13 @@ def remove_stale_tmp(parent: Path) -> None:
     """Removes ``.<name>.<pid>.tmp`` folders of preparations whose process is gone."""
     for tmp in parent.glob(".*.tmp"):
         pid = tmp.name.rsplit(".", 2)[-2]
-        if pid.isdigit() and not _pid_alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             logger.info("removing %s, left by an interrupted data preparation", tmp)
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` is running (this process counts as running)."""
     if pid == os.getpid():
         return True
     try:

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from mtpc.data.cache import pid_alive
 from mtpc.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -163,25 +164,13 @@ def remove_stale_tmp(folder: Path) -> None:
         return
     for tmp in folder.glob(".*.tmp*"):
         pid = tmp.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and _alive(int(pid)):
+        if pid.isdigit() and pid_alive(int(pid)):
             continue
         log.warning("removing %s, left by an interrupted write", tmp)
         if tmp.is_dir():
             shutil.rmtree(tmp, ignore_errors=True)
         else:
             tmp.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _read_checkpoint(path: Path) -> dict[str, Any]:
