@@ -25,35 +25,7 @@ def main(cfg: DictConfig) -> None:
     from mtpc.errors import run_reporting_user_errors
     from mtpc.evaluation.run import evaluate
 
-    def run() -> None:
-        check_draft_folders(cfg)
-        evaluate(cfg)
-
-    run_reporting_user_errors(run, also=(FileNotFoundError,))
-
-
-def check_draft_folders(cfg: DictConfig) -> None:
-    """Refuses a ``draft=`` / ``baseline=`` that is a training run folder, naming its draft.
-
-    Raises:
-        DraftError: the folder has no ``config.json`` but holds ``draft/config.json``.
-    """
-    from mtpc.errors import DraftError
-    from mtpc.export import CONFIG_NAME
-
-    root = Path(str(cfg.paths.root_dir)) if cfg.get("paths") else Path.cwd()
-    for key in ("draft", "baseline"):
-        value = cfg.get(key)
-        if value is None:
-            continue
-        for given in [value] if isinstance(value, str) else list(value):
-            path = Path(str(given))
-            path = path if path.is_absolute() else root / path
-            if not (path / CONFIG_NAME).is_file() and (path / "draft" / CONFIG_NAME).is_file():
-                raise DraftError(
-                    f"{key}={given} is a training run folder, not an exported draft; "
-                    f"use {key}={Path(str(given)) / 'draft'}"
-                )
+    run_reporting_user_errors(lambda: evaluate(cfg), also=(FileNotFoundError,))
 
 
 if __name__ == "__main__":

@@ -99,9 +99,8 @@ class MTPCHead(nn.Module):
         self.identity_init = identity_init
         self.vocab_size, self.hidden_size = vocab_size, hidden_size
         self.identity_logit = float(identity_logit)
-        if isinstance(sum_init_std, bool) or not isinstance(sum_init_std, int | float):
-            raise ValueError(f"sum_init_std must be a number >= 0, got {sum_init_std!r}")
-        if not sum_init_std >= 0:
+        numeric = not isinstance(sum_init_std, bool) and isinstance(sum_init_std, int | float)
+        if not (numeric and sum_init_std >= 0):  # also refuses NaN
             raise ValueError(f"sum_init_std must be a number >= 0, got {sum_init_std!r}")
         self.sum_init_std = float(sum_init_std)
         if extra_positions not in EXTRA_POSITIONS:

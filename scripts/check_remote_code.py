@@ -19,9 +19,9 @@ The directly built model is the remote class's own ``__init__`` on CPU (its buff
 for real). Under transformers 5 the remote classes cannot even be built without the config
 view of ``mtpc.backbones.compat`` (rope_scaling, missing keys), which it therefore uses.
 
-    python scripts/check_remote_code.py evabyte /tmp/evabyte_hf
-    python scripts/check_remote_code.py llama3_byte /tmp/tokenkit/hf --rope llama3
-    python scripts/check_remote_code.py llama3_byte /tmp/tokenkit/hf --rope default
+    python scripts/check_remote_code.py evabyte <dir with evabyte_hf/*.py>
+    python scripts/check_remote_code.py llama3_byte <dir with tokenkit/hf/*.py> --rope llama3
+    python scripts/check_remote_code.py llama3_byte <dir with tokenkit/hf/*.py> --rope default
 
 Exit status 0 when every check passes; the report is printed as JSON.
 """

@@ -48,9 +48,6 @@ def main() -> None:
 
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s] %(message)s")
     overrides = sys.argv[2:]
-    baseline = next((o.split("=", 1)[1] for o in overrides if o.startswith("baseline=")), None)
-    if baseline:  # the baseline is its own row, not also a draft
-        drafts = [d for d in drafts if d.resolve() != Path(baseline).resolve()]
     listing = ",".join(f"'{d}'" for d in drafts)
     with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
         cfg = compose("eval", overrides=[f"draft=[{listing}]", *overrides])

@@ -132,6 +132,25 @@ def _read_losses(run_dir: Path) -> dict[int, float]:
     return losses
 
 
+def test_optimisation_options_reach_the_loss_and_the_optimizer(tmp_path: Path) -> None:
+    """loss.normalise_discount, optimizer.betas and optimizer.weight_decay are not ignored."""
+    common = ["circuit=cp", "circuit.window=3", "circuit.rank=2", "trainer.max_steps=1"]
+    plain = train(_compose(tmp_path, common, "plain"))
+    tuned = train(
+        _compose(
+            tmp_path,
+            [*common, "loss.normalise_discount=true", "optimizer.betas=[0.8,0.95]",
+             "optimizer.weight_decay=0.1"],
+            "tuned",
+        )
+    )  # fmt: skip
+    weights = sum(0.8**j for j in range(3))  # gamma = 0.8 for n <= 8
+    assert tuned["init/val/loss"] == pytest.approx(plain["init/val/loss"] / weights, rel=1e-5)
+    state = torch.load(tmp_path / "tuned" / "checkpoints" / "last.ckpt", weights_only=False)
+    group = state["optimizer_states"][0]["param_groups"][0]
+    assert tuple(group["betas"]) == (0.8, 0.95) and group["weight_decay"] == 0.1
+
+
 def test_two_stage_training_exports_and_beats_the_untrained_head(tmp_path: Path) -> None:
     cfg = _compose(tmp_path, ["circuit=btree", "circuit.window=4", "circuit.rank=4",
                               "trainer.max_steps=12", "+circuit.head_init=stp"], "heads")  # fmt: skip

@@ -121,28 +121,38 @@ def _root(cfg: Any) -> Path:
     return Path(root) if root else Path(__file__).resolve().parents[2]
 
 
-def resolve_drafts(cfg: Any) -> list[Path]:
-    """The drafts to evaluate: ``draft`` (a dir or a list), else the last trained one.
+def resolve_drafts(cfg: Any, key: str = "draft") -> list[Path]:
+    """The drafts named by ``cfg[key]`` (a dir or a list); for ``draft``, else the last trained.
 
     Raises:
+        DraftError: a named folder is a training run folder (the message names its
+            ``draft/``).
         FileNotFoundError: no draft given and ``outputs/last_draft.txt`` is missing, or a
             draft folder does not exist; the message says how to make one.
     """
-    draft = _get(cfg, "draft")
-    if draft is None:
+    from mtpc.errors import DraftError
+    from mtpc.export import CONFIG_NAME
+
+    draft = _get(cfg, key)
+    if draft is None and key == "draft":
         marker = _root(cfg) / "outputs" / "last_draft.txt"
         if not marker.is_file():
             raise FileNotFoundError(f"no draft given and {marker} does not exist: {TRAIN_HINT}")
         draft = marker.read_text(encoding="utf-8").strip()
-    paths = [draft] if isinstance(draft, str | Path) else list(draft)
+    paths = [] if draft is None else [draft] if isinstance(draft, str | Path) else list(draft)
     out = []
     for p in paths:
         path = Path(str(p))
         if not path.is_absolute():
             path = _root(cfg) / path
-        if not (path / "config.json").is_file():
+        if not (path / CONFIG_NAME).is_file():
+            if (path / "draft" / CONFIG_NAME).is_file():
+                raise DraftError(
+                    f"{key}={p} is a training run folder, not an exported draft; "
+                    f"use {key}={Path(str(p)) / 'draft'}"
+                )
             raise FileNotFoundError(
-                f"draft={p} is not an exported draft folder (no config.json); {TRAIN_HINT}"
+                f"{key}={p} is not an exported draft folder (no config.json); {TRAIN_HINT}"
             )
         out.append(path)
     return out
@@ -530,11 +540,9 @@ def evaluate(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
     drafter = _get(cfg, "drafter")
     # drafter=hetero alone evaluates only the other-vocabulary drafter; with draft= both
     drafts = resolve_drafts(cfg) if drafter is None or _get(cfg, "draft") else []
-    baseline = _get(cfg, "baseline")
-    base_paths = (
-        resolve_drafts({"draft": baseline, "paths": _get(cfg, "paths")}) if baseline else []
-    )
-    drafts = [d for d in drafts if d not in base_paths]  # a draft that is also the baseline: once
+    base_paths = resolve_drafts(cfg, key="baseline")
+    baseline_set = {b.resolve() for b in base_paths}
+    drafts = [d for d in drafts if d.resolve() not in baseline_set]  # also the baseline: once
     threads = _get(cfg, "num_threads")
     if threads:
         torch.set_num_threads(int(threads))
