@@ -21,6 +21,7 @@ MODEL_NAMES = ("tiny", "evabyte", "llama3_byte")
 CODEC_NAMES = ("tiny", "evabyte", "llama3_byte")
 CIRCUIT_KINDS = ("ff", "cp", "hmm", "btree")
 EXTRA_POSITIONS = ("repeat_last", "random")  # mtpc.heads.EXTRA_POSITIONS (no torch import here)
+HEAD_INITS = ("pretrained", "stp", "random")  # mtpc.model.HEAD_INITS
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_IMPLS = ("auto", "torch", "triton")  # mtpc.backbones.compat.ATTENTION_IMPLS
 LOSS_NAMES = ("nll", "kl")
@@ -140,9 +141,13 @@ def _check_circuit(cfg: Mapping[str, Any]) -> None:
         )
     _check_float(cfg, "circuit.sum_init_std", 0.0, float("inf"), high_open=True)
     _check_float(cfg, "circuit.init_std", 0.0, float("inf"), high_open=True)
-    if _get(cfg, "circuit.extra_positions") is not _MISSING:
-        _check_choice(cfg, "circuit.extra_positions", EXTRA_POSITIONS)
-    for flag in ("circuit.identity_init", "loss.normalise_discount"):
+    for field, allowed in (
+        ("circuit.extra_positions", EXTRA_POSITIONS),
+        ("circuit.head_init", HEAD_INITS),
+    ):
+        if _get(cfg, field) is not _MISSING:
+            _check_choice(cfg, field, allowed)
+    for flag in ("circuit.identity_init", "loss.normalise_discount", "data.pack_documents"):
         if _get(cfg, flag) not in (_MISSING, True, False):
             raise ConfigError(f"{flag}={_get(cfg, flag)!r} is not allowed; allowed: true, false")
 
@@ -164,6 +169,18 @@ def _check_optimizer(cfg: Mapping[str, Any]) -> None:
         raise ConfigError(
             f"optimizer.betas={betas!r} is not allowed; allowed: two numbers in [0, 1), "
             "e.g. [0.9, 0.999]"
+        )
+
+
+def _check_scheduler(cfg: Mapping[str, Any]) -> None:
+    """``scheduler``: null or a partial LR scheduler (a mapping with ``_target_``)."""
+    scheduler = _get(cfg, "scheduler")
+    if scheduler is _MISSING or scheduler is None:
+        return
+    if not isinstance(scheduler, Mapping) or "_target_" not in scheduler:
+        raise ConfigError(
+            f"scheduler={scheduler!r} is not allowed; allowed: null or a partial LR scheduler, "
+            "e.g. {_target_: torch.optim.lr_scheduler.LinearLR, _partial_: true}"
         )
 
 
@@ -213,12 +230,14 @@ def validate_train_config(cfg: DictConfig | Mapping[str, Any]) -> None:
             _check_lora,
             _check_loss,
             _check_optimizer,
+            _check_scheduler,
             _check_stage,
             _check_data,
         ),
     )
     _check_schedule(cfg)
     _check_int(cfg, "seed", 0)
+    _check_int(cfg, "global_batch_size", 1, optional=True)
 
 
 def _check_eval(cfg: Mapping[str, Any]) -> None:

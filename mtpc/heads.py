@@ -222,20 +222,48 @@ class MTPCHead(nn.Module):
             got = tuple(e.shape) if isinstance(e, Tensor) else type(e).__name__
             raise ValueError(f"e must have shape (B, hidden_size={self.hidden_size}), got {got}")
 
-    def input_logits(self, e: Tensor, positions: Tensor | list[int] | None = None) -> Tensor:
-        """Unnormalised input logits.
+    def input_logits(
+        self,
+        e: Tensor,
+        positions: Tensor | list[int] | None = None,
+        units: Tensor | list[int] | None = None,
+    ) -> Tensor:
+        """Unnormalised input logits, the whole table or only the rows of W asked for.
 
         Args:
             e: Features ``(B, d)``.
             positions: Optional window positions to compute (others skipped).
+            units: Optional units, one per entry of ``positions`` (needs ``positions``): only
+                the ``(position, unit)`` pairs are computed, ``len(positions)`` rows of
+                ``V x d`` weights instead of ``n r`` (a latent path's leaves).
 
         Returns:
-            ``(B, n, r, V)``, or ``(B, len(positions), r, V)``.
+            ``(B, n, r, V)``; ``(B, len(positions), r, V)`` with ``positions``;
+            ``(B, len(positions), V)`` with ``positions`` and ``units``.
         """
         self._check_hidden(e)
-        w = self.unembedding if positions is None else self.unembedding[positions]
-        logits = F.linear(e.to(w.dtype), w.reshape(-1, self.hidden_size))  # (B, n * r * V)
-        return logits.view(e.shape[0], w.shape[0], self.rank, self.vocab_size)
+        if units is None:
+            w = self.unembedding if positions is None else _rows(self.unembedding, positions)
+            logits = F.linear(e.to(w.dtype), w.reshape(-1, self.hidden_size))  # (B, n * r * V)
+            return logits.view(e.shape[0], w.shape[0], self.rank, self.vocab_size)
+        pos = torch.as_tensor(positions if positions is not None else [], dtype=torch.long)
+        unit = torch.as_tensor(units, dtype=torch.long)
+        if positions is None or pos.dim() != 1 or unit.shape != pos.shape:
+            raise ValueError(
+                "units needs positions of the same length (one unit per position), got "
+                f"positions={None if positions is None else tuple(pos.shape)}, "
+                f"units={tuple(unit.shape)}"
+            )
+        W, B, k = self.unembedding, e.shape[0], pos.shape[0]
+        x = e.to(W.dtype)
+        pairs = list(zip(pos.tolist(), unit.tolist(), strict=True))
+        if not pairs:
+            return x.new_zeros(B, 0, self.vocab_size)
+        if self.rank == 1:  # ff: the rows of the positions (a view when consecutive)
+            w = _rows(W[:, 0], [p for p, _ in pairs])  # (k, V, d)
+            return F.linear(x, w.reshape(-1, self.hidden_size)).view(B, k, self.vocab_size)
+        # one (V, d) row of W at a time, read in place (indexing W would first copy the rows)
+        return torch.stack([F.linear(x, W[p, u]) for p, u in pairs], 1)  # (B, k, V)
 
     def sum_logits(self, e: Tensor) -> Tensor | None:
         """Unnormalised sum-unit logits ``(B, U, r)`` (None for ff)."""
@@ -370,6 +398,14 @@ def chunked_log_likelihood(
     if not outs:
         return hidden.new_zeros(0, n, dtype=torch.float32)
     return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+def _rows(w: Tensor, index: Tensor | list[int]) -> Tensor:
+    """``w[index]`` along dim 0; a view, not a copy, when the index is a consecutive range."""
+    idx = index.tolist() if isinstance(index, Tensor) else list(index)
+    if idx and idx == list(range(idx[0], idx[0] + len(idx))):
+        return w[idx[0] : idx[0] + len(idx)]
+    return w[index]
 
 
 # The flat builder a Hydra ``_target_`` names: the class itself takes flat arguments.

@@ -51,6 +51,13 @@ def assign_codec(backbone: Backbone) -> None:
         backbone.codec = None  # type: ignore[assignment]  # Backbone.codec: a name or None
 
 
+def _cat_ids(past: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor | None:
+    """The id history ``past`` (B, P) followed by ``ids`` (B, A); None when both are empty."""
+    if past is None:
+        return ids if ids.shape[1] else None
+    return torch.cat([past, ids], 1)
+
+
 @dataclass
 class Caches:
     """The three component caches of one decoding stream (S, V, D)."""
@@ -68,10 +75,14 @@ class Caches:
             if len(c) > length:
                 c.crop(length)
 
-    def commit(self) -> None:
-        """Marks the current state as the crop floor (matters for EVA caches only)."""
-        for c in self:
-            c.commit()
+    def compact(self, base: int, keep: torch.Tensor) -> None:
+        """Keeps positions [0, base) and ``base + keep`` of the trunk and verifier caches.
+
+        The accepted root path of a verified token tree (``LayerCache.compact``); the draft
+        cache is not touched (the draft tail runs on the kept states afterwards).
+        """
+        self.trunk.compact(base, keep)
+        self.verifier.compact(base, keep)
 
     def clone(self) -> Caches:
         return Caches(self.trunk.clone(), self.verifier.clone(), self.draft.clone())
@@ -258,16 +269,30 @@ class MTPCModel(nn.Module):
         cache: LayerCache | None = None,
         positions: torch.Tensor | None = None,
         documents: torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Embeds ``ids`` (B, T) and runs layers 0..L-k-1 -> pre-norm hidden (B, T, d).
 
         With a cache, ``ids`` follow the cached ones (and are recorded: the byte Llama's
-        embedding reads the history).
+        embedding reads the history). With ``tree_mask`` (T, T) (see
+        ``Backbone.run_layers``) the ids are the nodes of a token tree in topological order;
+        a node's history is the cache and its ancestors.
         """
         past = None if cache is None else cache.ids
-        hidden = self.backbone.embed(ids, past)  # (B, T, d)
+        if tree_mask is not None and self.backbone.needs_history:
+            hidden = torch.cat(
+                [
+                    self.backbone.embed(
+                        ids[:, i : i + 1], _cat_ids(past, ids[:, :i][:, tree_mask[i, :i]])
+                    )
+                    for i in range(ids.shape[1])
+                ],
+                1,
+            )  # (B, T, d): each node embedded after its own root path
+        else:
+            hidden = self.backbone.embed(ids, past)  # (B, T, d)
         hidden = self.backbone.run_layers(
-            hidden, 0, self.split, positions, cache, adapter=False, documents=documents
+            hidden, 0, self.split, positions, cache, False, documents, tree_mask
         )
         if cache is not None:
             cache.record_ids(ids)
@@ -279,11 +304,12 @@ class MTPCModel(nn.Module):
         cache: LayerCache | None = None,
         positions: torch.Tensor | None = None,
         documents: torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Layers L-k..L-1 with base weights (adapter off): (B, T, d) -> (B, T, d)."""
         n = self.backbone.num_layers
         return self.backbone.run_layers(
-            hidden, self.split, n, positions, cache, adapter=False, documents=documents
+            hidden, self.split, n, positions, cache, False, documents, tree_mask
         )
 
     def draft_tail(
@@ -292,11 +318,12 @@ class MTPCModel(nn.Module):
         cache: LayerCache | None = None,
         positions: torch.Tensor | None = None,
         documents: torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Layers L-k..L-1 with the LoRA adapter on: (B, T, d) -> (B, T, d)."""
         n = self.backbone.num_layers
         return self.backbone.run_layers(
-            hidden, self.split, n, positions, cache, adapter=self.k > 0, documents=documents
+            hidden, self.split, n, positions, cache, self.k > 0, documents, tree_mask
         )
 
     def verifier_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from mtpc.benchmarking import best_time, reset_peak_rss, status_kb
-from mtpc.circuits.engine import _categorical
+from mtpc.circuits.engine import categorical as _categorical
 from mtpc.heads import MTPCHead, chunked_log_likelihood
 
 # ---------------------------------------------------------------------------------------------

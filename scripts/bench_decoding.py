@@ -1,7 +1,9 @@
 """Decoding benchmark on the tiny target (CPU by default): AR vs self-speculative decoding.
 
 One run measures, on the same prompts: AR tok/s (greedy and sampling), SD tok/s per family
-and greedy draft mode (sample | map | chain) and for sampling, the speed-up over AR, and the
+and draft mode (greedy: sample | map | chain | zmap | zsample; sampling: sample, the marginal
+proposal, | zsample, the latent path's proposal, | zsample1, the marginal at the first draft
+then the path's), the speed-up over AR, and the
 breakdown of a cycle (model = trunk + tails + STP head, head = MTPC head, circuit = drafting
 and the circuit queries of verification, verify = target rule and acceptance logic, cache =
 crops/commits, overhead = the rest of the Python loop).
@@ -12,6 +14,11 @@ every family then equals FF, so the acceptance is FF's and only the latency diff
 
     python scripts/bench_decoding.py                       # ~2 min on one CPU core
     python scripts/bench_decoding.py --draft outputs/train/<run>/draft --prompts 8
+    python scripts/bench_decoding.py --draft <ff> <btree> --modes greedy/zmap sampling/zsample --repeats 3
+
+Every prompt is decoded by every (draft, mode) in turn (interleaved), so load drift on a
+shared machine hits all of them alike; ``x FF cycle`` is each cycle over the first draft's
+(pass the FF draft first) in the same mode.
 """
 
 from __future__ import annotations
@@ -28,6 +35,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mtpc.decoding import generate
 from mtpc.evaluation.metrics import set_metrics
+
+MODES = (
+    ("sample", True),
+    ("map", True),
+    ("chain", True),
+    ("zmap", True),
+    ("zsample", True),
+    ("sample", False),
+    ("zsample", False),
+    ("zsample1", False),
+)
+"""(draft mode, greedy): the full-table modes, then the latent-path ones (one leaf per draft)."""
 
 
 def _prompts(count: int, codec: str, max_len: int) -> list[list[int]]:
@@ -61,19 +80,14 @@ def _models(args: argparse.Namespace) -> list[tuple[str, Any]]:
     return out
 
 
-def _run(
-    model: Any, prompts: list[list[int]], args: argparse.Namespace, **kw: Any
-) -> dict[str, Any]:
-    kw = {"max_new_tokens": args.new, "suppress_eos": True, **kw}
-    generate(model, prompts[0], **kw)  # warm-up
-    results = [generate(model, p, seed=i, **kw) for i, p in enumerate(prompts)]
-    m = set_metrics(results, model.head.circuit.window)
-    if kw.get("profile"):
-        total: dict[str, float] = {}
-        for r in results:
-            for k, v in (r.breakdown or {}).items():
-                total[k] = total.get(k, 0.0) + v
-        cycle = sum(total.values())
+def _metrics(results: list[Any], window: int) -> dict[str, Any]:
+    m = set_metrics(results, window)
+    total: dict[str, float] = {}
+    for r in results:
+        for k, v in (r.breakdown or {}).items():
+            total[k] = total.get(k, 0.0) + v
+    cycle = sum(total.values())
+    if cycle:
         m["breakdown"] = {k: v / cycle for k, v in total.items()}
     return m
 
@@ -86,6 +100,10 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=1, help="decode every prompt this often")
+    parser.add_argument(
+        "--modes", nargs="*", default=None, help="e.g. greedy/zmap sampling/zsample"
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=None, help="write the numbers as JSON here")
@@ -96,40 +114,65 @@ def main() -> None:
     codec = models[0][1].backbone.codec
     context = getattr(models[0][1].backbone.config, "max_position_embeddings", 1024)
     prompts = _prompts(args.prompts, codec, int(context) - args.new - args.window - 1)
-    first = models[0][1]
+    modes = [
+        (m, g)
+        for m, g in MODES
+        if args.modes is None or f"{'greedy' if g else 'sampling'}/{m}" in args.modes
+    ]
+    # every (run, prompt) in turn, so that load drift on a shared machine hits all runs alike
+    runs: list[tuple[str, Any, dict[str, Any]]] = [
+        ("target", models[0][1], {"method": "autoregressive", "greedy": g}) for g in (True, False)
+    ]
+    runs += [
+        (name, model, {"greedy": g, "draft_mode": m, "profile": True})
+        for name, model in models
+        for m, g in modes
+    ]
+    results: list[list[Any]] = [[] for _ in runs]
+    common = {"max_new_tokens": args.new, "suppress_eos": True}
+    for _, model, kw in runs:
+        generate(model, prompts[0], **common, **kw)  # warm-up
+    for _ in range(args.repeats):
+        for i, p in enumerate(prompts):
+            for out, (_, model, kw) in zip(results, runs, strict=True):
+                out.append(generate(model, p, seed=i, **common, **kw))
+    window = models[0][1].head.circuit.window
     ar = {
-        "greedy": _run(first, prompts, args, method="autoregressive", greedy=True),
-        "sampling": _run(first, prompts, args, method="autoregressive", greedy=False),
+        "greedy": _metrics(results[0], window),
+        "sampling": _metrics(results[1], window),
     }
-    rows: list[dict[str, Any]] = []
     print(
-        "| draft | mode | mu_lat ms | mu_acc | tok/s | x AR | model | head | circuit | verify | cache | overhead |"
+        "| draft | mode | mu_lat ms | x FF cycle | mu_acc | tok/s | x AR | model | head | circuit "
+        "| verify | cache | overhead |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, label in (("greedy", "AR greedy"), ("sampling", "AR sampling")):
         m = ar[name]
         print(
-            f"| target | {label} | {m['mu_lat'] * 1e3:.3f} | 1.00 | {m['tok_s']:.1f} | 1.00 | | | | | | |"
+            f"| target | {label} | {m['mu_lat'] * 1e3:.3f} | | 1.00 | {m['tok_s']:.1f} | 1.00 "
+            "| | | | | | |"
         )
-    for name, model in models:
-        for mode, greedy in (("sample", True), ("map", True), ("chain", True), ("sample", False)):
-            m = _run(model, prompts, args, greedy=greedy, draft_mode=mode, profile=True)
-            ref = ar["greedy" if greedy else "sampling"]
-            m["speedup_ar"] = m["tok_s"] / ref["tok_s"]
-            b = m["breakdown"]
-            label = f"{'greedy' if greedy else 'sampling'}/{mode}"
-            print(
-                f"| {name} | {label} | {m['mu_lat'] * 1e3:.3f} | {m['mu_acc']:.2f} | {m['tok_s']:.1f} "
-                f"| {m['speedup_ar']:.2f} | "
-                + " | ".join(
-                    f"{100 * b[k]:.0f}%"
-                    for k in ("model", "head", "circuit", "verify", "cache", "overhead")
-                )
-                + " |"
+    rows: list[dict[str, Any]] = []
+    first: dict[str, float] = {}  # mode -> the first draft's cycle (FF when given first)
+    for (name, _, kw), res in zip(runs[2:], results[2:], strict=True):
+        m = _metrics(res, window)
+        greedy = kw["greedy"]
+        label = f"{'greedy' if greedy else 'sampling'}/{kw['draft_mode']}"
+        m["speedup_ar"] = m["tok_s"] / ar["greedy" if greedy else "sampling"]["tok_s"]
+        m["cycle_ratio"] = m["mu_lat"] / first.setdefault(label, m["mu_lat"])
+        b = m["breakdown"]
+        print(
+            f"| {name} | {label} | {m['mu_lat'] * 1e3:.3f} | {m['cycle_ratio']:.2f} "
+            f"| {m['mu_acc']:.2f} | {m['tok_s']:.1f} | {m['speedup_ar']:.2f} | "
+            + " | ".join(
+                f"{100 * b[k]:.0f}%"
+                for k in ("model", "head", "circuit", "verify", "cache", "overhead")
             )
-            rows.append(
-                {"draft": name, "mode": label, **{k: v for k, v in m.items() if k != "acceptance"}}
-            )
+            + " |"
+        )
+        rows.append(
+            {"draft": name, "mode": label, **{k: v for k, v in m.items() if k != "acceptance"}}
+        )
     if args.out:
         Path(args.out).write_text(json.dumps({"ar": ar, "rows": rows}, indent=2, default=str))
 

@@ -15,6 +15,18 @@ model of it, saves it as a hub-style checkpoint (``config.json`` in the 4.4x for
    its full forward, one id at a time) for prompt lengths across EVA's chunk and window
    boundaries.
 
+EvaByte only (one trunk pass per cycle, ``mtpc/backbones/evabyte.py``):
+
+6. a verify window run in one cached pass gives the logits of the same positions fed one
+   per pass, and the model's own full forward's (float tolerance), across a window boundary;
+7. greedy self-speculative decoding with n = 16 (drafts trimmed at every EVA window
+   boundary) equals the model's own greedy decoding (same prompts as 5);
+8. the triton path's multibyte forward, as far as it runs without a GPU: the real
+   ``eva.py`` ``EvaAttention._multibyte_decoding_forward`` (SDPA, no kernel; eva.py imported
+   with its two kernel modules stubbed) on our window cache, with our mask and rotary, gives
+   the output and writes the keys/values of our pure-torch ``multibyte_attention``.
+   ``triton_eva_prep_kv_fwd`` (the window compression) and the triton prefill are not run.
+
 The directly built model is the remote class's own ``__init__`` on CPU (its buffers computed
 for real). Under transformers 5 the remote classes cannot even be built without the config
 view of ``mtpc.backbones.compat`` (rope_scaling, missing keys), which it therefore uses.
@@ -29,10 +41,13 @@ Exit status 0 when every check passes; the report is printed as JSON.
 from __future__ import annotations
 
 import argparse
+import copy
+import importlib.util
 import json
 import shutil
 import sys
 import tempfile
+import types
 import uuid
 from pathlib import Path
 from typing import Any
@@ -126,8 +141,12 @@ def expand_table(vocab: int, expand_vocab: int) -> list[Any]:
     return [table, singles]
 
 
-def write_checkpoint(kind: str, code: Path, rope: str, root: Path) -> tuple[Path, Any]:
-    """A hub-style tiny random checkpoint of the real code; returns it and the direct model."""
+def write_checkpoint(
+    kind: str, code: Path, rope: str, root: Path, **overrides: Any
+) -> tuple[Path, Any]:
+    """A hub-style tiny random checkpoint of the real code; returns it and the direct model.
+
+    ``overrides`` replace config fields (``num_hidden_layers``, ``chunk_size``, ...)."""
     from transformers import AutoConfig
     from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
@@ -138,6 +157,7 @@ def write_checkpoint(kind: str, code: Path, rope: str, root: Path) -> tuple[Path
             shutil.copy(source, folder / source.name)
     config = dict(EVABYTE_CONFIG if kind == "evabyte" else LLAMA3_BYTE_CONFIG)
     config["rope_scaling"] = ROPE_SCALING[rope]
+    config.update(overrides)
     if kind == "llama3_byte":
         config["expand_input_ids_dict"] = expand_table(config["vocab_size"], 40)
     (folder / "config.json").write_text(json.dumps(config, indent=1))
@@ -178,6 +198,98 @@ def own_greedy(model: Any, prompt: list[int], steps: int) -> list[int]:
     return ids[len(prompt) :]
 
 
+def one_pass_report(backbone: Any, direct: Any, vocab: int) -> dict[str, float]:
+    """Check 6: one cached pass vs one position per pass vs the model's own forward."""
+    torch.manual_seed(2)
+    ids = torch.randint(3, vocab, (1, 40))
+    own = own_logits(direct, ids)[0]  # (40, V)
+    layers = backbone.num_layers
+    cache = backbone.new_cache(0, layers)
+
+    def logits(chunk: torch.Tensor, into: Any) -> torch.Tensor:
+        hidden = backbone.run_layers(backbone.embed(chunk), 0, layers, cache=into)
+        return backbone.stp_logits(backbone.norm(hidden))[0].float()
+
+    with torch.no_grad():
+        logits(ids[:, :21], cache)
+        w = backbone.one_pass_span(21, 16)  # to the window boundary
+        sequential = cache.clone()
+        one = logits(ids[:, 21 : 21 + w], cache)
+        seq = torch.cat([logits(ids[:, i : i + 1], sequential) for i in range(21, 21 + w)])
+        after = logits(ids[:, 21 + w : 21 + w + 3], cache)  # past the boundary: RFAs of the window
+    return {
+        "window": float(w),
+        "one_pass_vs_sequential": float((one - seq).abs().max()),
+        "one_pass_vs_own_forward": float((one - own[21 : 21 + w]).abs().max()),
+        "next_window_vs_own_forward": float((after - own[21 + w : 24 + w]).abs().max()),
+    }
+
+
+def load_eva_triton_attention(code: Path) -> Any:
+    """The real ``eva.py`` (the triton path's attention) with its kernel modules stubbed."""
+    package = f"eva_triton_check_{uuid.uuid4().hex[:8]}"
+    stubs = {package: types.ModuleType(package)}
+    stubs[package].__path__ = []  # type: ignore[attr-defined]
+    for kernel, function in (("eva_agg_kernel", "eva_agg_func_triton"),
+                             ("eva_prep_kv_kernel", "eva_prep_kv_func_triton")):  # fmt: skip
+        stubs[f"{package}.{kernel}"] = types.ModuleType(kernel)
+        setattr(stubs[f"{package}.{kernel}"], function, None)  # never called by the check
+    if "triton" not in sys.modules:
+        stubs["triton"] = types.ModuleType("triton")  # eva.py only imports it
+    saved = {name: sys.modules.get(name) for name in stubs}
+    sys.modules.update(stubs)
+    try:
+        spec = importlib.util.spec_from_file_location(f"{package}.eva", code / "eva.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = old
+    return module.EvaAttention
+
+
+def triton_contract_report(backbone: Any, code: Path, vocab: int) -> dict[str, float]:
+    """Check 8: the real triton-path multibyte forward against ours, on the same state."""
+    from mtpc.backbones.evabyte import multibyte_attention, multibyte_mask
+
+    mine = backbone.layers[0].self_attn
+    real = load_eva_triton_attention(code)(backbone.config, layer_idx=0)
+    real.load_state_dict(mine.state_dict())
+    torch.manual_seed(3)
+    layers = backbone.num_layers
+    cache = backbone.new_cache(0, layers)
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    with torch.no_grad():
+        backbone.run_layers(
+            backbone.embed(torch.randint(3, vocab, (1, 37))), 0, layers, cache=cache
+        )
+        backbone._settle(cache.native)  # 37 = 2 windows (8 RFAs) + 5 kept
+        hidden = torch.randn(1, 4, backbone.hidden_size)
+        positions = 37 + torch.tensor([[0, 1, 1, 2]])
+        cos, sin = backbone._rotary(hidden, positions)
+        mask = multibyte_mask(cache.native, 1, tree, hidden.device)
+        states = {"real": cache.native, "ours": copy.deepcopy(cache.native)}
+        out_real = real._multibyte_decoding_forward(
+            hidden, attention_mask=mask, position_ids=positions,
+            past_key_value=states["real"], use_cache=True, cos=cos, sin=sin,
+        )[0]  # fmt: skip
+        out_ours = multibyte_attention(
+            mine, hidden, attention_mask=mask, position_ids=positions,
+            past_key_value=states["ours"], use_cache=True, cos=cos, sin=sin,
+            multibyte_decoding=True,
+        )[0]  # fmt: skip
+    k_real, k_ours = states["real"].past_window_k[0], states["ours"].past_window_k[0]
+    return {
+        "rfa_chunks": float(cache.native.chunks()),
+        "output_max_abs_diff": float((out_real - out_ours).abs().max()),
+        "written_keys_max_abs_diff": float((k_real - k_ours).abs().max()),
+    }
+
+
 def check(kind: str, code: Path, rope: str, steps: int) -> dict[str, Any]:
     """Runs checks 1-5; returns the report (``ok`` is their conjunction)."""
     report: dict[str, Any] = {"kind": kind, "code": str(code), "rope_scaling": rope}
@@ -203,6 +315,14 @@ def check(kind: str, code: Path, rope: str, steps: int) -> dict[str, Any]:
                 backbone.norm(backbone.run_layers(backbone.embed(ids), 0, backbone.num_layers))
             ).float()
         report["4_split_max_abs_diff"] = float((split - ref).abs().max())
+        if kind == "evabyte":
+            report["6_one_pass"] = one_pass_report(backbone, direct, vocab)
+            report["8_triton_multibyte_forward"] = triton_contract_report(backbone, code, vocab)
+            wide = MTPCModel.from_backbone(
+                load_backbone(kind, path=str(folder), dtype="float32", device="cpu",
+                              attention_impl="torch"),
+                "cp", 16, 2, lora_layers=1,
+            )  # fmt: skip
         model = MTPCModel.from_backbone(backbone, "cp", 4, 2, lora_layers=1)
         with torch.no_grad():
             for p in model.backbone.lora.parameters():
@@ -218,6 +338,10 @@ def check(kind: str, code: Path, rope: str, steps: int) -> dict[str, Any]:
                 ).tokens
                 for method in ("speculative", "autoregressive")
             }
+            if kind == "evabyte":
+                got["speculative_n16"] = generate(
+                    wide, prompt, max_new_tokens=steps, greedy=True, stop_ids=()
+                ).tokens
             greedy[str(length)] = {m: list(t) == want for m, t in got.items()}
         report["5_greedy_equal"] = greedy
     report["ok"] = (
@@ -225,6 +349,12 @@ def check(kind: str, code: Path, rope: str, steps: int) -> dict[str, Any]:
         and report["3_forward_max_abs_diff"] <= 1e-5
         and report["4_split_max_abs_diff"] <= 1e-4
         and all(all(v.values()) for v in greedy.values())
+        and all(
+            v <= 1e-4
+            for key in ("6_one_pass", "8_triton_multibyte_forward")
+            for name, v in report.get(key, {}).items()
+            if "diff" in name or "_vs_" in name
+        )
     )
     return report
 

@@ -6,9 +6,13 @@ output_attentions, use_cache, cos, sin, multibyte_decoding)`` returning a tuple,
 ``model.rotary_emb(x, seq_len) -> (cos, sin)`` of shape (seq_len, head_dim),
 ``model._prepare_eva_generation_attn_mask(...)``, ``lm_head = Linear(d, 8 * V)``, and this
 module's ``USE_TRITON_IMPL``/``EvaCache``: per-layer lists grown by append, prefill detected by
-``len(list) <= layer_idx``, tokens counted at layer 0 only, no crop, one position per call
-after prefill. Its attention is exact softmax attention (no random features), so split and
-incremental runs can be compared with the full forward.
+``len(list) <= layer_idx``, tokens counted at layer 0 only. Its attention is EVA's, written
+here densely (one mask over all singletons and all chunk RFAs, not EvaByte's incremental
+window cache): position p attends the positions of its window (``window_size``, aligned at 0)
+up to itself and one RFA per ``chunk_size`` chunk of every earlier window, with EvaByte's
+``adaptive_mu_k``/``adaptive_phi`` parameters. It runs EVA's prefill only (the remote cache
+from empty); decoding goes through ``mtpc.backbones.evabyte``'s one-pass path, which is then
+checked against this full forward.
 
 ``FakeTPULlamaForCausalLM`` follows tokenkit's ``TPULlamaForCausalLM``: layers take
 ``past_key_value`` and return tuples, and the input embedding adds
@@ -47,6 +51,7 @@ class FakeEvaByteConfig(PretrainedConfig):
         window_size: int = 16,
         chunk_size: int = 8,
         fp32_logits: bool = False,
+        mixedp_attn: bool = False,
         **kwargs: Any,
     ) -> None:
         self.vocab_size = vocab_size
@@ -57,6 +62,7 @@ class FakeEvaByteConfig(PretrainedConfig):
         self.window_size = window_size
         self.chunk_size = chunk_size
         self.fp32_logits = fp32_logits
+        self.mixedp_attn = mixedp_attn
         super().__init__(**kwargs)
 
 
@@ -100,27 +106,46 @@ class FakeEvaAttention(nn.Module):
     def __init__(self, config: FakeEvaByteConfig, layer_idx: int) -> None:
         super().__init__()
         d, h = config.hidden_size, config.num_attention_heads
-        self.layer_idx, self.num_heads, self.head_dim = layer_idx, h, d // h
+        self.config, self.layer_idx, self.num_heads, self.head_dim = config, layer_idx, h, d // h
+        self.head_dim_scaling = self.head_dim**-0.5
+        self.window_size, self.chunk_size = config.window_size, config.chunk_size
         self.q_proj = nn.Linear(d, d, bias=False)
         self.k_proj = nn.Linear(d, d, bias=False)
         self.v_proj = nn.Linear(d, d, bias=False)
         self.o_proj = nn.Linear(d, d, bias=False)
+        shape = (1, h, 1, 1, self.head_dim)
+        self.adaptive_phi = nn.Parameter(torch.randn(shape).clamp(-1, 1) * self.head_dim_scaling)
+        self.adaptive_mu_k = nn.Parameter(torch.randn(shape).clamp(-1, 1) * self.head_dim_scaling)
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_value=None,
                 output_attentions=False, use_cache=False, cos=None, sin=None, multibyte_decoding=False):  # fmt: skip
         assert use_cache and past_key_value is not None, "EVA inference always runs with a cache"
         assert len(attention_mask) == 4, "EVA's cached path takes a 4-tuple of masks"
+        assert past_key_value.get_seq_length(self.layer_idx) == 0, "the fake runs prefills only"
         b, t, _ = hidden_states.shape
         shape = (b, t, self.num_heads, self.head_dim)
         q = self.q_proj(hidden_states).view(shape).transpose(1, 2)  # (B, h, T, hd)
         k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
         v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
         past_key_value.update_past_len(t, self.layer_idx)
+        past_key_value.update_singletons(k, v, self.layer_idx)
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-        k, v, prefill = past_key_value.update_singletons(k, v, self.layer_idx)
-        if not prefill:
-            assert t == 1, "EVA's decoding masks assume one position per call"
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=prefill and t > 1)
+        w, c, scale = self.window_size, self.chunk_size, self.head_dim_scaling
+        n = t // c  # complete chunks
+        kc = k[:, :, : n * c].reshape(b, self.num_heads, n, c, self.head_dim)
+        vc = v[:, :, : n * c].reshape(b, self.num_heads, n, c, self.head_dim)
+        mu = torch.softmax((self.adaptive_mu_k * kc).sum(-1), dim=-1)  # (B, h, n, c)
+        log_phi = scale * ((self.adaptive_phi * kc).sum(-1) - 0.5 * (kc**2).sum(-1))
+        rfa_k = (mu[..., None] * kc).sum(-2)  # (B, h, n, hd)
+        rfa_v = (torch.softmax(log_phi, dim=-1)[..., None] * vc).sum(-2)
+        p = torch.arange(t)
+        window = p // w
+        same = (window[:, None] == window[None, :]) & (p[None, :] <= p[:, None])  # (T, T)
+        earlier = (torch.arange(n) * c // w)[None, :] < window[:, None]  # (T, n)
+        allowed = torch.cat([same, earlier], dim=-1)
+        keys, values = torch.cat([k, rfa_k], dim=-2), torch.cat([v, rfa_v], dim=-2)
+        scores = (q @ keys.transpose(-2, -1) * scale).masked_fill(~allowed, float("-inf"))
+        out = torch.softmax(scores, dim=-1) @ values  # (B, h, T, hd)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), None, past_key_value
 
 
@@ -149,6 +174,7 @@ class FakeEvaByteDecoderLayer(nn.Module):
         h, _, present = self.self_attn(
             self.input_layernorm(hidden_states), attention_mask=attention_mask, position_ids=position_ids,
             past_key_value=past_key_value, use_cache=use_cache, cos=cos, sin=sin,
+            multibyte_decoding=multibyte_decoding,
         )  # fmt: skip
         hidden_states = hidden_states + h
         hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
@@ -239,11 +265,19 @@ class FakeEvaByteForCausalLM(nn.Module):
 
 
 def fake_evabyte(
-    num_layers: int = 4, hidden_size: int = 32, vocab_size: int = 320
+    num_layers: int = 4,
+    hidden_size: int = 32,
+    vocab_size: int = 320,
+    window_size: int = 16,
+    chunk_size: int = 8,
 ) -> FakeEvaByteForCausalLM:
     """A random fake EvaByte in eval mode."""
     config = FakeEvaByteConfig(
-        vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        window_size=window_size,
+        chunk_size=chunk_size,
     )
     return FakeEvaByteForCausalLM(config).eval()
 

@@ -245,7 +245,8 @@ def _unique(tmp_path: Path, stem: str) -> Path:
 
 def eva_checkpoint(tmp_path: Path, rope_scaling: dict[str, Any] | None) -> tuple[Path, Any]:
     """An EvaByte-like checkpoint and the stand-in whose weights it holds."""
-    fake = FakeEvaByteForCausalLM(FakeEvaByteConfig(hidden_size=32, num_hidden_layers=2)).eval()
+    config = FakeEvaByteConfig(hidden_size=32, num_hidden_layers=2, chunk_size=4)  # the fixture's
+    fake = FakeEvaByteForCausalLM(config).eval()
     with torch.no_grad():
         for p in fake.parameters():
             p.normal_(0, 0.3)

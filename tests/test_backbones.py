@@ -72,7 +72,6 @@ def test_incremental_with_crop_equals_recompute(arch: str, k: int) -> None:
     h = model.trunk(ids[:, :5], caches.trunk)
     model.verifier_tail(h, caches.verifier)
     model.draft_tail(h, caches.draft)
-    caches.commit()
     pos = 5
     for accepted in (2, 0, 3):  # one cycle: 4 candidates appended, `accepted` + 1 kept
         junk = torch.randint(0, vocab, (1, 4))
@@ -96,17 +95,6 @@ def test_incremental_with_crop_equals_recompute(arch: str, k: int) -> None:
     assert len(copy.trunk) == pos and len(caches.trunk) == pos + 1
     caches.reset()
     assert [len(c) for c in caches] == [0, 0, 0]
-
-
-def test_eva_cache_cannot_crop_behind_commit() -> None:
-    model = MTPCModel.from_hf(fake_evabyte(2), kind="ff", window=2, rank=1)
-    caches = model.new_caches()
-    model.trunk(torch.randint(0, V, (1, 6)), caches.trunk)
-    caches.commit()
-    with pytest.raises(ValueError, match="cannot crop behind"):
-        caches.trunk.crop(3)
-    with pytest.raises(ValueError, match="crop length"):
-        caches.trunk.crop(9)
 
 
 def test_byte_llama_expansion_needs_full_history() -> None:

@@ -157,6 +157,76 @@ def test_sample_frequencies(
     assert _chi2_pvalue(counts, probs) > 1e-3
 
 
+@pytest.mark.parametrize("evidence_len", [0, 1, 2])
+@pytest.mark.parametrize(
+    ("kind", "rank", "window", "vocab"), SAMPLE_CASES, ids=[f"{c[0]}-n{c[2]}" for c in SAMPLE_CASES]
+)
+def test_latent_path_then_its_leaves_is_an_exact_draw(
+    kind: str, rank: int, window: int, vocab: int, evidence_len: int
+) -> None:
+    """z ~ q(z | evidence) from the sum weights and the evidence leaves only, then x_i ~ its leaf
+    on z: the free positions follow q(x_{m+1..n} | x_1..x_m) (the zsample draft)."""
+    c = build_circuit(kind, window, rank)
+    params = random_params(c, vocab, batch=1, scale=1.0)
+    P = joint_table(c, params, vocab)[0]  # (N,)
+    draws, m = 20000, evidence_len
+    ev = torch.randint(vocab, (1, m))
+    lp = params.input_logp  # (1, n, r, V)
+    leaves = lp[:, :m].gather(3, ev[:, :, None, None].expand(1, m, rank, 1)).squeeze(3)
+    lw = params.sum_logw
+    g = torch.Generator().manual_seed(5)
+    z = c.latent_path(
+        None if lw is None else lw.expand(draws, -1, -1),
+        leaves.expand(draws, m, rank) if m else None,
+        generator=g,
+        batch_size=draws,
+    )  # (draws, n)
+    assert z.shape == (draws, window) and int(z.min()) >= 0 and int(z.max()) < rank
+    rows = lp[0, torch.arange(window)[None, m:], z[:, m:]]  # (draws, n - m, V)
+    x = torch.multinomial(rows.exp().reshape(-1, vocab), 1, generator=g).view(draws, -1)
+    table = P.view(vocab**m, vocab ** (window - m))
+    row = int(code(ev, vocab)) if m else 0
+    probs = (table[row] / table[row].sum()).numpy()
+    counts = np.bincount(code(x, vocab).numpy(), minlength=probs.size)
+    assert _chi2_pvalue(counts, probs) > 1e-3
+
+
+def test_most_probable_latent_path_is_the_cp_posterior_mode() -> None:
+    """CP: one latent (the component); its mode given x_1..x_m is argmax_j w_j prod phi_ij."""
+    c = build_circuit("cp", 4, 5)
+    params = random_params(c, 3, batch=6)
+    lp, lw = params.input_logp, params.sum_logw
+    assert lw is not None
+    for m in (0, 2):
+        ev = torch.randint(3, (6, m))
+        leaves = lp[:, :m].gather(3, ev[:, :, None, None].expand(6, m, 5, 1)).squeeze(3)
+        want = (lw[:, 0] + leaves.sum(1)).argmax(-1)  # (B,)
+        z = c.latent_path(lw, leaves, most_probable=True)
+        assert torch.equal(z, want[:, None].expand(6, 4)), m
+
+
+@pytest.mark.parametrize(("kind", "rank", "window", "vocab"), CASES, ids=IDS)
+def test_latent_posterior_given_the_first_position_needs_no_pass(
+    kind: str, rank: int, window: int, vocab: int
+) -> None:
+    """Evidence at position 0 only (decoding's pending token): the chain of sum units above it
+    gives every unit's posterior scores, equal to the full upward pass; the most probable path
+    takes each unit's best child under them, the prior's best without evidence."""
+    c = build_circuit(kind, window, rank)
+    if c.num_sum_units == 0:
+        pytest.skip("no latent")
+    params = random_params(c, vocab, batch=3)
+    lw = params.sum_logw
+    assert lw is not None
+    leaf0 = torch.randn(3, rank, dtype=torch.float64) - 1.0  # (B, r)
+    leaves = torch.cat([leaf0[:, None], torch.zeros(3, window - 1, rank, dtype=torch.float64)], 1)
+    full = c._posterior(leaves, lw, max_product=False)
+    torch.testing.assert_close(c._posterior0(leaf0, lw), full)
+    z = c.latent_path(lw, leaf0[:, None], most_probable=True)
+    assert torch.equal(z, c._walk_down(full.argmax(-1)))
+    assert torch.equal(c.latent_path(lw, most_probable=True), c._walk_down(lw.argmax(-1)))
+
+
 def test_sample_reproducible_with_generator() -> None:
     c = build_circuit("btree", 5, 3)
     params = random_params(c, 7, batch=4)
@@ -297,6 +367,12 @@ def test_bad_query_arguments() -> None:
         c.log_prob(CircuitParams(params.input_logp[:, :3], params.sum_logw), good)
     with pytest.raises(ValueError, match=r"params\.sum_logw must have shape"):
         c.log_prob(CircuitParams(params.input_logp, None), good)
+    with pytest.raises(ValueError, match=r"sum_logw must have shape \(B, U=\d+, r=2\)"):
+        c.latent_path(None)
+    with pytest.raises(ValueError, match=r"sum_logw must have shape"):
+        c.latent_path(params.sum_logw[:, :2])
+    with pytest.raises(ValueError, match=r"evidence_leaves must have shape \(B=2, m<=4, r=2\)"):
+        c.latent_path(params.sum_logw, torch.zeros(2, 1, 3))
     with pytest.raises(ValueError, match="params must be a CircuitParams"):
         c.log_prob(params.input_logp, good)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="mask must have shape"):

@@ -96,3 +96,91 @@ def test_a_head_too_big_for_memory_is_refused_with_the_numbers(tmp_path: Path) -
     ):
         train(cfg)  # was: the allocator asked for 1.3 TB
     assert not (tmp_path / "cache").exists()  # before data preparation
+
+
+def test_the_two_remaining_tracebacks_are_one_line_at_the_command_line(tmp_path: Path) -> None:
+    """Issue 19: both raised a ValueError from below the startup check (a traceback)."""
+    lora = _run("train.py", ["lora.layers=999", "logger=none"], tmp_path)
+    assert lora.returncode == 2 and "Traceback" not in lora.stderr, lora.stderr[-2000:]
+    errors = [line for line in lora.stderr.splitlines() if "error" in line.lower()]
+    assert errors == ["error: lora.layers (k) is 999; allowed: 0..4 (the layer count) (model=tiny)"]
+    assert lora.stderr.rstrip().endswith(errors[0])  # before it: Lightning's INFO lines only
+    from mtpc.model import MTPCModel
+
+    draft = tmp_path / "draft"
+    MTPCModel.from_config("tiny", kind="cp", window=2, rank=2).save_pretrained(draft)
+    sampling = _run("eval.py", [f"draft={draft}", "greedy=false", "draft_mode=map"], tmp_path)
+    assert sampling.returncode == 2 and "Traceback" not in sampling.stderr, sampling.stderr[-2000:]
+    lines = [line for line in sampling.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "draft_mode='map' is not allowed with greedy=false" in lines[0]
+
+
+BAD_TRAINING = [
+    ("lora.layers=999", r"lora\.layers \(k\) is 999; allowed: 0\.\.4"),
+    ("lora.layers=1 lora.target_modules=[foo]", r"lora\.target_modules \['foo'\] do not exist"),
+    ("+circuit.head_init=bad", r"circuit\.head_init='bad' is not allowed; allowed: pretrained"),
+    ("scheduler=bad", r"scheduler='bad' is not allowed"),
+    ("global_batch_size=0", r"global_batch_size=0 is not allowed"),
+    ("trainer.devices=0", r"trainer settings refused by Lightning: .*devices=0"),
+    ("trainer.precision=bad", r"trainer settings refused by Lightning: Precision 'bad'"),
+    (
+        "trainer=ddp_cpu trainer.strategy=fsdp",
+        r"refused by Lightning: The strategy `fsdp` requires a GPU",
+    ),
+    ("+trainer.bogus=1", r"trainer settings refused by Lightning: .*'bogus'"),
+    ("loss.gamma=2", r"loss\.gamma=2 is not allowed"),
+    ("data.source=nope", r"data source is 'nope'"),
+    pytest.param(
+        "trainer=fsdp",
+        r"trainer\.accelerator=gpu needs CUDA GPUs and this machine has none",
+        marks=pytest.mark.skipif("__import__('torch').cuda.is_available()"),
+    ),
+]
+
+
+@pytest.mark.parametrize(("overrides", "message"), BAD_TRAINING)
+def test_each_bad_training_value_is_a_user_error(overrides: str, message: str, tmp_path) -> None:
+    """Every check found in the audit: a UserError (one line, exit 2), never a bare ValueError."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import open_dict
+
+    from mtpc.errors import UserError
+    from mtpc.training.run import train
+
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        cfg = compose("train", overrides=["logger=none", *overrides.split()])
+    with open_dict(cfg):
+        cfg.run_dir = str(tmp_path / "run")
+        cfg.paths.root_dir = str(tmp_path)
+        cfg.paths.cache_dir = str(tmp_path / "cache")
+    with pytest.raises(UserError, match=message):
+        train(cfg)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+BAD_EVALUATION = [
+    ("greedy=false draft_mode=map", r"draft_mode='map' is not allowed with greedy=false"),
+    ("greedy=false draft_mode=chain", r"draft_mode='chain' is not allowed with greedy=false"),
+    ("drafter=hetero drafter.algorithm=foo", r"drafter\.algorithm='foo' is not allowed"),
+    ("drafter=hetero drafter.psi=bad", r"drafter\.psi='bad' is not allowed"),
+    ("drafter=hetero drafter.lookahead=0", r"drafter\.lookahead=0 is not allowed"),
+    ("drafter=hetero drafter.look_behind=-1", r"drafter\.look_behind=-1 is not allowed"),
+    ("drafter=hetero drafter.model=fixture:nope", r"drafter\.model='fixture:nope'"),
+    ("drafter=hetero drafter.model=/no/such/lm", r"drafter\.model='/no/such/lm' does not exist"),
+    ("policy=bad", r"policy='bad' is not allowed"),
+    ("top_p=2", r"top_p=2 is not allowed"),
+    ("resume=bad", r"resume='bad' is not allowed"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "message"), BAD_EVALUATION)
+def test_each_bad_evaluation_value_is_a_user_error(overrides: str, message: str) -> None:
+    from hydra import compose, initialize_config_dir
+
+    from mtpc.errors import UserError
+    from mtpc.evaluation.run import check_eval_fields
+
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        cfg = compose("eval", overrides=overrides.split())
+    with pytest.raises(UserError, match=message):
+        check_eval_fields(cfg)  # evaluate() calls it before any draft or prompt is loaded

@@ -246,3 +246,46 @@ def test_prompt_cut_and_english_filter() -> None:
     assert (
         len(build_prompt_sets(rows_, get_codec("tiny"), num_prompts=1, english_only=False)[0]) == 1
     )
+
+
+def test_pack_documents_false_gives_rows_of_one_document(jsonl: Path, tmp_path: Path) -> None:
+    packed = make_dm(jsonl, tmp_path, num_workers=0)
+    single = make_dm(jsonl, tmp_path, num_workers=0, pack_documents=False)
+    for dm in (packed, single):
+        dm.setup("fit")
+    rows = [single.datasets["train"][k] for k in range(len(single.datasets["train"]))]
+    assert all(int(r["document_ids"].max()) == 0 for r in rows)  # never a second document
+    assert any(int(packed.datasets["train"][k]["document_ids"].max()) > 0
+               for k in range(len(packed.datasets["train"])))  # fmt: skip
+    assert len(single.datasets["train"]) > len(packed.datasets["train"])
+    assert sum(int(r["attention_mask"].sum()) for r in rows) == sum(
+        int(packed.datasets["train"][k]["attention_mask"].sum())
+        for k in range(len(packed.datasets["train"]))
+    )  # the same documents, only spread over more rows
+
+
+def test_rows_of_one_document_are_trimmed_per_batch_without_changing_the_loss(
+    jsonl: Path, tmp_path: Path
+) -> None:
+    """pack_documents=False: a batch is as long as its longest document; the loss is the same."""
+    from torch.utils.data import default_collate
+
+    from mtpc.model import MTPCModel
+    from mtpc.training.module import MTPCLightningModule
+
+    dm = make_dm(jsonl, tmp_path, num_workers=0, pack_documents=False, shuffle=False)
+    dm.setup("fit")
+    batch = next(iter(dm.train_dataloader()))
+    full = default_collate([dm.datasets["train"][int(k)] for k in batch["index"]])
+    length = int(full["attention_mask"].sum(1).max())
+    assert batch["input_ids"].shape[1] == length < full["input_ids"].shape[1] == dm.seq_len
+    assert (
+        batch["targets"].shape[:2]
+        == batch["target_mask"].shape[:2]
+        == (len(batch["index"]), length)
+    )
+    module = MTPCLightningModule(MTPCModel.from_config("tiny", kind="cp", window=4, rank=2))
+    with torch.no_grad():
+        trimmed_loss = module._objective(batch)[0].loss
+        full_loss = module._objective(full)[0].loss
+    torch.testing.assert_close(trimmed_loss, full_loss)  # only padding was cut

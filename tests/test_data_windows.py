@@ -107,3 +107,21 @@ def test_build_sequence_restarts_positions_per_document() -> None:
     assert seq["input_ids"][:4].tolist() == [105, 106, 107, 108]
     assert seq["loss_mask"][:4].tolist() == [False, False, True, True]
     assert seq["source_ids"][:9].tolist() == [2] * 4 + [0] * 3 + [1] * 2
+
+
+def test_one_document_per_sequence_when_packing_is_off() -> None:
+    """pack=False (EvaByte): every sequence holds one document or one piece of a long one."""
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 70, size=300)
+    lengths[:2] = [64, 150]
+    plan = plan_packing(lengths, 64, pack=False)
+    assert (np.diff(plan.seq_offsets) == 1).all()  # one segment per sequence
+    pieces = int(np.ceil(lengths / 64).sum())  # the 150-id document is cut into 64 + 64 + 22
+    assert plan.num_sequences == pieces
+    covered = {d: np.zeros(n, dtype=int) for d, n in enumerate(lengths)}
+    for d, s, n in zip(plan.seg_doc, plan.seg_start, plan.seg_len, strict=True):
+        covered[int(d)][s : s + n] += 1
+    assert all((c == 1).all() for c in covered.values())
+    packed = plan_packing(lengths, 64)
+    assert plan.fill_ratio() == pytest.approx(lengths.sum() / (64 * pieces))
+    assert plan.fill_ratio() < 0.6 < 0.95 < packed.fill_ratio()  # what one per row costs

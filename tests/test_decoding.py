@@ -88,14 +88,15 @@ def test_greedy_equals_autoregressive_and_transformers(
         assert len(ar.tokens) == NEW
         if window == 4 and kind == "cp":  # the oracle once per k (AR does not depend on the head)
             assert ar.tokens == hf_greedy(model, prompt, NEW)
-        for policy in ("condition", "recompute"):
-            sd = mtpc.generate(model, prompt, NEW, policy=policy, stop_ids=())
-            assert sd.tokens == ar.tokens, (kind, window, k, policy, i)
+        runs = [("condition", None), ("recompute", None), ("condition", "zsample")]
+        for policy, mode in runs:  # None: the default (zmap, the latent-path greedy draft)
+            sd = mtpc.generate(model, prompt, NEW, policy=policy, draft_mode=mode, stop_ids=())
+            assert sd.tokens == ar.tokens, (kind, window, k, policy, mode, i)
             assert sum(sd.emitted) == NEW
             assert all(0 <= a <= window for a in sd.accepted)
 
 
-@pytest.mark.parametrize("mode", ["sample", "map", "chain"])
+@pytest.mark.parametrize("mode", ["sample", "map", "chain", "zmap", "zsample", "zsample1"])
 @pytest.mark.parametrize("kind,rank", FAMILIES)
 def test_every_greedy_draft_mode_and_drop_are_exact(kind: str, rank: int, mode: str) -> None:
     model = make_model(kind, 4, rank, k=1)
@@ -104,6 +105,82 @@ def test_every_greedy_draft_mode_and_drop_are_exact(kind: str, rank: int, mode: 
     for policy in POLICIES:
         sd = mtpc.generate(model, prompt, NEW, policy=policy, draft_mode=mode, stop_ids=())
         assert sd.tokens == ar.tokens, (kind, mode, policy)
+
+
+@pytest.mark.parametrize(
+    "mode,greedy", [("zmap", True), ("zsample", False), ("zsample1", False), ("sample", False)]
+)
+@pytest.mark.parametrize("kind,rank", FAMILIES)
+def test_latent_path_drafts_never_evaluate_the_whole_table(
+    kind: str, rank: int, mode: str, greedy: bool
+) -> None:
+    """zmap / zsample read r rows of W at the pending token's position (none when r = 1)
+    and one row per drafted position; sample adds every unit of the positions its tests
+    ask q at; the whole (n, r, V) table is refused."""
+    n = 4
+    model = make_model(kind, n, rank)
+    head = model.head
+    real = head.input_logits
+    rows: list[int] = []
+
+    def counting(e: torch.Tensor, positions=None, units=None) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        if positions is None:
+            raise AssertionError("the draft evaluated the whole table")
+        rows.append(len(positions) * (1 if units is not None else rank))
+        return real(e, positions, units)
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the draft evaluated the whole table")
+
+    head.input_logits = counting  # type: ignore[method-assign]
+    head.forward = refuse  # type: ignore[method-assign]
+    model.draft_params = refuse  # type: ignore[method-assign]
+    res = mtpc.generate(model, PROMPTS[0], NEW, greedy=greedy, draft_mode=mode, stop_ids=())
+    cycles = res.num_cycles
+    evidence_rows = rank if rank > 1 else 0
+    # first cycle: nothing pending, n leaves; then the pending token + n - 1 leaves
+    path_rows = n + (cycles - 1) * (evidence_rows + n - 1)
+    if mode == "sample" and rank > 1:
+        assert path_rows <= sum(rows) <= path_rows + cycles * n * rank
+    elif mode == "zsample1" and rank > 1:  # + every unit at the first drafted position
+        assert sum(rows) == path_rows + cycles * (rank - 1)
+    else:
+        assert sum(rows) == path_rows
+        assert len(rows) == 1 + (cycles - 1) * (2 if rank > 1 else 1)
+    if greedy:
+        ar = mtpc.generate(model, PROMPTS[0], NEW, method="autoregressive", stop_ids=())
+        assert res.tokens == ar.tokens
+
+
+@torch.no_grad()
+def test_the_marginal_proposal_reads_only_the_positions_it_is_asked() -> None:
+    """q_i needs every unit at positions <= i and nothing after; it equals the full table's."""
+    from mtpc.decoding.speculative import HeadState, MarginalProposal
+
+    n, r = 4, 3
+    model = make_model("btree", n, r)
+    hidden = torch.randn(1, 32, dtype=torch.float64)
+    window = torch.tensor([[3, 8, 1, 40]])
+    state = HeadState(model, hidden)
+    seen: list[list[int]] = []
+    real = model.head.input_logits
+
+    def spy(e: torch.Tensor, positions=None, units=None) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        seen.append(list(range(n)) if positions is None else [int(p) for p in positions])
+        return real(e, positions, units)
+
+    model.head.input_logits = spy  # type: ignore[method-assign]
+    marginal = MarginalProposal(state, window, pre=1)
+    q1 = marginal.token_prob(0)  # q(x_2 | x_1): positions 0 and 1
+    assert seen == [[0, 1]]
+    q2 = marginal.token_prob(1)
+    assert seen == [[0, 1], [2]]
+    full = HeadState(model, hidden).params()
+    prefix = model.head.circuit.prefix_log_prob(full, window)[0]
+    torch.testing.assert_close(torch.tensor([q1, q2]), (prefix[1:3] - prefix[0:2]).exp())
+    cond = model.head.circuit.conditional_log_prob(full, window[:, :2])[0].exp()
+    torch.testing.assert_close(marginal.dist(1), cond)
+    assert seen == [[0, 1], [2], list(range(n))]  # (the last: the full table, for the check)
 
 
 def test_a_draft_that_predicts_the_target_gets_accepted() -> None:
@@ -241,9 +318,10 @@ def test_result_records_timings_and_breakdown() -> None:
         ({"method": "beam"}, "method='beam' is not allowed"),
         (
             {"draft_mode": "argmax"},
-            "draft_mode='argmax' is not allowed; allowed: sample, map, chain",
+            "draft_mode='argmax' is not allowed; allowed: sample, map, chain, zmap, zsample, zsample1",
         ),
-        ({"draft_mode": "map", "greedy": False}, "allowed: sample"),
+        ({"draft_mode": "map", "greedy": False}, "allowed: sample, zsample, zsample1"),
+        ({"draft_mode": "zmap", "greedy": False}, "allowed: sample, zsample, zsample1"),
         ({"greedy": False, "temperature": 0.0}, "temperature=0.0 is not allowed"),
         ({"greedy": False, "top_p": 1.5}, "top_p=1.5 is not allowed"),
         ({"top_k": 0}, "top_k=0 is not allowed"),

@@ -16,7 +16,6 @@ import torch
 from scipy.stats import chisquare
 
 import mtpc
-from mtpc.circuits.params import CircuitParams
 from mtpc.model import MTPCModel
 from tests.test_decoding import FAMILIES, _one_thread, make_target  # noqa: F401 (fixture)
 
@@ -64,16 +63,28 @@ def target() -> torch.nn.Module:
     return hf
 
 
-@pytest.mark.parametrize("policy", ["condition", "recompute"])
+@pytest.mark.parametrize(
+    "policy,mode",
+    [
+        ("condition", "zsample"),
+        ("recompute", "zsample"),
+        ("condition", "sample"),
+        ("recompute", "zsample1"),
+    ],
+)
 @pytest.mark.parametrize("kind,rank", FAMILIES)
-def test_sampling_matches_the_enumerated_target(target, kind: str, rank: int, policy: str) -> None:  # type: ignore[no-untyped-def]
+def test_sampling_matches_the_enumerated_target(
+    target, kind: str, rank: int, policy: str, mode: str
+) -> None:  # type: ignore[no-untyped-def]
+    """Every proposal: the latent path's q(. | z) (zsample), the marginal q(x_i | x_<i)
+    (sample), the marginal at the first draft then q(. | z) (zsample1)."""
     torch.manual_seed(2)
     model = MTPCModel.from_hf(
         target, kind=kind, window=2, rank=rank, head_init="random", init_std=0.5
     )
     probs = exact_distribution(target, PROMPT, L)
-    counts = sampled_counts(model, policy, N)
-    assert chi2_pvalue(counts, probs) > 1e-3, (kind, policy)
+    counts = sampled_counts(model, policy, N, draft_mode=mode)
+    assert chi2_pvalue(counts, probs) > 1e-3, (kind, policy, mode)
 
 
 def test_sampling_with_temperature_top_k_and_lora_matches_the_processed_target() -> None:
@@ -104,16 +115,26 @@ def test_drop_is_biased_and_condition_is_not() -> None:
     with torch.no_grad():
         hf.lm_head.weight.zero_()  # uniform target
     model = MTPCModel.from_hf(hf, kind="ff", window=2, rank=1, head_init="random")
-    always_a = torch.tensor([0.0, -30.0]).expand(1, 2, 1, 2)  # (B, n, r, V): q(A) = 1
 
-    def draft_params(hidden: torch.Tensor) -> CircuitParams:
-        return CircuitParams.from_logits(always_a.clone())
+    def always_a(e: torch.Tensor, positions=None, units=None) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        k = 2 if positions is None else len(positions)
+        shape = (e.shape[0], k, 2) if units is not None else (e.shape[0], k, 1, 2)
+        return torch.tensor([0.0, -30.0]).expand(shape)  # q(A) = 1 at every position
 
-    model.draft_params = draft_params  # type: ignore[method-assign]
+    model.head.input_logits = always_a  # type: ignore[method-assign]
     freq = {}
     for policy in ("drop", "condition", "recompute"):
         pairs = [
-            mtpc.generate(model, [0, 1], 2, greedy=False, seed=s, policy=policy, stop_ids=()).tokens
+            mtpc.generate(
+                model,
+                [0, 1],
+                2,
+                greedy=False,
+                seed=s,
+                policy=policy,
+                draft_mode="sample",
+                stop_ids=(),
+            ).tokens
             for s in range(800)
         ]
         after_a = [b for a, b in pairs if a == 0]

@@ -174,6 +174,29 @@ def test_same_command_resumes_its_folder_and_other_settings_get_their_own(
     assert forced["rows"][1]["prompts"] == 2  # the records were kept, nothing re-decoded
 
 
+def test_resume_never_measures_again_in_a_new_folder(
+    tmp_path: Path, drafts: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    over = {"draft": str(drafts["ff"]), "num_prompt_sets": 1, "max_throughput": False,
+            "plots": False, "output_dir": None}  # fmt: skip
+    first = evaluate(_cfg(tmp_path, **over))
+    folder = Path(first["folder"])
+    with caplog.at_level("INFO", logger="mtpc.evaluation.run"):
+        evaluate(_cfg(tmp_path, **over))  # the same command: nothing decoded
+    before = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+    assert re.search(
+        rf"ff: already recorded in {re.escape(str(folder))} \(resume=never", caplog.text
+    )
+    fresh = evaluate(_cfg(tmp_path, **over, resume="never"))
+    assert Path(fresh["folder"]) == folder.with_name(folder.name + "-2")
+    again = _prompt_records(Path(fresh["folder"]))
+    assert len(again) == len(_prompt_records(folder)) == 4  # AR + speculative, 2 prompts each
+    assert [r["tokens_sha1"] for r in again] == [r["tokens_sha1"] for r in _prompt_records(folder)]
+    assert {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()} == before
+    third = evaluate(_cfg(tmp_path, **over, resume="never"))
+    assert Path(third["folder"]).name == folder.name + "-3"
+
+
 def test_merged_report_and_refusals(tmp_path: Path, drafts: dict[str, Path]) -> None:
     """One folder per draft (a SLURM array) merges into one table; mismatches are refused."""
     over = {"num_prompt_sets": 1, "max_throughput": False, "plots": False}
@@ -278,3 +301,47 @@ def test_progress_bar_on_a_terminal_leaves_the_table_intact(
     lines = table.splitlines()
     start = shown.index(lines[0])
     assert shown[start : start + len(lines)] == lines
+
+
+def test_killed_hetero_evaluation_resumes_per_prompt(tmp_path: Path) -> None:
+    """drafter=hetero rows are recorded per prompt: SIGKILL midway, the rerun decodes the rest."""
+    drafter = {
+        "name": "hetero", "model": "fixture:bpe", "tokenizer": None, "algorithm": "slem",
+        "lookahead": 3, "look_behind": 8, "max_psi_paths": 4096, "psi": "auto",
+    }  # fmt: skip
+    over = {"drafter": drafter, "max_throughput": False, "plots": False}
+    killed = _cfg(tmp_path, **over, output_dir=str(tmp_path / "killed"))
+    records = tmp_path / "killed" / "records.jsonl"
+    proc = _spawn(killed, tmp_path)
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline:
+        if records.is_file() and records.read_text().count('"type":"prompt"') >= 3:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.02)
+    assert proc.wait() == -signal.SIGKILL, "the evaluation ended before it could be killed"
+    before = _prompt_records(tmp_path / "killed")
+    total = 2 * 2 * 2  # 2 sets x 2 prompts x (target alone + hetero drafter)
+    assert 3 <= len(before) < total and {r["pass"] for r in before} <= {"hetero_ar", "hetero"}
+    with open(records, "ab") as f:  # a kill in the middle of a write
+        f.write(b'{"type":"prompt","draft":"hetero:sl')
+
+    resumed = evaluate(killed)
+    after = _prompt_records(tmp_path / "killed")
+    keys = [(r["draft_path"], r["pass"], r["set"], r["index"]) for r in after]
+    assert len(after) == total and len(set(keys)) == total  # nothing decoded twice
+    assert after[: len(before)] == before  # the killed run's records were kept
+    assert all(r["draft_path"] == "drafter:fixture:bpe" for r in after)
+
+    whole = evaluate(_cfg(tmp_path, **over, output_dir=str(tmp_path / "whole")))
+    untimed = ("mu_acc", "mu_acc_drafts", "cycles", "tokens", "drafter_passes_per_cycle")
+    for got, want in zip(resumed["rows"], whole["rows"], strict=True):
+        assert got["name"] == want["name"] and got.get("overlap") == want.get("overlap")
+        assert [{k: m[k] for k in untimed} for m in got["per_set"]] == [
+            {k: m[k] for k in untimed} for m in want["per_set"]
+        ]
+    assert [r["name"] for r in resumed["rows"]] == ["AR (target)", "hetero:slem"]
+    # the rows are the records: tokens per target pass of set 0, from the lines alone
+    set0 = [r for r in after if r["pass"] == "hetero" and r["set"] == 0]
+    mu_acc = sum(r["new_tokens"] for r in set0) / sum(r["cycles"] for r in set0)
+    assert resumed["rows"][1]["per_set"][0]["mu_acc"] == pytest.approx(mu_acc)

@@ -39,6 +39,9 @@ def test_public_api_smoke() -> None:
     assert isinstance(build_head("cp", 4, 2, V, D), MTPCHead)
     sel = head.input_logits(e, positions=[0, 3])
     torch.testing.assert_close(sel, head.input_logits(e)[:, [0, 3]])
+    pairs = head.input_logits(e, positions=[0, 3, 3], units=torch.tensor([1, 0, 1]))
+    assert pairs.shape == (3, 3, V)  # (B, k, V): one row of W per (position, unit) pair
+    torch.testing.assert_close(pairs, head.input_logits(e)[:, [0, 3, 3], [1, 0, 1]])
 
 
 @pytest.mark.parametrize(("kind", "rank"), FAMILIES)
@@ -186,6 +189,10 @@ def test_bad_head_arguments() -> None:
     head = MTPCHead("cp", 4, 2, V, D)
     with pytest.raises(ValueError, match=r"e must have shape \(B, hidden_size=6\)"):
         head(torch.randn(3, D + 1))
+    with pytest.raises(ValueError, match="units needs positions of the same length"):
+        head.input_logits(torch.randn(1, D), units=[0])
+    with pytest.raises(ValueError, match="units needs positions of the same length"):
+        head.input_logits(torch.randn(1, D), positions=[0, 1], units=[0])
     h, t = torch.randn(5, D), torch.randint(V, (5, 4))
     with pytest.raises(ValueError, match="targets must have shape"):
         chunked_log_likelihood(head, h, t[:, :3])

@@ -5,9 +5,10 @@ pieces self-speculative decoding and training need:
 
 * ``embed(ids, past_ids)``: input embeddings; ``past_ids`` is the id history before
   ``ids`` (the byte-level Llama needs it for its expansion embedding; others ignore it).
-* ``run_layers(hidden, start, end, positions, cache, adapter)``: layers ``start..end-1``
-  on hidden states, appending to a :class:`LayerCache` when one is given; ``adapter``
-  switches the LoRA draft adapter on (draft tail) or off (trunk, verifier tail).
+* ``run_layers(hidden, start, end, positions, cache, adapter, tree_mask)``: layers
+  ``start..end-1`` on hidden states, appending to a :class:`LayerCache` when one is given;
+  ``adapter`` switches the LoRA draft adapter on (draft tail) or off (trunk, verifier tail);
+  ``tree_mask`` lets the new positions attend each other as a token tree.
 * ``norm(hidden)``: the final norm; ``stp_logits(features)``: the next-token head.
 * ``stp_unembedding()`` (V, d) and ``mtp_unembeddings()`` (m, V, d) or ``None``: what the
   MTPC head is initialised from.
@@ -125,18 +126,50 @@ def document_mask(documents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
+def tree_attention_mask(
+    past: int, tree_mask: torch.Tensor, dtype: torch.dtype, batch: int = 1
+) -> torch.Tensor:
+    """Additive mask for T new tree nodes after ``past`` cached keys.
+
+    Args:
+        past: cached positions (always visible).
+        tree_mask: (T, T) bool, ``[i, j]`` True when node i may attend node j (its ancestors
+            and itself).
+        dtype: the attention scores' dtype.
+        batch: batch size.
+
+    Returns:
+        (batch, 1, T, past + T): 0 where allowed, the dtype's minimum elsewhere.
+    """
+    t = tree_mask.shape[0]
+    allowed = torch.cat(
+        [tree_mask.new_ones(t, past, dtype=torch.bool), tree_mask.to(torch.bool)], 1
+    )  # (T, P + T)
+    mask = torch.zeros(t, past + t, dtype=dtype, device=tree_mask.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None].expand(batch, 1, t, past + t)
+
+
+def check_tree_mask(tree_mask: torch.Tensor, length: int) -> None:
+    """Raises ValueError unless ``tree_mask`` is a (T, T) bool mask with a True diagonal."""
+    if tree_mask.dtype != torch.bool or tuple(tree_mask.shape) != (length, length):
+        raise ValueError(
+            f"tree_mask must be a ({length}, {length}) bool tensor, got "
+            f"{tuple(tree_mask.shape)} {tree_mask.dtype}"
+        )
+    if not bool(tree_mask.diagonal().all()):
+        raise ValueError("tree_mask must let every node attend itself (a True diagonal)")
+
+
 class LayerCache:
     """The KV cache of one component (layers ``start..end-1`` of a backbone).
 
     Wraps the backbone's native cache object. Tracks the number of cached positions and the
     ids that went through the component (the byte-level Llama's embedding needs the whole
     id history). Supports append (through ``Backbone.run_layers``), ``crop`` to a shorter
-    length (rejected drafts), reuse across decoding cycles, ``clone`` and ``reset``.
-
-    Native caches without a crop (EvaByte's EVA cache) are cropped by replay: the cache
-    keeps a snapshot taken at the last ``commit``/``crop`` and the inputs appended since,
-    restores the snapshot and re-runs the kept inputs. Such caches can only be cropped back
-    to the last commit point; call ``commit()`` after a prefill.
+    length (rejected drafts), ``compact`` (keep an accepted path by index), reuse across
+    decoding cycles, ``clone`` and ``reset``. Both act on the native cache by index
+    (``Backbone.native_crop`` / ``native_compact``); nothing is replayed.
     """
 
     def __init__(self, backbone: Backbone, start: int, end: int) -> None:
@@ -150,11 +183,6 @@ class LayerCache:
         self.native: Any = backbone.new_native_cache(start, end) if end > start else None
         self.length = 0
         self.ids: torch.Tensor | None = None  # (B, length) ids recorded with record_ids
-        self._replay = self.native is not None and not backbone.native_crop_supported
-        self._snapshot: tuple[Any, int] | None = None
-        self._log: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
-        if self._replay:
-            self.commit()
 
     def __len__(self) -> int:
         return self.length
@@ -163,56 +191,53 @@ class LayerCache:
         """Appends ``ids`` (B, T) to the id history (done by the component that embeds)."""
         self.ids = ids if self.ids is None else torch.cat([self.ids, ids], dim=1)
 
-    def _record(self, hidden: torch.Tensor, positions: torch.Tensor, adapter: bool) -> None:
-        if self._replay:
-            self._log.append((hidden.detach(), positions, adapter))
-
-    def commit(self) -> None:
-        """Makes the current state the crop floor (replayed caches only; a no-op otherwise)."""
-        if self._replay:
-            self._snapshot = (copy.deepcopy(self.native), self.length)
-            self._log = []
-
     def crop(self, length: int) -> None:
         """Drops every cached position at or after ``length``.
 
         Raises:
-            ValueError: ``length`` is negative or longer than the cache, or (replayed caches)
-                shorter than the last commit point.
+            ValueError: ``length`` is negative or longer than the cache, or behind what the
+                native cache can still drop (EVA: positions compressed into chunk RFAs).
         """
         if not 0 <= length <= self.length:
             raise ValueError(f"crop length is {length}; allowed: 0 <= length <= {self.length}")
+        if length == self.length:
+            return
+        if self.native is not None:
+            self.backbone.native_crop(self.native, self.length - length)
         if self.ids is not None:
             self.ids = self.ids[:, :length]
-        if length == self.length:
-            self.commit()
-            return
-        if self.native is None:
-            self.length = length
-            return
-        if not self._replay:
-            self.backbone.native_crop(self.native, self.length - length)
-            self.length = length
-            return
-        assert self._snapshot is not None
-        snap_native, snap_len = self._snapshot
-        if length < snap_len:
+        self.length = length
+
+    def compact(self, base: int, keep: torch.Tensor) -> None:
+        """Keeps positions ``[0, base)`` and then ``base + keep``, in that order; drops the rest.
+
+        Args:
+            base: cached positions kept as they are.
+            keep: (K,) int64 offsets into what was appended after ``base``, strictly
+                increasing (an accepted path of a token tree). ``crop(length)`` is
+                ``compact(base, arange(length - base))``.
+
+        Raises:
+            ValueError: ``base`` or ``keep`` out of range, or ``keep`` not increasing.
+        """
+        if not 0 <= base <= self.length:
+            raise ValueError(f"compact base is {base}; allowed: 0 <= base <= {self.length}")
+        keep = keep.to(torch.long).reshape(-1)
+        if keep.numel() and (
+            int(keep[0]) < 0
+            or int(keep[-1]) >= self.length - base
+            or bool((keep.diff() <= 0).any())
+        ):
             raise ValueError(
-                f"crop length is {length}, but this {type(self.native).__name__} cannot crop behind "
-                f"its last commit point {snap_len}; allowed: {snap_len} <= length <= {self.length}"
+                f"compact keep is {keep.tolist()}; allowed: strictly increasing offsets in "
+                f"[0, {self.length - base})"
             )
-        log, need = self._log, length - snap_len
-        self.native, self.length, self._log = copy.deepcopy(snap_native), snap_len, []
-        with torch.no_grad():
-            for hidden, positions, adapter in log:
-                if need <= 0:
-                    break
-                take = min(need, hidden.shape[1])
-                self.backbone.run_layers(
-                    hidden[:, :take], self.start, self.end, positions[:, :take], self, adapter
-                )
-                need -= take
-        self.commit()
+        if self.native is not None:
+            self.backbone.native_compact(self.native, base, keep)
+        if self.ids is not None:
+            tail = self.ids[:, base:].index_select(1, keep.to(self.ids.device))
+            self.ids = torch.cat([self.ids[:, :base], tail], dim=1)
+        self.length = base + int(keep.numel())
 
     def clone(self) -> LayerCache:
         """An independent copy (shares the backbone, copies the cached tensors)."""
@@ -231,9 +256,6 @@ class LayerCache:
         )
         self.length = 0
         self.ids = None
-        self._snapshot, self._log = None, []
-        if self._replay:
-            self.commit()
 
 
 class Backbone(nn.Module, ABC):
@@ -250,8 +272,9 @@ class Backbone(nn.Module, ABC):
         lora: the attached ``LoraTail`` or ``None``.
     """
 
-    native_crop_supported = True
     needs_history = False
+    supports_tree_mask = False
+    """``run_layers(..., tree_mask=...)``: T new nodes attend their ancestors in one pass."""
 
     def __init__(self, hf_model: nn.Module, name: str, codec: str, source: dict[str, Any]) -> None:
         super().__init__()
@@ -328,6 +351,16 @@ class Backbone(nn.Module, ABC):
         """Removes the last ``remove`` positions from a native cache (if supported)."""
         raise NotImplementedError
 
+    def native_compact(self, native: Any, base: int, keep: torch.Tensor) -> None:
+        """Keeps positions ``[0, base)`` and ``base + keep`` of a native cache (see
+        :meth:`LayerCache.compact`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no compaction by index")
+
+    def one_pass_span(self, length: int, count: int) -> int:
+        """How many of ``count`` new positions after ``length`` cached ones one cached pass
+        computes exactly (all of them, except where the attention changes form: EVA windows)."""
+        return count
+
     @abstractmethod
     def _run(
         self,
@@ -338,11 +371,14 @@ class Backbone(nn.Module, ABC):
         native: Any,
         past: int,
         documents: torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Runs layers ``start..end-1``; ``native`` may be ``None`` (no cache).
 
         ``documents`` (B, T), only without a cache: attention stays inside each document
-        of a packed row where the backbone supports it.
+        of a packed row where the backbone supports it. ``tree_mask`` (T, T) bool, only with
+        a cache and ``supports_tree_mask``: new position i attends the cache and the new
+        positions j with ``tree_mask[i, j]``.
         """
 
     # --- shared machinery ------------------------------------------------------------------
@@ -382,6 +418,7 @@ class Backbone(nn.Module, ABC):
         cache: LayerCache | None = None,
         adapter: bool = False,
         documents: torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Runs layers ``start..end-1`` on ``hidden`` (B, T, d) -> (B, T, d).
 
@@ -396,8 +433,18 @@ class Backbone(nn.Module, ABC):
             documents: (B, T) document index of each position of packed training rows
                 (negative on padding); attention does not cross documents where the
                 backbone supports it. Only without a cache.
+            tree_mask: (T, T) bool over the new positions: ``tree_mask[i, j]`` is True when
+                new position i may attend new position j (its ancestors and itself); every
+                cached position is visible. ``None``: the causal chain. Only with a cache;
+                ``positions`` then gives each node's cache length + depth.
         """
         b, t, _ = hidden.shape
+        if tree_mask is not None:
+            if cache is None:
+                raise ValueError("tree_mask (token-tree verification) needs a cache")
+            if not self.supports_tree_mask:
+                raise ValueError(f"{type(self).__name__} does not support tree_mask")
+            check_tree_mask(tree_mask, t)
         past = 0 if cache is None else cache.length
         if documents is not None and cache is not None:
             raise ValueError("documents (packed-row attention) is for cache-free training runs")
@@ -405,17 +452,26 @@ class Backbone(nn.Module, ABC):
             raise ValueError(
                 f"cache covers layers [{cache.start}, {cache.end}) but run_layers got [{start}, {end})"
             )
+        if tree_mask is not None:
+            if cache is None or not self.supports_tree_mask:
+                raise ValueError(
+                    f"tree_mask needs a cache and a backbone that supports it; {self.name}: "
+                    f"supports_tree_mask={self.supports_tree_mask}, cache={cache is not None}"
+                )
+            if tree_mask.shape != (t, t) or tree_mask.dtype != torch.bool:
+                raise ValueError(
+                    f"tree_mask is {tuple(tree_mask.shape)} {tree_mask.dtype}; allowed: ({t}, {t}) bool"
+                )
         if positions is None:
             positions = torch.arange(past, past + t, device=hidden.device)
         if positions.dim() == 1:
             positions = positions[None].expand(b, t)
         if end > start:
-            if cache is not None:
-                cache._record(hidden, positions, adapter)
             grad = contextlib.nullcontext() if cache is None else torch.no_grad()
+            tree = {} if tree_mask is None else {"tree_mask": tree_mask}
             with grad, self.adapter(adapter):
                 native = None if cache is None else cache.native
-                hidden = self._run(hidden, start, end, positions, native, past, documents)
+                hidden = self._run(hidden, start, end, positions, native, past, documents, **tree)
         if cache is not None:
             cache.length += t
         return hidden

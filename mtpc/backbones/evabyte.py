@@ -1,29 +1,44 @@
 """EvaByte-SFT (``EvaByte/EvaByte-SFT``, remote code ``evabyte_hf``) behind the backbone interface.
 
-Written against ``evabyte_hf/modeling_evabyte.py`` and ``eva_cache.py`` of
-OpenEvaByte/evabyte:
+Written against ``evabyte_hf/modeling_evabyte.py``, ``eva.py``, ``eva_pt_ref.py``,
+``eva_cache.py`` and ``multibyte_decoding_evabyte.py`` of OpenEvaByte/evabyte (432331ad):
 
 * ``lm_head`` is ``Linear(d, num_pred_heads * V)``; rows ``i*V..(i+1)*V-1`` are MTP head
   ``i`` (head 0 is the next-byte head). They initialise the MTPC head.
-* Decoder layers are called as the model's own forward calls them:
-  ``layer(h, attention_mask=masks, position_ids=pos, past_key_value=cache, use_cache=True,
-  cos=cos, sin=sin, multibyte_decoding=False)``, with ``cos, sin = rotary_emb(h, seq_len)``
-  indexed by position, and the mask tuple from the model's
-  ``_prepare_eva_generation_attn_mask[_triton]``.
-* The cache is the remote ``EvaCache`` (PyTorch EVA) or ``EvaStaticCacheForTriton``. Their
-  per-layer lists grow by append and detect prefill by ``len(list) <= layer_idx``, and only
-  layer 0 counts seen tokens; a tail cache (layers from ``start > 0``) is therefore padded
-  with ``start`` placeholder entries and its token count is advanced here. EVA caches
-  cannot crop, so :class:`~mtpc.backbones.base.LayerCache` crops them by snapshot and replay.
-  After a prefill, EVA decodes one position per call (its decoding masks assume it), so
-  longer appends are fed position by position.
-* Without a cache (training forward), a throwaway cache is used, as EvaByte's own
-  inference forward does.
+* EVA attention: position p attends exactly to the positions of its own window
+  (``window_size`` W, windows aligned at multiples of W from position 0) up to itself, and to
+  one random-feature summary (RFA: key ``rfa_k``, value ``rfa_v``) per ``chunk_size`` chunk of
+  every earlier window.
+* **Cached runs (decoding) take one pass per call**, the way EvaByte's own multibyte decoding
+  verifies a Medusa tree: each layer is called with ``multibyte_decoding=True`` and a boolean
+  mask over ``[RFAs of past windows | the window's kept positions | the new positions]``
+  (True = attend; the new positions see each other under ``tree_mask``, a causal chain by
+  default). The new keys/values are written into the window buffer after the kept ones
+  without being kept (:class:`EvaWindowCache`, the layout of the remote
+  ``EvaStaticCacheForTriton``). ``native_compact`` then keeps the accepted positions by index
+  (``multi_byte_pred_update_cache``) and compresses the window into RFAs when it is full.
+  Triton path: the remote ``EvaAttention._multibyte_decoding_forward`` and
+  ``triton_eva_prep_kv_fwd``. Torch path (CPU, tests; the remote ``eva_pt_ref.py`` has no
+  multibyte forward): :func:`multibyte_attention` and :func:`compress_window`, the same math
+  as ``eva_pt_ref.py`` (``attention_op``, ``_generate_feature_map``,
+  ``_calculate_chunk_rfa_cache``).
+* A pass never crosses a window boundary: positions after it would need the RFAs of the
+  window being verified. A causal run that crosses one (a prefill, a draft tail) is cut there,
+  the first piece kept and compressed, and the rest run as a second pass. A verify pass is
+  trimmed by the decoder to :meth:`EvaByteBackbone.one_pass_span` positions, as the remote
+  ``multi_byte_generate`` trims its candidates.
+* The first cached run of the triton path (the prefill) goes through the remote prefill
+  (``_triton_forward`` on a throwaway ``EvaStaticCacheForTriton`` writing into our buffers).
+* Without a cache (training forward), a throwaway remote cache is used, as EvaByte's own
+  inference forward does: the model's own prefill path.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -32,12 +47,161 @@ from torch import nn
 from mtpc.backbones.base import Backbone
 
 HUB_ID = "EvaByte/EvaByte-SFT"
+MASK_MIN = -10e10  # eva_pt_ref.MASK_MIN_VALUE
+TREE_ROOM = 256  # window-buffer slots beyond W for a pass's new positions (as multi_byte_generate)
+
+
+class EvaWindowCache:
+    """EVA decoding state of layers ``layers`` (the remote ``EvaStaticCacheForTriton`` layout).
+
+    Per layer ``l`` (lists indexed by the global layer number, ``None`` outside ``layers``):
+    ``past_window_k[l]``/``past_window_v[l]`` (B, h, W + room, hd) rotated keys and values of
+    the current window, ``past_window_pos[l]`` how many of them are kept, ``rfa_k[l]`` /
+    ``rfa_v[l]`` (B, h, C, hd) the RFAs of the C chunks of the windows before (``None`` before
+    the first window is full). ``committed`` positions are kept; ``length - committed`` more
+    were written by the last pass after them and await ``select`` (keep by index).
+    """
+
+    def __init__(
+        self,
+        layers: range,
+        batch: int,
+        heads: int,
+        window: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        n = layers.stop
+        shape = (batch, heads, window + TREE_ROOM, head_dim)
+        self.layers = layers
+        self.window = window
+        self.past_window_k: list[Any] = [None] * n
+        self.past_window_v: list[Any] = [None] * n
+        for i in layers:
+            self.past_window_k[i] = torch.zeros(shape, dtype=dtype, device=device)
+            self.past_window_v[i] = torch.zeros(shape, dtype=dtype, device=device)
+        self.past_window_pos: list[Any] = [0] * n
+        self.rfa_k: list[Any] = [None] * n
+        self.rfa_v: list[Any] = [None] * n
+        self.committed = 0
+        self.length = 0
+
+    @property
+    def window_start(self) -> int:
+        """First position of the current window (positions before it are compressed)."""
+        return self.committed - self.committed % self.window
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def get_chunk_rfas(self, layer_idx: int) -> tuple[Any, Any]:
+        return self.rfa_k[layer_idx], self.rfa_v[layer_idx]
+
+    def chunks(self) -> int:
+        """Number of RFA chunks (the same in every layer)."""
+        rfa = self.rfa_k[self.layers.start]
+        return 0 if rfa is None else int(rfa.shape[-2])
+
+
+def multibyte_mask(
+    native: EvaWindowCache, batch: int, tree_mask: torch.Tensor, device: torch.device
+) -> torch.Tensor:
+    """The boolean mask of one pass (B, 1, T, C + pos + T), True = attend: every RFA and kept
+    window position, then ``tree_mask`` (T, T) among the new positions (the layout of
+    ``multi_byte_pred_update_attn_mask``)."""
+    t, pos, chunks = tree_mask.shape[0], native.committed - native.window_start, native.chunks()
+    mask = torch.ones(batch, 1, t, chunks + pos + t, dtype=torch.bool, device=device)
+    mask[..., chunks + pos :] = tree_mask
+    return mask
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.split(x.shape[-1] // 2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def multibyte_attention(
+    attn: Any,
+    hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    past_key_value: Any = None,
+    output_attentions: bool = False,
+    use_cache: bool = False,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+    multibyte_decoding: bool = False,
+) -> tuple[torch.Tensor, None, Any]:
+    """Pure-torch ``EvaAttention._multibyte_decoding_forward`` (eva.py) with eva_pt_ref's math.
+
+    Reads the cache, writes the new keys/values after the kept window positions without
+    keeping them. ``attention_mask`` (B, 1, T, C + pos + T) bool, True = attend, over
+    ``[RFAs | window | new]``; scores as ``eva_pt_ref.attention_op`` (fp32 when
+    ``config.mixedp_attn``, masked with ``MASK_MIN_VALUE``).
+    """
+    assert use_cache and multibyte_decoding and attention_mask is not None
+    assert cos is not None and sin is not None
+    b, t, _ = hidden_states.shape
+    h, hd = attn.num_heads, attn.head_dim
+    q = attn.q_proj(hidden_states).view(b, t, h, hd).transpose(1, 2)  # (B, h, T, hd)
+    k = attn.k_proj(hidden_states).view(b, t, h, hd).transpose(1, 2)
+    v = attn.v_proj(hidden_states).view(b, t, h, hd).transpose(1, 2)
+    q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    layer, cache = attn.layer_idx, past_key_value
+    pos = cache.past_window_pos[layer]
+    cache.past_window_k[layer][:, :, pos : pos + t] = k
+    cache.past_window_v[layer][:, :, pos : pos + t] = v
+    keys = cache.past_window_k[layer][:, :, : pos + t]  # (B, h, pos + T, hd)
+    values = cache.past_window_v[layer][:, :, : pos + t]
+    rfa_k, rfa_v = cache.get_chunk_rfas(layer)
+    if rfa_k is not None:
+        keys, values = torch.cat([rfa_k, keys], dim=-2), torch.cat([rfa_v, values], dim=-2)
+    scores = torch.matmul(q, keys.transpose(-2, -1))  # (B, h, T, C + pos + T)
+    if getattr(attn.config, "mixedp_attn", False):
+        scores = scores.float()
+    scores = (scores * attn.head_dim_scaling).masked_fill(~attention_mask, MASK_MIN)
+    out = torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), values)  # (B, h, T, hd)
+    out = attn.o_proj(out.transpose(1, 2).reshape(b, t, h * hd))
+    return out, None, past_key_value
+
+
+def compress_window(
+    attn: Any, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunk RFAs of one full window, eva_pt_ref's ``_generate_feature_map`` and
+    ``_calculate_chunk_rfa_cache`` (what ``triton_eva_prep_kv_fwd`` computes with no mask).
+
+    Args:
+        attn: the layer's ``EvaAttention`` (``adaptive_mu_k``, ``adaptive_phi`` (1, h, 1, 1, hd)).
+        k, v: (B, h, W, hd) rotated keys and values of the window.
+
+    Returns:
+        ``rfa_k``, ``rfa_v`` (B, h, W / c, hd): per chunk, the keys weighted by
+        softmax(mu_k . k) and the values weighted by softmax(scale * (phi . k - |k|^2 / 2)).
+    """
+    b, h, w, hd = k.shape
+    c = attn.chunk_size
+    rf_k = k.reshape(b, h, w // c, c, hd)  # (B, h, chunks, c, hd)
+    rf_v = v.reshape(b, h, w // c, c, hd)
+    mixed = getattr(attn.config, "mixedp_attn", False)
+    mu_logits = torch.sum(attn.adaptive_mu_k.to(k.dtype) * rf_k, dim=-1, keepdim=True)
+    if mixed:
+        mu_logits = mu_logits.float()
+    rfa_k = torch.sum(torch.softmax(mu_logits, dim=-2).to(k.dtype) * rf_k, dim=-2)
+    proj = torch.sum(attn.adaptive_phi.to(k.dtype) * rf_k, dim=-1, keepdim=True)
+    norm = torch.sum(rf_k**2, dim=-1, keepdim=True) * 0.5
+    if mixed:
+        proj, norm = proj.float(), norm.float()
+    log_phi = attn.head_dim_scaling * (proj - norm)
+    rfa_v = torch.sum(torch.softmax(log_phi, dim=-2).to(k.dtype) * rf_v, dim=-2)
+    return rfa_k, rfa_v
 
 
 class EvaByteBackbone(Backbone):
     """``EvaByteForCausalLM`` (remote code) split at a layer."""
 
-    native_crop_supported = False
+    supports_tree_mask = True
 
     def __init__(
         self, hf_model: nn.Module, source: dict[str, Any] | None = None, cache_batch_size: int = 1
@@ -53,6 +217,7 @@ class EvaByteBackbone(Backbone):
         self.use_triton = bool(getattr(self.remote, "USE_TRITON_IMPL", False))
         self.num_pred_heads = int(getattr(config, "num_pred_heads", 1) or 1)
         self.cache_batch_size = cache_batch_size
+        self.window_size = int(config.window_size)
 
     def _lm_head(self) -> torch.Tensor:
         return self.hf_model.lm_head.weight  # type: ignore[union-attr,return-value]
@@ -69,13 +234,33 @@ class EvaByteBackbone(Backbone):
         logits = super().stp_logits(features)
         return logits.float() if getattr(self.hf_model.config, "fp32_logits", False) else logits
 
-    def new_native_cache(self, start: int, end: int) -> Any:
+    def one_pass_span(self, length: int, count: int) -> int:
+        """New positions after ``length`` cached ones that one pass verifies exactly: up to the
+        end of the current EVA window (``multi_byte_generate``'s trim)."""
+        return min(count, self.window_size - length % self.window_size)
+
+    # --- caches --------------------------------------------------------------------------------
+    def new_native_cache(self, start: int, end: int) -> EvaWindowCache:
+        config: Any = self.hf_model.config
+        heads = int(config.num_attention_heads)
+        return EvaWindowCache(
+            range(start, end),
+            self.cache_batch_size,
+            heads,
+            self.window_size,
+            self.hidden_size // heads,
+            self.dtype,
+            self.device,
+        )
+
+    def _remote_cache(self, start: int) -> Any:
+        """A throwaway remote cache (the model's own prefill path) for layers from ``start``."""
         config: Any = self.hf_model.config
         if self.use_triton:
             native = self.remote.EvaStaticCacheForTriton(
                 self.cache_batch_size,
                 config.num_attention_heads,
-                config.window_size,
+                self.window_size + TREE_ROOM,
                 config.hidden_size // config.num_attention_heads,
                 config.num_hidden_layers,
                 self.dtype,
@@ -88,11 +273,124 @@ class EvaByteBackbone(Backbone):
                 value.extend([None] * start)
         return native
 
-    def _masks(self, native: Any, batch: int, length: int, device: torch.device) -> Any:
-        dummy = torch.zeros(batch, length, dtype=torch.long, device=device)
+    def _compress(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[Any, Any]:
+        attn: Any = self.layers[layer].self_attn
         if self.use_triton:
-            return self.inner._prepare_eva_generation_attn_mask_triton(None, dummy, True, native)
-        return self.inner._prepare_eva_generation_attn_mask(None, dummy, True, native)
+            return self.remote.triton_eva_prep_kv_fwd(
+                k, v, attn.adaptive_mu_k, attn.adaptive_phi, None, attn.head_dim_scaling,
+                attn.chunk_size,
+            )  # fmt: skip
+        return compress_window(attn, k, v)
+
+    def _select(self, native: EvaWindowCache, keep: torch.Tensor) -> None:
+        """Keeps the window-buffer slots ``keep`` (offsets from the window start, increasing),
+        in order, drops the rest; compresses the window into RFAs when it becomes full
+        (``multi_byte_pred_update_cache``)."""
+        w, count, start = self.window_size, int(keep.numel()), native.window_start
+        if count > w:
+            raise ValueError(f"cannot keep {count} positions in an EVA window of {w}")
+        keep = keep.to(native.past_window_k[native.layers.start].device)
+        for layer in native.layers:
+            k, v = native.past_window_k[layer], native.past_window_v[layer]
+            k[:, :, :count] = k[:, :, keep]  # advanced indexing copies first
+            v[:, :, :count] = v[:, :, keep]
+            native.past_window_pos[layer] = count
+            if count == w:
+                rfa_k, rfa_v = self._compress(layer, k[:, :, :w].clone(), v[:, :, :w].clone())
+                if native.rfa_k[layer] is not None:
+                    rfa_k = torch.cat([native.rfa_k[layer], rfa_k], dim=-2)
+                    rfa_v = torch.cat([native.rfa_v[layer], rfa_v], dim=-2)
+                native.rfa_k[layer], native.rfa_v[layer] = rfa_k, rfa_v
+                native.past_window_pos[layer] = 0
+        native.committed = native.length = start + count
+
+    def _settle(self, native: EvaWindowCache) -> None:
+        """Keeps every position the last pass wrote (a run that no crop followed)."""
+        if native.length > native.committed:
+            self._select(native, torch.arange(native.length - native.window_start))
+
+    def native_compact(self, native: EvaWindowCache, base: int, keep: torch.Tensor) -> None:
+        start = native.window_start
+        if base < start:
+            raise ValueError(
+                f"compact base is {base}, but positions before {start} are compressed into EVA's "
+                f"chunk RFAs; allowed: {start} <= base <= {native.length}"
+            )
+        prefix = torch.arange(base - start, device=keep.device)
+        self._select(native, torch.cat([prefix, keep.to(torch.long) + base - start]))
+
+    def native_crop(self, native: EvaWindowCache, remove: int) -> None:
+        base = native.length - remove
+        self.native_compact(native, base, torch.zeros(0, dtype=torch.long))
+
+    # --- layers --------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _multibyte_attention(self, start: int, end: int) -> Iterator[None]:
+        """Torch path: the layers' attention runs :func:`multibyte_attention` inside the block."""
+        if self.use_triton:
+            yield
+            return
+        attns: list[Any] = [layer.self_attn for layer in self.layers[start:end]]
+        for attn in attns:
+            attn.forward = functools.partial(multibyte_attention, attn)
+        try:
+            yield
+        finally:
+            for attn in attns:
+                del attn.forward
+
+    def _rotary(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[Any, Any]:
+        cos, sin = self.inner.rotary_emb(hidden, seq_len=int(positions.max()) + 1)
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # (B, 1, T, hd)
+
+    def _pass(
+        self,
+        hidden: torch.Tensor,
+        start: int,
+        end: int,
+        positions: torch.Tensor,
+        native: EvaWindowCache,
+        tree_mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """One multibyte pass of layers ``start..end-1`` over T new positions (B, T, d)."""
+        b, t, _ = hidden.shape
+        pos = native.committed - native.window_start
+        if pos + t > self.window_size + TREE_ROOM:
+            raise ValueError(
+                f"{t} new positions after {pos} in the EVA window; allowed: at most "
+                f"{self.window_size + TREE_ROOM - pos}"
+            )
+        mask = multibyte_mask(native, b, tree_mask, hidden.device)
+        with self._multibyte_attention(start, end):
+            hidden = self._layers(hidden, start, end, positions, native, mask, multibyte=True)
+        native.length += t
+        return hidden
+
+    def _layers(
+        self,
+        hidden: torch.Tensor,
+        start: int,
+        end: int,
+        positions: torch.Tensor,
+        cache: Any,
+        masks: Any,
+        multibyte: bool,
+    ) -> torch.Tensor:
+        """Layers ``start..end-1`` called as the remote model calls them -> (B, T, d)."""
+        cos, sin = self._rotary(hidden, positions)
+        for layer in self.layers[start:end]:
+            hidden = layer(
+                hidden,
+                attention_mask=masks,
+                position_ids=positions,
+                past_key_value=cache,
+                output_attentions=False,
+                use_cache=True,
+                cos=cos,
+                sin=sin,
+                multibyte_decoding=multibyte,
+            )[0]  # (B, T, d)
+        return hidden
 
     def _run(
         self,
@@ -103,39 +401,70 @@ class EvaByteBackbone(Backbone):
         native: Any,
         past: int,
         documents: torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # EVA attention builds its own (chunked, causal) masks: packed documents attend
         # across boundaries here; the loss still never uses a window across documents.
         if native is None:
-            native = self.new_native_cache(start, end)
-        elif past > 0 and hidden.shape[1] > 1:  # EVA decodes one position per call
-            steps = [
-                self._run(
-                    hidden[:, i : i + 1], start, end, positions[:, i : i + 1], native, past + i
+            return self._run_remote(hidden, start, end, positions, self._remote_cache(start))
+        self._settle(native)
+        t = hidden.shape[1]
+        if tree_mask is not None:
+            span = self.one_pass_span(native.length, t)
+            if int(positions.max()) >= native.window_start + self.window_size:
+                raise ValueError(
+                    f"a token tree reaches position {int(positions.max())}, past the EVA window "
+                    f"ending at {native.window_start + self.window_size}; trim it to depth "
+                    f"one_pass_span = {span}"
                 )
-                for i in range(hidden.shape[1])
-            ]
-            return torch.cat(steps, dim=1)
+            return self._pass(hidden, start, end, positions, native, tree_mask)
+        if native.length == 0 and self.use_triton:
+            return self._prefill_remote(hidden, start, end, positions, native)
+        pieces, i = [], 0
+        while i < t:  # a causal run is cut at window boundaries (each piece: one pass)
+            if i:
+                self._settle(native)
+            take = self.one_pass_span(native.length, t - i)
+            chain = torch.ones(take, take, dtype=torch.bool, device=hidden.device).tril()
+            piece = hidden[:, i : i + take]
+            pieces.append(self._pass(piece, start, end, positions[:, i : i + take], native, chain))
+            i += take
+        return torch.cat(pieces, dim=1)
+
+    def _run_remote(
+        self, hidden: torch.Tensor, start: int, end: int, positions: torch.Tensor, remote: Any
+    ) -> torch.Tensor:
+        """The model's own prefill path on a remote cache (its masks, its attention)."""
         b, t, _ = hidden.shape
-        masks = self._masks(native, b, t, hidden.device)
+        dummy = torch.zeros(b, t, dtype=torch.long, device=hidden.device)
+        if self.use_triton:
+            masks = self.inner._prepare_eva_generation_attn_mask_triton(None, dummy, True, remote)
+        else:
+            masks = self.inner._prepare_eva_generation_attn_mask(None, dummy, True, remote)
         if start > 0:  # layer 0 is where EVA counts tokens; a tail cache never sees it
-            native._seen_tokens += t
-        cos, sin = self.inner.rotary_emb(hidden, seq_len=int(positions.max()) + 1)
-        cos = cos[positions].unsqueeze(1)  # (B, 1, T, hd)
-        sin = sin[positions].unsqueeze(1)
-        for layer in self.layers[start:end]:
-            out = layer(
-                hidden,
-                attention_mask=masks,
-                position_ids=positions,
-                past_key_value=native,
-                output_attentions=False,
-                use_cache=True,
-                cos=cos,
-                sin=sin,
-                multibyte_decoding=False,
-            )
-            hidden = out[0]  # (B, T, d)
+            remote._seen_tokens += t
+        return self._layers(hidden, start, end, positions, remote, masks, multibyte=False)
+
+    def _prefill_remote(
+        self,
+        hidden: torch.Tensor,
+        start: int,
+        end: int,
+        positions: torch.Tensor,
+        native: EvaWindowCache,
+    ) -> torch.Tensor:
+        """Triton path, empty cache: the remote prefill writes into our window buffers."""
+        remote = self._remote_cache(start)
+        remote.past_window_k, remote.past_window_v = native.past_window_k, native.past_window_v
+        hidden = self._run_remote(hidden, start, end, positions, remote)
+        t = hidden.shape[1]
+        for layer in native.layers:
+            native.past_window_pos[layer] = remote.past_window_pos[layer]
+            if len(remote.rfa_k) > layer:
+                native.rfa_k[layer], native.rfa_v[layer] = remote.rfa_k[layer], remote.rfa_v[layer]
+        fill = native.past_window_pos[native.layers.start]  # 1..W: the last window's positions
+        native.committed, native.length = t - fill, t  # committed: the last window's start
+        self._settle(native)  # a full last window is compressed now
         return hidden
 
 

@@ -4,7 +4,9 @@ Works with ``transformers``' ``LlamaForCausalLM`` (decoder layers take ``past_ke
 and return a tensor) and with Llama-shaped remote code of the 4.4x era such as tokenkit's
 ``TPULlamaForCausalLM`` (layers take ``past_key_value`` and return a tuple). The native
 cache is a ``DynamicCache``; one per component, indexed by the global layer number (the
-layers below ``start`` stay empty), cropped with ``DynamicCache.crop(-n)``.
+layers below ``start`` stay empty), cropped with ``DynamicCache.crop(-n)`` and compacted by
+index (token trees: the accepted path's keys and values) with ``index_select``. Token trees
+are verified through the layers' 4D additive-mask path (``tree_mask``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from mtpc.backbones.base import Backbone, causal_mask, document_mask
+from mtpc.backbones.base import Backbone, causal_mask, document_mask, tree_attention_mask
 
 _FAST_CAUSAL = ("sdpa", "flash_attention_2", "flash_attention_3")
 
@@ -61,12 +63,28 @@ class LlamaBackbone(Backbone):
     def new_native_cache(self, start: int, end: int) -> DynamicCache:
         return DynamicCache()
 
+    supports_tree_mask = True
+
     def native_crop(self, native: Any, remove: int) -> None:
         native.crop(-remove)
 
+    def native_compact(self, native: Any, base: int, keep: torch.Tensor) -> None:
+        for layer in native.layers:
+            if getattr(layer, "is_initialized", True) and layer.keys is not None:
+                k = layer.keys  # (B, H, S, D)
+                idx = torch.cat([torch.arange(base, device=k.device), base + keep.to(k.device)])
+                layer.keys = k.index_select(-2, idx)
+                layer.values = layer.values.index_select(-2, idx)
+
     def _mask(
-        self, hidden: torch.Tensor, past: int, documents: torch.Tensor | None = None
+        self,
+        hidden: torch.Tensor,
+        past: int,
+        documents: torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
+        if tree_mask is not None:
+            return tree_attention_mask(past, tree_mask, hidden.dtype, hidden.shape[0])
         if documents is not None:
             return document_mask(documents, hidden.dtype)  # (B, 1, T, T)
         impl = getattr(self.hf_model.config, "_attn_implementation", None)
@@ -83,8 +101,9 @@ class LlamaBackbone(Backbone):
         native: Any,
         past: int,
         documents: torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        mask = self._mask(hidden, past, documents)
+        mask = self._mask(hidden, past, documents, tree_mask)
         cos_sin = self.inner.rotary_emb(hidden, positions)
         kwargs: dict[str, Any] = {
             "attention_mask": mask,

@@ -74,9 +74,27 @@ class Circuit:
             k = torch.arange(n)
             starts = torch.arange(l1.num_folds) * A
             self._prefix_index = (k[None, :] - starts[:, None] + 1).clamp(0, A)  # (F, n)
-        # sum layers: first weight row of each fold's unit 0
-        self._bases = [
-            torch.arange(la.num_folds) * la.num_units + la.sum_offset for la in self.layers
+        # top-down walk: per sum layer, root first, the weight row of unit 0 of each position's
+        # ancestor fold there (tree-shaped: at most one fold of a layer holds a position), and
+        # which positions have one; products keep the unit index (Hadamard)
+        self._walk: list[tuple[Tensor, Tensor | None]] = []
+        for la in reversed(self.layers[1:]):
+            if la.kind != "sum":
+                continue
+            rows = torch.full((n,), la.sum_offset, dtype=torch.long)
+            has = torch.zeros(n, dtype=torch.bool)
+            for f, scope in enumerate(la.scopes):
+                rows[list(scope)] = la.sum_offset + f * la.num_units
+                has[list(scope)] = True
+            self._walk.append((rows, None if bool(has.all()) else has))
+        # the sum units above position 0, bottom-up: the only ones whose posterior given
+        # evidence at position 0 differs from their weights (every free sub-circuit is 1)
+        self._chain0 = [  # (first row, last row + 1) of the fold's units, in row order
+            (la.sum_offset + f * la.num_units, la.sum_offset + (f + 1) * la.num_units)
+            for la in self.layers[1:]
+            if la.kind == "sum"
+            for f, scope in enumerate(la.scopes)
+            if 0 in scope
         ]
 
     # -- properties --------------------------------------------------------------------------
@@ -199,18 +217,32 @@ class Circuit:
             ``(B, V)``: ``log q(x_{m+1} = v | x_1..x_m)``, normalised over v.
         """
         lp, lw = self._unpack(params)
-        B, n, r, V = lp.shape
+        B, n, r, _ = lp.shape
         m = self._check_evidence(prefix, lp, name="prefix", max_len=n - 1)
-        parts = []
-        if m:
-            assert prefix is not None
-            obs = self._leaf_values(lp, prefix)  # (B, m, r)
-            parts.append(obs.unsqueeze(-1).expand(B, m, r, V))
-        parts.append(lp[:, m : m + 1])
-        if m + 1 < n:
-            parts.append(lp.new_zeros(B, n - m - 1, r, V))
+        obs = self._leaf_values(lp, prefix) if prefix is not None and m else lp.new_zeros(B, 0, r)
+        return self.conditional_from_leaves(obs, lp[:, m], lw)
+
+    def conditional_from_leaves(
+        self, leaves: Tensor, next_logp: Tensor, sum_logw: Tensor | None
+    ) -> Tensor:
+        """The next position's conditional from the input units it reads, nothing more.
+
+        Args:
+            leaves: ``(B, m, r)`` log phi of the first m positions at their tokens.
+            next_logp: ``(B, r, V)`` normalised log phi of every unit at position m.
+            sum_logw: ``(B, U, r)`` normalised sum log-weights or None.
+
+        Returns:
+            ``(B, V)``: ``log q(x_{m+1} = v | x_1..x_m)``.
+        """
+        B, m, r = leaves.shape
+        V = next_logp.shape[-1]
+        parts = [leaves.unsqueeze(-1).expand(B, m, r, V)] if m else []
+        parts.append(next_logp.unsqueeze(1))
+        if m + 1 < self.window:
+            parts.append(next_logp.new_zeros(B, self.window - m - 1, r, V))
         cols = torch.cat(parts, 1) if len(parts) > 1 else parts[0]  # (B, n, r, V)
-        root = self._upward(cols, lw)[0][:, 0]  # (B, V)
+        root = self._upward(cols, sum_logw)[0][:, 0]  # (B, V)
         return torch.log_softmax(root, dim=-1)
 
     @torch.no_grad()
@@ -343,16 +375,12 @@ class Circuit:
         *,
         max_product: bool,
     ) -> Tensor:
-        """Select one unit per fold from the root down, then the free tokens.
-
-        Every sum unit's child choice is drawn at once (Gumbel-max over its weights times its
-        inputs' values under the evidence); the walk down then only follows indices.
-        """
+        """Select one unit per fold from the root down, then the free tokens."""
         B, n, r, V = lp.shape
         if m == n:
             assert evidence is not None
             return evidence.clone()
-        sum_inputs: list[Tensor | None] | None = None
+        leaves = None
         if max_product or m > 0:
             parts = []
             if m:
@@ -360,70 +388,148 @@ class Circuit:
                 parts.append(self._leaf_values(lp, evidence))  # (B, m, r)
             free = lp[:, m:].amax(-1) if max_product else lp.new_zeros(B, n - m, r)
             parts.append(free)
-            leaves = torch.cat(parts, 1) if len(parts) > 1 else parts[0]
-            sum_inputs = self._upward(leaves.unsqueeze(-1), lw, max_product=max_product)[1]
-
-        def choose(scores: Tensor) -> Tensor:
-            return scores.argmax(-1) if max_product else _categorical(scores, generator)
-
-        choice = None
-        if lw is not None:
-            scores = lw  # (B, U, r)
-            if sum_inputs is not None:
-                pieces = []
-                for lid, layer in enumerate(self.layers):
-                    c = sum_inputs[lid]
-                    if c is not None:
-                        F, R = layer.num_folds, layer.num_units
-                        lo = layer.sum_offset
-                        w = lw[:, lo : lo + F * R].view(B, F, R, r)
-                        pieces.append((w + c[..., 0].unsqueeze(2)).view(B, F * R, r))
-                scores = torch.cat(pieces, 1) if len(pieces) > 1 else pieces[0]
-            choice = choose(scores)  # (B, U)
-        sel: list[Tensor | None] = [None] * len(self.layers)
-        sel[-1] = torch.zeros(B, 1, dtype=torch.long, device=lp.device)
-        for lid in range(len(self.layers) - 1, 0, -1):
-            layer = self.layers[lid]
-            s = sel[lid]
-            assert s is not None
-            F, R = layer.num_folds, layer.num_units
-            if layer.kind == "sum":
-                assert choice is not None
-                lo = layer.sum_offset
-                if R == 1:
-                    child = choice[:, lo : lo + F]
-                else:
-                    base = self._on(self._bases[lid], s.device)  # (F,)
-                    child = choice.gather(1, s + base)  # (B, F)
-                self._write(sel, layer.slots[0], child, B)
-            elif layer.view_start is not None:
-                src = layer.slots[0].sources[0]
-                A = layer.arity
-                vals = s.repeat_interleave(A, 1) if A > 1 else s
-                if layer.view_start == 0 and self.layers[src].num_folds == F * A:
-                    sel[src] = vals
-                else:
-                    if sel[src] is None:
-                        sel[src] = s.new_empty(B, self.layers[src].num_folds)
-                    dst = sel[src]
-                    assert dst is not None
-                    dst[:, layer.view_start : layer.view_start + F * A] = vals
-            else:
-                for slot in layer.slots:
-                    self._write(sel, slot, s, B)
-        units = sel[0]  # (B, n)
-        assert units is not None
+            leaves = torch.cat(parts, 1) if len(parts) > 1 else parts[0]  # (B, n, r)
+        units = self._select_units(leaves, lw, B, lp.device, generator, max_product)  # (B, n)
         free_lp = lp[:, m:]  # (B, n - m, r, V)
         if r == 1:
             logits = free_lp[:, :, 0]
         else:
             idx = units[:, m:, None, None].expand(B, n - m, 1, V)
             logits = free_lp.gather(2, idx).squeeze(2)  # (B, n - m, V)
-        tokens = choose(logits)  # (B, n - m)
+        tokens = logits.argmax(-1) if max_product else categorical(logits, generator)
         if m:
             assert evidence is not None
             tokens = torch.cat([evidence, tokens], 1)
         return tokens
+
+    @torch.no_grad()
+    def latent_path(
+        self,
+        sum_logw: Tensor | None,
+        evidence_leaves: Tensor | None = None,
+        *,
+        most_probable: bool = False,
+        generator: torch.Generator | None = None,
+        batch_size: int = 1,
+    ) -> Tensor:
+        """A latent path z given evidence: the input unit it selects at every window position.
+
+        Needs only the sum weights and the input log-values at the evidence positions, never
+        the (B, n, r, V) table: the free positions are summed out (log 1, every input unit is
+        normalised). Given z the positions are independent, position i drawn from unit
+        ``z[:, i]`` of its input fold, so ``x ~ phi_{i, z_i}`` after ``z ~ q(z | evidence)`` is
+        an exact draw of ``q(x | evidence)`` (ancestral sampling, split in two).
+
+        Args:
+            sum_logw: ``(B, U, r)`` normalised sum log-weights, or None (no sum unit: ff).
+            evidence_leaves: Optional ``(B, m, r)`` log phi of every unit of the first m
+                positions at their observed tokens.
+            most_probable: False: z drawn from its posterior ``q(z | evidence)``; True: every
+                sum unit on the path takes its most probable child given the evidence (the
+                mode of the distribution the draw picks from, everything below summed out).
+            generator: RNG for the draw.
+            batch_size: B when neither tensor is given.
+
+        Returns:
+            ``(B, n)`` long: the selected unit of each position's input fold.
+        """
+        n, r, U = self.window, self.rank, self.num_sum_units
+        if sum_logw is not None:
+            batch_size = sum_logw.shape[0]
+            self._check_shape(sum_logw, "sum_logw", (batch_size, U, r))
+        elif U:
+            raise ValueError(f"sum_logw must have shape (B, U={U}, r={r}), got None")
+        ev = None
+        if evidence_leaves is not None:
+            ev = _f32(evidence_leaves)
+            if ev.dim() != 3 or ev.shape[0] != batch_size or ev.shape[2] != r or ev.shape[1] > n:
+                raise ValueError(
+                    f"evidence_leaves must have shape (B={batch_size}, m<={n}, r={r}), "
+                    f"got {tuple(ev.shape)}"
+                )
+        if sum_logw is None:  # no sum unit: one unit per position
+            device = torch.device("cpu") if ev is None else ev.device
+            return torch.zeros(batch_size, n, dtype=torch.long, device=device)
+        lw = _f32(sum_logw)
+        if ev is not None and ev.shape[1] == 1:  # decoding's pending token: a chain, no pass
+            scores = self._posterior0(ev[:, 0], lw)
+        elif ev is not None:
+            leaves = torch.cat([ev, ev.new_zeros(batch_size, n - ev.shape[1], r)], 1)
+            scores = self._posterior(leaves, lw, max_product=False)
+        else:
+            scores = lw  # the prior
+        choice = scores.argmax(-1) if most_probable else categorical(scores, generator)
+        return self._walk_down(choice)  # (B, n)
+
+    def _posterior0(self, leaf0: Tensor, lw: Tensor) -> Tensor:
+        """:meth:`_posterior` given evidence at position 0 only, without a pass.
+
+        A sum unit picks child k in proportion to ``w_k`` times the child's value; the value
+        is 1 for a sub-circuit without evidence, so only the units above position 0 change,
+        and their children's values pass up a chain (a product adds its children's log-values,
+        all 0 but the chain's): one small matrix per sum fold on the chain.
+
+        Args:
+            leaf0: ``(B, r)`` log phi of position 0's units at its token.
+            lw: ``(B, U, r)`` normalised sum log-weights.
+        """
+        pieces, done = [], 0
+        value = leaf0.unsqueeze(1)  # (B, 1, r): the chain's value at the current fold
+        for lo, hi in self._chain0:  # in row order (layers bottom-up)
+            s = lw[:, lo:hi] + value  # (B, R, r)
+            pieces += [lw[:, done:lo], s]
+            done = hi
+            # logsumexp = s_0 - log_softmax(s)_0 (s is finite; torch.logsumexp is ~7x slower
+            # on these tiny rows)
+            value = (s[..., 0] - torch.log_softmax(s, -1)[..., 0]).unsqueeze(1)  # (B, 1, R)
+        pieces.append(lw[:, done:])
+        return torch.cat(pieces, 1)  # (B, U, r)
+
+    def _posterior(self, leaves: Tensor, lw: Tensor, *, max_product: bool) -> Tensor:
+        """Every sum unit's child log-scores ``(B, U, r)``: weight + the child's log-value under
+        ``leaves`` (B, n, r) (sum-product: the child's posterior up to a constant; max-product:
+        the best completion below it)."""
+        B, r = lw.shape[0], self.rank
+        sum_inputs = self._upward(leaves.unsqueeze(-1), lw, max_product=max_product)[1]
+        pieces = []
+        for lid, layer in enumerate(self.layers):
+            c = sum_inputs[lid]
+            if c is not None:
+                F, R = layer.num_folds, layer.num_units
+                lo = layer.sum_offset
+                w = lw[:, lo : lo + F * R].view(B, F, R, r)
+                pieces.append((w + c[..., 0].unsqueeze(2)).view(B, F * R, r))
+        return torch.cat(pieces, 1) if len(pieces) > 1 else pieces[0]
+
+    def _select_units(
+        self,
+        leaves: Tensor | None,
+        lw: Tensor | None,
+        B: int,
+        device: torch.device,
+        generator: torch.Generator | None,
+        max_product: bool,
+    ) -> Tensor:
+        """The unit of every input fold on one induced tree: ``(B, n)``.
+
+        Every sum unit's child choice is made at once (drawn in proportion to, or the argmax
+        of, :meth:`_posterior`; ``leaves`` None: the prior, weights only); the walk down from
+        the root then only follows indices.
+        """
+        if lw is None:  # no sum unit: one unit per position
+            return torch.zeros(B, self.window, dtype=torch.long, device=device)
+        scores = lw if leaves is None else self._posterior(leaves, lw, max_product=max_product)
+        choice = scores.argmax(-1) if max_product else categorical(scores, generator)  # (B, U)
+        return self._walk_down(choice)
+
+    def _walk_down(self, choice: Tensor) -> Tensor:
+        """``(B, n)`` input unit of each position on the induced tree of ``choice`` (B, U)."""
+        device = choice.device
+        units = torch.zeros(choice.shape[0], self.window, dtype=torch.long, device=device)
+        for rows, has in self._walk:
+            child = choice.gather(1, self._on(rows, device) + units)  # (B, n)
+            units = child if has is None else torch.where(self._on(has, device), child, units)
+        return units
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -448,27 +554,6 @@ class Circuit:
             else torch.cat([outs[s] for s in slot.sources], 1)
         )
         return src.index_select(1, self._on(slot.index, src.device))
-
-    def _write(self, sel: list[Tensor | None], slot: Slot, vals: Tensor, B: int) -> None:
-        """Scatter per-fold unit selections ``vals`` (B, F) to the children of a slot."""
-        for src, pos, child in slot.parts:
-            full = self.layers[src].num_folds
-            if slot.start == 0 and full == vals.shape[1]:
-                sel[src] = vals  # the slot covers the whole source, in order
-                continue
-            if sel[src] is None:
-                sel[src] = vals.new_empty(B, full)
-            dst = sel[src]
-            assert dst is not None
-            if slot.start is not None:
-                dst[:, slot.start : slot.start + vals.shape[1]] = vals
-            else:
-                v = (
-                    vals
-                    if len(slot.parts) == 1
-                    else vals.index_select(1, self._on(pos, vals.device))
-                )
-                dst.index_copy_(1, self._on(child, vals.device), v)
 
     @staticmethod
     def _leaf_values(lp: Tensor, x: Tensor) -> Tensor:
@@ -530,7 +615,7 @@ class Circuit:
         return int(ev.shape[1])
 
 
-def _categorical(logits: Tensor, generator: torch.Generator | None) -> Tensor:
+def categorical(logits: Tensor, generator: torch.Generator | None) -> Tensor:
     """One draw per row of unnormalised log-probabilities ``(..., C)`` by inverse CDF.
 
     One uniform number per row (Gumbel-max would need one per entry, several times slower

@@ -180,9 +180,10 @@ class PreparedData:
         with path.open(encoding="utf-8") as f:
             return [json.loads(line) for line in f if line.strip()]
 
-    def pack_plan(self, split: str, seq_len: int) -> PackPlan:
-        """The split's packing plan for ``seq_len``, computed and cached on first use."""
-        path = self.folder / f"pack-L{seq_len}-{split}.npz"
+    def pack_plan(self, split: str, seq_len: int, pack: bool = True) -> PackPlan:
+        """The split's packing plan for ``seq_len`` (``pack=False``: one document per
+        sequence), computed and cached on first use."""
+        path = self.folder / f"pack-L{seq_len}{'' if pack else '-single'}-{split}.npz"
         if path.is_file():
             try:
                 with np.load(path) as arrays:
@@ -191,7 +192,7 @@ class PreparedData:
                 logger.warning("packing plan %s is unreadable (%s); recomputing it", path, err)
                 path.unlink(missing_ok=True)
         start = time.perf_counter()
-        plan = plan_packing(self.doc_lengths(split), seq_len)
+        plan = plan_packing(self.doc_lengths(split), seq_len, pack)
         tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.npz")
         np.savez(tmp, **plan.to_arrays())  # type: ignore[arg-type]
         os.replace(tmp, path)

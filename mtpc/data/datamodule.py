@@ -44,7 +44,7 @@ import lightning as L
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_collate
 
 from mtpc.backbones.codecs import get_codec
 from mtpc.data.cache import PreparedData, cache_folder, ensure_prepared, load_prepared
@@ -64,13 +64,19 @@ class PackedDataset(Dataset[dict[str, Tensor]]):
     """
 
     def __init__(
-        self, data: PreparedData, split: str, seq_len: int, window: int, pad_id: int
+        self,
+        data: PreparedData,
+        split: str,
+        seq_len: int,
+        window: int,
+        pad_id: int,
+        pack: bool = True,
     ) -> None:
         self.folder = data.folder
         self.split = split
         self.window = window
         self.pad_id = pad_id
-        self.plan: PackPlan = data.pack_plan(split, seq_len)
+        self.plan: PackPlan = data.pack_plan(split, seq_len, pack)
         docs = data.splits[split]
         self.doc_offsets = np.asarray(data.offsets[docs], dtype=np.int64)  # (D,)
         self.doc_sources = np.asarray(data.doc_source[docs], dtype=np.int64)  # (D,)
@@ -166,6 +172,25 @@ class ResumableDistributedSampler(DistributedSampler):
         if epoch != self.epoch:
             self.start = 0
         super().set_epoch(epoch)
+
+
+def collate_trimmed(items: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """Default collation, then the padding columns after the batch's longest row cut off.
+
+    For rows of one document each (``pack_documents=False``) a batch is as long as its
+    longest document instead of ``seq_len``: the padding of one document per row costs
+    compute only up to that length (none at batch size 1). Padding is always a suffix of a
+    row, so every tensor of (B, L, ...) keeps its first ``length`` columns.
+    """
+    batch = default_collate(items)
+    full = batch["input_ids"].shape[1]
+    length = int(batch["attention_mask"].sum(dim=1).max())
+    if length >= full:
+        return batch
+    return {
+        key: value[:, :length] if value.dim() >= 2 and value.shape[1] == full else value
+        for key, value in batch.items()
+    }
 
 
 class ResumableDataLoader(DataLoader):
@@ -269,6 +294,7 @@ class MTPCDataModule(L.LightningDataModule):
         pin_memory: bool = False,
         num_replicas: int | None = None,
         rank: int | None = None,
+        pack_documents: bool = True,
     ) -> None:
         """Flat arguments (also the Hydra ``_target_`` as ``build_datamodule``).
 
@@ -295,6 +321,9 @@ class MTPCDataModule(L.LightningDataModule):
             pin_memory: pin host memory in the dataloaders.
             num_replicas: world size override (default: the initialised process group).
             rank: this process's rank override (default: the process group's).
+            pack_documents: pack several documents per sequence (best-fit); False: one
+                document per sequence, for targets whose attention crosses packed
+                documents (EvaByte's EVA attention builds its own masks).
         """
         super().__init__()
         if seq_len < 2 or window < 1 or batch_size < 1:
@@ -323,6 +352,7 @@ class MTPCDataModule(L.LightningDataModule):
         self.pin_memory = pin_memory
         self.num_replicas = num_replicas
         self.rank = rank
+        self.pack_documents = pack_documents
         self.data: PreparedData | None = None
         self.datasets: dict[str, PackedDataset] = {}
         self._row_source: RowSource | None = None
@@ -359,7 +389,7 @@ class MTPCDataModule(L.LightningDataModule):
     def prepare_data(self) -> None:
         data = self._ensure_prepared()
         for split in ("train", "val"):
-            data.pack_plan(split, self.seq_len)
+            data.pack_plan(split, self.seq_len, self.pack_documents)
 
     def _ensure_prepared(self) -> PreparedData:
         """The prepared data, checked against its hashes (rebuilt once if corrupt)."""
@@ -378,8 +408,9 @@ class MTPCDataModule(L.LightningDataModule):
         self.data = self._ensure_prepared()
         for split in ("train", "val"):
             self.datasets[split] = PackedDataset(
-                self.data, split, self.seq_len, self.window, self.codec.pad_id
-            )
+                self.data, split, self.seq_len, self.window, self.codec.pad_id,
+                self.pack_documents,
+            )  # fmt: skip
         summary = self.data.summary
         logger.info(
             "data %s: %d train / %d val documents -> %d / %d packed sequences of %d; dropped %s",
@@ -436,8 +467,13 @@ class MTPCDataModule(L.LightningDataModule):
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
             persistent_workers=self.num_workers > 0,
+            **self._collate(),
         )
         return self._train_loader
+
+    def _collate(self) -> dict[str, Any]:
+        """One document per row: batches cut to their longest row (:func:`collate_trimmed`)."""
+        return {} if self.pack_documents else {"collate_fn": collate_trimmed}
 
     def val_dataloader(self) -> DataLoader:
         if "val" not in self.datasets:
@@ -453,6 +489,7 @@ class MTPCDataModule(L.LightningDataModule):
             sampler=sampler,
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
+            **self._collate(),
         )
 
     # -- evaluation prompts -----------------------------------------------------------

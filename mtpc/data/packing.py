@@ -2,7 +2,7 @@
 
 Documents are placed by *best-fit decreasing*: longest first, each into the open sequence
 with the least room that still fits it (ties: the sequence opened last), else into a new
-sequence. It wastes far less padding than greedy filling (a few per mille on Tülu-like
+sequence (``pack=False``: one document per sequence). It wastes far less padding than greedy filling (a few per mille on Tülu-like
 length distributions) and depends on the document lengths only, so the plan is
 deterministic and cacheable. A document longer than the sequence length is cut into
 ``seq_len``-sized pieces (plus a remainder) that are packed as separate documents: each
@@ -101,12 +101,15 @@ class _Fenwick:
         return pos + 1
 
 
-def plan_packing(doc_lengths: np.ndarray, seq_len: int) -> PackPlan:
+def plan_packing(doc_lengths: np.ndarray, seq_len: int, pack: bool = True) -> PackPlan:
     """Packs documents of the given lengths into sequences of ``seq_len`` ids.
 
     Args:
         doc_lengths: (D,) length of each document, in split order.
         seq_len: L.
+        pack: False puts every document (or piece of a long one) in a sequence of its own,
+            padded to L: for a target whose attention cannot keep packed documents apart
+            (EvaByte; docs/TRAINING.md).
 
     Returns:
         The plan; every id of every document appears in exactly one segment.
@@ -138,6 +141,9 @@ def plan_packing(doc_lengths: np.ndarray, seq_len: int) -> PackPlan:
     item_len = np.asarray(items_len, dtype=np.int64)
     for item in np.argsort(-item_len, kind="stable").tolist():
         size = items_len[item]
+        if not pack:
+            bins.append([item])
+            continue
         room = tree.first_above(tree.prefix(size - 1))  # least room >= size
         if room <= seq_len:
             seq = by_room[room].pop()

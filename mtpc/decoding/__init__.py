@@ -7,11 +7,14 @@ rules shared with the heterogeneous-vocabulary decoders are in ``verify``.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 from mtpc.decoding.common import (
     DEFAULT_GREEDY_DRAFT_MODE,
+    DEFAULT_SAMPLING_DRAFT_MODE,
     DRAFT_MODES,
     METHODS,
     POLICIES,
@@ -20,8 +23,11 @@ from mtpc.decoding.common import (
     prompt_tensor,
 )
 
+_log = logging.getLogger(__name__)
+
 __all__ = [
     "DEFAULT_GREEDY_DRAFT_MODE",
+    "DEFAULT_SAMPLING_DRAFT_MODE",
     "DRAFT_MODES",
     "METHODS",
     "POLICIES",
@@ -47,6 +53,8 @@ def generate(
     max_throughput: bool = False,
     profile: bool = False,
     drafter: Any = None,
+    tree_budget: int | None = None,
+    tree_floor: float = 0.0,
 ) -> GenerationResult:
     """Generates a continuation of one prompt with the target of ``model``.
 
@@ -64,9 +72,17 @@ def generate(
         policy: what happens to the verifier's correction / bonus token: ``condition``
             (keep it, draft the next window conditioned on it; no extra pass), ``recompute``
             (keep it, one extra trunk pass), ``drop`` (the paper's Alg. 2).
-        draft_mode: ``sample``, ``map`` (max-product) or ``chain`` (greedy chain of exact
-            conditionals); None: the measured per-family default when greedy
-            (:data:`DEFAULT_GREEDY_DRAFT_MODE`), ``sample`` when sampling (required).
+        draft_mode: ``map`` (max-product) or ``chain`` (greedy chain of exact
+            conditionals), which evaluate the head's whole table, or the latent-path modes,
+            which compute the pending token's leaves and one leaf per drafted position:
+            ``zmap`` (each sum unit's most probable child given the evidence, then the leaf
+            argmax), ``zsample`` (an ancestral sample along a drawn path; sampling verifies
+            against the path's proposal q(. | z)) and ``sample`` (the same draw; sampling
+            verifies against the marginal q(x_i | x_<i), every unit read at the positions a
+            test needs), ``zsample1`` (the first draft from the marginal, then z given it);
+            None: the measured per-family default (:data:`DEFAULT_GREEDY_DRAFT_MODE`,
+            :data:`DEFAULT_SAMPLING_DRAFT_MODE`). Sampling allows ``sample``, ``zsample``
+            and ``zsample1``.
         temperature: sampling temperature (> 0), applied to the target and to the draft's
             input units.
         top_k: keep the k most likely target tokens (sampling).
@@ -77,6 +93,12 @@ def generate(
         max_throughput: accept every draft (not lossless; the paper's max tok/s).
         profile: time each section of a cycle (``result.breakdown``).
         drafter: test hook replacing the circuit draft (``speculative.Drafter``).
+        tree_budget: draft a token tree of at most this many nodes per cycle (the circuit's
+            most probable prefixes, verified in one pass, ``mtpc.decoding.tree``); 0 or None:
+            one chain (``draft_mode``). A backbone without tree attention falls back to
+            the chain, with a log line; EvaByte's trees stop at the current EVA window's end.
+        tree_floor: token trees: leave out nodes whose draft probability q(path) is below
+            it (adaptive tree size); in [0, 1).
 
     Returns:
         A :class:`GenerationResult` (``tokens``, ``accepted``, ``seconds``, per-cycle data).
@@ -102,7 +124,18 @@ def generate(
         suppress_eos=suppress_eos,
         max_throughput=max_throughput,
         profile=profile,
+        tree_budget=tree_budget,
+        tree_floor=tree_floor,
     )
+    if request.tree_budget and drafter is not None:
+        raise ValueError("drafter (a chain test hook) is not allowed with tree_budget > 0")
+    if request.tree_budget and not model.backbone.supports_tree_mask:
+        _log.warning(
+            "tree_budget=%d: %s has no tree attention; verifying the chain instead (exact)",
+            request.tree_budget,
+            type(model.backbone).__name__,
+        )
+        request = dataclasses.replace(request, tree_budget=0)
     was_training = model.training
     if was_training:
         model.eval()
@@ -111,6 +144,10 @@ def generate(
             from mtpc.decoding.autoregressive import autoregressive_generate
 
             return autoregressive_generate(model, prompt, request)
+        if request.tree_budget:
+            from mtpc.decoding.tree import tree_generate
+
+            return tree_generate(model, prompt, request)
         from mtpc.decoding.speculative import speculative_generate
 
         return speculative_generate(model, prompt, request, drafter=drafter)

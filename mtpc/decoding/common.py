@@ -27,20 +27,39 @@ from mtpc.decoding.verify import process_logits
 
 METHODS = ("speculative", "autoregressive")
 POLICIES = ("condition", "recompute", "drop")
-DRAFT_MODES = ("sample", "map", "chain")
+DRAFT_MODES = ("sample", "map", "chain", "zmap", "zsample", "zsample1")
+"""``map`` / ``chain`` evaluate the head's whole (n, r, V) table; ``zmap`` / ``zsample`` /
+``sample`` the leaves of the evidence position and one leaf per drafted position (``sample``
+adds every unit at the positions its marginal proposal is asked at, ``zsample1`` every unit
+at the first drafted position, whose proposal is the marginal); see
+``mtpc.decoding.speculative.draft_step``."""
+SAMPLING_DRAFT_MODES = ("sample", "zsample", "zsample1")
+"""Modes that draw their tokens from a distribution speculative sampling can verify."""
 SECTIONS = ("model", "head", "circuit", "verify", "cache")
 """Breakdown sections of a cycle; the rest of its wall time is reported as ``overhead``."""
 
 DEFAULT_GREEDY_DRAFT_MODE: dict[str, str] = {
-    "ff": "map",
-    "cp": "map",
-    "hmm": "map",
-    "btree": "map",
+    "ff": "zmap",
+    "cp": "zmap",
+    "hmm": "zmap",
+    "btree": "zmap",
 }
 """Greedy draft mode per circuit family (measured, see docs/BENCHMARKS.md).
 
-For ff the three modes draft the same tokens (independent positions); ``map`` is one
-max-product pass, the cheapest.
+For ff every mode drafts the same tokens (independent positions, one unit); ``zmap`` reads
+n - 1 rows of W and runs no circuit pass, the cheapest.
+"""
+
+DEFAULT_SAMPLING_DRAFT_MODE: dict[str, str] = {
+    "ff": "zsample",
+    "cp": "zsample",
+    "hmm": "zsample",
+    "btree": "zsample",
+}
+"""Speculative-sampling draft mode per circuit family (measured, see docs/BENCHMARKS.md).
+
+For ff the two proposals are the same (one unit); ``zsample`` reads n - 1 rows. ``sample``
+(the marginal proposal) accepts more, most on multi-answer prompts, at a dearer cycle.
 """
 
 
@@ -69,6 +88,11 @@ class GenerationResult:
         draft_mode: draft mode (speculative).
         breakdown: with ``profile=True``, seconds per section summed over cycles
             (:data:`SECTIONS` plus ``overhead``).
+        nodes: token trees (``tree_budget``): draft nodes verified per cycle (``drafted``
+            is then the deepest node's depth).
+        expected: token trees: per cycle, the circuit's predicted probability that at least
+            d drafts are accepted, d = 1..(verified depth) (sum of q over the nodes at depth
+            d); its sum is the expected accepted drafts (calibration against ``accepted``).
     """
 
     tokens: list[int]
@@ -85,6 +109,8 @@ class GenerationResult:
     policy: str | None = None
     draft_mode: str | None = None
     breakdown: dict[str, float] | None = None
+    nodes: list[int] = field(default_factory=list)
+    expected: list[list[float]] = field(default_factory=list)
 
     @property
     def num_cycles(self) -> int:
@@ -113,6 +139,8 @@ class Request:
     suppress_eos: bool
     max_throughput: bool
     profile: bool
+    tree_budget: int = 0
+    tree_floor: float = 0.0
 
 
 def _int(name: str, value: Any, minimum: int) -> int:
@@ -231,6 +259,8 @@ def check_request(
     suppress_eos: bool,
     max_throughput: bool,
     profile: bool,
+    tree_budget: int | None = None,
+    tree_floor: float = 0.0,
 ) -> Request:
     """Checks every decoding argument before decoding starts.
 
@@ -241,6 +271,13 @@ def check_request(
     _int("max_new_tokens", max_new_tokens, 1)
     _int("seed", seed, 0)
     _choice("policy", policy, POLICIES)
+    budget = 0 if tree_budget is None else _int("tree_budget", tree_budget, 0)
+    if (
+        isinstance(tree_floor, bool)
+        or not isinstance(tree_floor, int | float)
+        or not 0 <= tree_floor < 1
+    ):
+        raise ValueError(f"tree_floor={tree_floor!r} is not allowed; allowed: a number in [0, 1)")
     if not isinstance(greedy, bool):
         raise ValueError(f"greedy={greedy!r} is not allowed; allowed: True, False")
     speculative = method == "speculative"
@@ -248,12 +285,14 @@ def check_request(
         raise ValueError("method='speculative' needs an MTPCModel with a draft head")
     if draft_mode is None:
         kind = model.head.circuit.kind if speculative else "ff"
-        draft_mode = DEFAULT_GREEDY_DRAFT_MODE.get(kind, "map") if greedy else "sample"
+        defaults = DEFAULT_GREEDY_DRAFT_MODE if greedy else DEFAULT_SAMPLING_DRAFT_MODE
+        draft_mode = defaults.get(kind, "map" if greedy else "sample")
     _choice("draft_mode", draft_mode, DRAFT_MODES)
-    if not greedy and draft_mode != "sample":
+    if not greedy and draft_mode not in SAMPLING_DRAFT_MODES:
         raise ValueError(
-            f"draft_mode={draft_mode!r} is not allowed with greedy=False; allowed: sample "
-            "(speculative sampling is exact only for drafts drawn from the circuit)"
+            f"draft_mode={draft_mode!r} is not allowed with greedy=False; allowed: "
+            f"{', '.join(SAMPLING_DRAFT_MODES)} (speculative sampling is exact only for drafts "
+            "drawn from the circuit)"
         )
     if (
         isinstance(temperature, bool)
@@ -312,6 +351,8 @@ def check_request(
         suppress_eos=bool(suppress_eos),
         max_throughput=bool(max_throughput),
         profile=bool(profile),
+        tree_budget=budget if method == "speculative" else 0,
+        tree_floor=float(tree_floor),
     )
 
 

@@ -20,6 +20,22 @@ next token (correction, or bonus when every draft was accepted). The caches keep
 pending token and the s accepted positions; the rejected ones are cropped. The draft tail
 then runs on exactly those kept trunk states, giving the new last state and theta.
 
+The draft step (:func:`draft_step`) reads the head through a :class:`HeadState`, which
+computes input logits only where asked. ``map`` and ``chain`` take all n·r·V of them; the
+path-drawn modes take what they use. They pick a latent path z from the sum weights and every
+unit's leaf at the evidence position (its value at the pending token): ``zmap`` (greedy)
+takes each sum unit's most probable child given the evidence, then each drafted position's
+leaf argmax on z; ``zsample`` and ``sample`` draw z from its posterior, then each drafted
+position from its leaf on z (an ancestral sample). Sampling with ``zsample`` verifies against
+q(. | z): z is drawn before the target is seen and independently of it, and given z the
+positions are independent, so speculative sampling with the proposals q_i(.) = phi_{i, z_i}
+is exact for every z; a rejection's residual needs q_s(. | z), the row already computed.
+``sample`` verifies against the marginal q(x_i | x_<i) (:class:`MarginalProposal`), which
+reads every unit at a position only when a test asks for q there. ``zsample1`` draws the first
+draft from the marginal (every unit at its position), then z given the evidence and that
+draft: the same joint, verified with the marginal at the first draft and q(. | z) after
+(z is revealed only after the first draft, still independently of the target).
+
 Resume policies for the emitted correction / bonus token:
 
 * ``condition`` (default): keep it as the next cycle's pending token (no extra pass; every
@@ -35,11 +51,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from mtpc.circuits.engine import categorical
 from mtpc.circuits.params import CircuitParams
 from mtpc.decoding.common import GenerationResult, Request, Stopwatch, TargetRule, emit
 from mtpc.decoding.verify import verify_greedy, verify_sampling_lazy
@@ -49,6 +67,103 @@ Drafter = Callable[[CircuitParams, Tensor | None, int], Tensor]
 ``position`` is the index (among prompt + generated ids) of the window's first token."""
 
 
+class HeadState:
+    """The draft head at one decoding state, evaluated only where a draft step asks.
+
+    Args:
+        model: an ``MTPCModel``.
+        hidden: the draft tail's output at the state, ``(1, d)``.
+        temperature: divides the input logits (sampling), None or 1.0: untempered.
+        lap: ``Stopwatch.lap``; the rows of W are charged to ``head``, the work before them
+            to ``circuit``.
+
+    Tempering the input units is a different (still normalised) circuit q, not the tempered
+    joint; any q keeps the output exact, a closer one is accepted more often.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        hidden: Tensor,
+        temperature: float | None = None,
+        lap: Callable[[str], None] | None = None,
+    ) -> None:
+        self.model, self.hidden = model, hidden
+        self.head = model.head
+        self.circuit = model.head.circuit
+        self.temperature = None if temperature == 1.0 else temperature
+        self._lap = lap or (lambda section: None)
+        self._features: Tensor | None = None
+        self._sum_logw: Tensor | None = None
+        self._params: CircuitParams | None = None
+
+    def _tempered(self, logp: Tensor) -> Tensor:
+        return logp if self.temperature is None else torch.log_softmax(logp / self.temperature, -1)
+
+    @property
+    def features(self) -> Tensor:
+        """e_t ``(1, d)``: the normed draft-tail state the head reads."""
+        if self._features is None:
+            self._features = self.model.draft_features(self.hidden).reshape(1, -1)
+        return self._features
+
+    def sum_logw(self) -> Tensor | None:
+        """Normalised sum log-weights ``(1, U, r)`` (None for ff): r·d weights per sum unit."""
+        if self._params is not None:
+            return self._params.sum_logw
+        if self._sum_logw is None and self.circuit.num_sum_units:
+            self._lap("circuit")
+            self._sum_logw = self.head.sum_log_weights(self.features)
+            self._lap("head")
+        return self._sum_logw
+
+    def leaf_logp(self, positions: Tensor, units: Tensor | None = None) -> Tensor:
+        """Normalised (tempered) log phi of some input units, in fp32.
+
+        Args:
+            positions: ``(k,)`` window positions.
+            units: ``(k,)`` one unit per position, or None: every unit of the positions.
+
+        Returns:
+            ``(1, k, V)`` with ``units``, ``(1, k, r, V)`` without.
+        """
+        return self._tempered(torch.log_softmax(self.leaf_logits(positions, units), -1))
+
+    def leaf_logits(self, positions: Tensor, units: Tensor | None = None) -> Tensor:
+        """Unnormalised, untempered logits of the same rows (fp32): enough for an argmax."""
+        self._lap("circuit")
+        out = self.head.input_logits(self.features, positions, units).float()
+        self._lap("head")
+        return out
+
+    def params(self) -> CircuitParams:
+        """theta_t with the whole (1, n, r, V) table (the full-table modes), computed once."""
+        if self._params is None:
+            self._lap("circuit")
+            params = self.model.draft_params(self.hidden)
+            self._params = CircuitParams(self._tempered(params.input_logp), params.sum_logw)
+            self._lap("head")
+        return self._params
+
+
+@dataclass
+class Draft:
+    """A drafted window and what verifying it needs.
+
+    Attributes:
+        window: ``(1, n)``: the evidence (the pending token, if any), then the m drafts.
+        token_probs: ``(m,)`` the proposal's probability of each drafted token, the q_i of
+            the acceptance ratio p_i / q_i, or ``i -> q_i(x_i)`` computed on demand (None
+            when not asked for: greedy).
+        proposal: ``i -> (V,)`` the full proposal q_i(.) at the i-th draft, called at most
+            once, at the first rejection (for the residual); None when greedy.
+    """
+
+    window: Tensor
+    token_probs: Tensor | Callable[[int], float] | None = None
+    proposal: Callable[[int], Tensor] | None = None
+
+
 def draft_window(
     circuit: Any,
     params: CircuitParams,
@@ -56,7 +171,9 @@ def draft_window(
     mode: str,
     generator: torch.Generator | None,
 ) -> Tensor:
-    """A drafted window (1, n) from the circuit; its first positions equal ``evidence``.
+    """A drafted window (1, n) from the whole table; its first positions equal ``evidence``.
+
+    (The decoder's ``sample`` draws along a latent path instead, :func:`draft_step`.)
 
     Args:
         circuit: the head's ``Circuit``.
@@ -75,24 +192,131 @@ def draft_window(
     return circuit.greedy_chain(params, evidence=evidence)
 
 
-def _draft_params(model: Any, hidden: Tensor, temperature: float | None) -> CircuitParams:
-    """theta of the last state (1, d); the inputs tempered like the target when sampling.
+class MarginalProposal:
+    """The circuit's exact conditionals q(x_i | x_<i) of a drafted window, computed lazily.
 
-    Tempering the input units is a different (still normalised) circuit q, not the tempered
-    joint; any q keeps the output exact, a closer one is accepted more often.
+    q_i needs every unit's leaf at the positions up to i (the latents' posterior given the
+    prefix). Those rows are read only when a test asks for q_i: ``verify_sampling_lazy`` asks
+    where u_i >= p_i(x_i) only, and stops at the first rejection, whose residual needs the
+    full conditional there (the same rows).
+
+    Args:
+        state: the head at the drafting state.
+        window: ``(1, n)`` the evidence then the drafts.
+        pre: evidence positions.
+        rows: ``(1, k, r, V)`` normalised leaves of the first k positions if already read.
     """
-    params = model.draft_params(hidden)
-    if temperature is not None and temperature != 1.0:
-        logp = torch.log_softmax(params.input_logp / temperature, dim=-1)
-        params = CircuitParams(logp, params.sum_logw)
-    return params
+
+    def __init__(self, state: HeadState, window: Tensor, pre: int, rows: Tensor | None = None):
+        self.state, self.window, self.pre, self.rows = state, window, pre, rows
+
+    def _leaves(self, upto: int) -> tuple[Tensor, Tensor]:
+        """Every unit at positions <= upto ``(1, upto + 1, r, V)`` and their values at the
+        window's tokens ``(1, upto + 1, r)``."""
+        k = 0 if self.rows is None else self.rows.shape[1]
+        if k <= upto:
+            new = self.state.leaf_logp(torch.arange(k, upto + 1))  # (1, upto + 1 - k, r, V)
+            self.rows = new if self.rows is None else torch.cat([self.rows, new], 1)
+        assert self.rows is not None
+        rows = self.rows[:, : upto + 1]
+        x = self.window[:, : upto + 1, None, None].expand(-1, -1, rows.shape[2], 1)
+        return rows, rows.gather(3, x).squeeze(3)
+
+    def token_prob(self, i: int) -> float:
+        """q(x_{pre+i} | x_<pre+i) at the drafted token."""
+        j = self.pre + i
+        circuit = self.state.circuit
+        _, leaves = self._leaves(j)  # (1, j + 1, r)
+        leaves = torch.cat(
+            [leaves, leaves.new_zeros(1, circuit.window - j - 1, leaves.shape[2])], 1
+        )
+        prefix = circuit.prefix_from_leaves(leaves, self.state.sum_logw())[0]  # (n,)
+        return float((prefix[j] - prefix[j - 1]).exp() if j else prefix[0].exp())
+
+    def dist(self, i: int) -> Tensor:
+        """q(. | x_<pre+i) ``(V,)``: the full conditional (the residual at a rejection)."""
+        j = self.pre + i
+        rows, leaves = self._leaves(j)
+        lw = self.state.sum_logw()
+        return self.state.circuit.conditional_from_leaves(leaves[:, :j], rows[:, j], lw)[0].exp()
+
+    def draft(self) -> Draft:
+        """The window with this proposal."""
+        return Draft(self.window, self.token_prob, self.dist)
 
 
-def _draft_conditional(
-    circuit: Any, params: CircuitParams, window: Tensor, pre: int, i: int
-) -> Tensor:
-    """q(. | x_1..x_{pre+i}) (V,): the draft's full conditional at the i-th verified draft."""
-    return circuit.conditional_log_prob(params, window[:, : pre + i])[0].exp()
+def draft_step(
+    state: HeadState,
+    evidence: Tensor | None,
+    mode: str,
+    generator: torch.Generator | None,
+    *,
+    sampling: bool,
+) -> Draft:
+    """One draft: the window and, when ``sampling``, the proposal verification needs.
+
+    Args:
+        state: the head at the last processed state.
+        evidence: ``(1, pre)`` the pending token, or None.
+        mode: a draft mode (``mtpc.decoding.DRAFT_MODES``); sampling needs ``sample``,
+            ``zsample`` or ``zsample1``.
+        generator: RNG for the sampling modes.
+        sampling: also return the proposal (token probabilities and the full proposal).
+    """
+    circuit = state.circuit
+    n = circuit.window
+    pre = 0 if evidence is None else evidence.shape[1]
+    if pre == n:  # nothing to draft (n = 1 with a pending token)
+        assert evidence is not None
+        empty = torch.zeros(0, device=evidence.device)
+        return Draft(evidence, empty, empty.__getitem__) if sampling else Draft(evidence)
+    if mode in ("map", "chain"):
+        return Draft(draft_window(circuit, state.params(), evidence, mode, generator))
+    rows = evidence_leaves = None
+    if evidence is not None and circuit.rank > 1:  # r = 1: one path, the evidence is moot
+        rows = state.leaf_logp(torch.arange(pre))  # (1, pre, r, V): every unit, evidence only
+        evidence_leaves = rows[0, torch.arange(pre, device=rows.device), :, evidence[0]][None]
+    start, first = pre, None
+    if mode == "zsample1" and circuit.rank > 1:
+        # the first draft from the marginal q(. | evidence) (every unit at its position),
+        # then z given the evidence and that token
+        rows1 = state.leaf_logp(torch.arange(pre, pre + 1))  # (1, 1, r, V)
+        lead = rows1.new_zeros(1, 0, circuit.rank) if evidence_leaves is None else evidence_leaves
+        q1 = circuit.conditional_from_leaves(lead, rows1[:, 0], state.sum_logw())[0]  # (V,)
+        x1 = categorical(q1, generator)  # ()
+        evidence_leaves = torch.cat([lead, rows1[:, :, :, x1]], 1)  # (1, pre + 1, r)
+        first, start = (x1.view(1), q1.exp()), pre + 1
+    if circuit.rank == 1:  # one unit per position: the only path
+        units = torch.zeros(n - start, dtype=torch.long)
+    else:
+        path = circuit.latent_path(
+            state.sum_logw(), evidence_leaves, most_probable=mode == "zmap", generator=generator
+        )  # (1, n)
+        units = path[0, start:]
+    positions = torch.arange(start, n)
+    if mode == "zmap":  # the argmax needs no normaliser
+        tokens = state.leaf_logits(positions, units)[0].argmax(-1)  # (m,)
+        return Draft(tokens[None] if evidence is None else torch.cat([evidence, tokens[None]], 1))
+    logp = state.leaf_logp(positions, units)[0]  # (n - start, V)
+    tokens = categorical(logp, generator)  # with z, an ancestral sample
+    probs = logp.exp()  # (n - start, V): q_i(. | z), independent of the earlier drafts given z
+    token_probs = probs.gather(1, tokens[:, None])[:, 0]
+    proposal = probs.__getitem__
+    if first is not None:
+        x1, p1 = first
+        tokens, token_probs = torch.cat([x1, tokens]), torch.cat([p1[x1], token_probs])
+        proposal = functools.partial(_first_then, p1, probs)
+    window = tokens[None] if evidence is None else torch.cat([evidence, tokens[None]], 1)
+    if not sampling:
+        return Draft(window)
+    if mode == "sample" and circuit.rank > 1:  # r = 1: q(. | z) is the marginal
+        return MarginalProposal(state, window, pre, rows).draft()
+    return Draft(window, token_probs, proposal)
+
+
+def _first_then(first: Tensor, rest: Tensor, i: int) -> Tensor:
+    """``zsample1``'s proposal at draft i: the marginal ``first`` (V,), then ``rest`` (m-1, V)."""
+    return first if i == 0 else rest[i - 1]
 
 
 @torch.no_grad()
@@ -117,6 +341,7 @@ def speculative_generate(
     rule = TargetRule(request, model.backbone.vocab_size, device)
     greedy, policy, mode = request.greedy, request.policy, request.draft_mode
     draft_temp = None if greedy else request.temperature
+    sampled = not greedy and not request.max_throughput  # verification needs the proposal
     caches = model.new_caches()
     clock = Stopwatch(device, request.profile)
     length = prompt.shape[1]  # ids processed or pending
@@ -126,8 +351,7 @@ def speculative_generate(
     kept_logits = model.verifier_logits(
         model.verifier_tail(hidden, caches.verifier)[:, -1]
     )  # (1, V)
-    params = _draft_params(model, model.draft_tail(hidden, caches.draft)[:, -1], draft_temp)
-    caches.commit()
+    state = HeadState(model, model.draft_tail(hidden, caches.draft)[:, -1], draft_temp, clock.lap)
     pending: int | None = None  # the kept correction / bonus not yet processed
     res = GenerationResult(
         tokens=[],
@@ -144,17 +368,22 @@ def speculative_generate(
         pre = 0 if pending is None else 1
         window_start = length - pre
         if drafter is not None:
-            window = drafter(params, evidence, window_start)  # (1, n)
+            drafted = drafter(state.params(), evidence, window_start)  # (1, n)
+            draft = MarginalProposal(state, drafted, pre).draft() if sampled else None
         else:
-            window = draft_window(circuit, params, evidence, mode, generator)  # (1, n)
+            draft = draft_step(state, evidence, mode, generator, sampling=sampled)
+            drafted = draft.window  # (1, n)
+        # what one pass verifies exactly (EVA: up to its window boundary); w <= n
+        w = model.backbone.one_pass_span(len(caches.trunk), n)
+        window = drafted[:, :w]  # (1, w)
         drafts = window[0, pre:]  # (m,)
-        m = n - pre
+        m = w - pre
         clock.lap("circuit")
 
         # --- verify: one pass of trunk + verifier tail over the window
         base = len(caches.trunk)
-        hidden = model.trunk(window, caches.trunk)  # (1, n, d)
-        logits = model.verifier_logits(model.verifier_tail(hidden, caches.verifier))[0]  # (n, V)
+        hidden = model.trunk(window, caches.trunk)  # (1, w, d)
+        logits = model.verifier_logits(model.verifier_tail(hidden, caches.verifier))[0]  # (w, V)
         res.trunk_passes += 1
         target = logits if pre else torch.cat([kept_logits, logits])  # (m + 1, V)
         clock.lap("model")
@@ -165,13 +394,11 @@ def speculative_generate(
             s, token = verdict.accepted, verdict.next_token
         else:
             p = rule.probs(target)  # (m + 1, V)
-            clock.lap("verify")
-            prefix = circuit.prefix_log_prob(params, window)[0]  # (n,) log q(x_1..x_{i+1})
-            q_tokens = (prefix[pre:] - torch.cat([prefix.new_zeros(1), prefix[:-1]])[pre:]).exp()
-
-            q_at = functools.partial(_draft_conditional, circuit, params, window, pre)
-            clock.lap("circuit")
-            verdict = verify_sampling_lazy(p, q_tokens, drafts, q_at, generator)
+            assert draft is not None and draft.token_probs is not None and draft.proposal
+            q_tokens = draft.token_probs
+            if isinstance(q_tokens, torch.Tensor):
+                q_tokens = q_tokens[:m]  # (m,) the verified drafts' q
+            verdict = verify_sampling_lazy(p, q_tokens, drafts, draft.proposal, generator)
             s, token = verdict.accepted, verdict.next_token
         clock.lap("verify")
 
@@ -191,7 +418,7 @@ def speculative_generate(
             break
 
         # --- crop rejected positions, run the draft tail on the kept states
-        if keep < n:
+        if keep < w:
             caches.trunk.crop(base + keep)
             caches.verifier.crop(base + keep)
         clock.lap("cache")
@@ -208,11 +435,9 @@ def speculative_generate(
             pending = None
             res.trunk_passes += 1
         if kept.shape[1]:
-            state = model.draft_tail(kept, caches.draft)[:, -1]  # (1, d)
+            last = model.draft_tail(kept, caches.draft)[:, -1]  # (1, d)
             clock.lap("model")
-            params = _draft_params(model, state, draft_temp)
-            clock.lap("head")
-        caches.commit()
+            state = HeadState(model, last, draft_temp, clock.lap)
         clock.lap("cache")
         res.cycle_seconds.append(clock.split())
 

@@ -132,7 +132,7 @@ def verify_sampling(
 
 def verify_sampling_lazy(
     target_probs: Tensor,
-    draft_token_probs: Tensor,
+    draft_token_probs: Tensor | Callable[[int], float],
     draft: Tensor,
     draft_dist: Callable[[int], Tensor],
     generator: torch.Generator | None = None,
@@ -146,27 +146,39 @@ def verify_sampling_lazy(
 
     Args:
         target_probs: p(. | context, x_1..x_{i-1}) for i = 1..n+1; (n + 1, V).
-        draft_token_probs: q(x_i | context, x_1..x_{i-1}) at the drafted tokens; (n,).
+        draft_token_probs: q(x_i | context, x_1..x_{i-1}) at the drafted tokens; (n,), or
+            ``i -> q_i(x_i)`` computed on demand: asked only where the test needs it (u_i >=
+            p_i(x_i); below that, x_i is accepted whatever q_i <= 1), up to the first rejection.
         draft: the drafted tokens; (n,).
         draft_dist: ``s -> q(. | context, x_1..x_s)`` (V,), called at most once, with the
             index s of the first rejected draft.
         generator: RNG for the acceptance tests and the emitted sample.
     """
     n = draft.shape[0]
-    if target_probs.shape[0] != n + 1 or draft_token_probs.shape[0] != n:
+    eager = isinstance(draft_token_probs, Tensor)
+    if target_probs.shape[0] != n + 1 or (eager and draft_token_probs.shape[0] != n):  # type: ignore[union-attr]
+        got = tuple(draft_token_probs.shape) if eager else "a callable"  # type: ignore[union-attr]
         raise ValueError(
             f"need target_probs (n+1, V) and draft_token_probs (n,) for n = {n}; got "
-            f"{tuple(target_probs.shape)} and {tuple(draft_token_probs.shape)}"
+            f"{tuple(target_probs.shape)} and {got}"
         )
     if n:
         positions = torch.arange(n, device=draft.device)
         p = target_probs[positions, draft].double()  # (n,)
-        q = draft_token_probs.double()  # (n,)
-        ratio = torch.where(q > 0, p / q.clamp(min=1e-300), torch.ones_like(p))
-        u = torch.rand(n, generator=generator, dtype=torch.float64, device=ratio.device)
-        rejected = (u >= ratio).nonzero()
-        if rejected.numel():
-            s = int(rejected[0, 0])
+        u = torch.rand(n, generator=generator, dtype=torch.float64, device=p.device)
+        s = n
+        if isinstance(draft_token_probs, Tensor):
+            q = draft_token_probs.double()  # (n,)
+            ratio = torch.where(q > 0, p / q.clamp(min=1e-300), torch.ones_like(p))
+            rejected = (u >= ratio).nonzero()
+            s = int(rejected[0, 0]) if rejected.numel() else n
+        else:  # u < p <= p / q: accepted without q; else ask q_i, in order
+            for i in (u >= p).nonzero()[:, 0].tolist():
+                q_i = float(draft_token_probs(i))
+                if q_i > 0 and float(u[i]) >= float(p[i]) / q_i:
+                    s = i
+                    break
+        if s < n:
             q_s = draft_dist(s).to(target_probs.dtype)  # (V,)
             return Verdict(s, _sample(residual(target_probs[s], q_s), generator))
     return Verdict(n, _sample(target_probs[n], generator))

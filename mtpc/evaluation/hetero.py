@@ -9,8 +9,10 @@ overlap of Timor et al.'s Tables 5-6. :func:`load_drafter` resolves ``drafter.mo
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -55,19 +57,76 @@ def autoregressive(
     return HeteroResult(out, "", [0] * len(out), lm.passes, 0, seconds, "ar")
 
 
-def _metrics(results: Sequence[HeteroResult]) -> dict[str, float]:
-    cycles = sum(len(r.accepted) for r in results)
-    tokens = sum(len(r.tokens) for r in results)
-    seconds = sum(r.seconds for r in results)
+def hetero_record(result: HeteroResult) -> dict[str, Any]:
+    """What one decoded prompt contributes to a row (a ``records.jsonl`` line's measurements)."""
+    return {
+        "new_tokens": len(result.tokens),
+        "cycles": len(result.accepted),  # target passes
+        "accepted_total": sum(result.accepted),
+        "drafter_passes": result.drafter_passes,
+        "seconds": result.seconds,
+        "tokens_sha1": hashlib.sha1(json.dumps(result.tokens).encode()).hexdigest(),
+    }
+
+
+def hetero_metrics(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """A prompt set's row metrics from its prompts' :func:`hetero_record` values."""
+    cycles = sum(r["cycles"] for r in records)
+    tokens = sum(r["new_tokens"] for r in records)
+    seconds = sum(r["seconds"] for r in records)
     return {
         "mu_lat": seconds / max(cycles, 1),
         "mu_acc": tokens / max(cycles, 1),  # target tokens per target pass (cycle)
-        "mu_acc_drafts": sum(sum(r.accepted) for r in results) / max(cycles, 1),
+        "mu_acc_drafts": sum(r["accepted_total"] for r in records) / max(cycles, 1),
         "tok_s": tokens / seconds if seconds > 0 else 0.0,
-        "drafter_passes_per_cycle": sum(r.drafter_passes for r in results) / max(cycles, 1),
+        "drafter_passes_per_cycle": sum(r["drafter_passes"] for r in records) / max(cycles, 1),
         "cycles": float(cycles),
         "tokens": float(tokens),
     }
+
+
+Decoder = Callable[[list[int], int], HeteroResult]
+"""Decodes one prompt's target ids with a seed."""
+
+
+def hetero_decoders(
+    target: Any,
+    target_tokenizer: Any,
+    drafter: Any,
+    drafter_tokenizer: Any,
+    algorithm: str = "slem",
+    lookahead: int = 5,
+    greedy: bool = True,
+    max_new_tokens: int = 128,
+    stop_ids: Sequence[int] | None = None,
+    **options: Any,
+) -> tuple[Decoder, Decoder]:
+    """(autoregressive, heterogeneous speculative) decoders of one prompt; see
+    :func:`evaluate_hetero` for the arguments."""
+    t_tok, d_tok = as_tokenizer(target_tokenizer), as_tokenizer(drafter_tokenizer)
+    stops = list(t_tok.stop_ids if stop_ids is None else stop_ids)
+    sample_kw = {k: options[k] for k in ("temperature", "top_k", "top_p") if k in options}
+
+    def run_ar(p: list[int], seed: int) -> HeteroResult:
+        return autoregressive(target, p, max_new_tokens, greedy, seed, stops, **sample_kw)
+
+    def run_sd(p: list[int], seed: int) -> HeteroResult:
+        return generate_hetero(
+            target, t_tok, drafter, d_tok, p, algorithm=algorithm, lookahead=lookahead,
+            greedy=greedy, seed=seed, max_new_tokens=max_new_tokens, stop_ids=stops, **options,
+        )  # fmt: skip
+
+    return run_ar, run_sd
+
+
+def overlap_stats(
+    target_tokenizer: Any, drafter_tokenizer: Any, prompts: Sequence[Sequence[int]]
+) -> dict[str, Any]:
+    """Vocabulary overlap (Timor et al., Table 5) and prompt-level overlap (Table 6)."""
+    t_tok, d_tok = as_tokenizer(target_tokenizer), as_tokenizer(drafter_tokenizer)
+    overlap = vocab_mapping(t_tok, d_tok).stats()
+    overlap.update(prompt_overlap(t_tok, d_tok, [t_tok.decode_bytes(list(p)) for p in prompts]))
+    return overlap
 
 
 def evaluate_hetero(
@@ -111,38 +170,26 @@ def evaluate_hetero(
         vocab_intersection (|T ∩ D|), vocab_intersection_over_target (Table 5) and the
         prompt-level prompt_intersection_over_target (Table 6).
     """
-    t_tok, d_tok = as_tokenizer(target_tokenizer), as_tokenizer(drafter_tokenizer)
-    stops = list(t_tok.stop_ids if stop_ids is None else stop_ids)
+    t_tok = as_tokenizer(target_tokenizer)
     ids = [t_tok.prompt_ids(p) if isinstance(p, str) else list(p) for p in prompts]
     if not ids:
         raise ValueError("prompts is empty")
-    sample_kw = {k: options[k] for k in ("temperature", "top_k", "top_p") if k in options}
-
-    def run_ar(i: int, p: list[int]) -> HeteroResult:
-        return autoregressive(target, p, max_new_tokens, greedy, seed + i, stops, **sample_kw)
-
-    def run_sd(i: int, p: list[int]) -> HeteroResult:
-        return generate_hetero(
-            target, t_tok, drafter, d_tok, p, algorithm=algorithm, lookahead=lookahead,
-            greedy=greedy, seed=seed + i, max_new_tokens=max_new_tokens, stop_ids=stops,
-            **options,
-        )  # fmt: skip
-
+    run_ar, run_sd = hetero_decoders(
+        target, target_tokenizer, drafter, drafter_tokenizer, algorithm, lookahead, greedy,
+        max_new_tokens, stop_ids, **options,
+    )  # fmt: skip
     for _ in range(warmup):
-        run_ar(0, ids[0])
-        run_sd(0, ids[0])
-    ar = _metrics([run_ar(i, p) for i, p in enumerate(ids)])
-    sd = _metrics([run_sd(i, p) for i, p in enumerate(ids)])
+        run_ar(ids[0], seed)
+        run_sd(ids[0], seed)
+    ar = hetero_metrics([hetero_record(run_ar(p, seed + i)) for i, p in enumerate(ids)])
+    sd = hetero_metrics([hetero_record(run_sd(p, seed + i)) for i, p in enumerate(ids)])
     sd["speedup_ar"] = sd["tok_s"] / ar["tok_s"] if ar["tok_s"] > 0 else float("nan")
-    overlap = vocab_mapping(t_tok, d_tok).stats()
-    texts = [t_tok.decode_bytes(p) for p in ids]
-    overlap.update(prompt_overlap(t_tok, d_tok, [t[: len(t)] for t in texts]))
     return {
         "rows": [
             {"name": "AR (target)", "kind": "ar", **ar},
             {"name": f"hetero:{algorithm}", "kind": algorithm, "lookahead": lookahead, **sd},
         ],
-        "overlap": overlap,
+        "overlap": overlap_stats(target_tokenizer, drafter_tokenizer, ids),
         "settings": {
             "algorithm": algorithm,
             "lookahead": lookahead,

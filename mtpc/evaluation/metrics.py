@@ -19,6 +19,10 @@ Per prompt set (cycles pooled over its prompts):
 * ``acceptance``: per window position i (1..n), the share of cycles whose draft at position
   i was verified and accepted, among cycles that verified a draft there (position 1 is
   evidence, not a draft, after a kept correction).
+* token trees (``tree_budget``): ``nodes`` = draft nodes verified per cycle;
+  ``expected_drafts`` = accepted drafts per cycle that the circuit predicts (the sum of q
+  over the tree's nodes), against the measured ``mu_acc_drafts`` (calibration);
+  ``expected_acceptance`` = the predicted share per window position, against ``acceptance``.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import Any
 
 from mtpc.decoding.common import GenerationResult
 
-SCALARS = ("mu_lat", "mu_acc", "mu_acc_drafts", "tok_s", "wall_tok_s")
+SCALARS = ("mu_lat", "mu_acc", "mu_acc_drafts", "tok_s", "wall_tok_s", "nodes", "expected_drafts")
 
 
 def prompt_record(result: GenerationResult, per_cycle: bool = True) -> dict[str, Any]:
@@ -67,6 +71,17 @@ def prompt_record(result: GenerationResult, per_cycle: bool = True) -> dict[str,
     }
     if per_cycle:
         record.update(accepted=accepted, drafted=drafted, offsets=list(result.offsets))
+    if result.nodes:  # token trees: nodes verified, q's predicted acceptance per position
+        by_position: list[float] = []
+        for pre, probs in zip(result.offsets, result.expected, strict=True):
+            by_position.extend([0.0] * (pre + len(probs) - len(by_position)))
+            for d, prob in enumerate(probs):
+                by_position[pre + d] += prob
+        record.update(
+            nodes_total=sum(result.nodes),
+            expected_total=sum(map(sum, result.expected)),
+            expected_by_position=by_position,
+        )
     return record
 
 
@@ -99,6 +114,19 @@ def set_metrics(
                 hits[min(window, pre + min(s, m))] -= 1
     tried = list(itertools.accumulate(tried[:window]))
     hits = list(itertools.accumulate(hits[:window]))
+    tree = {}
+    if recs and all("nodes_total" in r for r in recs):
+        predicted = [0.0] * window
+        for r in recs:
+            for i, prob in enumerate(r["expected_by_position"][:window]):
+                predicted[i] += prob
+        tree = {
+            "nodes": sum(r["nodes_total"] for r in recs) / max(1, cycles),
+            "expected_drafts": sum(r["expected_total"] for r in recs) / max(1, cycles),
+            "expected_acceptance": [
+                p / t if t else float("nan") for p, t in zip(predicted, tried, strict=True)
+            ],
+        }
     return {
         "mu_lat": mu_lat,
         "mu_acc": mu_acc,
@@ -109,6 +137,7 @@ def set_metrics(
         "tokens": tokens,
         "prompts": len(recs),
         "acceptance": [h / t if t else float("nan") for h, t in zip(hits, tried, strict=True)],
+        **tree,
     }
 
 
@@ -129,7 +158,8 @@ def aggregate(per_set: Sequence[dict[str, Any]], keys: Sequence[str] = SCALARS) 
     for key in keys:
         if all(key in m for m in per_set):
             out[key], out[f"{key}_std"] = mean_std([float(m[key]) for m in per_set])
-    if per_set and "acceptance" in per_set[0]:
-        columns = zip(*(m["acceptance"] for m in per_set), strict=True)
-        out["acceptance"] = [mean_std(list(c))[0] for c in columns]
+    for key in ("acceptance", "expected_acceptance"):
+        if per_set and all(key in m for m in per_set):
+            columns = zip(*(m[key] for m in per_set), strict=True)
+            out[key] = [mean_std(list(c))[0] for c in columns]
     return out

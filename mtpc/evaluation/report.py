@@ -36,6 +36,8 @@ COLUMNS = (
     ("mu_lat", "mu_lat ms", "ms"),
     ("mu_acc", "mu_acc tok/cyc", "2f"),
     ("mu_acc_drafts", "acc drafts", "2f"),
+    ("nodes", "nodes/cyc", "1f"),
+    ("expected_drafts", "q-pred drafts", "2f"),
     ("tok_s", "tok/s", "1f"),
     ("max_tok_s", "max tok/s", "1f"),
     ("speedup_ar", "x AR", "2f"),
@@ -49,6 +51,8 @@ SOURCE_COLUMNS = (
     ("prompts", "prompts", "{}"),
     ("mu_acc", "mu_acc tok/cyc", "2f"),
     ("mu_acc_drafts", "acc drafts", "2f"),
+    ("nodes", "nodes/cyc", "1f"),
+    ("expected_drafts", "q-pred drafts", "2f"),
     ("tok_s", "tok/s", "1f"),
     ("speedup_ar", "x AR", "2f"),
 )
@@ -136,30 +140,40 @@ def build_report(
     ar = _by_set(ar_recs, 1)
     rows = [_row("AR (target)", ar, kind="ar", peak_memory_mb=peaks.get(None))] if ar else []
     source_rows: list[dict[str, Any]] = []
+    trees = sorted(
+        {p for _, p in groups if p.startswith("tree")}, key=lambda p: int(p.removeprefix("tree"))
+    )
     for d in manifest["drafts"]:
-        sd_recs = groups[(d["path"], "speculative")]
-        sd = _by_set(sd_recs, d["window"])
-        checked = [r["equal_reference"] for r in sd_recs if r.get("equal_reference") is not None]
-        row = _row(
-            d["name"], sd, path=d["path"], kind=d["kind"], window=d["window"], rank=d["rank"],
-            lora_layers=d["lora_layers"], policy=settings.get("policy"),
-            draft_mode=next((r.get("draft_mode") for r in sd_recs), None),
-            baseline=bool(d.get("baseline")), peak_memory_mb=peaks.get(d["path"]),
-            exact=f"{sum(checked)}/{len(checked)}" if checked else None,
-        )  # fmt: skip
-        mx = _by_set(groups[(d["path"], "max_throughput")], d["window"])
-        for key, values in (("speedup_ar", _ratios(sd, ar, "tok_s")),
-                            ("max_tok_s", [m["tok_s"] for m in mx.values()])):  # fmt: skip
-            if values:
-                row[key], row[f"{key}_std"] = mean_std(values)
-        rows.append(row)
-        for source in sorted({r["source"] for r in sd_recs}):
-            m = set_metrics([r for r in sd_recs if r["source"] == source], d["window"])
-            a = set_metrics([r for r in ar_recs if r["source"] == source])
-            source_rows.append(
-                {"name": d["name"], "path": d["path"], "source": source, **m,
-                 "speedup_ar": m["tok_s"] / a["tok_s"] if a["tok_s"] > 0 else float("nan")}
+        for pass_name in ("speculative", *trees):
+            sd_recs = groups[(d["path"], pass_name)]
+            if pass_name != "speculative" and not sd_recs:
+                continue
+            name = d["name"] if pass_name == "speculative" else f"{d['name']} {pass_name}"
+            sd = _by_set(sd_recs, d["window"])
+            checked = [
+                r["equal_reference"] for r in sd_recs if r.get("equal_reference") is not None
+            ]
+            row = _row(
+                name, sd, path=d["path"], kind=d["kind"], window=d["window"], rank=d["rank"],
+                lora_layers=d["lora_layers"], policy=settings.get("policy"),
+                draft_mode=next((r.get("draft_mode") for r in sd_recs), None),
+                baseline=bool(d.get("baseline")) and pass_name == "speculative",
+                peak_memory_mb=peaks.get(d["path"]),
+                exact=f"{sum(checked)}/{len(checked)}" if checked else None,
             )  # fmt: skip
+            mx = _by_set(groups[(d["path"], "max_throughput")], d["window"])
+            maxima = [m["tok_s"] for m in mx.values()] if pass_name == "speculative" else []
+            for key, values in (("speedup_ar", _ratios(sd, ar, "tok_s")), ("max_tok_s", maxima)):
+                if values:
+                    row[key], row[f"{key}_std"] = mean_std(values)
+            rows.append(row)
+            for source in sorted({r["source"] for r in sd_recs}):
+                m = set_metrics([r for r in sd_recs if r["source"] == source], d["window"])
+                a = set_metrics([r for r in ar_recs if r["source"] == source])
+                source_rows.append(
+                    {"name": name, "path": d["path"], "source": source, **m,
+                     "speedup_ar": m["tok_s"] / a["tok_s"] if a["tok_s"] > 0 else float("nan")}
+                )  # fmt: skip
     return rows, source_rows
 
 

@@ -46,8 +46,9 @@ logger = logging.getLogger(__name__)
 TRAIN_HINT = "train one with `python train.py` or pass draft=<exported draft dir>"
 
 
-RESUME = ("auto", "force")
-"""``resume=``: resume a folder of the same evaluation (refusing another's), or resume anyway."""
+RESUME = ("auto", "force", "never")
+"""``resume=``: resume a folder of the same evaluation (refusing another's), resume anyway, or
+decode afresh into a new folder (``<folder>-2``, ``-3``, ...), leaving the old one untouched."""
 
 
 class EvalConfigError(UserError, ValueError):
@@ -79,9 +80,26 @@ def check_eval_fields(cfg: Any) -> None:
 
     choice("policy", POLICIES)
     choice("draft_mode", DRAFT_MODES, optional=True)
+    if _get(cfg, "greedy") is False and _get(cfg, "draft_mode") not in (None, "sample"):
+        raise EvalConfigError(
+            f"draft_mode={_get(cfg, 'draft_mode')!r} is not allowed with greedy=false; allowed: "
+            "sample or null (speculative sampling is exact only for drafts drawn from the circuit)"
+        )
     for field in ("greedy", "suppress_eos", "max_throughput", "english_only", "plots", "progress"):
         choice(field, (True, False), optional=field == "progress")
     choice("resume", RESUME, optional=True)
+    budgets = _plain(_get(cfg, "tree_budget"))
+    for b in budgets if isinstance(budgets, list) else [budgets]:
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 0):
+            raise EvalConfigError(
+                f"tree_budget={budgets!r} is not allowed; allowed: null, an integer >= 0 or a "
+                "list of them, e.g. tree_budget=[16,32,64]"
+            )
+    floor = _get(cfg, "tree_floor", 0.0)
+    if floor is not None and (
+        isinstance(floor, bool) or not isinstance(floor, int | float) or not 0 <= floor < 1
+    ):
+        raise EvalConfigError(f"tree_floor={floor!r} is not allowed; allowed: a number in [0, 1)")
     sources = _plain(_get(cfg, "sources"))
     if sources is not None and not (
         isinstance(sources, str)
@@ -107,12 +125,42 @@ def check_eval_fields(cfg: Any) -> None:
     top_p = _get(cfg, "top_p")
     if top_p is not None and (not isinstance(top_p, int | float) or not 0 < top_p <= 1):
         raise EvalConfigError(f"top_p={top_p!r} is not allowed; allowed: a number in (0, 1]")
+    if _get(cfg, "drafter") is not None:
+        _check_drafter(cfg, choice)
     device = str(_get(cfg, "device", "cpu"))
     if device != "cpu" and not device.startswith("cuda"):
         raise EvalConfigError(f"device={device!r} is not allowed; allowed: cpu, cuda, cuda:<i>")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise EvalConfigError(
             f"device={device!r} is not allowed: CUDA is not available; allowed: cpu"
+        )
+
+
+def _check_drafter(cfg: Any, choice: Any) -> None:
+    """``drafter.*`` of ``drafter=hetero`` (configs/drafter/hetero.yaml)."""
+    from mtpc.decoding.hetero import ALGORITHMS, PSI_METHODS
+    from mtpc.evaluation.hetero import FIXTURE_PREFIX, FIXTURES
+
+    choice("drafter.algorithm", ALGORITHMS)
+    choice("drafter.psi", PSI_METHODS, optional=True)
+    for field, low in (("lookahead", 1), ("look_behind", 0), ("max_psi_paths", 1)):
+        value = _get(cfg, f"drafter.{field}")
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < low
+        ):
+            raise EvalConfigError(
+                f"drafter.{field}={value!r} is not allowed; allowed: an integer >= {low}"
+            )
+    model = str(_get(cfg, "drafter.model"))
+    if model.startswith(FIXTURE_PREFIX) and model[len(FIXTURE_PREFIX) :] not in FIXTURES:
+        raise EvalConfigError(
+            f"drafter.model={model!r} is not allowed; allowed: a local HF causal-LM folder or "
+            + ", ".join(FIXTURE_PREFIX + f for f in FIXTURES)
+        )
+    if not model.startswith(FIXTURE_PREFIX) and not Path(model).expanduser().is_dir():
+        raise EvalConfigError(
+            f"drafter.model={model!r} does not exist; allowed: a local HF causal-LM folder or "
+            + ", ".join(FIXTURE_PREFIX + f for f in FIXTURES)
         )
 
 
@@ -254,6 +302,7 @@ def decode_kwargs(cfg: Any) -> dict[str, Any]:
         "top_k": _get(cfg, "top_k"),
         "top_p": _get(cfg, "top_p"),
         "suppress_eos": bool(_get(cfg, "suppress_eos", True)),
+        "tree_floor": float(_get(cfg, "tree_floor", 0.0) or 0.0),
     }
 
 
@@ -262,16 +311,33 @@ PASSES: dict[str, dict[str, Any]] = {
     "speculative": {},
     "max_throughput": {"max_throughput": True},
 }
-"""The decoding passes of an evaluation and their ``mtpc.generate`` overrides."""
+"""The decoding passes of an evaluation and their ``mtpc.generate`` overrides; ``tree<B>``
+(from ``tree_budget``) decodes with a token tree of B nodes."""
+
+
+def pass_overrides(pass_name: str) -> dict[str, Any]:
+    """The ``mtpc.generate`` overrides of a pass (``ar``, ``speculative``, ``tree<B>``, ...)."""
+    if pass_name.startswith("tree"):
+        return {"tree_budget": int(pass_name.removeprefix("tree"))}
+    return PASSES[pass_name]
+
+
+def tree_budgets(cfg: Any) -> list[int]:
+    """The positive budgets of ``tree_budget`` (null, an int or a list), sorted, no repeats."""
+    value = _plain(_get(cfg, "tree_budget"))
+    values = [] if value is None else value if isinstance(value, list) else [value]
+    return sorted({int(v) for v in values if v})
+
 
 SETTINGS = (
     "greedy", "policy", "draft_mode", "temperature", "top_k", "top_p", "num_prompts",
     "num_prompt_sets", "max_new_tokens", "warmup", "suppress_eos", "max_throughput",
     "device", "english_only", "seed", "num_threads", "max_prompt_length", "sources",
+    "tree_budget", "tree_floor",
 )  # fmt: skip
 """Settings that define a measurement (their change starts another evaluation folder)."""
 
-DATA_IGNORED = ("cache_dir", "num_workers", "batch_size", "streaming")
+DATA_IGNORED = ("cache_dir", "num_workers", "batch_size", "streaming", "pack_documents")
 """Data fields that do not change the prompts."""
 
 
@@ -303,6 +369,8 @@ def build_manifest(cfg: Any, drafts: Sequence[Path], baselines: Sequence[Path]) 
     data = _plain(_get(cfg, "data")) or {}
     device = str(_get(cfg, "device", "cpu"))
     settings = {k: _plain(_get(cfg, k)) for k in SETTINGS}
+    if _get(cfg, "drafter") is not None:  # drafter=hetero: another drafter, another folder
+        settings["drafter"] = _plain(_get(cfg, "drafter"))
     if isinstance(settings["sources"], str):  # sources=a is sources=[a]
         settings["sources"] = [settings["sources"]]
     return {
@@ -381,7 +449,7 @@ def run_pass(
             {"type": "pass", "draft_path": path, "pass": pass_name, "peak_memory_mb": None}
         )
         return 0
-    kwargs = {**decode_kwargs(cfg), **PASSES[pass_name]}
+    kwargs = {**decode_kwargs(cfg), **pass_overrides(pass_name)}
     seed = int(_get(cfg, "seed", 0))
     device = str(_get(cfg, "device", "cpu"))
     reference = {
@@ -389,7 +457,8 @@ def run_pass(
         for r in store.records
         if r.get("type") == "prompt" and r["pass"] == "ar"
     }
-    check = pass_name == "speculative" and kwargs["greedy"]
+    drafting = pass_name == "speculative" or pass_name.startswith("tree")
+    check = drafting and kwargs["greedy"]
     _sync_memory_reset(device)
     for w in range(int(_get(cfg, "warmup", 1))):
         generate(model, prompt_sets[0][0].prompt_ids, seed=seed + w, **kwargs)
@@ -406,8 +475,8 @@ def run_pass(
                  "set": k, "index": i, "prompt_id": p.id, "source": p.source, "seed": seed + i,
                  "tokens_sha1": sha,
                  "equal_reference": reference.get((k, i)) == sha if check else None,
-                 **({"draft_mode": res.draft_mode} if pass_name == "speculative" else {}),
-                 **prompt_record(res, per_cycle=pass_name == "speculative")}
+                 **({"draft_mode": res.draft_mode} if drafting else {}),
+                 **prompt_record(res, per_cycle=drafting)}
             )  # fmt: skip
             bar.step(f"set {k + 1}/{len(prompt_sets)}")
     finally:
@@ -458,6 +527,7 @@ def decode_all(
     windows = [d["window"] for d in entries] or [0]
     new = int(_get(cfg, "max_new_tokens", 128))
     passes = ["speculative"] + (["max_throughput"] if _get(cfg, "max_throughput", True) else [])
+    passes += [f"tree{b}" for b in tree_budgets(cfg)]
     prompt_sets: list[list[Any]] | None = None
     for index, (path, draft) in enumerate(zip([*drafts, *baselines], entries, strict=True)):
         wanted = (["ar"] if index == 0 else []) + passes
@@ -471,7 +541,10 @@ def decode_all(
 
         todo = [p for p in wanted if missing(p)]
         if not todo:
-            logger.info("[%d/%d] %s: already recorded", index + 1, len(entries), draft["name"])
+            logger.info(
+                "[%d/%d] %s: already recorded in %s (resume=never measures it again in a new "
+                "folder)", index + 1, len(entries), draft["name"], store.folder,
+            )  # fmt: skip
             continue
         start = time.perf_counter()
         model = load_for_eval(path, cfg)
@@ -548,72 +621,113 @@ def evaluate(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
         torch.set_num_threads(int(threads))
     manifest = build_manifest(cfg, drafts, base_paths)
     folder = eval_folder(cfg, manifest)
+    if _get(cfg, "resume", "auto") == "never":
+        folder = fresh_folder(folder)
     logger.info("evaluation folder: %s", folder)
     extra: list[dict[str, Any]] = []
     new = not (folder / MANIFEST).is_file()
     with RecordStore.open(folder, manifest, force=_get(cfg, "resume", "auto") == "force") as store:
         try:
             prompt_sets = decode_all(cfg, store, drafts, base_paths)
+            if drafter is not None:
+                if prompt_sets is None:
+                    prompt_sets = _load_prompts(
+                        cfg, str(_get(cfg, "model.codec", "tiny")), _get(cfg, "max_prompt_length")
+                    )
+                    _check_prompts(store, prompt_sets)
+                extra = hetero_rows(cfg, store, prompt_sets, with_ar=not drafts and not base_paths)
         except Exception:
             if new and not store.records:  # refused before any decoding: leave no folder
                 shutil.rmtree(folder, ignore_errors=True)
             raise
-    if drafter is not None:
-        if prompt_sets is None:
-            prompt_sets = _load_prompts(
-                cfg, str(_get(cfg, "model.codec", "tiny")), _get(cfg, "max_prompt_length")
-            )
-        extra = hetero_rows(cfg, prompt_sets, with_ar=not drafts and not base_paths)
     result = report_folders([folder], folder, plots=plots, extra_rows=extra)
     print(f"results: {result['files']['json']}")
     return {**result, "folder": str(folder)}
 
 
-def hetero_rows(cfg: Any, prompt_sets: list[list[Any]], with_ar: bool) -> list[dict[str, Any]]:
+def fresh_folder(folder: Path) -> Path:
+    """``folder`` if it holds no evaluation yet, else the first free ``<folder>-<k>``, k >= 2."""
+    candidate, k = folder, 2
+    while (candidate / MANIFEST).exists() or (candidate.exists() and any(candidate.iterdir())):
+        candidate, k = folder.with_name(f"{folder.name}-{k}"), k + 1
+    return candidate
+
+
+HETERO_PASSES = ("hetero_ar", "hetero")
+"""Record passes of ``drafter=hetero``: the target alone and drafted by the other vocabulary."""
+
+
+def hetero_rows(
+    cfg: Any, store: RecordStore, prompt_sets: list[list[Any]], with_ar: bool
+) -> list[dict[str, Any]]:
     """Rows for ``drafter=hetero``: the configured target drafted by another vocabulary.
 
-    Each prompt set is decoded by :func:`mtpc.evaluation.hetero.evaluate_hetero` (AR and
-    the drafter in the same call, so ``x AR`` compares like with like); rows hold the
-    mean and std over sets, as the self-speculative rows do. The vocabulary overlap
-    (Timor et al., Tables 5-6) goes into the row's ``overlap``.
+    Each prompt is decoded by the target alone and with :func:`mtpc.generate_hetero`
+    (``mtpc.evaluation.hetero.hetero_decoders``, so ``x AR`` compares like with like) and
+    recorded in ``store`` as it finishes (passes :data:`HETERO_PASSES`, ``draft_path``
+    ``drafter:<model>``); prompts already recorded are not decoded again, so a killed
+    evaluation resumes. Rows hold the mean and std over sets, as the self-speculative rows
+    do; the vocabulary overlap (Timor et al., Tables 5-6) goes into the row's ``overlap``.
     """
     from mtpc.backbones.codecs import get_codec
-    from mtpc.evaluation.hetero import evaluate_hetero, load_drafter
+    from mtpc.evaluation.hetero import (
+        hetero_decoders,
+        hetero_metrics,
+        hetero_record,
+        load_drafter,
+        overlap_stats,
+    )
     from mtpc.evaluation.metrics import aggregate, mean_std
 
     device = str(_get(cfg, "device", "cpu"))
     backbone = load_target(cfg)
     codec = get_codec(str(_get(cfg, "model.codec", "tiny")))
-    model, tokenizer = load_drafter(
-        str(_get(cfg, "drafter.model")), _get(cfg, "drafter.tokenizer"), device=device
-    )
+    drafter_model = str(_get(cfg, "drafter.model"))
+    model, tokenizer = load_drafter(drafter_model, _get(cfg, "drafter.tokenizer"), device=device)
     options = {key: _get(cfg, f"drafter.{key}") for key in ("look_behind", "max_psi_paths", "psi")}
     if not _get(cfg, "greedy", True):
         options.update({k: _get(cfg, k) for k in ("temperature", "top_k", "top_p")})
-    results = [
-        evaluate_hetero(
-            backbone.hf_model,
-            codec,
-            model,
-            tokenizer,
-            prompts=[p.prompt_ids for p in prompt_set],
-            algorithm=str(_get(cfg, "drafter.algorithm", "slem")),
-            lookahead=int(_get(cfg, "drafter.lookahead", 5)),
-            greedy=bool(_get(cfg, "greedy", True)),
-            seed=int(_get(cfg, "seed", 0)) + index,
-            max_new_tokens=int(_get(cfg, "max_new_tokens", 128)),
-            warmup=int(_get(cfg, "warmup", 1)),
-            **{k: v for k, v in options.items() if v is not None},
-        )
-        for index, prompt_set in enumerate(prompt_sets)
-    ]
+    algorithm = str(_get(cfg, "drafter.algorithm", "slem"))
+    lookahead = int(_get(cfg, "drafter.lookahead", 5))
+    run_ar, run_sd = hetero_decoders(
+        backbone.hf_model, codec, model, tokenizer, algorithm=algorithm, lookahead=lookahead,
+        greedy=bool(_get(cfg, "greedy", True)), max_new_tokens=int(_get(cfg, "max_new_tokens", 128)),
+        **{k: v for k, v in options.items() if v is not None},
+    )  # fmt: skip
+    decoders = dict(zip(HETERO_PASSES, (run_ar, run_sd), strict=True))
+    key, name, seed = f"drafter:{drafter_model}", f"hetero:{algorithm}", int(_get(cfg, "seed", 0))
+    for pass_name, decode in decoders.items():
+        todo = [
+            (k, i, p)
+            for k, prompts in enumerate(prompt_sets)
+            for i, p in enumerate(prompts)
+            if (key, pass_name, k, i) not in store.done
+        ]
+        for w in range(int(_get(cfg, "warmup", 1)) if todo else 0):
+            decode(list(prompt_sets[0][0].prompt_ids), seed + w)
+        for k, i, p in todo:  # set k, prompt i: seed + k + i, as evaluate_hetero per set
+            result = decode(list(p.prompt_ids), seed + k + i)
+            store.append(
+                {"type": "prompt", "draft": "AR (target)" if pass_name == "hetero_ar" else name,
+                 "draft_path": key, "pass": pass_name, "set": k, "index": i, "prompt_id": p.id,
+                 "source": p.source, "seed": seed + k + i, **hetero_record(result)}
+            )  # fmt: skip
+    prompts = [r for r in store.records if r.get("type") == "prompt" and r["draft_path"] == key]
+    per_pass = {
+        pass_name: [
+            hetero_metrics([r for r in prompts if (r["pass"], r["set"]) == (pass_name, k)])
+            for k in range(len(prompt_sets))
+        ]
+        for pass_name in HETERO_PASSES
+    }
+    ar_sets, sd_sets = per_pass["hetero_ar"], per_pass["hetero"]
+    for sd, ar in zip(sd_sets, ar_sets, strict=True):
+        sd["speedup_ar"] = sd["tok_s"] / ar["tok_s"] if ar["tok_s"] > 0 else float("nan")
     rows = []
-    for position in (0, 1) if with_ar else (1,):
-        per_set = [r["rows"][position] for r in results]
-        row = {"name": per_set[0]["name"], "kind": per_set[0]["kind"], **aggregate(per_set)}
-        row["per_set"] = per_set
-        if position == 1:
-            row["overlap"] = results[0]["overlap"]
-            row["speedup_ar"], row["speedup_ar_std"] = mean_std([m["speedup_ar"] for m in per_set])
-        rows.append(row)
-    return rows
+    if with_ar:
+        rows.append({"name": "AR (target)", "kind": "ar", **aggregate(ar_sets), "per_set": ar_sets})
+    row = {"name": name, "kind": algorithm, "lookahead": lookahead, **aggregate(sd_sets)}
+    row["per_set"] = sd_sets
+    row["overlap"] = overlap_stats(codec, tokenizer, [p.prompt_ids for p in prompt_sets[0]])
+    row["speedup_ar"], row["speedup_ar_std"] = mean_std([m["speedup_ar"] for m in sd_sets])
+    return [*rows, row]

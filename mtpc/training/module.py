@@ -230,4 +230,28 @@ class MTPCLightningModule(L.LightningModule):
         }
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["state_dict"] = self.trainable_state_dict()
+        # Sharded (FSDP2): the strategy has gathered the full state dict on rank 0; keep its
+        # trainable entries rather than this rank's shards.
+        full = checkpoint.get("state_dict") or {}
+        checkpoint["state_dict"] = {
+            name: full.get(name, value) for name, value in self.trainable_state_dict().items()
+        }
+
+    def configure_model(self) -> None:
+        """FSDP2 under ``ModelParallelStrategy`` (``trainer=fsdp_cpu``); a no-op otherwise.
+
+        Every decoder layer is its own ``fully_shard`` unit (frozen weights beside the LoRA
+        weights of the tail: FSDP2 shards per parameter, so mixed ``requires_grad`` is
+        allowed); the draft model is the root (embeddings, final norm, head). The root keeps
+        its parameters gathered from forward to backward, so the head's methods called
+        after ``forward`` (the chunked likelihood) see whole tensors.
+        """
+        mesh = getattr(self, "_device_mesh", None)
+        if mesh is None:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        data_parallel = mesh["data_parallel"]
+        for layer in self.model.backbone.layers:
+            fully_shard(layer, mesh=data_parallel)
+        fully_shard(self.model, mesh=data_parallel)

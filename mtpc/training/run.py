@@ -66,6 +66,7 @@ def build_model(cfg: DictConfig) -> MTPCModel:
         attention_impl=cfg.model.get("attention_impl", "auto"),
     )
     check_head_memory(cfg, backbone.vocab_size, backbone.hidden_size)
+    check_lora_fits(cfg, backbone)
     return MTPCModel.from_backbone(
         backbone,
         circuit["kind"],
@@ -78,6 +79,22 @@ def build_model(cfg: DictConfig) -> MTPCModel:
         lora_target_modules=list(lora.target_modules),
         **head_options,
     )
+
+
+def check_lora_fits(cfg: DictConfig, backbone: Any) -> None:
+    """Refuses ``lora.*`` settings the loaded target cannot take (k past its layer count,
+    target modules it lacks), as a :class:`ConfigError` naming the field.
+    """
+    from mtpc.backbones.lora import as_settings, validate_lora
+
+    lora = cfg.lora
+    settings = as_settings(
+        lora.layers, lora.rank, float(lora.alpha), float(lora.dropout), list(lora.target_modules)
+    )
+    try:
+        validate_lora(settings, backbone.layers)
+    except ValueError as err:  # validate_lora's errors are all about the settings
+        raise ConfigError(f"{err} (model={cfg.model.name})") from None
 
 
 GIB = 1024**3
@@ -208,11 +225,11 @@ def _accumulation(cfg: DictConfig, world_size: int) -> int:
 
 def _world_size(cfg: DictConfig) -> int:
     devices = cfg.trainer.get("devices", 1)
+    nodes = int(cfg.trainer.get("num_nodes") or 1)
     if isinstance(devices, int) and devices > 0:
-        nodes = int(cfg.trainer.get("num_nodes") or 1)
         return devices * nodes
     if cfg.trainer.get("accelerator") == "gpu" and torch.cuda.is_available():
-        return torch.cuda.device_count()
+        return torch.cuda.device_count() * nodes
     return 1
 
 
@@ -302,6 +319,47 @@ def train(cfg: DictConfig) -> dict[str, float]:
         lock.release()
 
 
+def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list[L.Callback]) -> L.Trainer:
+    """The Lightning trainer of ``cfg.trainer``; a setting Lightning refuses is a ConfigError.
+
+    Raises:
+        ConfigError: Lightning rejected a ``trainer.*`` value (its message, one line).
+    """
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
+    assert isinstance(trainer_cfg, dict)
+    trainer_cfg.pop("_target_", None)
+    accelerator = str(trainer_cfg.get("accelerator"))
+    if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise ConfigError(
+            f"trainer.accelerator={accelerator} needs CUDA GPUs and this machine has none; "
+            "allowed here: trainer=cpu, trainer=ddp_cpu, trainer=fsdp_cpu (docs/TRAINING.md)"
+        )
+    strategy = trainer_cfg.get("strategy")
+    if isinstance(strategy, dict):  # trainer=fsdp / fsdp_cpu: a strategy object
+        options = OmegaConf.to_container(cfg.trainer.strategy, resolve=True)
+        assert isinstance(options, dict)
+        if "data_parallel_size" in options and options["data_parallel_size"] is None:
+            options["data_parallel_size"] = _world_size(cfg)  # FSDP2 over every process
+        trainer_cfg["strategy"] = instantiate(options)
+    trainer_cfg["accumulate_grad_batches"] = _accumulation(cfg, _world_size(cfg))
+    fast = bool(cfg.trainer.get("fast_dev_run"))
+    logger = instantiate(cfg.logger) if cfg.get("logger") and not fast else False
+    try:
+        return L.Trainer(
+            **{str(key): value for key, value in trainer_cfg.items()},
+            default_root_dir=str(run_dir),
+            logger=logger,
+            callbacks=callbacks,
+            plugins=[AtomicCheckpointIO()],
+            enable_checkpointing=True,
+        )
+    except (MisconfigurationException, ValueError, TypeError) as err:  # trainer.* settings
+        message = " ".join(str(err).split())
+        raise ConfigError(f"trainer settings refused by Lightning: {message}") from None
+
+
 def _train_locked(cfg: DictConfig, run_dir: Path) -> dict[str, float]:
     checkpoint_dir = run_dir / "checkpoints"
     for folder in (checkpoint_dir, run_dir, run_dir / "draft"):  # interrupted writes
@@ -327,6 +385,12 @@ def _train_locked(cfg: DictConfig, run_dir: Path) -> dict[str, float]:
             new_lr = float(cfg.optimizer.lr)
         init_metrics.update(resume[1].get("mtpc_init_metrics") or {})
     snapshot_hydra(run_dir)
+    # the trainer first: Lightning's refusals (devices, precision, accelerator) in seconds
+    trainer = build_trainer(
+        cfg,
+        run_dir,
+        _callbacks(cfg, checkpoint_dir, RunRecordCallback(settings, init_metrics, new_lr)),
+    )
     L.seed_everything(int(cfg.seed), workers=True)
 
     datamodule = instantiate(cfg.data)
@@ -341,22 +405,6 @@ def _train_locked(cfg: DictConfig, run_dir: Path) -> dict[str, float]:
         chunk_size=int(cfg.loss.get("chunk_size") or 1024),
         optimizer=instantiate(cfg.optimizer),
         scheduler=instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
-    )
-
-    trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
-    assert isinstance(trainer_cfg, dict)
-    trainer_cfg.pop("_target_", None)
-    trainer_cfg["accumulate_grad_batches"] = _accumulation(cfg, _world_size(cfg))
-    logger = instantiate(cfg.logger) if cfg.get("logger") and not fast else False
-    trainer = L.Trainer(
-        **{str(key): value for key, value in trainer_cfg.items()},
-        default_root_dir=str(run_dir),
-        logger=logger,
-        callbacks=_callbacks(
-            cfg, checkpoint_dir, RunRecordCallback(settings, init_metrics, new_lr)
-        ),
-        plugins=[AtomicCheckpointIO()],
-        enable_checkpointing=True,
     )
 
     ckpt_path = None if resume is None else str(resume[0])
@@ -382,9 +430,12 @@ def _train_locked(cfg: DictConfig, run_dir: Path) -> dict[str, float]:
             f"{cfg.trainer.get('max_steps')}, {len(datamodule.datasets.get('train', []))} training "
             "sequences): nothing was trained, so no draft is exported"
         )
+    export = cfg.get("export", True) and not fast
+    if export and _sharded(module):  # every rank takes part in gathering the weights
+        model = unsharded_copy(cfg, module)
     if trainer.is_global_zero:
         (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
-        if cfg.get("export", True) and not fast:
+        if export:
             draft_dir = model.save_pretrained(
                 run_dir / "draft",
                 training_config=OmegaConf.to_container(cfg, resolve=False),
@@ -393,6 +444,35 @@ def _train_locked(cfg: DictConfig, run_dir: Path) -> dict[str, float]:
             _record_last_draft(cfg, Path(draft_dir))
             log.info("exported the draft to %s", draft_dir)
     return metrics
+
+
+def _sharded(module: MTPCLightningModule) -> bool:
+    """Whether FSDP2 sharded the module's parameters (``trainer=fsdp_cpu``)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def unsharded_copy(cfg: DictConfig, module: MTPCLightningModule) -> MTPCModel:
+    """The trained draft as an ordinary model, for export after sharded training.
+
+    Collective: every rank calls it; the full head and LoRA weights are gathered on rank 0
+    (the frozen target's are rebuilt from ``cfg.model``, not gathered twice), where the
+    returned model holds them (elsewhere it is the sharded module's model, unused).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(
+        module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )  # rank 0: {name: whole tensor on CPU}; other ranks: {}
+    if not full:
+        return module.model
+    copy = build_model(cfg)
+    trained = {name.removeprefix("model."): full[name] for name in module.trainable_state_dict()}
+    missing = set(trained) - set(copy.state_dict())
+    assert not missing, f"trained weights without a place in the copy: {sorted(missing)[:3]}"
+    copy.load_state_dict(trained, strict=False)
+    return copy
 
 
 def _record_last_draft(cfg: DictConfig, draft_dir: Path) -> None:

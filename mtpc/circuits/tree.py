@@ -1,0 +1,159 @@
+"""Token trees from a circuit: the B most probable draft prefixes, found best-first.
+
+Under the draft q, the expected number of tree nodes that verification accepts is the sum over
+the nodes of q(the node's root path | evidence): a node is accepted exactly when its whole
+path is. So the best tree of B nodes is the set of the B most probable prefixes (of length
+1..depth); it is prefix-closed because a prefix is at least as probable as its extensions.
+
+:func:`build_tree` finds it with one batched circuit query per depth. Level d keeps the B most
+probable children of level d - 1's kept nodes (one ``conditional_log_prob`` call over all of
+them: the exact conditionals q(x_d | evidence, x_1..x_{d-1})); the tree is then the B most
+probable nodes over all levels. This is exact: a node among the global best B has at most
+B - 1 better nodes, so it is among the B best children at its level, and its parent (at
+least as probable) is among the global best B too. The search stops early once no kept
+node of the last level can beat the B-th best node found (its descendants cannot either).
+
+For ``ff`` (no sum units) the conditionals are the per-position marginals, computed once per
+depth, so the same search gives the Medusa-style tree of products of marginals.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mtpc.circuits.params import CircuitParams
+
+
+@dataclass(frozen=True)
+class TokenTree:
+    """Draft nodes below a root, in topological order (every parent before its children).
+
+    Attributes:
+        tokens: (T,) the node ids.
+        parents: (T,) index of each node's parent in ``tokens``, -1 below the root.
+        depths: (T,) depth below the root (1 for the root's children).
+        log_probs: (T,) log q(root path of the node | evidence).
+    """
+
+    tokens: Tensor
+    parents: Tensor
+    depths: Tensor
+    log_probs: Tensor
+
+    @classmethod
+    def empty(cls, device: torch.device) -> TokenTree:
+        """A tree without nodes."""
+        none = torch.zeros(0, dtype=torch.long, device=device)
+        return cls(none, none, none, torch.zeros(0, device=device))
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def expected_accepted(self) -> float:
+        """Expected accepted drafts under q: the sum of the nodes' path probabilities."""
+        return float(self.log_probs.exp().sum())
+
+    def expected_by_depth(self, depth: int) -> list[float]:
+        """P_q(at least d drafts accepted) for d = 1..depth (sum over the nodes at depth d)."""
+        probs = self.log_probs.exp().double()
+        out = torch.zeros(depth + 1, dtype=torch.float64).index_add_(0, self.depths.cpu(), probs)
+        return out[1:].tolist()
+
+    def ancestor_mask(self) -> Tensor:
+        """(T, T) bool: [i, j] True when node j is node i or one of its ancestors."""
+        t = len(self)
+        mask = torch.eye(t, dtype=torch.bool, device=self.tokens.device)
+        for i, p in enumerate(self.parents.tolist()):
+            if p >= 0:
+                mask[i] |= mask[p]
+        return mask
+
+
+def _rows(params: CircuitParams, rows: int) -> CircuitParams:
+    """theta of one state (B = 1) repeated for ``rows`` queries (views, no copies)."""
+    lp = params.input_logp.expand(rows, *params.input_logp.shape[1:])
+    lw = None if params.sum_logw is None else params.sum_logw.expand(rows, -1, -1)
+    return CircuitParams(lp, lw)
+
+
+@torch.no_grad()
+def build_tree(
+    circuit: Any,
+    params: CircuitParams,
+    evidence: Tensor | None,
+    budget: int,
+    floor: float = 0.0,
+    max_depth: int | None = None,
+) -> TokenTree:
+    """The ``budget`` most probable draft prefixes under q(. | evidence), as a tree.
+
+    Args:
+        circuit: the head's ``Circuit`` (``conditional_log_prob`` and ``window``).
+        params: theta for one state (B = 1).
+        evidence: (1, m) fixed first window tokens (the pending token) or None; the tree
+            covers window positions m + 1..n (depth n - m).
+        budget: at most this many nodes (>= 1).
+        floor: nodes with q(path | evidence) below it are left out (adaptive size).
+        max_depth: at most this many drafted levels (default n - m); a backbone whose one
+            pass is exact only up to a boundary (EvaByte's EVA window) caps the depth there.
+
+    Returns:
+        The :class:`TokenTree` (at least one node unless every candidate is below ``floor``).
+    """
+    n = circuit.window
+    device = params.input_logp.device
+    prefixes = (
+        torch.zeros(1, 0, dtype=torch.long, device=device) if evidence is None else evidence
+    )  # (P, m + d)
+    depth = n - prefixes.shape[1]
+    if max_depth is not None:
+        depth = max(0, min(depth, max_depth))
+    level_logp = torch.zeros(1, device=device)  # (P,) log q(prefix | evidence)
+    level_index = torch.full((1,), -1, dtype=torch.long, device=device)  # (P,) node indices
+    cut = math.log(floor) if floor > 0 else -math.inf
+    tokens, parents, depths, logps = [], [], [], []
+    count = 0
+    independent = circuit.num_sum_units == 0  # ff: the positions are independent
+    for d in range(1, depth + 1):
+        if independent:  # q(x_d | prefix) is the marginal of position d, the same for every row
+            cond = circuit.conditional_log_prob(params, prefixes[:1])  # (1, V)
+        else:
+            cond = circuit.conditional_log_prob(_rows(params, prefixes.shape[0]), prefixes)
+        joint = (level_logp[:, None] + cond.clamp(max=0.0)).flatten()  # (P * V,)
+        top = joint.topk(min(budget, joint.numel()))
+        ok = top.values > cut
+        values, flat = top.values[ok], top.indices[ok]
+        if not values.numel():
+            break
+        vocab = cond.shape[1]
+        parent, token = flat // vocab, flat % vocab
+        tokens.append(token)
+        parents.append(level_index[parent])
+        depths.append(torch.full_like(token, d))
+        logps.append(values)
+        level_index = torch.arange(count, count + token.numel(), device=device)
+        count += token.numel()
+        prefixes = torch.cat([prefixes[parent], token[:, None]], 1)
+        level_logp = values
+        if count >= budget and d < depth:
+            best = torch.cat(logps).topk(budget).values[-1]
+            if bool(values[0] <= best):  # no descendant can enter the best `budget`
+                break
+    if not tokens:
+        return TokenTree.empty(device)
+    all_tokens, all_parents = torch.cat(tokens), torch.cat(parents)
+    all_depths, all_logp = torch.cat(depths), torch.cat(logps)
+    # the best `budget` nodes; ties go to the shallower node, so the set stays prefix-closed
+    by_depth = all_depths.argsort(stable=True)
+    order = by_depth[(-all_logp[by_depth]).argsort(stable=True)][:budget]
+    chosen = order.sort().values  # (T,) topological: levels were appended in depth order
+    renumber = torch.full((count + 1,), -1, dtype=torch.long, device=device)
+    renumber[chosen] = torch.arange(chosen.numel(), device=device)
+    new_parents = renumber[all_parents[chosen]]  # -1 (root) maps through renumber[-1] = -1
+    return TokenTree(all_tokens[chosen], new_parents, all_depths[chosen], all_logp[chosen])
