@@ -19,7 +19,6 @@ import pytest
 import torch
 
 import mtpc
-from mtpc.circuits.params import CircuitParams
 from mtpc.circuits.tree import build_tree
 from mtpc.decoding.tree import verify_layout
 from mtpc.model import MTPCModel
