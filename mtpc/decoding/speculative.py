@@ -314,6 +314,44 @@ def draft_step(
     return Draft(window, token_probs, proposal)
 
 
+def resume(
+    model: Any,
+    caches: Any,
+    kept: Tensor,
+    token: int,
+    policy: str,
+    drop: bool,
+    dropped_logits: Tensor,
+    kept_logits: Tensor,
+    res: GenerationResult,
+) -> tuple[Tensor, int | None, Tensor]:
+    """After a cycle's verdict, apply the resume policy to the emitted correction / bonus.
+
+    Args:
+        model: an ``MTPCModel``; caches: its ``Caches``, already compacted to ``kept``.
+        kept: ``(1, K, d)`` trunk states of the kept positions.
+        token: the emitted correction / bonus.
+        policy: ``condition``, ``recompute`` or ``drop``; ``drop``: drop it this cycle.
+        dropped_logits: ``(1, V)`` the target after the last accepted draft (used on a drop).
+        kept_logits: ``(1, V)`` the target's next distribution so far (kept when pending).
+        res: counts the extra trunk pass.
+
+    Returns:
+        The states the draft tail runs on ``(1, K', d)``, the pending token (or None) and the
+        target's logits for the next window's first position ``(1, V)``.
+    """
+    if drop:  # the paper's Alg. 2: redraft from e_{t+s}; the next cycle re-verifies the token
+        return kept, None, dropped_logits
+    if policy == "condition":
+        return kept, token, kept_logits
+    # recompute (and drop after s = 0): one extra pass for the kept token's state
+    ids = torch.tensor([[token]], device=kept.device)
+    extra = model.trunk(ids, caches.trunk)  # (1, 1, d)
+    logits = model.verifier_logits(model.verifier_tail(extra, caches.verifier)[:, -1])  # (1, V)
+    res.trunk_passes += 1
+    return torch.cat([kept, extra], 1), None, logits
+
+
 def _first_then(first: Tensor, rest: Tensor, i: int) -> Tensor:
     """``zsample1``'s proposal at draft i: the marginal ``first`` (V,), then ``rest`` (m-1, V)."""
     return first if i == 0 else rest[i - 1]
@@ -422,18 +460,18 @@ def speculative_generate(
             caches.trunk.crop(base + keep)
             caches.verifier.crop(base + keep)
         clock.lap("cache")
-        kept = hidden[:, :keep]  # (1, keep, d)
-        if drop:
-            pending, kept_logits = None, target[s : s + 1]  # p(x_{t+s+1}), re-verified next
-        elif policy == "condition":
-            pending = token
-        else:  # recompute (and drop after s = 0): one extra pass for the kept token's state
-            extra = model.trunk(torch.tensor([[token]], device=device), caches.trunk)  # (1, 1, d)
-            tail = model.verifier_tail(extra, caches.verifier)
-            kept_logits = model.verifier_logits(tail[:, -1])  # (1, V)
-            kept = torch.cat([kept, extra], 1)
-            pending = None
-            res.trunk_passes += 1
+        # p(x_{t+s+1}) after a drop: re-verified next cycle
+        kept, pending, kept_logits = resume(
+            model,
+            caches,
+            hidden[:, :keep],
+            token,
+            policy,
+            drop,
+            target[s : s + 1],
+            kept_logits,
+            res,
+        )
         if kept.shape[1]:
             last = model.draft_tail(kept, caches.draft)[:, -1]  # (1, d)
             clock.lap("model")

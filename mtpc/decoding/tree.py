@@ -30,7 +30,7 @@ from torch import Tensor
 
 from mtpc.circuits.tree import TokenTree, build_tree
 from mtpc.decoding.common import GenerationResult, Request, Stopwatch, TargetRule, emit
-from mtpc.decoding.speculative import HeadState
+from mtpc.decoding.speculative import HeadState, resume
 
 
 def verify_layout(tree: TokenTree, root: int | None) -> tuple[Tensor, Tensor, Tensor]:
@@ -117,7 +117,9 @@ def tree_generate(model: Any, prompt: Tensor, request: Request) -> GenerationRes
     clock = Stopwatch(device, request.profile)
 
     hidden = model.trunk(prompt, caches.trunk)  # (1, T, d)
-    kept_logits = model.verifier_logits(model.verifier_tail(hidden, caches.verifier)[:, -1])[0]
+    kept_logits = model.verifier_logits(
+        model.verifier_tail(hidden, caches.verifier)[:, -1]
+    )  # (1, V)
     params = HeadState(model, model.draft_tail(hidden, caches.draft)[:, -1], draft_temp).params()
     pending: int | None = None
     res = GenerationResult(
@@ -150,7 +152,7 @@ def tree_generate(model: Any, prompt: Tensor, request: Request) -> GenerationRes
         else:
             hidden = kept_logits.new_zeros(1, 0, model.backbone.hidden_size)
             rows = kept_logits.new_zeros(0, kept_logits.shape[-1])
-        first = rows[0] if pre else kept_logits  # (V,) the target at the root
+        first = rows[0] if pre else kept_logits[0]  # (V,) the target at the root
         clock.lap("model")
         path, accepted, token = walk(
             tree, rows, first, rule, generator, pre, request.max_throughput
@@ -179,17 +181,10 @@ def tree_generate(model: Any, prompt: Tensor, request: Request) -> GenerationRes
         if keep.numel() < ids.numel():
             caches.compact(base, keep)
         clock.lap("cache")
-        kept = hidden[:, keep]  # (1, K, d)
-        if drop:
-            pending, kept_logits = None, rows[pre + path[-1]]  # p after the last accepted node
-        elif policy == "condition":
-            pending = token
-        else:  # recompute (and drop after s = 0): one extra pass for the kept token's state
-            extra = model.trunk(torch.tensor([[token]], device=device), caches.trunk)
-            kept_logits = model.verifier_logits(model.verifier_tail(extra, caches.verifier))[0, -1]
-            kept = torch.cat([kept, extra], 1)
-            pending = None
-            res.trunk_passes += 1
+        after_path = rows[pre + path[-1]][None] if drop else kept_logits  # (1, V)
+        kept, pending, kept_logits = resume(
+            model, caches, hidden[:, keep], token, policy, drop, after_path, kept_logits, res
+        )
         if kept.shape[1]:
             state = model.draft_tail(kept, caches.draft)[:, -1]  # (1, d)
             clock.lap("model")
