@@ -184,3 +184,15 @@ def test_each_bad_evaluation_value_is_a_user_error(overrides: str, message: str)
         cfg = compose("eval", overrides=overrides.split())
     with pytest.raises(UserError, match=message):
         check_eval_fields(cfg)  # evaluate() calls it before any draft or prompt is loaded
+
+
+@pytest.mark.parametrize("mode", ["sample", "zsample", "zsample1"])
+def test_every_sampling_draft_mode_passes_the_evaluation_check(mode: str) -> None:
+    """The startup check and the decoder agree on which modes sampling verifies."""
+    from hydra import compose, initialize_config_dir
+
+    from mtpc.evaluation.run import check_eval_fields
+
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        cfg = compose("eval", overrides=["greedy=false", f"draft_mode={mode}"])
+    check_eval_fields(cfg)

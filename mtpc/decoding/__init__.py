@@ -18,6 +18,7 @@ from mtpc.decoding.common import (
     DRAFT_MODES,
     METHODS,
     POLICIES,
+    SAMPLING_DRAFT_MODES,
     GenerationResult,
     check_request,
     prompt_tensor,
@@ -31,6 +32,7 @@ __all__ = [
     "DRAFT_MODES",
     "METHODS",
     "POLICIES",
+    "SAMPLING_DRAFT_MODES",
     "GenerationResult",
     "generate",
 ]

@@ -35,7 +35,7 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from mtpc.data.prompts import UnknownSourceError
-from mtpc.decoding import DRAFT_MODES, POLICIES, generate
+from mtpc.decoding import DRAFT_MODES, POLICIES, SAMPLING_DRAFT_MODES, generate
 from mtpc.errors import UserError
 from mtpc.evaluation.metrics import prompt_record
 from mtpc.evaluation.records import MANIFEST, RecordsError, RecordStore, expand_folders
@@ -80,10 +80,14 @@ def check_eval_fields(cfg: Any) -> None:
 
     choice("policy", POLICIES)
     choice("draft_mode", DRAFT_MODES, optional=True)
-    if _get(cfg, "greedy") is False and _get(cfg, "draft_mode") not in (None, "sample"):
+    if _get(cfg, "greedy") is False and _get(cfg, "draft_mode") not in (
+        None,
+        *SAMPLING_DRAFT_MODES,
+    ):
         raise EvalConfigError(
             f"draft_mode={_get(cfg, 'draft_mode')!r} is not allowed with greedy=false; allowed: "
-            "sample or null (speculative sampling is exact only for drafts drawn from the circuit)"
+            f"{', '.join(SAMPLING_DRAFT_MODES)} or null (speculative sampling is exact only for "
+            "drafts drawn from the circuit)"
         )
     for field in ("greedy", "suppress_eos", "max_throughput", "english_only", "plots", "progress"):
         choice(field, (True, False), optional=field == "progress")
