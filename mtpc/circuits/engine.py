@@ -15,6 +15,8 @@ evidence draws exactly from ``q(x_{m+1..n} | x_{1..m})``.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -235,14 +237,22 @@ class Circuit:
         Returns:
             ``(B, V)``: ``log q(x_{m+1} = v | x_1..x_m)``.
         """
+        # The circuit is linear in position m's input vector (smooth and decomposable: every
+        # product path reads one of its units), so q(x_m = v | x_<m) is proportional to
+        # sum_j g_j phi_{m, j}(v), where g_j is the circuit with position m's inputs set to
+        # the unit vector e_j, the prefix at its tokens and the later positions summed out
+        # (log 1). One upward pass over r columns (not V) gives log g; then one r x V
+        # log-sum-exp.
         B, m, r = leaves.shape
-        V = next_logp.shape[-1]
-        parts = [leaves.unsqueeze(-1).expand(B, m, r, V)] if m else []
-        parts.append(next_logp.unsqueeze(1))
+        unit = torch.full((r, r), -math.inf, dtype=next_logp.dtype, device=next_logp.device)
+        unit.fill_diagonal_(0.0)  # (r, r): log e_j, column j
+        parts = [leaves.unsqueeze(-1).expand(B, m, r, r).to(next_logp.dtype)] if m else []
+        parts.append(unit.expand(B, 1, r, r))
         if m + 1 < self.window:
-            parts.append(next_logp.new_zeros(B, self.window - m - 1, r, V))
-        cols = torch.cat(parts, 1) if len(parts) > 1 else parts[0]  # (B, n, r, V)
-        root = self._upward(cols, sum_logw)[0][:, 0]  # (B, V)
+            parts.append(next_logp.new_zeros(B, self.window - m - 1, r, r))
+        cols = torch.cat(parts, 1) if len(parts) > 1 else parts[0]  # (B, n, r, r)
+        log_g = self._upward(cols, sum_logw)[0][:, 0]  # (B, r)
+        root = torch.logsumexp(log_g.unsqueeze(-1) + next_logp, dim=1)  # (B, V)
         return torch.log_softmax(root, dim=-1)
 
     @torch.no_grad()
