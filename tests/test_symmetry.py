@@ -10,9 +10,12 @@ A head whose units never separate (the zero-initialised sum projections of the p
 stays at FF's best and fails here (cp, btree). The HMM's near-identity transitions let
 float32 rounding noise, amplified by Adam, break the tie of the old start at random (about
 half the seeds), so for HMM the step-0 gradient test is the one the old start fails.
-Seed by seed, the default start gets below ``FF's best - 1`` on 3/3 seeds (cp, the
-non-contextual HMM) and 2/3 (hmm, btree: one seed stays in the saddle); see
-docs/CIRCUITS.md.
+Which runs escape FF's saddle depends on the data seed and on the CPU's rounding: over
+training seeds 0-5 the default start gets below ``FF's best - 1`` (to ~0.72, the mixture's
+best being log 2) on 4/6 seeds for cp, btree and the non-contextual HMM and 6/6 for hmm on
+one 2-core AMD EPYC VM, and on 3/3 (cp, non-contextual HMM) and 2/3 (hmm, btree) of seeds
+0-2 on another machine; the rest stay at FF's 2.79. So the test asks for at least 2 of 6
+seeds (a mixture that never separates escapes on none); see docs/CIRCUITS.md.
 """
 
 from __future__ import annotations
@@ -108,13 +111,18 @@ def test_step0_equals_ff_exactly(kind: str) -> None:
     [("cp", {}), ("hmm", {}), ("btree", {}), ("hmm", {"contextual_transitions": False})],
 )
 def test_mixture_beats_ff_best_on_bimodal_windows(kind: str, options: dict[str, bool]) -> None:
-    """From the FF start, the default optimiser takes the mixture well below FF's best."""
-    head = pretrained_head(kind, **options)
-    assert exact_nll(head) > FF_BEST  # the pretrained start is no better than FF
-    train(head, steps=300)  # the embedded default's budget
-    nll = exact_nll(head)
-    assert nll < FF_BEST - 1.0, f"{kind}: NLL {nll:.3f}, FF's best {FF_BEST:.3f}"
-    assert unit_spread(head) > 0.1, f"{kind}: units did not separate"
+    """From the FF start, the default optimiser takes the mixture well below FF's best (on at
+    least 2 of 6 training seeds: escaping the saddle is random, never escaping is the bug)."""
+    escaped = []
+    for seed in range(6):
+        head = pretrained_head(kind, **options)
+        assert exact_nll(head) > FF_BEST  # the pretrained start is no better than FF
+        train(head, steps=300, seed=seed)  # the embedded default's budget
+        nll = exact_nll(head)
+        if nll < FF_BEST - 1.0:
+            assert unit_spread(head) > 0.1, f"{kind}: NLL {nll:.3f} with identical units"
+            escaped.append(seed)
+    assert len(escaped) >= 2, f"{kind}: below FF's best - 1 on seeds {escaped} of 0-5"
 
 
 @pytest.mark.parametrize("kind", ["cp", "hmm", "btree"])
