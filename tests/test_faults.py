@@ -137,6 +137,25 @@ def test_resume_with_changed_settings_is_refused_naming_the_fields(tmp_path: Pat
     assert last["optimizer_states"][0]["param_groups"][0]["lr"] == pytest.approx(0.01)
 
 
+def test_a_run_that_ended_at_its_epoch_budget_says_how_to_take_more_steps(tmp_path: Path) -> None:
+    """An epoch-end checkpoint resumes into no step at all, whatever trainer.max_steps says:
+    was a silent re-export of the same draft; now one error naming trainer.max_epochs."""
+    from mtpc.errors import UserError
+    from mtpc.training.run import train
+
+    common = ["trainer.limit_train_batches=3", "validate_before_training=false",
+              "export=false", "trainer.max_epochs=1"]  # fmt: skip
+    assert train(_compose(tmp_path, [*common, "trainer.max_steps=5"]))["train/steps"] == 3
+    with pytest.raises(
+        UserError, match=r"trainer\.max_epochs=1 \(step 3\).*trainer\.max_epochs=-1"
+    ):
+        train(_compose(tmp_path, [*common, "trainer.max_steps=6"]))
+    more = [*common[:-1], "trainer.max_epochs=-1", "trainer.max_steps=6"]
+    assert train(_compose(tmp_path, more))["train/steps"] == 6  # the fix the message names
+    # the same budget again is a finished run, not an error
+    assert train(_compose(tmp_path, more))["train/steps"] == 6
+
+
 # -- 6: a truncated last.ckpt falls back to the newest readable checkpoint ---------------
 
 

@@ -360,6 +360,34 @@ def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list[L.Callback]) -
         raise ConfigError(f"trainer settings refused by Lightning: {message}") from None
 
 
+def check_steps_left(state: Mapping[str, Any], cfg: DictConfig, run_dir: Path) -> None:
+    """Refuse a resume that asks for more steps than its epoch budget lets Lightning take.
+
+    A run that ended at ``trainer.max_epochs`` (its checkpoint saved at an epoch's end) takes
+    no step when resumed, whatever ``trainer.max_steps`` says; without this check a longer
+    ``max_steps`` would silently re-export the same draft.
+
+    Args:
+        state: the checkpoint to resume from (``global_step``, Lightning's ``loops``).
+        cfg: the run's config (``trainer.max_steps``, ``trainer.max_epochs``).
+        run_dir: named in the message.
+    """
+    max_steps, max_epochs = cfg.trainer.get("max_steps"), cfg.trainer.get("max_epochs")
+    step = int(state.get("global_step", 0))
+    if max_steps in (None, -1) or max_epochs in (None, -1) or step >= int(max_steps):
+        return
+    loops = state.get("loops") or {}
+    progress = loops.get("fit_loop", {}).get("epoch_progress", {}).get("current", {})
+    # an epoch-end checkpoint is written after the epoch counts as processed, before completed
+    epochs = max(int(progress.get("completed", 0)), int(progress.get("processed", 0)))
+    if epochs >= int(max_epochs):
+        raise UserError(
+            f"the run in {run_dir} ended at trainer.max_epochs={max_epochs} (step {step}), so "
+            f"trainer.max_steps={max_steps} cannot take it further: add trainer.max_epochs=-1 "
+            "(then trainer.max_steps alone ends it) to continue it"
+        )
+
+
 def _train_locked(cfg: DictConfig, run_dir: Path) -> dict[str, float]:
     checkpoint_dir = run_dir / "checkpoints"
     for folder in (checkpoint_dir, run_dir, run_dir / "draft"):  # interrupted writes
@@ -381,6 +409,7 @@ def _train_locked(cfg: DictConfig, run_dir: Path) -> dict[str, float]:
         except Exception:
             restore_hydra(run_dir)
             raise
+        check_steps_left(resume[1], cfg, run_dir)
         if any(c.startswith("optimizer.lr:") for c in changes):
             new_lr = float(cfg.optimizer.lr)
         init_metrics.update(resume[1].get("mtpc_init_metrics") or {})
