@@ -164,34 +164,6 @@ class Draft:
     proposal: Callable[[int], Tensor] | None = None
 
 
-def draft_window(
-    circuit: Any,
-    params: CircuitParams,
-    evidence: Tensor | None,
-    mode: str,
-    generator: torch.Generator | None,
-) -> Tensor:
-    """A drafted window (1, n) from the whole table; its first positions equal ``evidence``.
-
-    (The decoder's ``sample`` draws along a latent path instead, :func:`draft_step`.)
-
-    Args:
-        circuit: the head's ``Circuit``.
-        params: theta for one state (B = 1).
-        evidence: (1, m) fixed first tokens or None.
-        mode: ``sample`` (ancestral, exact posterior given the evidence), ``map``
-            (max-product) or ``chain`` (greedy chain of exact conditionals).
-        generator: RNG for ``sample``.
-    """
-    if evidence is not None and evidence.shape[1] == circuit.window:
-        return evidence
-    if mode == "sample":
-        return circuit.sample(params, generator=generator, evidence=evidence)
-    if mode == "map":
-        return circuit.map_decode(params, evidence=evidence)
-    return circuit.greedy_chain(params, evidence=evidence)
-
-
 class MarginalProposal:
     """The circuit's exact conditionals q(x_i | x_<i) of a drafted window, computed lazily.
 
@@ -270,8 +242,9 @@ def draft_step(
         assert evidence is not None
         empty = torch.zeros(0, device=evidence.device)
         return Draft(evidence, empty, empty.__getitem__) if sampling else Draft(evidence)
-    if mode in ("map", "chain"):
-        return Draft(draft_window(circuit, state.params(), evidence, mode, generator))
+    if mode in ("map", "chain"):  # the whole (1, n, r, V) table: max-product or greedy chain
+        decode = circuit.map_decode if mode == "map" else circuit.greedy_chain
+        return Draft(decode(state.params(), evidence=evidence))
     rows = evidence_leaves = None
     if evidence is not None and circuit.rank > 1:  # r = 1: one path, the evidence is moot
         rows = state.leaf_logp(torch.arange(pre))  # (1, pre, r, V): every unit, evidence only

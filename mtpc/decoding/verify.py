@@ -155,9 +155,9 @@ def verify_sampling_lazy(
         generator: RNG for the acceptance tests and the emitted sample.
     """
     n = draft.shape[0]
-    eager = isinstance(draft_token_probs, Tensor)
-    if target_probs.shape[0] != n + 1 or (eager and draft_token_probs.shape[0] != n):  # type: ignore[union-attr]
-        got = tuple(draft_token_probs.shape) if eager else "a callable"  # type: ignore[union-attr]
+    shape = tuple(draft_token_probs.shape) if isinstance(draft_token_probs, Tensor) else None
+    if target_probs.shape[0] != n + 1 or shape not in (None, (n,)):
+        got = "a callable" if shape is None else shape
         raise ValueError(
             f"need target_probs (n+1, V) and draft_token_probs (n,) for n = {n}; got "
             f"{tuple(target_probs.shape)} and {got}"
