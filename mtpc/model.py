@@ -292,7 +292,14 @@ class MTPCModel(nn.Module):
         else:
             hidden = self.backbone.embed(ids, past)  # (B, T, d)
         hidden = self.backbone.run_layers(
-            hidden, 0, self.split, positions, cache, False, documents, tree_mask
+            hidden,
+            0,
+            self.split,
+            positions,
+            cache,
+            adapter=False,
+            documents=documents,
+            tree_mask=tree_mask,
         )
         if cache is not None:
             cache.record_ids(ids)
@@ -309,7 +316,14 @@ class MTPCModel(nn.Module):
         """Layers L-k..L-1 with base weights (adapter off): (B, T, d) -> (B, T, d)."""
         n = self.backbone.num_layers
         return self.backbone.run_layers(
-            hidden, self.split, n, positions, cache, False, documents, tree_mask
+            hidden,
+            self.split,
+            n,
+            positions,
+            cache,
+            adapter=False,
+            documents=documents,
+            tree_mask=tree_mask,
         )
 
     def draft_tail(
@@ -323,7 +337,14 @@ class MTPCModel(nn.Module):
         """Layers L-k..L-1 with the LoRA adapter on: (B, T, d) -> (B, T, d)."""
         n = self.backbone.num_layers
         return self.backbone.run_layers(
-            hidden, self.split, n, positions, cache, self.k > 0, documents, tree_mask
+            hidden,
+            self.split,
+            n,
+            positions,
+            cache,
+            adapter=self.k > 0,
+            documents=documents,
+            tree_mask=tree_mask,
         )
 
     def verifier_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -452,26 +452,17 @@ class Backbone(nn.Module, ABC):
             raise ValueError(
                 f"cache covers layers [{cache.start}, {cache.end}) but run_layers got [{start}, {end})"
             )
-        if tree_mask is not None:
-            if cache is None or not self.supports_tree_mask:
-                raise ValueError(
-                    f"tree_mask needs a cache and a backbone that supports it; {self.name}: "
-                    f"supports_tree_mask={self.supports_tree_mask}, cache={cache is not None}"
-                )
-            if tree_mask.shape != (t, t) or tree_mask.dtype != torch.bool:
-                raise ValueError(
-                    f"tree_mask is {tuple(tree_mask.shape)} {tree_mask.dtype}; allowed: ({t}, {t}) bool"
-                )
         if positions is None:
             positions = torch.arange(past, past + t, device=hidden.device)
         if positions.dim() == 1:
             positions = positions[None].expand(b, t)
         if end > start:
             grad = contextlib.nullcontext() if cache is None else torch.no_grad()
-            tree = {} if tree_mask is None else {"tree_mask": tree_mask}
             with grad, self.adapter(adapter):
                 native = None if cache is None else cache.native
-                hidden = self._run(hidden, start, end, positions, native, past, documents, **tree)
+                hidden = self._run(
+                    hidden, start, end, positions, native, past, documents, tree_mask
+                )
         if cache is not None:
             cache.length += t
         return hidden

@@ -69,12 +69,18 @@ class LlamaBackbone(Backbone):
         native.crop(-remove)
 
     def native_compact(self, native: Any, base: int, keep: torch.Tensor) -> None:
+        # move only the kept tail down to base.. (kept[i] >= base + i, so the copy is safe);
+        # the prefix [0, base) stays in place
+        count, kept, length = keep.numel(), None, None
         for layer in native.layers:
             if getattr(layer, "is_initialized", True) and layer.keys is not None:
-                k = layer.keys  # (B, H, S, D)
-                idx = torch.cat([torch.arange(base, device=k.device), base + keep.to(k.device)])
-                layer.keys = k.index_select(-2, idx)
-                layer.values = layer.values.index_select(-2, idx)
+                if kept is None:
+                    kept = base + keep.to(layer.keys.device)  # (K,)
+                    length = layer.keys.shape[-2]
+                layer.keys[:, :, base : base + count] = layer.keys[:, :, kept]  # (B, H, K, D)
+                layer.values[:, :, base : base + count] = layer.values[:, :, kept]
+        if length is not None and length > base + count:
+            native.crop(base + count - length)  # transformers takes a negative count here
 
     def _mask(
         self,
