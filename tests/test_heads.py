@@ -44,6 +44,31 @@ def test_public_api_smoke() -> None:
     torch.testing.assert_close(pairs, head.input_logits(e)[:, [0, 3, 3], [1, 0, 1]])
 
 
+@pytest.mark.parametrize(("kind", "rank"), [("cp", 4), ("ff", 1)])
+def test_partial_input_logits_read_only_the_asked_rows_of_w(
+    kind: str, rank: int, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    """(position, unit) pairs multiply len(pairs) x V x d weights, not the n x r x V x d table
+    (a version that computes the table and then gathers fails the count)."""
+    import mtpc.heads
+
+    head = MTPCHead(kind, 4, rank, V, D)
+    e = torch.randn(2, D)
+    read: list[int] = []
+    linear = mtpc.heads.F.linear
+
+    def counting(x: torch.Tensor, w: torch.Tensor, *args: object) -> torch.Tensor:
+        read.append(w.numel())
+        return linear(x, w, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(mtpc.heads.F, "linear", counting)
+    units = [1, 0, rank - 1] if rank > 1 else [0, 0, 0]
+    got = head.input_logits(e, positions=[0, 3, 2], units=units)
+    assert sum(read) == 3 * V * D
+    monkeypatch.setattr(mtpc.heads.F, "linear", linear)
+    torch.testing.assert_close(got, head.input_logits(e)[:, [0, 3, 2], units])
+
+
 @pytest.mark.parametrize(("kind", "rank"), FAMILIES)
 @pytest.mark.parametrize("m", [1, 2, 5])
 @pytest.mark.parametrize("extra", ["random", "repeat_last"])

@@ -56,6 +56,12 @@ def test_build_tree_is_the_budget_most_probable_prefixes(kind: str, rank: int, e
     got = sorted(tree.log_probs.exp().tolist(), reverse=True)
     assert got == pytest.approx(best, rel=1e-4)
     assert tree.expected_accepted == pytest.approx(sum(best), rel=1e-4)
+    by_depth = tree.expected_by_depth(n - m)  # P_q(>= d accepted): the depth-d nodes' mass
+    assert sum(by_depth) == pytest.approx(sum(best), rel=1e-4)
+    depths = range(1, n - m + 1)
+    assert by_depth == pytest.approx(
+        [float(tree.log_probs[tree.depths == d].exp().sum()) for d in depths]
+    )
     paths: list[tuple[int, ...]] = []
     for i, (p, tok) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist(), strict=True)):
         assert p < i  # topological

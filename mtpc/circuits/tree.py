@@ -61,18 +61,18 @@ class TokenTree:
 
     def expected_by_depth(self, depth: int) -> list[float]:
         """P_q(at least d drafts accepted) for d = 1..depth (sum over the nodes at depth d)."""
-        probs = self.log_probs.exp().double()
+        probs = self.log_probs.exp().double().cpu()  # (T,) on the CPU with the counts
         out = torch.zeros(depth + 1, dtype=torch.float64).index_add_(0, self.depths.cpu(), probs)
         return out[1:].tolist()
 
     def ancestor_mask(self) -> Tensor:
         """(T, T) bool: [i, j] True when node j is node i or one of its ancestors."""
         t = len(self)
-        mask = torch.eye(t, dtype=torch.bool, device=self.tokens.device)
+        mask = torch.eye(t, dtype=torch.bool)  # built on the CPU: T small row ops, then one copy
         for i, p in enumerate(self.parents.tolist()):
             if p >= 0:
                 mask[i] |= mask[p]
-        return mask
+        return mask.to(self.tokens.device)
 
 
 def _rows(params: CircuitParams, rows: int) -> CircuitParams:
@@ -150,8 +150,7 @@ def build_tree(
     all_tokens, all_parents = torch.cat(tokens), torch.cat(parents)
     all_depths, all_logp = torch.cat(depths), torch.cat(logps)
     # the best `budget` nodes; ties go to the shallower node, so the set stays prefix-closed
-    by_depth = all_depths.argsort(stable=True)
-    order = by_depth[(-all_logp[by_depth]).argsort(stable=True)][:budget]
+    order = (-all_logp).argsort(stable=True)[:budget]  # levels were appended by depth
     chosen = order.sort().values  # (T,) topological: levels were appended in depth order
     renumber = torch.full((count + 1,), -1, dtype=torch.long, device=device)
     renumber[chosen] = torch.arange(chosen.numel(), device=device)
