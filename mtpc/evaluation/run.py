@@ -565,7 +565,7 @@ def decode_all(
         )
         mine = [r for r in store.records if r.get("draft_path") in (None, draft["path"])]
         rows, _ = build_report({**store.manifest, "drafts": [draft]}, mine)
-        row = rows[-1]
+        row = next(r for r in rows if r["name"] == draft["name"])  # the chain, not a tree row
         logger.info(
             "[%d/%d] %s: %.2f tokens/cycle, %.2fx AR (%d prompts decoded in %.1f s)",
             index + 1, len(entries), draft["name"], row.get("mu_acc", math.nan),
