@@ -65,10 +65,30 @@ def test_launchers_compose(launcher: str) -> None:
 
 
 def test_config_choices_match_the_head() -> None:
-    from mtpc.config import EXTRA_POSITIONS
+    from mtpc.config import EXTRA_POSITIONS, HEAD_INITS
     from mtpc.heads import EXTRA_POSITIONS as HEAD_EXTRA_POSITIONS
+    from mtpc.model import HEAD_INITS as MODEL_HEAD_INITS
 
     assert EXTRA_POSITIONS == HEAD_EXTRA_POSITIONS
+    assert HEAD_INITS == MODEL_HEAD_INITS
+
+
+def test_sweep_folders_leave_out_every_field_a_resume_may_change() -> None:
+    """A re-sweep with a longer budget (or other hardware) resumes each job in its folder:
+    the multirun folder name (override_dirname) must not show what FREE_TO_CHANGE allows."""
+    from mtpc.training.resume import FREE_TO_CHANGE
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose(config_name="train", return_hydra_config=True)
+    excluded = set(cfg.hydra.job.config.override_dirname.exclude_keys)
+    assert set(FREE_TO_CHANGE) <= excluded, set(FREE_TO_CHANGE) - excluded
+
+
+def test_evabyte_keeps_one_document_per_training_row() -> None:
+    """EVA attention builds its own masks, so packed documents would see each other
+    (scripts/bench_packed_documents.py): model=evabyte turns packing off, the default keeps it."""
+    assert _compose("train", ["model=evabyte"]).data.pack_documents is False
+    assert _compose("train").data.pack_documents is True
 
 
 def test_unknown_group_option_lists_allowed_values() -> None:

@@ -113,7 +113,16 @@ def check_eval_fields(cfg: Any) -> None:
             f"sources={sources!r} is not allowed; allowed: null or a list of source names, "
             "e.g. sources=[synthetic/multi_answer]"
         )
-    for field, low in (("warmup", 0), ("num_threads", 1), ("top_k", 1), ("max_prompt_length", 1)):
+    integers = (
+        ("warmup", 0),
+        ("num_threads", 1),
+        ("top_k", 1),
+        ("max_prompt_length", 1),
+        ("drafter.lookahead", 1),  # drafter=hetero; absent (None) otherwise
+        ("drafter.look_behind", 0),
+        ("drafter.max_psi_paths", 1),
+    )
+    for field, low in integers:
         value = _get(cfg, field)
         if value is not None and (
             isinstance(value, bool) or not isinstance(value, int) or value < low
@@ -147,14 +156,6 @@ def _check_drafter(cfg: Any, choice: Any) -> None:
 
     choice("drafter.algorithm", ALGORITHMS)
     choice("drafter.psi", PSI_METHODS, optional=True)
-    for field, low in (("lookahead", 1), ("look_behind", 0), ("max_psi_paths", 1)):
-        value = _get(cfg, f"drafter.{field}")
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value < low
-        ):
-            raise EvalConfigError(
-                f"drafter.{field}={value!r} is not allowed; allowed: an integer >= {low}"
-            )
     model = str(_get(cfg, "drafter.model"))
     if model.startswith(FIXTURE_PREFIX) and model[len(FIXTURE_PREFIX) :] not in FIXTURES:
         raise EvalConfigError(

@@ -246,7 +246,7 @@ class MTPCLightningModule(L.LightningModule):
         its parameters gathered from forward to backward, so the head's methods called
         after ``forward`` (the chunked likelihood) see whole tensors.
         """
-        mesh = getattr(self, "_device_mesh", None)
+        mesh = self.device_mesh  # set by ModelParallelStrategy, None otherwise
         if mesh is None:
             return
         from torch.distributed.fsdp import fully_shard

@@ -336,14 +336,13 @@ def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list[L.Callback]) -
             f"trainer.accelerator={accelerator} needs CUDA GPUs and this machine has none; "
             "allowed here: trainer=cpu, trainer=ddp_cpu, trainer=fsdp_cpu (docs/TRAINING.md)"
         )
-    strategy = trainer_cfg.get("strategy")
-    if isinstance(strategy, dict):  # trainer=fsdp / fsdp_cpu: a strategy object
-        options = OmegaConf.to_container(cfg.trainer.strategy, resolve=True)
-        assert isinstance(options, dict)
+    world_size = _world_size(cfg)
+    options = trainer_cfg.get("strategy")
+    if isinstance(options, dict):  # trainer=fsdp / fsdp_cpu: a strategy object
         if "data_parallel_size" in options and options["data_parallel_size"] is None:
-            options["data_parallel_size"] = _world_size(cfg)  # FSDP2 over every process
+            options["data_parallel_size"] = world_size  # FSDP2 over every process
         trainer_cfg["strategy"] = instantiate(options)
-    trainer_cfg["accumulate_grad_batches"] = _accumulation(cfg, _world_size(cfg))
+    trainer_cfg["accumulate_grad_batches"] = _accumulation(cfg, world_size)
     fast = bool(cfg.trainer.get("fast_dev_run"))
     logger = instantiate(cfg.logger) if cfg.get("logger") and not fast else False
     try:
