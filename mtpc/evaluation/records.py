@@ -304,6 +304,17 @@ class RecordStore:
         if record.get("type") == "prompt":
             self.done.add(record_key(record))
 
+    def pending(
+        self, prompt_sets: Sequence[Sequence[Any]], draft_path: str | None, pass_name: str
+    ) -> list[tuple[int, int, Any]]:
+        """``(set, index, prompt)`` of every prompt not yet recorded for this draft and pass."""
+        return [
+            (k, i, p)
+            for k, prompts in enumerate(prompt_sets)
+            for i, p in enumerate(prompts)
+            if (draft_path, pass_name, k, i) not in self.done
+        ]
+
     def close(self) -> None:
         """Syncs the records to disk and releases the folder."""
         self._file.flush()

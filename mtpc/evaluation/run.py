@@ -443,12 +443,7 @@ def run_pass(
     """
     path = None if draft is None else draft["path"]
     name = "AR (target)" if draft is None else draft["name"]
-    todo = [
-        (k, i, p)
-        for k, prompts in enumerate(prompt_sets)
-        for i, p in enumerate(prompts)
-        if (path, pass_name, k, i) not in store.done
-    ]
+    todo = store.pending(prompt_sets, path, pass_name)
     if not todo:  # killed between the last prompt and the pass record
         store.append(
             {"type": "pass", "draft_path": path, "pass": pass_name, "peak_memory_mb": None}
@@ -702,12 +697,7 @@ def hetero_rows(
     decoders = dict(zip(HETERO_PASSES, (run_ar, run_sd), strict=True))
     key, name, seed = f"drafter:{drafter_model}", f"hetero:{algorithm}", int(_get(cfg, "seed", 0))
     for pass_name, decode in decoders.items():
-        todo = [
-            (k, i, p)
-            for k, prompts in enumerate(prompt_sets)
-            for i, p in enumerate(prompts)
-            if (key, pass_name, k, i) not in store.done
-        ]
+        todo = store.pending(prompt_sets, key, pass_name)
         for w in range(int(_get(cfg, "warmup", 1)) if todo else 0):
             decode(list(prompt_sets[0][0].prompt_ids), seed + w)
         for k, i, p in todo:  # set k, prompt i: seed + k + i, as evaluate_hetero per set
