@@ -54,17 +54,20 @@ def byte_llama_stand_in() -> Any:
     return LlamaForCausalLM(config).eval()
 
 
-def layer_calls(model: MTPCModel) -> list[int]:
+def layer_calls(model: MTPCModel) -> tuple[list[int], list[Any]]:
+    """A decoder-layer call counter ``[count]`` and the hook handles (remove them after)."""
     calls = [0]
-    for layer in model.backbone.layers:
+    handles = [
         layer.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-    return calls
+        for layer in model.backbone.layers
+    ]
+    return calls, handles
 
 
 def measure(make: Any, n: int, prompt: list[int], new: int, repeats: int) -> dict[str, float]:
     """Median over ``repeats`` of the mean AR step and the mean all-accepting cycle."""
     model = make(n)
-    calls = layer_calls(model)
+    calls, handles = layer_calls(model)  # the backbone is shared across windows
     ar_ms, sd_ms, tokens, per_cycle = [], [], [], []
     for _ in range(repeats):
         ar = generate(model, prompt, new, method="autoregressive", stop_ids=())
@@ -75,6 +78,8 @@ def measure(make: Any, n: int, prompt: list[int], new: int, repeats: int) -> dic
         sd_ms.append(1e3 * statistics.mean(sd.cycle_seconds))
         tokens.append(sum(sd.emitted) / cycles)
         per_cycle.append(calls[0] / cycles)  # the prefill's calls included
+    for handle in handles:
+        handle.remove()
     ar_step, cycle = statistics.median(ar_ms), statistics.median(sd_ms)
     return {
         "ar_step_ms": round(ar_step, 3),
