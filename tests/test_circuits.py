@@ -206,25 +206,54 @@ def test_most_probable_latent_path_is_the_cp_posterior_mode() -> None:
 
 
 @pytest.mark.parametrize(("kind", "rank", "window", "vocab"), CASES, ids=IDS)
-def test_latent_posterior_given_the_first_position_needs_no_pass(
+def test_latent_posterior_given_a_prefix_reads_only_its_ancestors(
     kind: str, rank: int, window: int, vocab: int
 ) -> None:
-    """Evidence at position 0 only (decoding's pending token): the chain of sum units above it
-    gives every unit's posterior scores, equal to the full upward pass; the most probable path
-    takes each unit's best child under them, the prior's best without evidence."""
+    """Evidence on the first m positions (decoding's pending token, zsample1's first draft):
+    the folds above the prefix give every unit's posterior scores, equal to the full upward
+    pass; the most probable path takes each unit's best child under them, the prior's best
+    without evidence. Conditionals from the prefix plan equal the layered pass's."""
     c = build_circuit(kind, window, rank)
     if c.num_sum_units == 0:
         pytest.skip("no latent")
     params = random_params(c, vocab, batch=3)
     lw = params.sum_logw
     assert lw is not None
-    leaf0 = torch.randn(3, rank, dtype=torch.float64) - 1.0  # (B, r)
-    leaves = torch.cat([leaf0[:, None], torch.zeros(3, window - 1, rank, dtype=torch.float64)], 1)
-    full = c._posterior(leaves, lw, max_product=False)
-    torch.testing.assert_close(c._posterior0(leaf0, lw), full)
-    z = c.latent_path(lw, leaf0[:, None], most_probable=True)
-    assert torch.equal(z, c._walk_down(full.argmax(-1)))
+    used = 0
+    for m in range(1, window + 1):
+        ev = torch.randn(3, m, rank, dtype=torch.float64) - 1.0  # (B, m, r)
+        leaves = torch.cat([ev, torch.zeros(3, window - m, rank, dtype=torch.float64)], 1)
+        full = c._posterior(leaves, lw, max_product=False)
+        plan = c._prefix_plan(m)
+        if plan is None:
+            continue
+        used += 1
+        assert all(c.layers[lid].scopes[f][0] < m for _, (lid, f), _, _, _ in plan)
+        torch.testing.assert_close(c._prefix_posterior(plan, ev, lw), full)
+        z = c.latent_path(lw, ev, most_probable=True)
+        assert torch.equal(z, c._walk_down(full.argmax(-1)))
+    assert used >= 1  # the pending token's plan (m = 1) is always cheaper than a pass
+    assert c._prefix_plan(1) is not None
     assert torch.equal(c.latent_path(lw, most_probable=True), c._walk_down(lw.argmax(-1)))
+
+
+@pytest.mark.parametrize(("kind", "rank", "window", "vocab"), CASES, ids=IDS)
+def test_conditional_from_leaves_equals_the_layered_pass(
+    kind: str, rank: int, window: int, vocab: int
+) -> None:
+    """The prefix plan's next-position conditional equals the one of a pass over every layer
+    (forced by clearing the plans), for every prefix length."""
+    c = build_circuit(kind, window, rank)
+    params = random_params(c, vocab, batch=3)
+    lp, lw = params.input_logp, params.sum_logw
+    x = torch.randint(vocab, (3, window))
+    leaves = lp.gather(3, x[:, :, None, None].expand(3, window, rank, 1)).squeeze(3)
+    got = [c.conditional_from_leaves(leaves[:, :m], lp[:, m], lw) for m in range(window)]
+    planned = sum(c._prefix_plans.get(m + 1) is not None for m in range(window))
+    c._prefix_plans = dict.fromkeys(range(window + 2))  # every plan None: layered passes
+    for m in range(window):
+        torch.testing.assert_close(got[m], c.conditional_from_leaves(leaves[:, :m], lp[:, m], lw))
+    assert planned >= (1 if c.num_sum_units else 0)
 
 
 def test_sample_reproducible_with_generator() -> None:
