@@ -49,7 +49,6 @@ Resume policies for the emitted correction / bonus token:
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -249,42 +248,32 @@ def draft_step(
     if evidence is not None and circuit.rank > 1:  # r = 1: one path, the evidence is moot
         rows = state.leaf_logp(torch.arange(pre))  # (1, pre, r, V): every unit, evidence only
         evidence_leaves = rows[0, torch.arange(pre, device=rows.device), :, evidence[0]][None]
-    start, first = pre, None
-    if mode == "zsample1" and circuit.rank > 1:
-        # the first draft from the marginal q(. | evidence) (every unit at its position),
-        # then z given the evidence and that token
-        rows1 = state.leaf_logp(torch.arange(pre, pre + 1))  # (1, 1, r, V)
-        lead = rows1.new_zeros(1, 0, circuit.rank) if evidence_leaves is None else evidence_leaves
-        q1 = circuit.conditional_from_leaves(lead, rows1[:, 0], state.sum_logw())[0]  # (V,)
-        x1 = categorical(q1, generator)  # ()
-        evidence_leaves = torch.cat([lead, rows1[:, :, :, x1]], 1)  # (1, pre + 1, r)
-        first, start = (x1.view(1), q1.exp()), pre + 1
     if circuit.rank == 1:  # one unit per position: the only path
-        units = torch.zeros(n - start, dtype=torch.long)
+        units = torch.zeros(n - pre, dtype=torch.long)
     else:
         path = circuit.latent_path(
             state.sum_logw(), evidence_leaves, most_probable=mode == "zmap", generator=generator
         )  # (1, n)
-        units = path[0, start:]
-    positions = torch.arange(start, n)
+        units = path[0, pre:]
+    positions = torch.arange(pre, n)
     if mode == "zmap":  # the argmax needs no normaliser
         tokens = state.leaf_logits(positions, units)[0].argmax(-1)  # (m,)
         return Draft(tokens[None] if evidence is None else torch.cat([evidence, tokens[None]], 1))
-    logp = state.leaf_logp(positions, units)[0]  # (n - start, V)
+    logp = state.leaf_logp(positions, units)[0]  # (m, V)
     tokens = categorical(logp, generator)  # with z, an ancestral sample
-    probs = logp.exp()  # (n - start, V): q_i(. | z), independent of the earlier drafts given z
-    token_probs = probs.gather(1, tokens[:, None])[:, 0]
-    proposal = probs.__getitem__
-    if first is not None:
-        x1, p1 = first
-        tokens, token_probs = torch.cat([x1, tokens]), torch.cat([p1[x1], token_probs])
-        proposal = functools.partial(_first_then, p1, probs)
+    probs = logp.exp()  # (m, V): q_i(. | z), independent of the earlier drafts given z
     window = tokens[None] if evidence is None else torch.cat([evidence, tokens[None]], 1)
     if not sampling:
         return Draft(window)
     if mode == "sample" and circuit.rank > 1:  # r = 1: q(. | z) is the marginal
         return MarginalProposal(state, window, pre, rows).draft()
-    return Draft(window, token_probs, proposal)
+    if mode == "zsample1" and circuit.rank > 1:
+        # (z, x_1) is an ancestral draw, so x_1's distribution is the marginal q(. | evidence)
+        # and z given x_1 is the posterior: verify x_1 against the marginal (computed only
+        # when the test or the residual asks), the later drafts against q(. | z)
+        first = FirstMarginal(state, evidence_leaves, pre, probs, tokens)
+        return Draft(window, first.token_prob, first.dist)
+    return Draft(window, probs.gather(1, tokens[:, None])[:, 0], probs.__getitem__)
 
 
 def resume(
@@ -325,9 +314,48 @@ def resume(
     return torch.cat([kept, extra], 1), None, logits
 
 
-def _first_then(first: Tensor, rest: Tensor, i: int) -> Tensor:
-    """``zsample1``'s proposal at draft i: the marginal ``first`` (V,), then ``rest`` (m-1, V)."""
-    return first if i == 0 else rest[i - 1]
+class FirstMarginal:
+    """``zsample1``'s proposal: the marginal q(. | evidence) at the first draft, computed on
+    demand (every unit at its position), then q(. | z) at the later drafts.
+
+    Args:
+        state: the head at the drafting state.
+        evidence_leaves: ``(1, pre, r)`` every unit's log phi at the evidence, or None.
+        pre: the first draft's window position.
+        probs: ``(m, V)`` q(. | z) at the drafts.
+        tokens: ``(m,)`` the drafts.
+    """
+
+    def __init__(
+        self,
+        state: HeadState,
+        evidence_leaves: Tensor | None,
+        pre: int,
+        probs: Tensor,
+        tokens: Tensor,
+    ) -> None:
+        self.state, self.evidence_leaves, self.pre = state, evidence_leaves, pre
+        self.probs, self.tokens = probs, tokens
+        self._first: Tensor | None = None
+
+    def _marginal(self) -> Tensor:
+        if self._first is None:
+            circuit, r = self.state.circuit, self.state.circuit.rank
+            rows = self.state.leaf_logp(torch.arange(self.pre, self.pre + 1))  # (1, 1, r, V)
+            lead = self.evidence_leaves
+            if lead is None:
+                lead = rows.new_zeros(1, 0, r)
+            q = circuit.conditional_from_leaves(lead, rows[:, 0], self.state.sum_logw())
+            self._first = q[0].exp()  # (V,)
+        return self._first
+
+    def token_prob(self, i: int) -> float:
+        """q_i at the i-th draft."""
+        return float(self._marginal()[self.tokens[0]] if i == 0 else self.probs[i, self.tokens[i]])
+
+    def dist(self, i: int) -> Tensor:
+        """The full proposal q_i(.) ``(V,)`` (the residual at a rejection)."""
+        return self._marginal() if i == 0 else self.probs[i]
 
 
 @torch.no_grad()
