@@ -250,7 +250,7 @@ class Circuit:
         unit = torch.full((r, r), -math.inf, dtype=next_logp.dtype, device=next_logp.device)
         unit.fill_diagonal_(0.0)  # (r, r): log e_j, column j
         plan = self._prefix_plan(m + 1) if sum_logw is not None else None
-        if plan is not None:  # only the folds above positions 0..m (the rest are log 1)
+        if plan is not None and sum_logw is not None:  # only the folds above positions 0..m
             inputs = {(0, p): leaves[:, p].unsqueeze(-1).to(next_logp.dtype) for p in range(m)}
             inputs[(0, m)] = unit.unsqueeze(0)
             log_g = self._prefix_values(plan, inputs, _f32(sum_logw).to(next_logp.dtype))[:, 0]

@@ -81,7 +81,8 @@ def generate(
             argmax), ``zsample`` (an ancestral sample along a drawn path; sampling verifies
             against the path's proposal q(. | z)) and ``sample`` (the same draw; sampling
             verifies against the marginal q(x_i | x_<i), every unit read at the positions a
-            test needs), ``zsample1`` (the first draft from the marginal, then z given it);
+            test needs), ``zsample1`` (the same draw; the first draft verified against
+            the marginal, read only when its test asks);
             None: the measured per-family default (:data:`DEFAULT_GREEDY_DRAFT_MODE`,
             :data:`DEFAULT_SAMPLING_DRAFT_MODE`). Sampling allows ``sample``, ``zsample``
             and ``zsample1``.

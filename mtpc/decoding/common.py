@@ -52,14 +52,18 @@ n - 1 rows of W and runs no circuit pass, the cheapest.
 
 DEFAULT_SAMPLING_DRAFT_MODE: dict[str, str] = {
     "ff": "zsample",
-    "cp": "zsample",
-    "hmm": "zsample",
-    "btree": "zsample",
+    "cp": "zsample1",
+    "hmm": "zsample1",
+    "btree": "zsample1",
 }
 """Speculative-sampling draft mode per circuit family (measured, see docs/BENCHMARKS.md).
 
-For ff the two proposals are the same (one unit); ``zsample`` reads n - 1 rows. ``sample``
-(the marginal proposal) accepts more, most on multi-answer prompts, at a dearer cycle.
+``zsample1`` drafts as ``zsample`` (an ancestral draw along a latent path) and verifies the
+first draft against the marginal, so it accepts at least as much in expectation
+(E_z min(q(.|z), p) <= min(E_z q(.|z), p)) for the rows of one position more, read only when
+the first test asks. For ff the proposals coincide (one unit); ``zsample`` reads n - 1 rows.
+``sample`` (the marginal at every draft) accepts more on multi-answer prompts, at a dearer
+cycle.
 """
 
 

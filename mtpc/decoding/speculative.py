@@ -31,10 +31,10 @@ q(. | z): z is drawn before the target is seen and independently of it, and give
 positions are independent, so speculative sampling with the proposals q_i(.) = phi_{i, z_i}
 is exact for every z; a rejection's residual needs q_s(. | z), the row already computed.
 ``sample`` verifies against the marginal q(x_i | x_<i) (:class:`MarginalProposal`), which
-reads every unit at a position only when a test asks for q there. ``zsample1`` draws the first
-draft from the marginal (every unit at its position), then z given the evidence and that
-draft: the same joint, verified with the marginal at the first draft and q(. | z) after
-(z is revealed only after the first draft, still independently of the target).
+reads every unit at a position only when a test asks for q there. ``zsample1`` takes the
+same draw and verifies the first draft against the marginal q(. | evidence) (x_1's law with z
+unseen; :class:`FirstMarginal`, read only when its test asks), the later ones against
+q(. | z): given x_1, z follows its posterior, independently of the target.
 
 Resume policies for the emitted correction / bonus token:
 
