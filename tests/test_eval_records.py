@@ -174,6 +174,31 @@ def test_same_command_resumes_its_folder_and_other_settings_get_their_own(
     assert forced["rows"][1]["prompts"] == 2  # the records were kept, nothing re-decoded
 
 
+def test_a_changed_default_draft_mode_is_another_measurement(
+    tmp_path: Path, drafts: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The manifest names the mode each draft decodes with (``draft_mode=null``: the family's
+    default), so when a default changes the same command measures afresh in another folder
+    instead of resuming records decoded with the old one; the old folder is untouched."""
+    from mtpc.decoding import common
+
+    over = {"draft": str(drafts["btree"]), "num_prompt_sets": 1, "max_throughput": False,
+            "plots": False, "output_dir": None, "greedy": False}  # fmt: skip
+    first = evaluate(_cfg(tmp_path, **over))
+    folder = Path(first["folder"])
+    before = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert [d["draft_mode"] for d in manifest["drafts"]] == ["zsample1"]
+    assert {r["draft_mode"] for r in _prompt_records(folder) if "draft_mode" in r} == {"zsample1"}
+    monkeypatch.setitem(common.DEFAULT_SAMPLING_DRAFT_MODE, "btree", "zsample")
+    second = evaluate(_cfg(tmp_path, **over))
+    assert Path(second["folder"]) != folder
+    assert {
+        r["draft_mode"] for r in _prompt_records(Path(second["folder"])) if "draft_mode" in r
+    } == {"zsample"}
+    assert {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()} == before
+
+
 def test_resume_never_measures_again_in_a_new_folder(
     tmp_path: Path, drafts: dict[str, Path], caplog: pytest.LogCaptureFixture
 ) -> None:

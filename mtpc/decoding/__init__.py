@@ -21,6 +21,7 @@ from mtpc.decoding.common import (
     SAMPLING_DRAFT_MODES,
     GenerationResult,
     check_request,
+    default_draft_mode,
     prompt_tensor,
 )
 
@@ -34,6 +35,7 @@ __all__ = [
     "POLICIES",
     "SAMPLING_DRAFT_MODES",
     "GenerationResult",
+    "default_draft_mode",
     "generate",
 ]
 

@@ -67,6 +67,12 @@ cycle.
 """
 
 
+def default_draft_mode(kind: str, greedy: bool) -> str:
+    """The draft mode a circuit family decodes with when none is asked for."""
+    defaults = DEFAULT_GREEDY_DRAFT_MODE if greedy else DEFAULT_SAMPLING_DRAFT_MODE
+    return defaults.get(kind, "map" if greedy else "sample")
+
+
 @dataclass
 class GenerationResult:
     """Output of one decoding run (batch size 1).
@@ -288,9 +294,7 @@ def check_request(
     if speculative and not hasattr(model, "head"):
         raise ValueError("method='speculative' needs an MTPCModel with a draft head")
     if draft_mode is None:
-        kind = model.head.circuit.kind if speculative else "ff"
-        defaults = DEFAULT_GREEDY_DRAFT_MODE if greedy else DEFAULT_SAMPLING_DRAFT_MODE
-        draft_mode = defaults.get(kind, "map" if greedy else "sample")
+        draft_mode = default_draft_mode(model.head.circuit.kind if speculative else "ff", greedy)
     _choice("draft_mode", draft_mode, DRAFT_MODES)
     if not greedy and draft_mode not in SAMPLING_DRAFT_MODES:
         raise ValueError(

@@ -35,7 +35,13 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from mtpc.data.prompts import UnknownSourceError
-from mtpc.decoding import DRAFT_MODES, POLICIES, SAMPLING_DRAFT_MODES, generate
+from mtpc.decoding import (
+    DRAFT_MODES,
+    POLICIES,
+    SAMPLING_DRAFT_MODES,
+    default_draft_mode,
+    generate,
+)
 from mtpc.errors import UserError
 from mtpc.evaluation.metrics import prompt_record
 from mtpc.evaluation.records import MANIFEST, RecordsError, RecordStore, expand_folders
@@ -362,14 +368,19 @@ def build_manifest(cfg: Any, drafts: Sequence[Path], baselines: Sequence[Path]) 
     from mtpc.export import read_config
 
     entries = []
+    greedy = bool(_get(cfg, "greedy", True))
     for i, path in enumerate([*drafts, *baselines]):
         check_target_name(path, cfg)
         config = read_config(path)
         c = config["circuit"]
+        # the mode each draft decodes with: a change of the per-family default is another
+        # measurement (another folder), never resumed into the old records
+        mode = _get(cfg, "draft_mode") or default_draft_mode(c["kind"], greedy)
         entries.append(
             {"path": str(path), "name": _draft_name(path), "kind": c["kind"],
              "window": c["window"], "rank": c["rank"], "lora_layers": config["lora"]["layers"],
-             "baseline": i >= len(drafts), "fingerprint": draft_fingerprint(path)}
+             "baseline": i >= len(drafts), "fingerprint": draft_fingerprint(path),
+             "draft_mode": mode}
         )  # fmt: skip
     data = _plain(_get(cfg, "data")) or {}
     device = str(_get(cfg, "device", "cpu"))
