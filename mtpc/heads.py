@@ -265,6 +265,32 @@ class MTPCHead(nn.Module):
         # one (V, d) row of W at a time, read in place (indexing W would first copy the rows)
         return torch.stack([F.linear(x, W[p, u]) for p, u in pairs], 1)  # (B, k, V)
 
+    def token_logits(self, e: Tensor, positions: Tensor, tokens: Tensor) -> Tensor:
+        """Unnormalised input logits of every unit at given (position, token) pairs.
+
+        Reads the r d-vectors ``W[p, :, x_p]`` per pair, not the r ``(V, d)`` rows, so it
+        gives no normaliser: enough to score units against each other when their
+        normalisers are ignored (the greedy ``zmap`` draft's pending token).
+
+        Args:
+            e: Features ``(B, d)``.
+            positions: ``(k,)`` window positions.
+            tokens: ``(k,)`` one token per position.
+
+        Returns:
+            ``(B, k, r)``.
+        """
+        self._check_hidden(e)
+        if positions.shape != tokens.shape or positions.dim() != 1:
+            raise ValueError(
+                "positions and tokens must be 1-D of the same length, got "
+                f"{tuple(positions.shape)} and {tuple(tokens.shape)}"
+            )
+        w = self.unembedding[positions, :, tokens]  # (k, r, d)
+        k = w.shape[0]
+        logits = F.linear(e.to(w.dtype), w.reshape(k * self.rank, self.hidden_size))
+        return logits.view(e.shape[0], k, self.rank)  # (B, k, r)
+
     def sum_logits(self, e: Tensor) -> Tensor | None:
         """Unnormalised sum-unit logits ``(B, U, r)`` (None for ff)."""
         s = self.structure

@@ -133,12 +133,22 @@ def test_latent_path_drafts_never_evaluate_the_whole_table(
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("the draft evaluated the whole table")
 
+    real_tokens = head.token_logits
+    pairs: list[int] = []
+
+    def counting_tokens(e: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor):  # type: ignore[no-untyped-def]
+        pairs.append(len(positions))
+        return real_tokens(e, positions, tokens)
+
     head.input_logits = counting  # type: ignore[method-assign]
+    head.token_logits = counting_tokens  # type: ignore[method-assign]
     head.forward = refuse  # type: ignore[method-assign]
     model.draft_params = refuse  # type: ignore[method-assign]
     res = mtpc.generate(model, PROMPTS[0], NEW, greedy=greedy, draft_mode=mode, stop_ids=())
     cycles = res.num_cycles
-    evidence_rows = rank if rank > 1 else 0
+    # zmap scores the pending token's units by r d-vectors of W (token_logits), not rows
+    evidence_rows = rank if rank > 1 and mode != "zmap" else 0
+    assert sum(pairs) == (cycles - 1 if rank > 1 and mode == "zmap" else 0)
     # first cycle: nothing pending, n leaves; then the pending token + n - 1 leaves
     path_rows = n + (cycles - 1) * (evidence_rows + n - 1)
     if mode == "sample" and rank > 1:
@@ -148,7 +158,7 @@ def test_latent_path_drafts_never_evaluate_the_whole_table(
         assert (sum(rows) - path_rows) % rank == 0
     else:
         assert sum(rows) == path_rows
-        assert len(rows) == 1 + (cycles - 1) * (2 if rank > 1 else 1)
+        assert len(rows) == 1 + (cycles - 1) * (2 if evidence_rows else 1)
     if greedy:
         ar = mtpc.generate(model, PROMPTS[0], NEW, method="autoregressive", stop_ids=())
         assert res.tokens == ar.tokens

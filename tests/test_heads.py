@@ -69,6 +69,31 @@ def test_partial_input_logits_read_only_the_asked_rows_of_w(
     torch.testing.assert_close(got, head.input_logits(e)[:, [0, 3, 2], units])
 
 
+def test_token_logits_read_r_vectors_per_pair(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Every unit's logit at (position, token) pairs equals the table's entry and multiplies
+    k x r x d weights, not the k x r x V x d rows; bad shapes are refused."""
+    import mtpc.heads
+
+    head = MTPCHead("btree", 4, 3, V, D)
+    e = torch.randn(2, D)
+    positions, tokens = torch.tensor([0, 2]), torch.tensor([V - 1, 1])
+    read: list[int] = []
+    linear = mtpc.heads.F.linear
+
+    def counting(x: torch.Tensor, w: torch.Tensor, *args: object) -> torch.Tensor:
+        read.append(w.numel())
+        return linear(x, w, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(mtpc.heads.F, "linear", counting)
+    got = head.token_logits(e, positions, tokens)
+    assert got.shape == (2, 2, 3) and sum(read) == 2 * 3 * D
+    monkeypatch.setattr(mtpc.heads.F, "linear", linear)
+    table = head.input_logits(e)  # (B, n, r, V)
+    torch.testing.assert_close(got, table[:, [0, 2], :, [V - 1, 1]].transpose(0, 1))
+    with pytest.raises(ValueError, match="same length"):
+        head.token_logits(e, positions, torch.tensor([1]))
+
+
 @pytest.mark.parametrize(("kind", "rank"), FAMILIES)
 @pytest.mark.parametrize("m", [1, 2, 5])
 @pytest.mark.parametrize("extra", ["random", "repeat_last"])

@@ -135,6 +135,15 @@ class HeadState:
         self._lap("head")
         return out
 
+    def token_logits(self, evidence: Tensor) -> Tensor:
+        """Every unit's unnormalised, untempered logit at the evidence tokens ``(1, pre, r)``
+        (fp32): r d-vectors of W per position, no normaliser."""
+        self._lap("circuit")
+        positions = torch.arange(evidence.shape[1], device=evidence.device)
+        out = self.head.token_logits(self.features, positions, evidence[0]).float()
+        self._lap("head")
+        return out
+
     def params(self) -> CircuitParams:
         """theta_t with the whole (1, n, r, V) table (the full-table modes), computed once."""
         if self._params is None:
@@ -245,7 +254,12 @@ def draft_step(
         decode = circuit.map_decode if mode == "map" else circuit.greedy_chain
         return Draft(decode(state.params(), evidence=evidence))
     rows = evidence_leaves = None
-    if evidence is not None and circuit.rank > 1:  # r = 1: one path, the evidence is moot
+    if evidence is not None and circuit.rank > 1 and mode == "zmap":
+        # greedy: score the units by their logit at the pending token without the
+        # normalisers (r d-vectors of W, not r rows); any draft is exact when greedy, and
+        # the acceptance measured the same (docs/BENCHMARKS.md)
+        evidence_leaves = state.token_logits(evidence)  # (1, pre, r)
+    elif evidence is not None and circuit.rank > 1:  # r = 1: one path, the evidence is moot
         rows = state.leaf_logp(torch.arange(pre))  # (1, pre, r, V): every unit, evidence only
         evidence_leaves = rows[0, torch.arange(pre, device=rows.device), :, evidence[0]][None]
     if circuit.rank == 1:  # one unit per position: the only path
