@@ -24,8 +24,9 @@ The draft step (:func:`draft_step`) reads the head through a :class:`HeadState`,
 computes input logits only where asked. ``map`` and ``chain`` take all n·r·V of them; the
 path-drawn modes take what they use. They pick a latent path z from the sum weights and every
 unit's leaf at the evidence position (its value at the pending token): ``zmap`` (greedy)
-takes each sum unit's most probable child given the evidence, then each drafted position's
-leaf argmax on z; ``zsample`` and ``sample`` draw z from its posterior, then each drafted
+takes each sum unit's most probable child given the evidence (scored by each unit's logit at
+the pending token, without the normalisers that would need every row), then each drafted
+position's leaf argmax on z; ``zsample`` and ``sample`` draw z from its posterior, then each drafted
 position from its leaf on z (an ancestral sample). Sampling with ``zsample`` verifies against
 q(. | z): z is drawn before the target is seen and independently of it, and given z the
 positions are independent, so speculative sampling with the proposals q_i(.) = phi_{i, z_i}
