@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 import torch
@@ -44,16 +45,10 @@ def test_public_api_smoke() -> None:
     torch.testing.assert_close(pairs, head.input_logits(e)[:, [0, 3, 3], [1, 0, 1]])
 
 
-@pytest.mark.parametrize(("kind", "rank"), [("cp", 4), ("ff", 1)])
-def test_partial_input_logits_read_only_the_asked_rows_of_w(
-    kind: str, rank: int, monkeypatch
-) -> None:  # type: ignore[no-untyped-def]
-    """(position, unit) pairs multiply len(pairs) x V x d weights, not the n x r x V x d table
-    (a version that computes the table and then gathers fails the count)."""
+def _weights_read(head: MTPCHead, query: Any) -> tuple[torch.Tensor, int]:
+    """``query(head)`` and the number of weights its ``F.linear`` calls multiplied."""
     import mtpc.heads
 
-    head = MTPCHead(kind, 4, rank, V, D)
-    e = torch.randn(2, D)
     read: list[int] = []
     linear = mtpc.heads.F.linear
 
@@ -61,33 +56,34 @@ def test_partial_input_logits_read_only_the_asked_rows_of_w(
         read.append(w.numel())
         return linear(x, w, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(mtpc.heads.F, "linear", counting)
+    mtpc.heads.F.linear = counting  # type: ignore[assignment]
+    try:
+        out = query(head)
+    finally:
+        mtpc.heads.F.linear = linear  # type: ignore[assignment]
+    return out, sum(read)
+
+
+@pytest.mark.parametrize(("kind", "rank"), [("cp", 4), ("ff", 1)])
+def test_partial_input_logits_read_only_the_asked_rows_of_w(kind: str, rank: int) -> None:
+    """(position, unit) pairs multiply len(pairs) x V x d weights, not the n x r x V x d table
+    (a version that computes the table and then gathers fails the count)."""
+    head = MTPCHead(kind, 4, rank, V, D)
+    e = torch.randn(2, D)
     units = [1, 0, rank - 1] if rank > 1 else [0, 0, 0]
-    got = head.input_logits(e, positions=[0, 3, 2], units=units)
-    assert sum(read) == 3 * V * D
-    monkeypatch.setattr(mtpc.heads.F, "linear", linear)
+    got, read = _weights_read(head, lambda h: h.input_logits(e, positions=[0, 3, 2], units=units))
+    assert read == 3 * V * D
     torch.testing.assert_close(got, head.input_logits(e)[:, [0, 3, 2], units])
 
 
-def test_token_logits_read_r_vectors_per_pair(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_token_logits_read_r_vectors_per_pair() -> None:
     """Every unit's logit at (position, token) pairs equals the table's entry and multiplies
     k x r x d weights, not the k x r x V x d rows; bad shapes are refused."""
-    import mtpc.heads
-
     head = MTPCHead("btree", 4, 3, V, D)
     e = torch.randn(2, D)
     positions, tokens = torch.tensor([0, 2]), torch.tensor([V - 1, 1])
-    read: list[int] = []
-    linear = mtpc.heads.F.linear
-
-    def counting(x: torch.Tensor, w: torch.Tensor, *args: object) -> torch.Tensor:
-        read.append(w.numel())
-        return linear(x, w, *args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(mtpc.heads.F, "linear", counting)
-    got = head.token_logits(e, positions, tokens)
-    assert got.shape == (2, 2, 3) and sum(read) == 2 * 3 * D
-    monkeypatch.setattr(mtpc.heads.F, "linear", linear)
+    got, read = _weights_read(head, lambda h: h.token_logits(e, positions, tokens))
+    assert got.shape == (2, 2, 3) and read == 2 * 3 * D
     table = head.input_logits(e)  # (B, n, r, V)
     torch.testing.assert_close(got, table[:, [0, 2], :, [V - 1, 1]].transpose(0, 1))
     with pytest.raises(ValueError, match="same length"):
