@@ -195,6 +195,36 @@ def test_the_marginal_proposal_reads_only_the_positions_it_is_asked() -> None:
     assert seen == [[0, 1], [2], list(range(n))]  # (the last: the full table, for the check)
 
 
+@torch.no_grad()
+def test_zsample1_verifies_its_first_draft_against_the_marginal() -> None:
+    """zsample1's proposal at the first draft is the circuit's marginal q(. | pending token)
+    (a version verifying against the path's q(. | z), as zsample does, fails), and q(. | z)
+    at the later drafts."""
+    from mtpc.decoding.speculative import HeadState, draft_step
+
+    n, r = 4, 3
+    model = make_model("btree", n, r)
+    hidden = torch.randn(1, 32, dtype=torch.float64)
+    evidence = torch.tensor([[7]])
+    full = HeadState(model, hidden).params()
+    marginal = model.head.circuit.conditional_log_prob(full, evidence)[0].exp()  # (V,)
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        draft = draft_step(HeadState(model, hidden), evidence, "zsample1", g, sampling=True)
+        g = torch.Generator().manual_seed(seed)
+        path = draft_step(HeadState(model, hidden), evidence, "zsample", g, sampling=True)
+        assert torch.equal(draft.window, path.window)  # the same draw
+        assert callable(draft.token_probs) and draft.proposal is not None
+        assert path.proposal is not None and isinstance(path.token_probs, torch.Tensor)
+        x1 = int(draft.window[0, 1])
+        torch.testing.assert_close(draft.proposal(0), marginal)
+        assert draft.token_probs(0) == pytest.approx(float(marginal[x1]))
+        for i in range(1, n - 1):
+            torch.testing.assert_close(draft.proposal(i), path.proposal(i))
+            assert draft.token_probs(i) == pytest.approx(float(path.token_probs[i]))
+        assert not torch.allclose(path.proposal(0), marginal)  # the test can tell them apart
+
+
 def test_a_draft_that_predicts_the_target_gets_accepted() -> None:
     """Position 1 of a head initialised from the STP head is the verifier itself (k = 0)."""
     model = make_model("cp", 4, 2, k=0, noise=0.0)

@@ -249,8 +249,8 @@ class Circuit:
         B, m, r = leaves.shape
         unit = torch.full((r, r), -math.inf, dtype=next_logp.dtype, device=next_logp.device)
         unit.fill_diagonal_(0.0)  # (r, r): log e_j, column j
-        plan = self._prefix_plan(m + 1) if sum_logw is not None else None
-        if plan is not None and sum_logw is not None:  # only the folds above positions 0..m
+        if sum_logw is not None and (plan := self._prefix_plan(m + 1)) is not None:
+            # only the folds above positions 0..m (every other one is log 1)
             inputs = {(0, p): leaves[:, p].unsqueeze(-1).to(next_logp.dtype) for p in range(m)}
             inputs[(0, m)] = unit.unsqueeze(0)
             log_g = self._prefix_values(plan, inputs, _f32(sum_logw).to(next_logp.dtype))[:, 0]
@@ -527,7 +527,6 @@ class Circuit:
                 ``(B, R, r)`` are appended here, in weight-row order.
         """
         values = dict(inputs)
-        y = None
         fmin = torch.finfo(lw.dtype).min
         wexp = None if scores is not None else lw.exp()  # (B, U, r)
         for is_sum, fold, kids, lo, R in plan:
@@ -548,9 +547,7 @@ class Circuit:
                         torch.matmul(wexp[:, lo : lo + R], torch.exp(c - mx)).log() + mx
                     )  # (B, R, K)
             values[fold] = c
-            y = c
-        assert y is not None, "an empty prefix has no plan to run"
-        return y
+        return values[plan[-1][1]]  # the root: the last fold of a prefix's plan
 
     def _prefix_posterior(self, plan: tuple[_Step, ...], ev: Tensor, lw: Tensor) -> Tensor:
         """:meth:`_posterior` given evidence on a prefix, over the prefix's ancestors only.

@@ -286,7 +286,7 @@ def draft_step(
         # (z, x_1) is an ancestral draw, so x_1's distribution is the marginal q(. | evidence)
         # and z given x_1 is the posterior: verify x_1 against the marginal (computed only
         # when the test or the residual asks), the later drafts against q(. | z)
-        first = FirstMarginal(state, evidence_leaves, pre, probs, tokens)
+        first = FirstMarginal(MarginalProposal(state, window, pre, rows), probs, tokens)
         return Draft(window, first.token_prob, first.dist)
     return Draft(window, probs.gather(1, tokens[:, None])[:, 0], probs.__getitem__)
 
@@ -330,47 +330,30 @@ def resume(
 
 
 class FirstMarginal:
-    """``zsample1``'s proposal: the marginal q(. | evidence) at the first draft, computed on
-    demand (every unit at its position), then q(. | z) at the later drafts.
+    """``zsample1``'s proposal: the marginal q(. | evidence) at the first draft (the
+    :class:`MarginalProposal`'s, computed on demand), then q(. | z) at the later drafts.
 
     Args:
-        state: the head at the drafting state.
-        evidence_leaves: ``(1, pre, r)`` every unit's log phi at the evidence, or None.
-        pre: the first draft's window position.
+        marginal: the window's marginal proposal (asked at draft 0 only).
         probs: ``(m, V)`` q(. | z) at the drafts.
         tokens: ``(m,)`` the drafts.
     """
 
-    def __init__(
-        self,
-        state: HeadState,
-        evidence_leaves: Tensor | None,
-        pre: int,
-        probs: Tensor,
-        tokens: Tensor,
-    ) -> None:
-        self.state, self.evidence_leaves, self.pre = state, evidence_leaves, pre
-        self.probs, self.tokens = probs, tokens
+    def __init__(self, marginal: MarginalProposal, probs: Tensor, tokens: Tensor) -> None:
+        self.marginal, self.probs, self.tokens = marginal, probs, tokens
         self._first: Tensor | None = None
-
-    def _marginal(self) -> Tensor:
-        if self._first is None:
-            circuit, r = self.state.circuit, self.state.circuit.rank
-            rows = self.state.leaf_logp(torch.arange(self.pre, self.pre + 1))  # (1, 1, r, V)
-            lead = self.evidence_leaves
-            if lead is None:
-                lead = rows.new_zeros(1, 0, r)
-            q = circuit.conditional_from_leaves(lead, rows[:, 0], self.state.sum_logw())
-            self._first = q[0].exp()  # (V,)
-        return self._first
 
     def token_prob(self, i: int) -> float:
         """q_i at the i-th draft."""
-        return float(self._marginal()[self.tokens[0]] if i == 0 else self.probs[i, self.tokens[i]])
+        return float(self.dist(0)[self.tokens[0]] if i == 0 else self.probs[i, self.tokens[i]])
 
     def dist(self, i: int) -> Tensor:
         """The full proposal q_i(.) ``(V,)`` (the residual at a rejection)."""
-        return self._marginal() if i == 0 else self.probs[i]
+        if i:
+            return self.probs[i]
+        if self._first is None:
+            self._first = self.marginal.dist(0)  # (V,): every unit at the first draft
+        return self._first
 
 
 @torch.no_grad()
