@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from mtpc.decoding.common import GenerationResult
 from mtpc.evaluation.metrics import aggregate, set_metrics
+from mtpc.evaluation.records import RecordsError
 from mtpc.evaluation.run import EvalConfigError, evaluate
 from mtpc.export import TargetMismatchError
 from mtpc.model import MTPCModel
@@ -183,3 +186,26 @@ def test_hetero_drafter_rows_report_speedup_and_vocabulary_overlap(tmp_path: Pat
     assert ar["kind"] == "ar" and slem["kind"] == "slem"
     assert slem["mu_acc"] >= 1.0 and slem["speedup_ar"] > 0 and len(slem["per_set"]) == 2
     assert 0 < slem["overlap"]["vocab_intersection_over_target"] <= 1
+    assert slem["prompts"] == ar["prompts"] == 4
+    assert {r["name"] for r in res["by_source"]} == {"hetero:slem"}
+    assert sum(r["prompts"] for r in res["by_source"]) == 4
+
+    # report= rebuilds the hetero rows from the records alone (no drafter loaded)
+    folder = Path(res["folder"])
+    with mock.patch("mtpc.evaluation.hetero.load_drafter", side_effect=AssertionError("loaded")):
+        rebuilt = evaluate(_cfg(tmp_path, report=str(folder), plots=False))
+    assert [r["name"] for r in rebuilt["rows"]] == ["AR (target)", "hetero:slem"]
+    for got, want in zip(rebuilt["rows"], res["rows"], strict=True):
+        assert got == want
+    assert rebuilt["by_source"] == res["by_source"]
+    assert rebuilt["table"] == res["table"]
+    # the same drafter's rows in two merged folders would be counted twice: refused
+    shutil.copytree(folder, tmp_path / "copy")
+    with pytest.raises(RecordsError, match="drafter:fixture:bpe was evaluated in both"):
+        evaluate(
+            _cfg(
+                tmp_path,
+                report=[str(folder), str(tmp_path / "copy")],
+                output_dir=str(tmp_path / "m"),
+            )
+        )

@@ -344,13 +344,15 @@ def check_mergeable(manifests: Sequence[Mapping[str, Any]], folders: Sequence[Pa
                 f"cannot merge {folders[0]} and {folder}: measured differently; "
                 + "; ".join(changed)
             )
-        for d in manifest["drafts"]:
-            if d["path"] in seen:
+        drafter = manifest["settings"].get("drafter")  # drafter=hetero: its rows, once
+        paths = [d["path"] for d in manifest["drafts"]]
+        for path in paths + ([f"drafter:{drafter.get('model')}"] if drafter else []):
+            if path in seen:
                 raise RecordsError(
-                    f"cannot merge: draft {d['path']} was evaluated in both {seen[d['path']]} "
+                    f"cannot merge: draft {path} was evaluated in both {seen[path]} "
                     f"and {folder}; keep one of the folders"
                 )
-            seen[d["path"]] = folder
+            seen[path] = folder
 
 
 def expand_folders(patterns: Iterable[str], root: Path) -> list[Path]:

@@ -56,6 +56,8 @@ SOURCE_COLUMNS = (
     ("tok_s", "tok/s", "1f"),
     ("speedup_ar", "x AR", "2f"),
 )
+HETERO_PASSES = ("hetero_ar", "hetero")
+"""Record passes of ``drafter=hetero``: the target alone and drafted by the other vocabulary."""
 TIMING = ("mu_lat", "tok_s", "wall_tok_s", "max_tok_s", "speedup_ar", "speedup_baseline")
 """Row fields that depend on timing (the rest is a function of the decoded tokens)."""
 
@@ -174,7 +176,78 @@ def build_report(
                     {"name": name, "path": d["path"], "source": source, **m,
                      "speedup_ar": m["tok_s"] / a["tok_s"] if a["tok_s"] > 0 else float("nan")}
                 )  # fmt: skip
-    return rows, source_rows
+    hetero_rows, hetero_sources = hetero_report(settings, records, with_ar=not ar)
+    return rows + hetero_rows, source_rows + hetero_sources
+
+
+def hetero_report(
+    settings: Mapping[str, Any], records: Sequence[Mapping[str, Any]], with_ar: bool
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Rows and per-source rows of ``drafter=hetero`` from its records (none without them).
+
+    Args:
+        settings: the manifest's settings (``drafter``: model, algorithm, lookahead).
+        records: the folder's records: passes :data:`HETERO_PASSES` of ``draft_path``
+            ``drafter:<model>``, and the ``overlap`` line (Timor et al., Tables 5-6).
+        with_ar: add the target-alone row as ``AR (target)`` (a folder with no
+            self-speculative draft has no other AR row).
+
+    Returns:
+        ``(rows, source_rows)`` as :func:`build_report`'s: mean ± std over prompt sets;
+        ``x AR`` against the target alone on the same prompts in the same call.
+    """
+    from mtpc.evaluation.hetero import hetero_metrics
+
+    drafter = settings.get("drafter") or {}
+    key = f"drafter:{drafter.get('model')}"
+    prompts = [r for r in records if r.get("type") == "prompt" and r.get("draft_path") == key]
+    if not drafter or not prompts:
+        return [], []
+    sets = sorted({r["set"] for r in prompts})
+    per_pass = {
+        p: [
+            {"set": k, **hetero_metrics([r for r in prompts if (r["pass"], r["set"]) == (p, k)])}
+            for k in sets
+        ]
+        for p in HETERO_PASSES
+    }
+    ar_sets, sd_sets = per_pass["hetero_ar"], per_pass["hetero"]
+    for sd, ar in zip(sd_sets, ar_sets, strict=True):
+        sd["speedup_ar"] = sd["tok_s"] / ar["tok_s"] if ar["tok_s"] > 0 else float("nan")
+    algorithm = str(drafter.get("algorithm", "slem"))
+    name = f"hetero:{algorithm}"
+    rows = []
+    count = {p: sum(1 for r in prompts if r["pass"] == p) for p in HETERO_PASSES}
+    if with_ar:
+        rows.append(
+            {"name": "AR (target)", "kind": "ar", **aggregate(ar_sets), "per_set": ar_sets,
+             "prompts": count["hetero_ar"]}
+        )  # fmt: skip
+    row = {"name": name, "kind": algorithm, "lookahead": drafter.get("lookahead")}
+    row.update(aggregate(sd_sets))
+    row["per_set"] = sd_sets
+    row["prompts"] = count["hetero"]
+    overlap = next(
+        (r for r in records if r.get("type") == "overlap" and r["draft_path"] == key), None
+    )
+    row["overlap"] = (
+        None
+        if overlap is None
+        else {k: v for k, v in overlap.items() if k not in ("type", "draft_path")}
+    )
+    row["speedup_ar"], row["speedup_ar_std"] = mean_std([m["speedup_ar"] for m in sd_sets])
+    source_rows = []
+    for source in sorted({r["source"] for r in prompts}):
+        m, a = (
+            hetero_metrics([r for r in prompts if (r["pass"], r["source"]) == (p, source)])
+            for p in ("hetero", "hetero_ar")
+        )
+        ratio = m["tok_s"] / a["tok_s"] if a["tok_s"] > 0 else float("nan")
+        n_source = sum(1 for r in prompts if (r["pass"], r["source"]) == ("hetero", source))
+        source_rows.append(
+            {"name": name, "source": source, "prompts": n_source, **m, "speedup_ar": ratio}
+        )
+    return [*rows, row], source_rows
 
 
 def _baseline_speedups(rows: list[dict[str, Any]]) -> None:
@@ -213,7 +286,6 @@ def report_folders(
     folders: Sequence[Path],
     out_dir: Path,
     plots: bool = True,
-    extra_rows: Sequence[dict[str, Any]] = (),
     echo: bool = True,
 ) -> dict[str, Any]:
     """Tables, results.json, CSVs and plots of one evaluation folder or several merged.
@@ -226,7 +298,6 @@ def report_folders(
         folders: evaluation folders (with manifest.json and records.jsonl).
         out_dir: where results.json, results.csv, by_source.csv and the plots go.
         plots: draw the plots.
-        extra_rows: rows not derived from records (``drafter=hetero``), appended.
         echo: print the tables.
 
     Returns:
@@ -245,7 +316,6 @@ def report_folders(
         rows += [r for r in folder_rows if index == 0 or r["kind"] != "ar"]
         source_rows += folder_sources
     rows.sort(key=lambda r: bool(r.get("baseline")))  # baselines last (stable)
-    rows += list(extra_rows)
     _baseline_speedups(rows)
     first = manifests[0]
     title = title_of(first, rows) + (

@@ -635,7 +635,6 @@ def evaluate(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
     if _get(cfg, "resume", "auto") == "never":
         folder = fresh_folder(folder)
     logger.info("evaluation folder: %s", folder)
-    extra: list[dict[str, Any]] = []
     new = not (folder / MANIFEST).is_file()
     with RecordStore.open(folder, manifest, force=_get(cfg, "resume", "auto") == "force") as store:
         try:
@@ -646,12 +645,12 @@ def evaluate(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
                         cfg, str(_get(cfg, "model.codec", "tiny")), _get(cfg, "max_prompt_length")
                     )
                     _check_prompts(store, prompt_sets)
-                extra = hetero_rows(cfg, store, prompt_sets, with_ar=not drafts and not base_paths)
+                decode_hetero(cfg, store, prompt_sets)
         except Exception:
             if new and not store.records:  # refused before any decoding: leave no folder
                 shutil.rmtree(folder, ignore_errors=True)
             raise
-    result = report_folders([folder], folder, plots=plots, extra_rows=extra)
+    result = report_folders([folder], folder, plots=plots)
     print(f"results: {result['files']['json']}")
     return {**result, "folder": str(folder)}
 
@@ -664,31 +663,21 @@ def fresh_folder(folder: Path) -> Path:
     return candidate
 
 
-HETERO_PASSES = ("hetero_ar", "hetero")
-"""Record passes of ``drafter=hetero``: the target alone and drafted by the other vocabulary."""
-
-
-def hetero_rows(
-    cfg: Any, store: RecordStore, prompt_sets: list[list[Any]], with_ar: bool
-) -> list[dict[str, Any]]:
-    """Rows for ``drafter=hetero``: the configured target drafted by another vocabulary.
+def decode_hetero(cfg: Any, store: RecordStore, prompt_sets: list[list[Any]]) -> None:
+    """Decodes the prompts of ``drafter=hetero``: the configured target drafted by another
+    vocabulary.
 
     Each prompt is decoded by the target alone and with :func:`mtpc.generate_hetero`
     (``mtpc.evaluation.hetero.hetero_decoders``, so ``x AR`` compares like with like) and
-    recorded in ``store`` as it finishes (passes :data:`HETERO_PASSES`, ``draft_path``
+    recorded in ``store`` as it finishes (passes ``HETERO_PASSES``, ``draft_path``
     ``drafter:<model>``); prompts already recorded are not decoded again, so a killed
-    evaluation resumes. Rows hold the mean and std over sets, as the self-speculative rows
-    do; the vocabulary overlap (Timor et al., Tables 5-6) goes into the row's ``overlap``.
+    evaluation resumes. The vocabulary overlap (Timor et al., Tables 5-6) is recorded once
+    (an ``overlap`` line). The rows are built from the records
+    (``mtpc.evaluation.report.hetero_report``), so ``report=`` rebuilds them too.
     """
     from mtpc.backbones.codecs import get_codec
-    from mtpc.evaluation.hetero import (
-        hetero_decoders,
-        hetero_metrics,
-        hetero_record,
-        load_drafter,
-        overlap_stats,
-    )
-    from mtpc.evaluation.metrics import aggregate, mean_std
+    from mtpc.evaluation.hetero import hetero_decoders, hetero_record, load_drafter, overlap_stats
+    from mtpc.evaluation.report import HETERO_PASSES
 
     device = str(_get(cfg, "device", "cpu"))
     backbone = load_target(cfg)
@@ -718,22 +707,6 @@ def hetero_rows(
                  "draft_path": key, "pass": pass_name, "set": k, "index": i, "prompt_id": p.id,
                  "source": p.source, "seed": seed + k + i, **hetero_record(result)}
             )  # fmt: skip
-    prompts = [r for r in store.records if r.get("type") == "prompt" and r["draft_path"] == key]
-    per_pass = {
-        pass_name: [
-            hetero_metrics([r for r in prompts if (r["pass"], r["set"]) == (pass_name, k)])
-            for k in range(len(prompt_sets))
-        ]
-        for pass_name in HETERO_PASSES
-    }
-    ar_sets, sd_sets = per_pass["hetero_ar"], per_pass["hetero"]
-    for sd, ar in zip(sd_sets, ar_sets, strict=True):
-        sd["speedup_ar"] = sd["tok_s"] / ar["tok_s"] if ar["tok_s"] > 0 else float("nan")
-    rows = []
-    if with_ar:
-        rows.append({"name": "AR (target)", "kind": "ar", **aggregate(ar_sets), "per_set": ar_sets})
-    row = {"name": name, "kind": algorithm, "lookahead": lookahead, **aggregate(sd_sets)}
-    row["per_set"] = sd_sets
-    row["overlap"] = overlap_stats(codec, tokenizer, [p.prompt_ids for p in prompt_sets[0]])
-    row["speedup_ar"], row["speedup_ar_std"] = mean_std([m["speedup_ar"] for m in sd_sets])
-    return [*rows, row]
+    if not any(r.get("type") == "overlap" and r["draft_path"] == key for r in store.records):
+        stats = overlap_stats(codec, tokenizer, [p.prompt_ids for p in prompt_sets[0]])
+        store.append({"type": "overlap", "draft_path": key, **stats})
