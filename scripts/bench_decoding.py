@@ -18,7 +18,8 @@ every family then equals FF, so the acceptance is FF's and only the latency diff
 
 Every prompt is decoded by every (draft, mode) in turn (interleaved), so load drift on a
 shared machine hits all of them alike; ``x FF cycle`` is each cycle over the first draft's
-(pass the FF draft first) in the same mode.
+(pass the FF draft first) in the same mode, with ``--repeats`` > 1 followed by its range over
+the repeats (each decodes every prompt once): how far this machine's noise moves it.
 """
 
 from __future__ import annotations
@@ -153,16 +154,30 @@ def main() -> None:
             "| | | | | | |"
         )
     rows: list[dict[str, Any]] = []
-    first: dict[str, float] = {}  # mode -> the first draft's cycle (FF when given first)
+    # mode -> the first draft's cycle, overall and per repeat (FF when given first)
+    first: dict[str, tuple[float, list[float]]] = {}
+    count = len(prompts)
     for (name, _, kw), res in zip(runs[2:], results[2:], strict=True):
         m = _metrics(res, window)
         greedy = kw["greedy"]
         label = f"{'greedy' if greedy else 'sampling'}/{kw['draft_mode']}"
         m["speedup_ar"] = m["tok_s"] / ar["greedy" if greedy else "sampling"]["tok_s"]
-        m["cycle_ratio"] = m["mu_lat"] / first.setdefault(label, m["mu_lat"])
+        # per repeat (every prompt once): the spread is how far this machine's noise moves it
+        cycles = [
+            _metrics(res[k * count : (k + 1) * count], window)["mu_lat"]
+            for k in range(args.repeats)
+        ]
+        ref, ref_cycles = first.setdefault(label, (m["mu_lat"], cycles))
+        m["cycle_ratio"] = m["mu_lat"] / ref
+        m["cycle_ratio_per_repeat"] = [c / f for c, f in zip(cycles, ref_cycles, strict=True)]
+        spread = (
+            f" ({min(m['cycle_ratio_per_repeat']):.2f}-{max(m['cycle_ratio_per_repeat']):.2f})"
+            if args.repeats > 1
+            else ""
+        )
         b = m["breakdown"]
         print(
-            f"| {name} | {label} | {m['mu_lat'] * 1e3:.3f} | {m['cycle_ratio']:.2f} "
+            f"| {name} | {label} | {m['mu_lat'] * 1e3:.3f} | {m['cycle_ratio']:.2f}{spread} "
             f"| {m['mu_acc']:.2f} | {m['tok_s']:.1f} | {m['speedup_ar']:.2f} | "
             + " | ".join(
                 f"{100 * b[k]:.0f}%"
