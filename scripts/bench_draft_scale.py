@@ -107,6 +107,7 @@ def trunk_pass(
         hidden_size=d, intermediate_size=inner, num_attention_heads=heads,
         num_key_value_heads=kv_heads, num_hidden_layers=1, vocab_size=V_UNUSED,
     )  # fmt: skip
+    config._attn_implementation = "sdpa"  # a standalone layer gets no dispatch from a model
     layer = LlamaDecoderLayer(config, layer_idx=0).to(device, dtype).eval()  # freed on return
     rotary = LlamaRotaryEmbedding(config).to(device)
 
