@@ -329,6 +329,12 @@ class RecordStore:
         self.close()
 
 
+def hetero_draft_path(drafter: Mapping[str, Any]) -> str:
+    """The ``draft_path`` of a ``drafter=hetero`` evaluation's records (its ``drafter.*``
+    settings): ``drafter:<model>``."""
+    return f"drafter:{drafter.get('model')}"
+
+
 def check_mergeable(manifests: Sequence[Mapping[str, Any]], folders: Sequence[Path]) -> None:
     """Refuses to merge folders measured on different targets, data, devices or settings.
 
@@ -346,7 +352,7 @@ def check_mergeable(manifests: Sequence[Mapping[str, Any]], folders: Sequence[Pa
             )
         drafter = manifest["settings"].get("drafter")  # drafter=hetero: its rows, once
         paths = [d["path"] for d in manifest["drafts"]]
-        for path in paths + ([f"drafter:{drafter.get('model')}"] if drafter else []):
+        for path in paths + ([hetero_draft_path(drafter)] if drafter else []):
             if path in seen:
                 raise RecordsError(
                     f"cannot merge: draft {path} was evaluated in both {seen[path]} "

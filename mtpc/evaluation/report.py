@@ -22,6 +22,7 @@ from typing import Any
 from mtpc.evaluation.metrics import aggregate, mean_std, set_metrics
 from mtpc.evaluation.records import (
     check_mergeable,
+    hetero_draft_path,
     read_manifest,
     read_records,
     write_json,
@@ -58,6 +59,13 @@ SOURCE_COLUMNS = (
 )
 HETERO_PASSES = ("hetero_ar", "hetero")
 """Record passes of ``drafter=hetero``: the target alone and drafted by the other vocabulary."""
+
+
+def hetero_row_name(algorithm: str) -> str:
+    """The row (and record ``draft``) name of a ``drafter=hetero`` evaluation."""
+    return f"hetero:{algorithm}"
+
+
 TIMING = ("mu_lat", "tok_s", "wall_tok_s", "max_tok_s", "speedup_ar", "speedup_baseline")
 """Row fields that depend on timing (the rest is a function of the decoded tokens)."""
 
@@ -199,7 +207,7 @@ def hetero_report(
     from mtpc.evaluation.hetero import hetero_metrics
 
     drafter = settings.get("drafter") or {}
-    key = f"drafter:{drafter.get('model')}"
+    key = hetero_draft_path(drafter)
     prompts = [r for r in records if r.get("type") == "prompt" and r.get("draft_path") == key]
     if not drafter or not prompts:
         return [], []
@@ -215,7 +223,7 @@ def hetero_report(
     for sd, ar in zip(sd_sets, ar_sets, strict=True):
         sd["speedup_ar"] = sd["tok_s"] / ar["tok_s"] if ar["tok_s"] > 0 else float("nan")
     algorithm = str(drafter.get("algorithm", "slem"))
-    name = f"hetero:{algorithm}"
+    name = hetero_row_name(algorithm)
     rows = []
     count = {p: sum(1 for r in prompts if r["pass"] == p) for p in HETERO_PASSES}
     if with_ar:
@@ -238,14 +246,14 @@ def hetero_report(
     row["speedup_ar"], row["speedup_ar_std"] = mean_std([m["speedup_ar"] for m in sd_sets])
     source_rows = []
     for source in sorted({r["source"] for r in prompts}):
-        m, a = (
-            hetero_metrics([r for r in prompts if (r["pass"], r["source"]) == (p, source)])
+        sd_recs, ar_recs = (
+            [r for r in prompts if (r["pass"], r["source"]) == (p, source)]
             for p in ("hetero", "hetero_ar")
         )
+        m, a = hetero_metrics(sd_recs), hetero_metrics(ar_recs)
         ratio = m["tok_s"] / a["tok_s"] if a["tok_s"] > 0 else float("nan")
-        n_source = sum(1 for r in prompts if (r["pass"], r["source"]) == ("hetero", source))
         source_rows.append(
-            {"name": name, "source": source, "prompts": n_source, **m, "speedup_ar": ratio}
+            {"name": name, "source": source, "prompts": len(sd_recs), **m, "speedup_ar": ratio}
         )
     return [*rows, row], source_rows
 

@@ -44,7 +44,13 @@ from mtpc.decoding import (
 )
 from mtpc.errors import UserError
 from mtpc.evaluation.metrics import prompt_record
-from mtpc.evaluation.records import MANIFEST, RecordsError, RecordStore, expand_folders
+from mtpc.evaluation.records import (
+    MANIFEST,
+    RecordsError,
+    RecordStore,
+    expand_folders,
+    hetero_draft_path,
+)
 from mtpc.evaluation.report import build_report, report_folders
 
 logger = logging.getLogger(__name__)
@@ -677,7 +683,7 @@ def decode_hetero(cfg: Any, store: RecordStore, prompt_sets: list[list[Any]]) ->
     """
     from mtpc.backbones.codecs import get_codec
     from mtpc.evaluation.hetero import hetero_decoders, hetero_record, load_drafter, overlap_stats
-    from mtpc.evaluation.report import HETERO_PASSES
+    from mtpc.evaluation.report import HETERO_PASSES, hetero_row_name
 
     device = str(_get(cfg, "device", "cpu"))
     backbone = load_target(cfg)
@@ -695,7 +701,8 @@ def decode_hetero(cfg: Any, store: RecordStore, prompt_sets: list[list[Any]]) ->
         **{k: v for k, v in options.items() if v is not None},
     )  # fmt: skip
     decoders = dict(zip(HETERO_PASSES, (run_ar, run_sd), strict=True))
-    key, name, seed = f"drafter:{drafter_model}", f"hetero:{algorithm}", int(_get(cfg, "seed", 0))
+    key = hetero_draft_path({"model": drafter_model})
+    name, seed = hetero_row_name(algorithm), int(_get(cfg, "seed", 0))
     for pass_name, decode in decoders.items():
         todo = store.pending(prompt_sets, key, pass_name)
         for w in range(int(_get(cfg, "warmup", 1)) if todo else 0):
