@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mtpc.backbones.compat import CacheInterfaceError, cache_guard_message
+
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -351,6 +353,14 @@ class Backbone(nn.Module, ABC):
         """Removes the last ``remove`` positions from a native cache (if supported)."""
         raise NotImplementedError
 
+    cache_kw = "native"
+    """How the native cache is handed to the layers (named by the cache guard's error)."""
+
+    def native_length(self, native: Any, layer: int) -> int | None:
+        """Positions the native cache holds for ``layer`` as the layers themselves recorded
+        them, or ``None`` where this backbone keeps the count itself (no guard needed)."""
+        return None
+
     def native_compact(self, native: Any, base: int, keep: torch.Tensor) -> None:
         """Keeps positions ``[0, base)`` and ``base + keep`` of a native cache (see
         :meth:`LayerCache.compact`)."""
@@ -465,7 +475,22 @@ class Backbone(nn.Module, ABC):
                 )
         if cache is not None:
             cache.length += t
+            self._guard_cache(cache)
         return hidden
+
+    def _guard_cache(self, cache: LayerCache) -> None:
+        """One length comparison: the native cache of the component's last layer must hold
+        every position fed to it, or the layers dropped the cache (a renamed keyword) and
+        any token computed from it would be wrong.
+
+        Raises:
+            CacheInterfaceError: the lengths differ (names the class, transformers, keyword).
+        """
+        if cache.native is None:
+            return
+        got = self.native_length(cache.native, cache.end - 1)
+        if got is not None and got != cache.length:
+            raise CacheInterfaceError(cache_guard_message(self, self.cache_kw, cache.length, got))
 
     @torch.no_grad()
     def reference_logits(self, ids: torch.Tensor) -> torch.Tensor:

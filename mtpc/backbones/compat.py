@@ -30,6 +30,19 @@ fixes (see ``docs/BACKBONES.md``, "Loading real checkpoints"):
    ``original_inv_freq``) into the loaded model.
 
 :func:`load_remote_causal_lm` applies all five and is the only loader of remote code.
+
+Two more places follow transformers' renames instead of pinning a release:
+
+6. **Removed modules** that 4.4x remote code imports: transformers 5.24 removed
+   ``transformers.modeling_attn_mask_utils`` (tokenkit imports ``AttentionMaskConverter`` from
+   it). :func:`install_removed_module_shims` registers our own implementation of the names
+   such code uses (:mod:`mtpc.backbones.legacy_attn_mask`) only when the real module is gone.
+7. **The cache keyword of a decoder layer**: ``past_key_value`` (4.4x remote code),
+   ``past_key_values`` (transformers 5.0-5.23), ``cache`` (5.24 and later).
+   :func:`cache_keyword` reads it from the layer's signature once, at load time; a layer
+   that names none of them is refused with :class:`CacheInterfaceError`. A keyword the layer
+   accepts but ignores is caught by the per-pass cache guard (``Backbone.run_layers``), which
+   raises the same error before any token is returned.
 """
 
 from __future__ import annotations
@@ -39,6 +52,7 @@ import copy
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import inspect
 import logging
 import sys
 from collections.abc import Callable, Iterator
@@ -47,6 +61,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from mtpc.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +93,74 @@ OPTIONAL_PACKAGES: dict[str, frozenset[str]] = {
 
 class TargetLoadError(RuntimeError):
     """A real target could not be loaded, or loaded wrong (names the model and the problem)."""
+
+
+class CacheInterfaceError(UserError, RuntimeError):
+    """The installed transformers (or remote code) does not fill the KV cache as called.
+
+    Raised at load time when a decoder layer names no known cache keyword, and after a
+    cached pass whose native cache did not grow by what the pass fed it: one line naming the
+    backbone class, the installed transformers version and the keyword, never a wrong token.
+    """
+
+
+# ------------------------------------------------------------ 7. cache keyword ----
+CACHE_KEYWORDS = ("cache", "past_key_values", "past_key_value")
+"""Names a decoder layer's forward takes its KV cache by, newest transformers first."""
+
+
+def transformers_version() -> str:
+    """The installed transformers version (``"not installed"`` without it)."""
+    try:
+        import transformers
+    except ImportError:
+        return "not installed"
+    return str(transformers.__version__)
+
+
+def cache_keyword(layer_cls: type, default: str | None = None) -> str:
+    """The keyword ``layer_cls.forward`` takes its KV cache by (first of :data:`CACHE_KEYWORDS`).
+
+    Args:
+        layer_cls: a decoder layer's (or a causal LM's) class.
+        default: returned when the signature names none (a stub taking ``**kwargs``);
+            ``None`` refuses such a class.
+
+    Raises:
+        CacheInterfaceError: the signature names none of them and there is no default (a
+            ``**kwargs`` catch-all is not trusted: a cache passed there may be dropped).
+    """
+    params = inspect.signature(layer_cls.forward).parameters
+    for name in CACHE_KEYWORDS:
+        if name in params:
+            return name
+    if default is not None:
+        return default
+    raise CacheInterfaceError(
+        f"{layer_cls.__module__}.{layer_cls.__qualname__}.forward takes none of the cache "
+        f"keywords {list(CACHE_KEYWORDS)} (transformers {transformers_version()}); see "
+        "docs/BACKBONES.md, 'Following transformers'"
+    )
+
+
+def cache_guard_message(backbone: Any, keyword: str, expected: int, got: int) -> str:
+    """The one line a failed cache guard raises with."""
+    return (
+        f"{type(backbone).__name__}: the KV cache holds {got} positions after a pass that fed "
+        f"it {expected} (transformers {transformers_version()}, cache keyword {keyword!r}): "
+        "the installed transformers does not fill the cache as called; install the lock "
+        "(scripts/setup.sh) or see docs/BACKBONES.md, 'Following transformers'"
+    )
+
+
+def output_cache(output: Any) -> Any:
+    """The cache a model's forward returned: ``output.cache`` (transformers >= 5.24) or
+    ``output.past_key_values`` (before); ``None`` when it returned none."""
+    for name in ("cache", "past_key_values"):
+        value = output.get(name) if isinstance(output, dict) else getattr(output, name, None)
+        if value is not None:
+            return value
+    return None
 
 
 # ---------------------------------------------------------------- 1. optional imports ----

@@ -1,8 +1,11 @@
 """HF Llama family behind the backbone interface (the tiny target, byte-vocabulary Llamas).
 
-Works with ``transformers``' ``LlamaForCausalLM`` (decoder layers take ``past_key_values``
-and return a tensor) and with Llama-shaped remote code of the 4.4x era such as tokenkit's
-``TPULlamaForCausalLM`` (layers take ``past_key_value`` and return a tuple). The native
+Works with ``transformers``' ``LlamaForCausalLM`` (decoder layers take ``cache`` from 5.24,
+``past_key_values`` before, and return a tensor) and with Llama-shaped remote code of the 4.4x
+era such as tokenkit's ``TPULlamaForCausalLM`` (layers take ``past_key_value`` and return a
+tuple). The keyword is read from the layer's signature once, at load time
+(:func:`~mtpc.backbones.compat.cache_keyword`), and every cached pass checks that the cache
+grew by what it was fed (:meth:`LlamaBackbone.native_length`, ``Backbone.run_layers``). The native
 cache is a ``DynamicCache``; one per component, indexed by the global layer number (the
 layers below ``start`` stay empty), cropped with ``DynamicCache.crop(-n)`` and compacted by
 index (token trees: the accepted path's keys and values) with ``index_select``. Token trees
@@ -19,6 +22,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from mtpc.backbones.base import Backbone, causal_mask, document_mask, tree_attention_mask
+from mtpc.backbones.compat import cache_keyword
 
 _FAST_CAUSAL = ("sdpa", "flash_attention_2", "flash_attention_3")
 
@@ -42,9 +46,11 @@ class LlamaBackbone(Backbone):
         super().__init__(hf_model, name, codec, source or _hf_source(hf_model))
         self.extra_mtp: torch.Tensor | None = None  # MTP unembeddings kept beside the model
         inner: Any = hf_model.model
-        params = inspect.signature(type(inner.layers[0]).forward).parameters
-        self._cache_kw = "past_key_values" if "past_key_values" in params else "past_key_value"
-        self._pass_cache_position = "cache_position" in params
+        layer_cls = type(inner.layers[0])
+        self.cache_kw = cache_keyword(layer_cls)
+        self._pass_cache_position = "cache_position" in inspect.signature(layer_cls.forward).parameters
+        # transformers' own layers (not 4.4x remote code) let fast kernels mask causally
+        self._native_layers = layer_cls.__module__.startswith("transformers.models.")
 
     def stp_unembedding(self) -> torch.Tensor:
         return self.hf_model.lm_head.weight[: self.vocab_size]  # type: ignore[union-attr,index]
@@ -67,6 +73,9 @@ class LlamaBackbone(Backbone):
 
     def native_crop(self, native: Any, remove: int) -> None:
         native.crop(-remove)
+
+    def native_length(self, native: Any, layer: int) -> int:
+        return int(native.get_seq_length(layer))
 
     def native_compact(self, native: Any, base: int, keep: torch.Tensor) -> None:
         # move only the kept tail down to base.. (kept[i] >= base + i, so the copy is safe);
@@ -94,7 +103,7 @@ class LlamaBackbone(Backbone):
         if documents is not None:
             return document_mask(documents, hidden.dtype)  # (B, 1, T, T)
         impl = getattr(self.hf_model.config, "_attn_implementation", None)
-        if past == 0 and impl in _FAST_CAUSAL and self._cache_kw == "past_key_values":
+        if past == 0 and impl in _FAST_CAUSAL and self._native_layers:
             return None  # the kernel's own causal mask
         return causal_mask(past, hidden.shape[1], hidden.dtype, hidden.device, hidden.shape[0])
 
@@ -114,7 +123,7 @@ class LlamaBackbone(Backbone):
         kwargs: dict[str, Any] = {
             "attention_mask": mask,
             "position_ids": positions,
-            self._cache_kw: native,
+            self.cache_kw: native,
             "use_cache": native is not None,
             "position_embeddings": cos_sin,
         }

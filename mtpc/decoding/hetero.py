@@ -43,6 +43,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mtpc.backbones.compat import (
+    CacheInterfaceError,
+    cache_guard_message,
+    cache_keyword,
+    output_cache,
+)
 from mtpc.decoding.verify import process_logits, verify_greedy, verify_sampling
 from mtpc.decoding.vocab import (
     CodecTokenizer,
@@ -96,7 +102,9 @@ class CachedLM:
 
     :meth:`logits` makes the cache cover ``seq`` (reusing the longest common prefix with
     the previous call, cropping the rest) and returns the last ``rows`` next-token logits.
-    Models whose output has no ``past_key_values`` (stubs) are re-run on the whole sequence.
+    Models whose output has no cache (stubs) are re-run on the whole sequence. The cache
+    keyword (``cache`` from transformers 5.24, ``past_key_values`` before) is read from the
+    model's signature once; a cache that does not grow by what a pass fed it is refused.
     """
 
     def __init__(self, model: Any) -> None:
@@ -106,6 +114,7 @@ class CachedLM:
         self.ids: list[int] = []
         self.cache: Any = None
         self.passes = 0
+        self.cache_kw = cache_keyword(type(model), default="past_key_values")
 
     @torch.no_grad()
     def logits(self, seq: Sequence[int], rows: int = 1) -> Tensor:
@@ -123,9 +132,15 @@ class CachedLM:
             self.cache.crop(-(len(self.ids) - start))
         inp = torch.tensor([seq[start:]], dtype=torch.long, device=self.device)
         out = self.model(
-            input_ids=inp, past_key_values=self.cache if start else None, use_cache=True
+            input_ids=inp, use_cache=True, **{self.cache_kw: self.cache if start else None}
         )
-        self.cache = getattr(out, "past_key_values", None)
+        self.cache = output_cache(out)
+        if self.cache is not None and hasattr(self.cache, "get_seq_length"):
+            got = int(self.cache.get_seq_length())
+            if got != len(seq):
+                raise CacheInterfaceError(
+                    cache_guard_message(self.model, self.cache_kw, len(seq), got)
+                )
         self.ids = seq
         self.passes += 1
         return out.logits[0, -rows:].float()
