@@ -59,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mtpc.backbones import load_backbone
 from mtpc.backbones.compat import (
     OPTIONAL_PACKAGES,
+    install_removed_module_shims,
     non_persistent_buffers,
     patch_remote_config,
     patch_remote_module,
@@ -161,6 +162,7 @@ def write_checkpoint(
     if kind == "llama3_byte":
         config["expand_input_ids_dict"] = expand_table(config["vocab_size"], 40)
     (folder / "config.json").write_text(json.dumps(config, indent=1))
+    install_removed_module_shims()
     with remote_imports(OPTIONAL_PACKAGES[kind], frozenset({"triton"})):
         hf_config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
         cls = get_class_from_dynamic_module(config["auto_map"]["AutoModelForCausalLM"], folder)

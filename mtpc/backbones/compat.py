@@ -29,7 +29,8 @@ fixes (see ``docs/BACKBONES.md``, "Loading real checkpoints"):
    copies every non-persistent buffer (and plain tensor attributes such as
    ``original_inv_freq``) into the loaded model.
 
-:func:`load_remote_causal_lm` applies all five and is the only loader of remote code.
+:func:`load_remote_causal_lm` applies all five (and 6 below) and is the only loader of
+remote code.
 
 Two more places follow transformers' renames instead of pinning a release:
 
@@ -310,6 +311,41 @@ def _forget_remote_package(module_name: str, keep: str) -> None:
     importlib.invalidate_caches()
 
 
+# ------------------------------------------------------------ 6. removed modules ----
+REMOVED_MODULES: dict[str, str] = {
+    "transformers.modeling_attn_mask_utils": "mtpc.backbones.legacy_attn_mask",  # gone in 5.24
+}
+"""Modules 4.4x remote code imports that transformers removed -> our implementation."""
+
+
+def install_removed_module_shims() -> list[str]:
+    """Registers our implementation of each :data:`REMOVED_MODULES` entry the installed
+    transformers no longer ships (a module it still ships is left alone).
+
+    Returns:
+        The module names now served by a shim.
+    """
+    installed = []
+    for name, ours in REMOVED_MODULES.items():
+        current = sys.modules.get(name)
+        if current is not None:
+            if getattr(current, "__name__", name) != name:
+                installed.append(name)
+            continue
+        try:
+            importlib.import_module(name)
+            continue
+        except ModuleNotFoundError:
+            pass
+        shim = importlib.import_module(ours)
+        sys.modules[name] = shim
+        parent, _, child = name.rpartition(".")
+        setattr(sys.modules[parent], child, shim)
+        log.info("%s is not in transformers %s: serving %s", name, transformers_version(), ours)
+        installed.append(name)
+    return installed
+
+
 # ------------------------------------------------------------ 2./4. remote config ----
 def legacy_rope_scaling(rope_parameters: Any) -> dict[str, Any] | None:
     """The 4.4x ``rope_scaling`` of transformers 5's standardised ``rope_parameters``.
@@ -483,6 +519,7 @@ def load_remote_causal_lm(
     from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
     label = f"model={name} (path={path!r})"
+    install_removed_module_shims()
     optional = OPTIONAL_PACKAGES.get(name, frozenset())
     impl = resolve_attention_impl(attention_impl, device) if name == "evabyte" else None
     blocked = frozenset({"triton"}) if impl == "torch" else frozenset()

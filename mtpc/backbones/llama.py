@@ -48,7 +48,9 @@ class LlamaBackbone(Backbone):
         inner: Any = hf_model.model
         layer_cls = type(inner.layers[0])
         self.cache_kw = cache_keyword(layer_cls)
-        self._pass_cache_position = "cache_position" in inspect.signature(layer_cls.forward).parameters
+        self._pass_cache_position = (
+            "cache_position" in inspect.signature(layer_cls.forward).parameters
+        )
         # transformers' own layers (not 4.4x remote code) let fast kernels mask causally
         self._native_layers = layer_cls.__module__.startswith("transformers.models.")
 

@@ -1,0 +1,172 @@
+"""``transformers.modeling_attn_mask_utils`` for remote code written against transformers 4.4x.
+
+transformers 5.24 removed the module; tokenkit's ``modelling_tpu_llama.py`` (the byte-level
+Llama 3.2 3B) still imports ``AttentionMaskConverter`` from it and calls
+``_ignore_causal_mask_sdpa`` and ``_unmask_unattended``. This is our implementation of the
+names 4.4x-era modelling code imports from it, with the semantics those releases documented;
+:func:`mtpc.backbones.compat.install_removed_module_shims` registers it under the old name
+only when the installed transformers no longer has the module.
+
+Masks are additive: 0 where a query may attend a key, the dtype's minimum elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MODULE_NAME = "transformers.modeling_attn_mask_utils"
+
+
+def _min(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).min
+
+
+def causal_4d(
+    batch: int,
+    length: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    past: int = 0,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """(batch, 1, length, past + length) additive causal mask; query i sits at ``past + i``
+    and, with a sliding window, sees only the ``sliding_window`` keys before it and itself."""
+    q = torch.arange(length, device=device)[:, None] + past  # (T, 1)
+    k = torch.arange(past + length, device=device)[None, :]  # (1, P + T)
+    blocked = k > q
+    if sliding_window is not None:
+        blocked |= k < q - sliding_window
+    mask = torch.zeros(length, past + length, dtype=dtype, device=device)
+    mask.masked_fill_(blocked, _min(dtype))
+    return mask[None, None].expand(batch, 1, length, past + length)
+
+
+def padding_4d(mask: torch.Tensor, dtype: torch.dtype, tgt_len: int | None = None) -> torch.Tensor:
+    """A (B, S) 1/0 padding mask as (B, 1, tgt_len, S) additive mask (0 where 1)."""
+    b, s = mask.shape
+    t = s if tgt_len is None else tgt_len
+    keep = mask[:, None, None, :].to(torch.bool).expand(b, 1, t, s)
+    out = torch.zeros(keep.shape, dtype=dtype, device=mask.device)
+    return out.masked_fill_(~keep, _min(dtype))
+
+
+class AttentionMaskConverter:
+    """The 4.4x converter: builds 4D additive masks from 2D padding masks."""
+
+    def __init__(self, is_causal: bool, sliding_window: int | None = None) -> None:
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"sliding_window is {sliding_window}; allowed: a positive int")
+        self.is_causal = is_causal
+        self.sliding_window = sliding_window
+
+    def to_causal_4d(
+        self,
+        batch_size: int,
+        query_length: int,
+        key_value_length: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> torch.Tensor | None:
+        if not self.is_causal:
+            raise ValueError("to_causal_4d needs is_causal=True")
+        if query_length == 1 and self.sliding_window is None:
+            return None
+        past = key_value_length - query_length
+        return causal_4d(batch_size, query_length, dtype, device, past, self.sliding_window)
+
+    def to_4d(
+        self,
+        attention_mask_2d: torch.Tensor,
+        query_length: int,
+        dtype: torch.dtype,
+        key_value_length: int | None = None,
+    ) -> torch.Tensor:
+        b, s = attention_mask_2d.shape
+        out = padding_4d(attention_mask_2d, dtype, query_length)  # (B, 1, T, S)
+        if self.is_causal and (query_length > 1 or self.sliding_window is not None):
+            if key_value_length is None:
+                raise ValueError("to_4d of a causal mask needs key_value_length")
+            causal = causal_4d(
+                b, query_length, dtype, attention_mask_2d.device, key_value_length - query_length,
+                self.sliding_window,
+            )  # fmt: skip
+            out = out.masked_fill(causal.to(torch.bool), _min(dtype))
+        return out
+
+    @staticmethod
+    def _make_causal_mask(
+        input_ids_shape: torch.Size | tuple[int, int],
+        dtype: torch.dtype,
+        device: torch.device | str,
+        past_key_values_length: int = 0,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        b, t = input_ids_shape
+        return causal_4d(b, t, dtype, device, past_key_values_length, sliding_window)
+
+    @staticmethod
+    def _expand_mask(
+        mask: torch.Tensor, dtype: torch.dtype, tgt_len: int | None = None
+    ) -> torch.Tensor:
+        return padding_4d(mask, dtype, tgt_len)
+
+    @staticmethod
+    def _unmask_unattended(expanded_mask: torch.Tensor, min_dtype: float) -> torch.Tensor:
+        """Rows that attend nothing (every key at ``min_dtype``) attend everything instead
+        (SDPA's memory-efficient kernel returns NaN on empty rows; their outputs are unused)."""
+        if expanded_mask.dtype == torch.bool:
+            raise ValueError("_unmask_unattended expects an additive float mask, got a bool mask")
+        empty = (expanded_mask == min_dtype).all(dim=-1, keepdim=True)
+        return expanded_mask.masked_fill(empty, 0.0)
+
+    @staticmethod
+    def _ignore_causal_mask_sdpa(
+        attention_mask: torch.Tensor | None,
+        inputs_embeds: torch.Tensor,
+        past_key_values_length: int,
+        sliding_window: int | None = None,
+        is_training: bool = False,
+    ) -> bool:
+        """Whether SDPA's own ``is_causal`` can replace the mask: nothing is padded and the
+        queries are one token or the whole sequence (then its causal mask is the right one)."""
+        query_length = inputs_embeds.shape[1]
+        key_value_length = query_length + past_key_values_length
+        if sliding_window is not None and key_value_length >= sliding_window:
+            return False
+        whole_or_one = query_length == 1 or key_value_length == query_length
+        if attention_mask is None:
+            return whole_or_one
+        if attention_mask.dim() == 4:
+            return False
+        return whole_or_one and bool((attention_mask == 1).all())
+
+
+def _prepare_4d_causal_attention_mask(
+    attention_mask: torch.Tensor | None,
+    input_shape: torch.Size | tuple[int, int],
+    inputs_embeds: torch.Tensor,
+    past_key_values_length: int,
+    sliding_window: int | None = None,
+) -> torch.Tensor | None:
+    """(B, 1, T, P + T) additive mask from a (B, P + T) padding mask (or none) for T queries."""
+    b, t = input_shape[0], input_shape[-1]
+    dtype, device = inputs_embeds.dtype, inputs_embeds.device
+    causal = causal_4d(b, t, dtype, device, past_key_values_length, sliding_window)
+    if attention_mask is None:
+        return causal
+    if attention_mask.dim() == 4:
+        return attention_mask
+    padded = padding_4d(attention_mask, dtype, t).to(torch.bool)  # True where blocked
+    return causal.masked_fill(padded, _min(dtype))
+
+
+def _prepare_4d_attention_mask(
+    mask: torch.Tensor, dtype: torch.dtype, tgt_len: int | None = None
+) -> torch.Tensor:
+    """(B, S) padding mask -> (B, 1, tgt_len, S) additive mask (no causal part)."""
+    return padding_4d(mask, dtype, tgt_len)
+
+
+# the 4.4x SDPA variants built the same masks (they only returned None more often)
+_prepare_4d_causal_attention_mask_for_sdpa = _prepare_4d_causal_attention_mask
+_prepare_4d_attention_mask_for_sdpa = _prepare_4d_attention_mask
