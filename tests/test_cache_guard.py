@@ -163,7 +163,7 @@ def test_renamed_keyword_passed_by_its_old_name_is_refused() -> None:
 
 
 def test_layer_without_cache_keyword_is_refused_at_load() -> None:
-    with pytest.raises(CacheInterfaceError, match="NoKeywordLayer.forward takes none"):
+    with pytest.raises(CacheInterfaceError, match=r"NoKeywordLayer\.forward takes none"):
         MTPCModel.from_hf(_target(NoKeywordLayer), kind="ff", window=2, rank=1, lora_layers=0)
 
 

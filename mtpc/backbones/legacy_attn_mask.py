@@ -81,7 +81,7 @@ class AttentionMaskConverter:
         dtype: torch.dtype,
         key_value_length: int | None = None,
     ) -> torch.Tensor:
-        b, s = attention_mask_2d.shape
+        b = attention_mask_2d.shape[0]
         out = padding_4d(attention_mask_2d, dtype, query_length)  # (B, 1, T, S)
         if self.is_causal and (query_length > 1 or self.sliding_window is not None):
             if key_value_length is None:
