@@ -250,3 +250,43 @@ def _check_eval(cfg: Mapping[str, Any]) -> None:
 def validate_eval_config(cfg: DictConfig | Mapping[str, Any]) -> None:
     """Raises :class:`ConfigError` naming the first invalid field of an evaluation config."""
     _run_checks(cfg, (_check_model, _check_data, _check_eval))
+
+
+REGENERATE_POLICIES = ("condition", "recompute")  # exact for sampling (mtpc.decoding.POLICIES)
+DRAFT_MODES = ("sample", "map", "chain", "zmap", "zsample", "zsample1")  # mtpc.decoding.DRAFT_MODES
+
+
+def _check_regenerate(cfg: Mapping[str, Any]) -> None:
+    _check_int(cfg, "max_new_tokens", 1)
+    _check_int(cfg, "seed", 0)
+    num_shards = _check_int(cfg, "num_shards", 1)
+    shard = _check_int(cfg, "shard", 0)
+    if num_shards is not None and shard is not None and shard >= num_shards:
+        raise ConfigError(
+            f"shard={shard} is not allowed with num_shards={num_shards}; "
+            f"allowed: an integer in 0..{num_shards - 1}"
+        )
+    if _get(cfg, "greedy") not in (True, False):
+        raise ConfigError(f"greedy={_get(cfg, 'greedy')!r} is not allowed; allowed: true, false")
+    _check_float(cfg, "temperature", 0.0, float("inf"), low_open=True, high_open=True)
+    _check_float(cfg, "top_p", 0.0, 1.0, low_open=True)
+    _check_int(cfg, "top_k", 1, optional=True)
+    _check_int(cfg, "num_threads", 1, optional=True)
+    _check_choice(cfg, "policy", REGENERATE_POLICIES)
+    if _get(cfg, "draft_mode") not in (_MISSING, None):
+        _check_choice(cfg, "draft_mode", DRAFT_MODES)
+    draft = _get(cfg, "draft")
+    if draft not in (_MISSING, None) and (
+        not isinstance(draft, str) or not (Path(draft).expanduser() / "config.json").is_file()
+    ):
+        raise ConfigError(
+            f"draft={draft!r} is not allowed; allowed: an exported draft folder "
+            "(with config.json, e.g. outputs/train/<run>/draft) or null (autoregressive)"
+        )
+    if not isinstance(_get(cfg, "device"), str):
+        raise ConfigError(f"device={_get(cfg, 'device')!r} is not allowed; allowed: cpu, cuda[:i]")
+
+
+def validate_regenerate_config(cfg: DictConfig | Mapping[str, Any]) -> None:
+    """Raises :class:`ConfigError` naming the first invalid field of a regeneration config."""
+    _run_checks(cfg, (_check_model, _check_data, _check_regenerate))

@@ -1,0 +1,593 @@
+"""Sequence-level self-distillation: the target rewrites the assistant turns of training rows.
+
+``scripts/regenerate.py`` (Hydra, ``configs/regenerate.yaml``) reads the rows ``train.py``
+would read (the ``data`` group), keeps every system and user turn, and has the target write
+every assistant turn, in order, each conditioned on the regenerated history rendered with the
+target's chat template (the generation prompt the evaluation uses). Decoding is our own
+exact decoder (:func:`mtpc.generate`): autoregressive, or speculative with an exported draft
+(lossless: the same output for greedy, the same distribution for sampling).
+
+Output folder (``output_dir``), per shard ``i`` of ``N`` (``shard=i num_shards=N`` takes the
+rows whose source index is ``i`` mod ``N``)::
+
+    shard-0000i-of-0000N.jsonl          Tülu-format rows (``data.path=<folder>`` reads them all)
+    shard-0000i-of-0000N.skipped.log    one JSON line per skipped row: index, id, reason
+    manifest-0000i-of-0000N.json        target fingerprint, settings, data, counts
+    .shard-0000i-of-0000N.lock          held (flock) while a process writes the shard
+
+A row line is ``{"id", "source", "messages", "regenerated": {"index", "truncated",
+"new_tokens", "byte_exact"}}``; ``index`` is the row's position in the source. Lines are
+appended and flushed as rows finish; a rerun of the same command drops a torn last line
+(a kill mid-write), skips the indices already written or skipped and goes on. Every turn
+draws from its own seed (``turn_seed(seed, index, turn)``), so a resumed row equals an
+uninterrupted one. A rerun with another target, other settings or other data is refused
+(:class:`RegenerateMismatchError`) instead of mixing rows.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from mtpc.backbones.codecs import ByteCodec
+from mtpc.data.preprocess import check_row
+from mtpc.errors import UserError
+
+FORMAT_VERSION = 1
+METHODS = ("autoregressive", "speculative")
+SKIP_REASONS = ("prompt_too_long",)
+"""Reasons of our own; a malformed row is skipped under ``check_row``'s reason."""
+IDENTITY = ("format", "target", "settings", "data", "num_shards")
+"""Manifest fields that must agree between a folder's shards and on resume."""
+
+
+class RegenerateMismatchError(UserError, ValueError):
+    """The output folder holds rows made with another target, settings, data or sharding."""
+
+
+class RegenerateBusyError(UserError, RuntimeError):
+    """Another process is writing the same shard."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How every assistant turn is decoded (part of the manifest's identity).
+
+    Attributes:
+        method: ``autoregressive`` or ``speculative`` (needs ``draft``).
+        draft: the exported draft folder (speculative), else None.
+        greedy: argmax decoding; False: sampling.
+        temperature: sampling temperature (> 0).
+        top_k: keep the k most likely ids (sampling), or None.
+        top_p: nucleus filtering (sampling), or None.
+        max_new_tokens: at most this many ids per assistant turn (fewer where the context ends).
+        seed: base seed of the per-turn seeds.
+        policy: speculative decoding's correction policy.
+        draft_mode: speculative decoding's draft mode (None: the family default).
+    """
+
+    method: str = "autoregressive"
+    draft: str | None = None
+    greedy: bool = True
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    max_new_tokens: int = 1024
+    seed: int = 0
+    policy: str = "condition"
+    draft_mode: str | None = None
+
+    def output_law(self) -> dict[str, Any]:
+        """The settings that decide what is written (not how fast): the manifest's identity.
+
+        The decoder (autoregressive or speculative, the draft, its policy and mode) is left
+        out: it is lossless, so it changes the speed, not the rows' law. Greedy output is
+        the same byte for byte; sampled output the same in distribution (not per seed), so a
+        sampled folder records the decoder too.
+        """
+        law = {
+            "greedy": self.greedy,
+            "max_new_tokens": self.max_new_tokens,
+            "seed": self.seed,
+        }
+        if not self.greedy:
+            law |= {
+                "temperature": self.temperature,
+                "top_k": self.top_k,
+                "top_p": self.top_p,
+                "method": self.method,
+                "draft": self.draft,
+                "policy": self.policy,
+                "draft_mode": self.draft_mode,
+            }
+        return law
+
+
+def turn_seed(seed: int, index: int, turn: int) -> int:
+    """The seed of assistant turn ``turn`` of source row ``index`` (independent of sharding)."""
+    digest = hashlib.sha256(f"mtpc-regenerate:{seed}:{index}:{turn}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1  # 63 bits
+
+
+@dataclass
+class RowResult:
+    """One source row, regenerated or skipped.
+
+    Attributes:
+        index: the row's position in the source.
+        row: the Tülu-format row to write (None when skipped).
+        reason: why it was skipped (None when written).
+    """
+
+    index: int
+    row: dict[str, Any] | None = None
+    reason: str | None = None
+
+
+def _usable(row: Any) -> str | None:
+    """``check_row``'s reason, ignoring what regeneration replaces (empty assistant turns)."""
+    if isinstance(row, Mapping) and isinstance(row.get("messages"), list):
+        messages = [
+            {**m, "content": "-"}
+            if isinstance(m, Mapping) and m.get("role") == "assistant" and m.get("content") == ""
+            else m
+            for m in row["messages"]
+        ]
+        row = {**row, "messages": messages}
+    reason = check_row(row)
+    return None if reason == "empty_assistant_turn" else reason
+
+
+def regenerate_row(
+    model: Any,
+    codec: ByteCodec,
+    row: Mapping[str, Any],
+    index: int,
+    settings: Settings,
+    context: int | None,
+) -> RowResult:
+    """Rewrites every assistant turn of ``row`` with the target, in order.
+
+    Args:
+        model: an ``MTPCModel`` (its draft is used by ``speculative`` only).
+        codec: the target's byte codec (chat template, stop ids).
+        row: a Tülu-format row.
+        index: its position in the source (names its seeds).
+        settings: how to decode.
+        context: the target's context length (None: unbounded).
+
+    Returns:
+        The regenerated row, or the reason it was skipped: a ``check_row`` reason
+        (``no_assistant_turn``, ``unknown_role``, ...) or ``prompt_too_long`` (a generation
+        prompt leaves no room in the target's context).
+    """
+    from mtpc.decoding import generate
+
+    reason = _usable(row)
+    if reason is not None:
+        return RowResult(index, reason=reason)
+    lookahead = model.head.circuit.window if settings.method == "speculative" else 0
+    history: list[dict[str, str]] = []
+    truncated: list[bool] = []
+    new_tokens: list[int] = []
+    byte_exact: list[bool] = []
+    for message in row["messages"]:
+        role, content = str(message["role"]), str(message["content"])
+        if role != "assistant":
+            history.append({"role": role, "content": content})
+            continue
+        prompt = codec.generation_prompt(history)  # (T,) ids
+        budget = settings.max_new_tokens
+        if context is not None:
+            budget = min(budget, context - len(prompt) - lookahead)
+            if budget < 1:
+                return RowResult(index, reason="prompt_too_long")
+        result = generate(
+            model,
+            prompt,
+            budget,
+            method=settings.method,
+            greedy=settings.greedy,
+            seed=turn_seed(settings.seed, index, len(truncated)),
+            policy=settings.policy,
+            draft_mode=settings.draft_mode,
+            temperature=settings.temperature,
+            top_k=settings.top_k,
+            top_p=settings.top_p,
+            stop_ids=codec.stop_ids,
+        )
+        body = result.tokens[:-1] if result.stopped else result.tokens
+        text = codec.decode(body)
+        history.append({"role": "assistant", "content": text})
+        truncated.append(not result.stopped)
+        new_tokens.append(len(result.tokens))
+        # False where the text does not re-encode to the generated ids: a special id inside
+        # the turn, or bytes that are not UTF-8 (decoded as U+FFFD).
+        byte_exact.append(codec.encode(text) == list(body))
+    out = {
+        "id": str(row.get("id") or f"row-{index}"),
+        "source": str(row.get("source") or "unknown"),
+        "messages": history,
+        "regenerated": {
+            "index": index,
+            "truncated": truncated,
+            "new_tokens": new_tokens,
+            "byte_exact": byte_exact,
+        },
+    }
+    return RowResult(index, row=out)
+
+
+def shard_stem(shard: int, num_shards: int) -> str:
+    return f"shard-{shard:05d}-of-{num_shards:05d}"
+
+
+def _trim_torn_line(path: Path) -> None:
+    """Cuts ``path`` after its last newline (a line a kill left half written)."""
+    if not path.is_file():
+        return
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1
+    if end < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(end)
+
+
+def _read_lines(path: Path) -> list[dict[str, Any]]:
+    """The JSON lines of ``path`` (complete lines only; call after :func:`_trim_torn_line`).
+
+    Raises:
+        RegenerateMismatchError: a complete line does not parse (the file is damaged).
+    """
+    if not path.is_file():
+        return []
+    out = []
+    for number, line in enumerate(path.read_bytes().split(b"\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            raise RegenerateMismatchError(
+                f"{path}:{number} is not a JSON line; remove that line or the file"
+            ) from None
+    return out
+
+
+@dataclass
+class Counts:
+    """What one shard holds: rows written, skipped by reason, turns truncated."""
+
+    written: int = 0
+    skipped: Counter[str] = field(default_factory=Counter)
+    truncated_rows: int = 0
+    truncated_turns: int = 0
+    turns: int = 0
+    new_tokens: int = 0
+    not_byte_exact_turns: int = 0
+    empty_turns: int = 0
+
+    def add(self, result: RowResult) -> None:
+        if result.row is None:
+            self.skipped[str(result.reason)] += 1
+            return
+        meta = result.row["regenerated"]
+        self.written += 1
+        self.truncated_rows += any(meta["truncated"])
+        self.truncated_turns += sum(meta["truncated"])
+        self.turns += len(meta["truncated"])
+        self.new_tokens += sum(meta["new_tokens"])
+        self.not_byte_exact_turns += sum(not b for b in meta["byte_exact"])
+        self.empty_turns += sum(
+            1 for m in result.row["messages"] if m["role"] == "assistant" and not m["content"]
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["skipped"] = dict(sorted(self.skipped.items()))
+        out["skipped_total"] = sum(self.skipped.values())
+        return out
+
+
+class ShardStore:
+    """One shard's output files, locked, read back for resume (see the module docstring).
+
+    Attributes:
+        folder: ``output_dir``.
+        stem: ``shard-<i>-of-<N>``.
+        done: source indices already written or skipped.
+        counts: what the shard holds.
+    """
+
+    def __init__(self, folder: Path, shard: int, num_shards: int) -> None:
+        self.folder = folder
+        self.stem = shard_stem(shard, num_shards)
+        self.rows_path = folder / f"{self.stem}.jsonl"
+        self.skipped_path = folder / f"{self.stem}.skipped.log"
+        self.manifest_path = folder / f"manifest-{shard:05d}-of-{num_shards:05d}.json"
+        self.done: set[int] = set()
+        self.counts = Counts()
+        self.manifest: dict[str, Any] = {}
+        self._lock: IO[str] | None = None
+        self._rows: IO[str] | None = None
+        self._skipped: IO[str] | None = None
+
+    def open(self, manifest: dict[str, Any]) -> ShardStore:
+        """Locks the shard, refuses a folder of another regeneration, reads back what is done.
+
+        Raises:
+            RegenerateBusyError: another process holds this shard.
+            RegenerateMismatchError: a manifest in the folder differs in target, settings,
+                data or sharding (the message names the first changed fields).
+        """
+        from mtpc.evaluation.records import differences, write_json
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        lock = open(self.folder / f".{self.stem}.lock", "w")  # noqa: SIM115
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            lock.close()
+            raise RegenerateBusyError(
+                f"another process is writing {self.folder / self.stem}.jsonl; wait for it"
+            ) from None
+        self._lock = lock
+        mine = {k: manifest.get(k) for k in IDENTITY}
+        for other in sorted(self.folder.glob("manifest-*.json")):
+            theirs = json.loads(other.read_text(encoding="utf-8"))
+            changed = differences({k: theirs.get(k) for k in IDENTITY}, mine)
+            if changed:
+                self.close()
+                raise RegenerateMismatchError(
+                    f"{self.folder} holds rows of another regeneration ({other.name}); changed: "
+                    + "; ".join(changed[:3])
+                    + ". Use another output_dir, or the same settings to resume"
+                )
+        for path in (self.rows_path, self.skipped_path):
+            _trim_torn_line(path)
+        for row in _read_lines(self.rows_path):
+            result = RowResult(int(row["regenerated"]["index"]), row=row)
+            if result.index not in self.done:
+                self.done.add(result.index)
+                self.counts.add(result)
+        for line in _read_lines(self.skipped_path):
+            if int(line["index"]) not in self.done:
+                self.done.add(int(line["index"]))
+                self.counts.add(RowResult(int(line["index"]), reason=str(line["reason"])))
+        previous = (
+            json.loads(self.manifest_path.read_text(encoding="utf-8"))
+            if self.manifest_path.is_file()
+            else {}
+        )
+        self.manifest = {**manifest, "sessions": previous.get("sessions", [])}
+        self._rows = open(self.rows_path, "a", encoding="utf-8")  # noqa: SIM115
+        self._skipped = open(self.skipped_path, "a", encoding="utf-8")  # noqa: SIM115
+        write_json(self.manifest_path, self._full_manifest())
+        return self
+
+    def _full_manifest(self) -> dict[str, Any]:
+        return {**self.manifest, "counts": self.counts.as_dict(), "rows_file": self.rows_path.name}
+
+    def append(self, result: RowResult, row_id: str | None = None) -> None:
+        """Appends one finished row (or its skip line) and flushes it to the OS."""
+        from mtpc.evaluation.records import dumps
+
+        assert self._rows is not None and self._skipped is not None, "open() first"
+        if result.row is not None:
+            self._rows.write(dumps(result.row, ensure_ascii=False, separators=(",", ":")) + "\n")
+            self._rows.flush()
+        else:
+            line = {"index": result.index, "id": row_id, "reason": result.reason}
+            self._skipped.write(dumps(line, separators=(",", ":")) + "\n")
+            self._skipped.flush()
+        self.done.add(result.index)
+        self.counts.add(result)
+
+    def write_manifest(self, **extra: Any) -> dict[str, Any]:
+        """Rewrites the manifest (atomically) with the current counts and ``extra`` fields."""
+        from mtpc.evaluation.records import write_json
+
+        self.manifest |= extra
+        full = self._full_manifest()
+        write_json(self.manifest_path, full)
+        return full
+
+    def close(self) -> None:
+        for f in (self._rows, self._skipped):
+            if f is not None:
+                f.flush()
+                os.fsync(f.fileno())
+                f.close()
+        self._rows = self._skipped = None
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
+    def __enter__(self) -> ShardStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def shard_indices(num_rows: int, shard: int, num_shards: int) -> list[int]:
+    """The source indices of shard ``shard`` of ``num_shards``: ``index % num_shards == shard``."""
+    return list(range(shard, num_rows, num_shards))
+
+
+def read_folder(folder: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every regenerated row of a folder's shards (complete lines), in source-index order."""
+    rows = []
+    for path in sorted(Path(folder).glob("shard-*.jsonl")):
+        rows += [json.loads(line) for line in path.read_bytes().split(b"\n")[:-1] if line]
+    return sorted(rows, key=lambda r: int(r["regenerated"]["index"]))
+
+
+def _get(cfg: Any, dotted: str, default: Any = None) -> Any:
+    from omegaconf import OmegaConf
+
+    value = OmegaConf.select(cfg, dotted, default=default)
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+
+def default_output_dir(cfg: Any) -> Path:
+    """``outputs/regenerate/<model>-<data source>-<greedy | t<T>>-seed<seed>``."""
+    root = Path(_get(cfg, "paths.root_dir") or ".")
+    mode = "greedy" if _get(cfg, "greedy", True) else f"t{_get(cfg, 'temperature', 1.0)}"
+    source = "path" if _get(cfg, "data.path") else _get(cfg, "data.source", "synthetic")
+    name = f"{_get(cfg, 'model.name')}-{source}-{mode}-seed{_get(cfg, 'seed', 0)}"
+    return root / "outputs" / "regenerate" / name
+
+
+def settings_from(cfg: Any) -> Settings:
+    draft = _get(cfg, "draft")
+    return Settings(
+        method="speculative" if draft else "autoregressive",
+        draft=str(Path(draft).expanduser().resolve()) if draft else None,
+        greedy=bool(_get(cfg, "greedy", True)),
+        temperature=float(_get(cfg, "temperature", 1.0)),
+        top_k=_get(cfg, "top_k"),
+        top_p=None if _get(cfg, "top_p") is None else float(_get(cfg, "top_p")),
+        max_new_tokens=int(_get(cfg, "max_new_tokens")),
+        seed=int(_get(cfg, "seed", 0)),
+        policy=str(_get(cfg, "policy", "condition")),
+        draft_mode=_get(cfg, "draft_mode"),
+    )
+
+
+def load_model(cfg: Any, settings: Settings) -> Any:
+    """The target (``model=``) as an ``MTPCModel``: with the exported draft for speculative
+    decoding (refused when it was trained for another target), else with a one-position head
+    that autoregressive decoding never reads."""
+    from mtpc.backbones import load_backbone
+    from mtpc.model import MTPCModel
+
+    backbone = load_backbone(
+        str(_get(cfg, "model.name")),
+        path=_get(cfg, "model.path"),
+        revision=_get(cfg, "model.revision"),
+        dtype=_get(cfg, "model.dtype", "float32"),
+        device=str(_get(cfg, "device", "cpu")),
+        attention_impl=str(_get(cfg, "model.attention_impl", "auto")),
+    )
+    if settings.draft is not None:
+        return MTPCModel.from_pretrained(settings.draft, target=backbone)
+    return MTPCModel.from_backbone(backbone, "ff", 1, 1, head_init="stp")
+
+
+def regenerate(cfg: Any) -> dict[str, Any]:
+    """The whole job of ``scripts/regenerate.py`` (see the module docstring).
+
+    Returns:
+        The shard's manifest (counts, throughput).
+
+    Raises:
+        ConfigError: a wrong setting, before anything is loaded.
+        RegenerateMismatchError: ``output_dir`` holds rows of another regeneration.
+    """
+    import time
+
+    import torch
+    from tqdm.auto import tqdm
+
+    from mtpc.backbones.codecs import get_codec
+    from mtpc.config import validate_regenerate_config
+    from mtpc.data.sources import load_source
+    from mtpc.decoding.common import context_length
+    from mtpc.evaluation.records import provenance
+
+    validate_regenerate_config(cfg)
+    settings = settings_from(cfg)
+    shard, num_shards = int(_get(cfg, "shard", 0)), int(_get(cfg, "num_shards", 1))
+    out = Path(_get(cfg, "output_dir") or default_output_dir(cfg)).expanduser()
+    if _get(cfg, "num_threads") is not None:
+        torch.set_num_threads(int(_get(cfg, "num_threads")))
+    data = {
+        k: _get(cfg, f"data.{k}")
+        for k in ("source", "path", "num_rows", "seed", "streaming", "revision", "hf_name")
+    }
+    source = load_source(
+        str(data["source"]),
+        data["path"],
+        num_rows=data["num_rows"],
+        seed=int(data["seed"] or 0),
+        streaming=bool(data["streaming"]),
+        revision=data["revision"],
+        **({"hf_name": data["hf_name"]} if data["hf_name"] else {}),
+    )
+    model = load_model(cfg, settings)
+    codec = get_codec(str(_get(cfg, "model.codec")))
+    context = context_length(model)
+    manifest = {
+        "format": FORMAT_VERSION,
+        "target": {
+            "model": _get(cfg, "model.name"),
+            "path": _get(cfg, "model.path"),
+            "codec": codec.name,
+            "weights_fingerprint": model.backbone.weights_fingerprint(),
+        },
+        "settings": settings.output_law(),
+        "data": {**data, "fingerprint": source.fingerprint, "name": source.name},
+        "num_shards": num_shards,
+        "shard": shard,
+        "decoder": asdict(settings),
+    }
+    device = str(_get(cfg, "device", "cpu"))
+    with ShardStore(out, shard, num_shards).open(manifest) as store:
+        total = None
+        if source.num_rows is not None:
+            total = len(shard_indices(source.num_rows, shard, num_shards))
+        resumed = len(store.done)
+        bar = tqdm(
+            total=total, initial=resumed, unit="row", desc=f"regenerate {store.stem}",
+            dynamic_ncols=True, disable=not _get(cfg, "progress", True),
+        )  # fmt: skip
+        start, rows, tokens = time.perf_counter(), 0, 0
+        model.eval()
+        with torch.inference_mode():
+            for index, row in enumerate(source):
+                if index % num_shards != shard or index in store.done:
+                    continue
+                result = regenerate_row(model, codec, row, index, settings, context)
+                row_id = row.get("id") if isinstance(row, Mapping) else None
+                store.append(result, None if row_id is None else str(row_id))
+                rows += 1
+                tokens += sum(result.row["regenerated"]["new_tokens"]) if result.row else 0
+                bar.update()
+        bar.close()
+        seconds = time.perf_counter() - start
+        session = {
+            **provenance(device, Path(_get(cfg, "paths.root_dir") or ".")),
+            "rows": rows,
+            "resumed_after": resumed,
+            "seconds": round(seconds, 3),
+            "rows_per_second": round(rows / seconds, 4) if seconds > 0 else None,
+            "new_tokens_per_second": round(tokens / seconds, 2) if seconds > 0 else None,
+            "method": settings.method,
+        }
+        full = store.write_manifest(sessions=[*store.manifest["sessions"], session])
+    c = store.counts
+    print(
+        f"{out / store.stem}.jsonl: {c.written} rows written, {sum(c.skipped.values())} skipped"
+        + (
+            f" ({', '.join(f'{k}: {v}' for k, v in sorted(c.skipped.items()))})"
+            if c.skipped
+            else ""
+        )
+        + f", {c.truncated_rows} truncated (a turn hit max_new_tokens={settings.max_new_tokens}); "
+        f"this session {rows} rows in {seconds:.1f} s"
+        + (f" ({rows / seconds:.2f} rows/s, {settings.method})" if seconds > 0 else "")
+    )
+    if c.not_byte_exact_turns or c.empty_turns:
+        print(
+            f"note: {c.not_byte_exact_turns} turns held special ids or invalid UTF-8 (written as "
+            f"text), {c.empty_turns} turns are empty (train.py drops such rows)"
+        )
+    return full
