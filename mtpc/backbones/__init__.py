@@ -28,7 +28,23 @@ __all__ = [
     "backbone_from_hf",
     "load_backbone",
     "resolve_dtype",
+    "run_device_for",
 ]
+
+
+def run_device_for(accelerator: str | None) -> str:
+    """The device a trainer with ``trainer.accelerator`` runs the model on.
+
+    ``gpu`` / ``cuda`` (and ``auto`` with a GPU) -> ``cuda:<LOCAL_RANK>`` (the GPU of this
+    DDP / FSDP rank; 0 for one process), anything else -> ``cpu``. The trainer loads the
+    target on the CPU and moves it there; the loader picks EvaByte's attention path for it.
+    """
+    import os
+
+    name = str(accelerator or "cpu").lower()
+    if name in ("gpu", "cuda") or (name == "auto" and torch.cuda.is_available()):
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    return "cpu"
 
 
 def load_backbone(
@@ -38,6 +54,7 @@ def load_backbone(
     dtype: str | torch.dtype = "float32",
     device: str = "cpu",
     attention_impl: str = "auto",
+    run_device: str | None = None,
     **_: Any,
 ) -> Backbone:
     """Loads a target by registry name (flat arguments for Hydra ``model=`` configs).
@@ -50,6 +67,9 @@ def load_backbone(
         device: ``cpu`` or ``cuda[:i]``.
         attention_impl: EvaByte's attention path, ``auto`` (triton kernels on a GPU with
             triton, else pure torch), ``torch`` or ``triton``; ignored by the other targets.
+        run_device: where the model will run, when it is loaded elsewhere (a trainer loads
+            on ``cpu`` and runs on ``run_device_for(trainer.accelerator)``): EvaByte's
+            attention path is chosen for it. ``None``: ``device``.
         **_: other ``model.*`` config fields (``codec``, ``trust_remote_code``) are ignored.
 
     Real targets (``evabyte``, ``llama3_byte``) are loaded through
@@ -66,7 +86,7 @@ def load_backbone(
     if name == "evabyte":
         from mtpc.backbones.compat import resolve_attention_impl
 
-        resolve_attention_impl(attention_impl, device)  # fails before any download
+        resolve_attention_impl(attention_impl, run_device or device)  # before any download
     if name == "tiny":
         from mtpc.backbones.tiny import load_tiny_target
 
@@ -76,7 +96,7 @@ def load_backbone(
     if name == "evabyte":
         from mtpc.backbones.evabyte import load_evabyte
 
-        return load_evabyte(path, revision, torch_dtype, device, attention_impl)
+        return load_evabyte(path, revision, torch_dtype, device, attention_impl, run_device)
     from mtpc.backbones.llama3_byte import load_llama3_byte
 
     return load_llama3_byte(path, revision, torch_dtype, device)

@@ -498,6 +498,7 @@ def load_remote_causal_lm(
     dtype: torch.dtype,
     device: str,
     attention_impl: str = "auto",
+    run_device: str | None = None,
 ) -> nn.Module:
     """Loads a ``trust_remote_code`` causal LM with fixes 1-5, on ``device``, in eval mode.
 
@@ -509,6 +510,8 @@ def load_remote_causal_lm(
         dtype: the weights' dtype.
         device: where the model runs.
         attention_impl: EvaByte's attention path (``auto|torch|triton``); ignored otherwise.
+        run_device: where the model will run when that is not ``device`` (a trainer loads on
+            the CPU and moves the model to its GPU): the attention path is chosen for it.
 
     Raises:
         TargetLoadError: the remote code imports a package that is not installed, or the
@@ -521,13 +524,15 @@ def load_remote_causal_lm(
     label = f"model={name} (path={path!r})"
     install_removed_module_shims()
     optional = OPTIONAL_PACKAGES.get(name, frozenset())
-    impl = resolve_attention_impl(attention_impl, device) if name == "evabyte" else None
+    runs_on = run_device or device
+    impl = resolve_attention_impl(attention_impl, runs_on) if name == "evabyte" else None
     blocked = frozenset({"triton"}) if impl == "torch" else frozenset()
     if impl is not None:
         log.info(
-            "%s: EVA attention path %r (model.attention_impl=%s, device=%s, triton %s)",
-            label, impl, attention_impl, device,
+            "%s: EVA attention path %r (model.attention_impl=%s, device=%s, triton %s%s)",
+            label, impl, attention_impl, runs_on,
             "installed" if triton_available() else "not installed",
+            f"; loaded on {device}" if str(runs_on) != str(device) else "",
         )  # fmt: skip
     try:
         with remote_imports(optional, blocked):

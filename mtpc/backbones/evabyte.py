@@ -49,6 +49,7 @@ from mtpc.backbones.base import Backbone
 HUB_ID = "EvaByte/EvaByte-SFT"
 MASK_MIN = -10e10  # eva_pt_ref.MASK_MIN_VALUE
 TREE_ROOM = 256  # window-buffer slots beyond W for a pass's new positions (as multi_byte_generate)
+_NO_SLOTS = torch.zeros(0, dtype=torch.long)  # keep nothing past base (a crop, a settle)
 
 
 class EvaWindowCache:
@@ -206,6 +207,9 @@ class EvaByteBackbone(Backbone):
     def __init__(
         self, hf_model: nn.Module, source: dict[str, Any] | None = None, cache_batch_size: int = 1
     ) -> None:
+        """``cache_batch_size``: rows of the decoding caches (:meth:`new_native_cache`); a
+        cache-free run (training, ``reference_logits``) sizes its throwaway cache from its
+        own batch."""
         config: Any = hf_model.config
         source = source or {
             "model": "evabyte",
@@ -253,12 +257,13 @@ class EvaByteBackbone(Backbone):
             self.device,
         )
 
-    def _remote_cache(self, start: int) -> Any:
-        """A throwaway remote cache (the model's own prefill path) for layers from ``start``."""
+    def _remote_cache(self, start: int, batch: int) -> Any:
+        """A throwaway remote cache (the model's own prefill path) for layers from ``start``,
+        sized for the ``batch`` rows of the run (the triton cache's buffers are per row)."""
         config: Any = self.hf_model.config
         if self.use_triton:
             native = self.remote.EvaStaticCacheForTriton(
-                self.cache_batch_size,
+                batch,
                 config.num_attention_heads,
                 self.window_size + TREE_ROOM,
                 config.hidden_size // config.num_attention_heads,
@@ -282,18 +287,30 @@ class EvaByteBackbone(Backbone):
             )  # fmt: skip
         return compress_window(attn, k, v)
 
-    def _select(self, native: EvaWindowCache, keep: torch.Tensor) -> None:
-        """Keeps the window-buffer slots ``keep`` (offsets from the window start, increasing),
-        in order, drops the rest; compresses the window into RFAs when it becomes full
-        (``multi_byte_pred_update_cache``)."""
-        w, count, start = self.window_size, int(keep.numel()), native.window_start
+    def _select(self, native: EvaWindowCache, base: int, keep: torch.Tensor) -> None:
+        """Keeps window-buffer slots ``[0, base)`` in place and moves the slots ``keep``
+        (offsets from the window start, increasing, each >= ``base``) to ``base, base + 1,
+        ...``; drops the rest; compresses the window into RFAs when it becomes full
+        (``multi_byte_pred_update_cache``).
+
+        Only the moved slots are written: ``len(keep)`` per layer at most, none for a run
+        kept whole or a chain's accepted prefix (``keep[i] == base + i``, skipped when ``keep``
+        is on the host; a device ``keep`` is moved as it is, without a sync).
+        """
+        w, start, m = self.window_size, native.window_start, int(keep.numel())
+        count = base + m
         if count > w:
             raise ValueError(f"cannot keep {count} positions in an EVA window of {w}")
-        keep = keep.to(native.past_window_k[native.layers.start].device)
+        if m and keep.device.type == "cpu":  # the identity prefix stays where it is
+            same = keep == torch.arange(base, count)  # (m,)
+            skip = m if bool(same.all()) else int(same.long().cumprod(0).sum())
+            base, keep = base + skip, keep[skip:]
+        moves = keep.to(native.past_window_k[native.layers.start].device) if keep.numel() else None
         for layer in native.layers:
-            k, v = native.past_window_k[layer], native.past_window_v[layer]
-            k[:, :, :count] = k[:, :, keep]  # advanced indexing copies first
-            v[:, :, :count] = v[:, :, keep]
+            k, v = native.past_window_k[layer], native.past_window_v[layer]  # (B, h, W + room, hd)
+            if moves is not None:
+                k[:, :, base:count] = k[:, :, moves]  # advanced indexing copies first
+                v[:, :, base:count] = v[:, :, moves]
             native.past_window_pos[layer] = count
             if count == w:
                 rfa_k, rfa_v = self._compress(layer, k[:, :, :w].clone(), v[:, :, :w].clone())
@@ -305,9 +322,10 @@ class EvaByteBackbone(Backbone):
         native.committed = native.length = start + count
 
     def _settle(self, native: EvaWindowCache) -> None:
-        """Keeps every position the last pass wrote (a run that no crop followed)."""
+        """Keeps every position the last pass wrote (a run that no crop followed): no slot
+        moves, the kept count grows."""
         if native.length > native.committed:
-            self._select(native, torch.arange(native.length - native.window_start))
+            self._select(native, native.length - native.window_start, _NO_SLOTS)
 
     def native_compact(self, native: EvaWindowCache, base: int, keep: torch.Tensor) -> None:
         start = native.window_start
@@ -316,12 +334,10 @@ class EvaByteBackbone(Backbone):
                 f"compact base is {base}, but positions before {start} are compressed into EVA's "
                 f"chunk RFAs; allowed: {start} <= base <= {native.length}"
             )
-        prefix = torch.arange(base - start, device=keep.device)
-        self._select(native, torch.cat([prefix, keep.to(torch.long) + base - start]))
+        self._select(native, base - start, keep.to(torch.long) + (base - start))
 
     def native_crop(self, native: EvaWindowCache, remove: int) -> None:
-        base = native.length - remove
-        self.native_compact(native, base, torch.zeros(0, dtype=torch.long))
+        self.native_compact(native, native.length - remove, _NO_SLOTS)
 
     # --- layers --------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -406,7 +422,8 @@ class EvaByteBackbone(Backbone):
         # EVA attention builds its own (chunked, causal) masks: packed documents attend
         # across boundaries here; the loss still never uses a window across documents.
         if native is None:
-            return self._run_remote(hidden, start, end, positions, self._remote_cache(start))
+            remote = self._remote_cache(start, hidden.shape[0])  # hidden: (B, T, d)
+            return self._run_remote(hidden, start, end, positions, remote)
         self._settle(native)
         t = hidden.shape[1]
         if tree_mask is not None:
@@ -454,7 +471,7 @@ class EvaByteBackbone(Backbone):
         native: EvaWindowCache,
     ) -> torch.Tensor:
         """Triton path, empty cache: the remote prefill writes into our window buffers."""
-        remote = self._remote_cache(start)
+        remote = self._remote_cache(start, hidden.shape[0])
         remote.past_window_k, remote.past_window_v = native.past_window_k, native.past_window_v
         hidden = self._run_remote(hidden, start, end, positions, remote)
         t = hidden.shape[1]
@@ -474,6 +491,7 @@ def load_evabyte(
     dtype: torch.dtype = torch.bfloat16,
     device: str = "cpu",
     attention_impl: str = "auto",
+    run_device: str | None = None,
 ) -> EvaByteBackbone:
     """Loads EvaByte-SFT (remote code) from the hub or a local checkpoint and checks it.
 
@@ -481,9 +499,12 @@ def load_evabyte(
         path: local checkpoint or hub id (default :data:`HUB_ID`).
         revision: hub revision.
         dtype: the weights' dtype.
-        device: where the model runs.
+        device: where the weights are loaded.
         attention_impl: ``auto`` (triton kernels on a GPU with triton, else the pure-torch
             EVA of ``eva_pt_ref.py``), ``torch`` or ``triton``; the choice is logged.
+        run_device: where the model will run (default ``device``); the attention path is
+            chosen for it. A triton-path model loaded on the CPU is checked on its run device
+            (moved there for the load-time check and back), since its kernels need a GPU.
 
     Raises:
         TargetLoadError: the checkpoint cannot be loaded or fails the load-time check.
@@ -492,9 +513,20 @@ def load_evabyte(
     from mtpc.backbones.sanity import check_target
 
     path = path or HUB_ID
-    hf_model = load_remote_causal_lm("evabyte", path, revision, dtype, device, attention_impl)
+    hf_model = load_remote_causal_lm(
+        "evabyte", path, revision, dtype, device, attention_impl, run_device=run_device
+    )
     backbone = EvaByteBackbone(
         hf_model, source={"model": "evabyte", "path": path, "revision": revision}
     )
-    check_target(backbone, f"model=evabyte (path={path!r})")
+    label = f"model=evabyte (path={path!r})"
+    if backbone.use_triton and torch.device(device).type != "cuda" and run_device is not None:
+        hf_model.to(run_device)
+        try:
+            check_target(backbone, label)
+        finally:
+            hf_model.to(device)
+            torch.cuda.empty_cache()
+        return backbone
+    check_target(backbone, label)
     return backbone

@@ -51,7 +51,7 @@ def build_model(cfg: DictConfig) -> MTPCModel:
     The target is loaded first; the head's memory is checked against the training
     device's free memory (:func:`check_head_memory`) before the head is allocated.
     """
-    from mtpc.backbones import load_backbone
+    from mtpc.backbones import load_backbone, run_device_for
 
     circuit = OmegaConf.to_container(cfg.circuit, resolve=True)
     assert isinstance(circuit, dict)
@@ -64,6 +64,7 @@ def build_model(cfg: DictConfig) -> MTPCModel:
         dtype=cfg.model.dtype,
         device="cpu",
         attention_impl=cfg.model.get("attention_impl", "auto"),
+        run_device=run_device_for(cfg.trainer.get("accelerator")),  # the EVA path: its device
     )
     check_head_memory(cfg, backbone.vocab_size, backbone.hidden_size)
     check_lora_fits(cfg, backbone)
