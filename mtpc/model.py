@@ -388,7 +388,7 @@ class MTPCModel(nn.Module):
     def trainable_parameters(self) -> list[nn.Parameter]:
         """The head's parameters and the LoRA weights (nothing of the frozen target)."""
         lora = [] if self.backbone.lora is None else self.backbone.lora.parameters()
-        return [*self.head.parameters(), *lora]
+        return [p for p in (*self.head.parameters(), *lora) if p.requires_grad]  # not FF's (0, d)
 
     def lora_state_dict(self) -> dict[str, torch.Tensor]:
         """LoRA weights by peft name (``...lora_A.default.weight``); empty for k = 0."""

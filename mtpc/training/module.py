@@ -72,6 +72,7 @@ class MTPCLightningModule(L.LightningModule):
         self.scheduler_factory = scheduler
         self.top1_positions = top1_positions
         self.strict_loading = False  # checkpoints hold only the trainable weights
+        upcast_trainable(model)
 
     @property
     def head(self) -> MTPCHead:
@@ -220,6 +221,24 @@ class MTPCLightningModule(L.LightningModule):
             "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
         }
 
+    def gathered_trainable_state(self) -> dict[str, Tensor]:
+        """The trainable weights as whole tensors on CPU, for a checkpoint or an export.
+
+        Collective under FSDP2 (every rank calls it; rank 0 gets the tensors, the others
+        ``{}``); elsewhere a plain CPU copy. The frozen trunk is dropped *before* the
+        gather (``ignore_frozen_params``), so a save moves megabytes, not the 13 GB target.
+        """
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        options = StateDictOptions(
+            full_state_dict=True, cpu_offload=True, ignore_frozen_params=True
+        )
+        state = get_model_state_dict(self, options=options)
+        return {name: value for name, value in state.items() if isinstance(value, Tensor)}
+
     def trainable_state_dict(self) -> dict[str, Tensor]:
         """State of the trainable weights only (head + LoRA), by module path."""
         trainable = {id(p) for p in self.model.trainable_parameters()}
@@ -245,13 +264,40 @@ class MTPCLightningModule(L.LightningModule):
         allowed); the draft model is the root (embeddings, final norm, head). The root keeps
         its parameters gathered from forward to backward, so the head's methods called
         after ``forward`` (the chunked likelihood) see whole tensors.
+
+        Lightning calls this hook on every ``validate`` and ``fit`` (``train`` runs validate,
+        fit, validate); the model is sharded on the first call only.
         """
         mesh = self.device_mesh  # set by ModelParallelStrategy, None otherwise
         if mesh is None:
             return
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if isinstance(self.model, FSDPModule):  # sharded by an earlier validate / fit
+            return
 
         data_parallel = mesh["data_parallel"]
         for layer in self.model.backbone.layers:
             fully_shard(layer, mesh=data_parallel)
         fully_shard(self.model, mesh=data_parallel)
+
+
+def upcast_trainable(model: MTPCModel) -> list[str]:
+    """Makes every trainable tensor (head and LoRA) float32, whatever the trunk's dtype.
+
+    LoRA weights are created in the dtype of the layer they adapt; on a bf16 trunk they were
+    bf16, and ``bf16-mixed`` keeps no float32 master copy, so Adam's small updates (lr 3e-4
+    x ~1 against weights of ~1e-2, below bf16's 2^-8 relative step) rounded away. The
+    frozen trunk keeps its dtype; peft casts the bf16 activations to the adapter's float32
+    and its output back (``peft.tuners.lora.Linear.forward``).
+
+    Returns:
+        The names of the tensors that were cast.
+    """
+    trainable = {id(p) for p in model.trainable_parameters()}
+    cast = []
+    for name, param in model.named_parameters():
+        if id(param) in trainable and param.is_floating_point() and param.dtype != torch.float32:
+            param.data = param.data.float()
+            cast.append(name)
+    return cast

@@ -337,6 +337,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list[L.Callback]) -
             f"trainer.accelerator={accelerator} needs CUDA GPUs and this machine has none; "
             "allowed here: trainer=cpu, trainer=ddp_cpu, trainer=fsdp_cpu (docs/TRAINING.md)"
         )
+    check_val_limit(trainer_cfg.get("limit_val_batches"))
     world_size = _world_size(cfg)
     options = trainer_cfg.get("strategy")
     if isinstance(options, dict):  # trainer=fsdp / fsdp_cpu: a strategy object
@@ -358,6 +359,23 @@ def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list[L.Callback]) -
     except (MisconfigurationException, ValueError, TypeError) as err:  # trainer.* settings
         message = " ".join(str(err).split())
         raise ConfigError(f"trainer settings refused by Lightning: {message}") from None
+
+
+def check_val_limit(value: Any) -> None:
+    """Refuses a ``trainer.limit_val_batches`` Lightning would not take (or take badly).
+
+    Raises:
+        ConfigError: naming the field and the allowed values.
+    """
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        return
+    if isinstance(value, float) and 0.0 <= value <= 1.0:
+        return
+    raise ConfigError(
+        f"trainer.limit_val_batches={value!r} is not allowed; allowed: null (every validation "
+        "batch), an integer >= 0 (batches per validation; 0 turns validation off) or a float "
+        "in [0, 1] (a share of the validation split)"
+    )
 
 
 def check_steps_left(state: Mapping[str, Any], cfg: DictConfig, run_dir: Path) -> None:
@@ -485,15 +503,11 @@ def _sharded(module: MTPCLightningModule) -> bool:
 def unsharded_copy(cfg: DictConfig, module: MTPCLightningModule) -> MTPCModel:
     """The trained draft as an ordinary model, for export after sharded training.
 
-    Collective: every rank calls it; the full head and LoRA weights are gathered on rank 0
-    (the frozen target's are rebuilt from ``cfg.model``, not gathered twice), where the
-    returned model holds them (elsewhere it is the sharded module's model, unused).
+    Collective: every rank calls it; the head and LoRA weights alone are gathered on rank 0
+    (the frozen target is neither gathered nor copied: it is rebuilt from ``cfg.model``),
+    where the returned model holds them (elsewhere it is the sharded module's model, unused).
     """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    full = get_model_state_dict(
-        module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )  # rank 0: {name: whole tensor on CPU}; other ranks: {}
+    full = module.gathered_trainable_state()  # rank 0: {name: whole tensor on CPU}; others: {}
     if not full:
         return module.model
     copy = build_model(cfg)
