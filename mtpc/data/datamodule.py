@@ -274,7 +274,7 @@ class MTPCDataModule(L.LightningDataModule):
     def __init__(
         self,
         source: str = "synthetic",
-        path: str | None = None,
+        path: str | Sequence[str] | None = None,
         codec: str = "tiny",
         seq_len: int = 8192,
         window: int = 8,
@@ -301,7 +301,8 @@ class MTPCDataModule(L.LightningDataModule):
         Args:
             source: ``synthetic``, ``tulu3`` or ``local``.
             path: a local dataset of the Tülu 3 schema (jsonl | json | parquet | arrow dir |
-                save_to_disk dir); used instead of the hub for any ``source``.
+                save_to_disk dir), or a list of them read one after another; used instead of
+                the hub for any ``source``.
             codec: the target model's codec (``tiny``, ``evabyte``, ``llama3_byte``).
             seq_len: length L of packed sequences.
             window: n, future bytes per position.

@@ -92,7 +92,7 @@ class Settings:
         the same byte for byte; sampled output the same in distribution (not per seed), so a
         sampled folder records the decoder too.
         """
-        law = {
+        law: dict[str, Any] = {
             "greedy": self.greedy,
             "max_new_tokens": self.max_new_tokens,
             "seed": self.seed,

@@ -14,6 +14,7 @@ Accepted local formats (``path=...``):
   read line by line by our own tolerant reader (``datasets``' JSON builder infers one Arrow
   schema and fails on a row whose ``content`` is a number).
 * ``*.parquet`` or a folder of parquet files: read in record batches with pyarrow.
+* a list of any of these: their rows one after another (e.g. regenerated and original rows).
 * a folder written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk`` (the
   ``train`` split, else the first one), a folder of ``*.arrow`` files, or one ``.arrow`` file.
 """
@@ -87,7 +88,7 @@ class RowSource:
 
 def load_source(
     source: str = "synthetic",
-    path: str | os.PathLike[str] | None = None,
+    path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
     num_rows: int | None = None,
     seed: int = 0,
     streaming: bool = False,
@@ -100,7 +101,8 @@ def load_source(
     Args:
         source: ``synthetic`` (``mtpc.data.synthetic``), ``tulu3`` (the hub dataset, or a
             local copy when ``path`` is given) or ``local`` (needs ``path``).
-        path: a local dataset (see the module docstring for formats); overrides the hub.
+        path: a local dataset (see the module docstring for formats), or a list of them read
+            one after another; overrides the hub.
         num_rows: keep only the first ``num_rows`` rows, reported as a limit (synthetic: how
             many to generate, default ``mtpc.data.synthetic.DEFAULT_NUM_ROWS``); None: a
             local or hub dataset is read whole.
@@ -118,6 +120,8 @@ def load_source(
     if source not in SOURCES:
         raise DataError(f"data source is {source!r}; allowed: {SOURCES}")
     if path is not None:
+        if not isinstance(path, str | os.PathLike):  # a list of paths (Hydra: ListConfig)
+            return _limit(concat_sources([local_source(p) for p in path]), num_rows)
         return _limit(local_source(path), num_rows)
     if source == "local":
         raise DataError("data source 'local' needs data.path=<jsonl | parquet | arrow dir>")
@@ -229,6 +233,29 @@ def local_source(path: str | os.PathLike[str]) -> RowSource:
     raise DataError(
         f"data.path {str(p)!r}: no .jsonl, .json, .parquet or .arrow files and no save_to_disk dataset"
     )
+
+
+def concat_sources(sources: Sequence[RowSource]) -> RowSource:
+    """The rows of ``sources`` one after another (``data.path=[a,b]``: e.g. regenerated
+    rows and the original ones, docs/DATA.md); the fingerprint covers every part.
+
+    Raises:
+        DataError: ``sources`` is empty.
+    """
+    if not sources:
+        raise DataError("data.path is an empty list; allowed: a path or a list of paths")
+    if len(sources) == 1:
+        return sources[0]
+    parts = list(sources)
+
+    def rows() -> Iterator[Row]:
+        for src in parts:
+            yield from src.iter_rows()
+
+    sizes = [src.num_rows for src in parts]
+    total = None if any(n is None for n in sizes) else sum(n for n in sizes if n is not None)
+    fingerprint = hashlib.sha256("\n".join(s.fingerprint for s in parts).encode()).hexdigest()
+    return RowSource("+".join(src.name for src in parts), f"concat:{fingerprint[:16]}", rows, total)
 
 
 def _limit(src: RowSource, num_rows: int | None) -> RowSource:
