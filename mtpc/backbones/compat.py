@@ -131,7 +131,7 @@ def cache_keyword(layer_cls: type, default: str | None = None) -> str:
         CacheInterfaceError: the signature names none of them and there is no default (a
             ``**kwargs`` catch-all is not trusted: a cache passed there may be dropped).
     """
-    params = inspect.signature(layer_cls.forward).parameters
+    params = inspect.signature(layer_cls.forward).parameters  # type: ignore[attr-defined]
     for name in CACHE_KEYWORDS:
         if name in params:
             return name
