@@ -391,3 +391,48 @@ def fake_llama3_byte(
     config.expand_input_ids_vocab_size = expand_vocab
     config.expand_input_ids_dict = (table, singles)
     return FakeTPULlamaForCausalLM(config).eval()
+
+
+# ----------------------------------------------------- tiny-vocabulary targets and oracles ----
+def make_target(vocab: int = 48, hidden: int = 32, seed: int = 0, context: int = 128):
+    """A fresh 2-layer float64 Llama (fresh: LoRA is injected into the model it wraps)."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+        num_attention_heads=4 if hidden >= 32 else 2, num_key_value_heads=2 if hidden >= 32 else 1,
+        max_position_embeddings=context,
+    )  # fmt: skip
+    hf = LlamaForCausalLM(config).eval().to(torch.float64)
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    return hf
+
+
+def exact_distribution(hf: nn.Module, prompt: list[int], length: int) -> torch.Tensor:
+    """p(x_1..x_L | prompt) for all V^L continuations, in itertools.product order."""
+    import itertools
+
+    vocab = int(hf.config.vocab_size)
+    seqs = torch.tensor(list(itertools.product(range(vocab), repeat=length)))  # (V^L, L)
+    ids = torch.cat([torch.tensor(prompt).expand(len(seqs), -1), seqs], 1)
+    with torch.no_grad():
+        logp = torch.log_softmax(hf(ids).logits.double(), -1)  # (V^L, P + L, V)
+    P = len(prompt)
+    steps = [logp[:, P - 1 + i].gather(1, seqs[:, i : i + 1])[:, 0] for i in range(length)]
+    return torch.stack(steps).sum(0).exp()
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Chi-square p-value of observed ``counts`` against ``probs`` (cells with < 5 expected merged)."""
+    from scipy.stats import chisquare
+
+    expected = probs * counts.sum()
+    assert counts[probs == 0].sum() == 0, "a continuation the target forbids was generated"
+    big = expected >= 5  # merge the cells with small expected counts
+    obs, exp = counts[big], expected[big]
+    if expected[~big].sum() > 0:
+        obs = torch.cat([obs, counts[~big].sum()[None]])
+        exp = torch.cat([exp, expected[~big].sum()[None]])
+    return float(chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue)

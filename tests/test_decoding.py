@@ -15,12 +15,12 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import mtpc
 from mtpc.circuits.params import CircuitParams
 from mtpc.decoding import POLICIES
 from mtpc.model import MTPCModel
+from tests.fakes import make_target
 
 V = 48
 FAMILIES = [("ff", 1), ("cp", 3), ("hmm", 3), ("btree", 3)]
@@ -35,20 +35,6 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def make_target(vocab: int = V, hidden: int = 32, seed: int = 0, context: int = 128):
-    """A fresh 2-layer float64 Llama (fresh: LoRA is injected into the model it wraps)."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-        num_attention_heads=4 if hidden >= 32 else 2, num_key_value_heads=2 if hidden >= 32 else 1,
-        max_position_embeddings=context,
-    )  # fmt: skip
-    hf = LlamaForCausalLM(config).eval().to(torch.float64)
-    hf.generation_config.eos_token_id = None
-    hf.generation_config.pad_token_id = 0
-    return hf
 
 
 def make_model(

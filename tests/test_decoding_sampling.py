@@ -13,25 +13,14 @@ import itertools
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 import mtpc
 from mtpc.model import MTPCModel
-from tests.test_decoding import FAMILIES, _one_thread, make_target  # noqa: F401 (fixture)
+from tests.fakes import chi2_pvalue, exact_distribution, make_target
+from tests.test_decoding import FAMILIES, _one_thread  # noqa: F401 (fixture)
 
 V, L, N = 4, 3, 1000
 PROMPT = [1, 2, 3, 0]
-
-
-def exact_distribution(hf: torch.nn.Module, prompt: list[int], length: int) -> torch.Tensor:
-    """p(x_1..x_L | prompt) for all V^L continuations, in itertools.product order."""
-    seqs = torch.tensor(list(itertools.product(range(V), repeat=length)))  # (V^L, L)
-    ids = torch.cat([torch.tensor(prompt).expand(len(seqs), -1), seqs], 1)
-    with torch.no_grad():
-        logp = torch.log_softmax(hf(ids).logits.double(), -1)  # (V^L, P + L, V)
-    P = len(prompt)
-    steps = [logp[:, P - 1 + i].gather(1, seqs[:, i : i + 1])[:, 0] for i in range(length)]
-    return torch.stack(steps).sum(0).exp()
 
 
 def sampled_counts(model: MTPCModel, policy: str, draws: int, **kwargs: object) -> torch.Tensor:
@@ -42,17 +31,6 @@ def sampled_counts(model: MTPCModel, policy: str, draws: int, **kwargs: object) 
         )
         counts[sum(t * V ** (L - 1 - i) for i, t in enumerate(res.tokens))] += 1
     return counts
-
-
-def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    expected = probs * counts.sum()
-    assert counts[probs == 0].sum() == 0, "a continuation the target forbids was generated"
-    big = expected >= 5  # merge the cells with small expected counts
-    obs, exp = counts[big], expected[big]
-    if expected[~big].sum() > 0:
-        obs = torch.cat([obs, counts[~big].sum()[None]])
-        exp = torch.cat([exp, expected[~big].sum()[None]])
-    return float(chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,283 @@
+"""Sequence-level self-distillation (``scripts/regenerate.py``, ``mtpc.data.regenerate``).
+
+A regenerated assistant turn is the target's own greedy continuation of the regenerated
+history (checked against a plain argmax loop over the HF model, autoregressive and
+speculative); sampled regeneration has the target's distribution (chi-square against
+enumeration on a 4-id vocabulary); shards cover every row once; a SIGKILL mid-run and a
+torn last line resume to the uninterrupted output; runs are deterministic; a resume with
+other settings is refused; ``train.py`` reads the folder (and a list of paths).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from mtpc.backbones.codecs import ByteCodec, get_codec
+from mtpc.config import ConfigError
+from mtpc.data.regenerate import (
+    RegenerateMismatchError,
+    Settings,
+    read_folder,
+    regenerate,
+    regenerate_row,
+    shard_indices,
+)
+from mtpc.data.sources import load_source
+from mtpc.model import MTPCModel
+from tests.fakes import chi2_pvalue, exact_distribution, make_target
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline"}
+
+
+def compose_cfg(*overrides: str) -> Any:
+    with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
+        return compose("regenerate", overrides=["progress=false", *overrides])
+
+
+def rows_by_index(folder: Path) -> dict[int, dict[str, Any]]:
+    rows = read_folder(folder)
+    indices = [r["regenerated"]["index"] for r in rows]
+    assert len(indices) == len(set(indices)), f"duplicated rows: {Counter(indices)}"
+    return {i: r for i, r in zip(indices, rows, strict=True)}
+
+
+class FourIdCodec(ByteCodec):
+    """A 4-id vocabulary: 0 ends a turn (and opens the conversation), 1-3 are a, b, c."""
+
+    name, vocab_size, byte_offset = "four", 4, -96
+    pad_id = bos_id = eos_id = eot_id = 0
+    special_tokens: Mapping[int, bytes] = {0: b"<eot>"}
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return (0,)
+
+    def is_byte(self, token_id: int) -> bool:
+        return 1 <= token_id <= 3
+
+    def _prologue(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        return [0]
+
+    def _header(self, role: str) -> list[int]:
+        return []
+
+
+def argmax_continuation(hf: torch.nn.Module, prompt: list[int], stops: Sequence[int], n: int):
+    """The target's greedy continuation by full forward passes (no cache, no mtpc code)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            nxt = int(hf(torch.tensor([ids])).logits[0, -1].argmax())
+            ids.append(nxt)
+            if nxt in stops:
+                break
+    return ids[len(prompt) :]
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> MTPCModel:
+    from mtpc.backbones import load_backbone
+
+    return MTPCModel.from_backbone(load_backbone("tiny"), "btree", 4, 2, head_init="stp")
+
+
+@pytest.mark.parametrize("method", ["autoregressive", "speculative"])
+def test_each_turn_is_the_targets_greedy_continuation_of_the_regenerated_history(
+    tiny_model: MTPCModel, method: str
+) -> None:
+    codec = get_codec("tiny")
+    row = {
+        "id": "r",
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "What is 4 + 5?"},
+            {"role": "assistant", "content": "this answer is replaced"},
+            {"role": "user", "content": "Flip a coin."},
+            {"role": "assistant", "content": ""},
+        ],
+    }
+    settings = Settings(method=method, max_new_tokens=40)
+    out = regenerate_row(tiny_model, codec, row, 0, settings, 1024).row
+    assert out is not None
+    hf = tiny_model.backbone.hf_model
+    history: list[dict[str, str]] = []
+    turns = 0
+    for original, message in zip(row["messages"], out["messages"], strict=True):
+        assert message["role"] == original["role"]
+        if message["role"] != "assistant":
+            assert message == original  # system and user turns are kept
+        else:
+            prompt = codec.generation_prompt(history)
+            expected = argmax_continuation(hf, prompt, codec.stop_ids, 40)
+            stopped = expected[-1] in codec.stop_ids
+            assert message["content"] == codec.decode(expected[:-1] if stopped else expected)
+            assert out["regenerated"]["truncated"][turns] == (not stopped)
+            turns += 1
+        history.append(message)
+    assert turns == 2 and out["messages"][2]["content"] != "this answer is replaced"
+
+
+@pytest.mark.slow
+def test_sampled_regeneration_has_the_targets_distribution() -> None:
+    """Speculative sampling through regenerate_row, outcome = the turn up to its stop id."""
+    V, L, N = 4, 3, 800
+    hf = make_target(vocab=V, hidden=16, seed=1, context=64)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(8)  # a peaked, position-dependent target
+    torch.manual_seed(2)
+    model = MTPCModel.from_hf(hf, kind="btree", window=2, rank=2, head_init="random", init_std=0.5)
+    codec = FourIdCodec()
+    row = {"messages": [{"role": "user", "content": "abca"}, {"role": "assistant", "content": "c"}]}
+    settings = Settings(method="speculative", greedy=False, max_new_tokens=L, seed=3)
+    prompt = codec.generation_prompt(row["messages"][:1])
+    full = exact_distribution(hf, prompt, L)  # (V^L,)
+    import itertools
+
+    def outcome(ids: Sequence[int]) -> tuple[int, ...]:
+        cut = next((i for i, t in enumerate(ids) if t == 0), None)
+        return tuple(ids if cut is None else ids[: cut + 1])
+
+    probs: Counter[tuple[int, ...]] = Counter()
+    for seq, p in zip(itertools.product(range(V), repeat=L), full.tolist(), strict=True):
+        probs[outcome(seq)] += p
+    counts: Counter[tuple[int, ...]] = Counter()
+    for index in range(N):  # every row index draws from its own seed
+        out = regenerate_row(model, codec, row, index, settings, 64).row
+        assert out is not None
+        ids = codec.encode(out["messages"][1]["content"])
+        counts[tuple(ids) + (() if out["regenerated"]["truncated"][0] else (0,))] += 1
+    keys = sorted(probs)
+    assert set(counts) <= set(keys)
+    pvalue = chi2_pvalue(
+        torch.tensor([float(counts[k]) for k in keys]), torch.tensor([probs[k] for k in keys])
+    )
+    assert pvalue > 1e-3
+
+
+def test_shard_indices_cover_every_row_once() -> None:
+    for num_rows in (0, 1, 7, 24):
+        for num_shards in (1, 2, 3, 5):
+            got = sorted(
+                i for s in range(num_shards) for i in shard_indices(num_rows, s, num_shards)
+            )
+            assert got == list(range(num_rows))
+
+
+def test_shards_in_one_folder_hold_every_row_once_and_train_reads_them(tmp_path: Path) -> None:
+    out = tmp_path / "regen"
+    for shard in range(3):
+        manifest = regenerate(
+            compose_cfg(
+                "data.num_rows=7", "max_new_tokens=12", f"shard={shard}", "num_shards=3",
+                f"output_dir={out}",
+            )
+        )  # fmt: skip
+        assert manifest["counts"]["written"] + manifest["counts"]["skipped_total"] == len(
+            shard_indices(7, shard, 3)
+        )
+    assert sorted(rows_by_index(out)) == list(range(7))
+    assert len(list(out.glob("shard-*-of-00003.jsonl"))) == 3
+    source = load_source("synthetic", str(out))  # what data.path=<folder> reads
+    assert sorted(r["regenerated"]["index"] for r in source) == list(range(7))
+    both = load_source("synthetic", [str(out), str(out / "shard-00000-of-00003.jsonl")])
+    assert len(list(both)) == 7 + 3  # data.path=[a,b]: a's rows, then b's
+    # another sharding of the same folder would mix rows: refused
+    with pytest.raises(RegenerateMismatchError, match="num_shards"):
+        regenerate(compose_cfg("data.num_rows=7", "max_new_tokens=12", f"output_dir={out}"))
+
+
+def test_greedy_runs_are_identical_and_changed_settings_are_refused(tmp_path: Path) -> None:
+    args = ("data.num_rows=4", "max_new_tokens=24")
+    regenerate(compose_cfg(*args, f"output_dir={tmp_path / 'a'}"))
+    regenerate(compose_cfg(*args, f"output_dir={tmp_path / 'b'}"))
+    a = (tmp_path / "a" / "shard-00000-of-00001.jsonl").read_bytes()
+    assert a == (tmp_path / "b" / "shard-00000-of-00001.jsonl").read_bytes() and a.count(b"\n") == 4
+    again = regenerate(compose_cfg(*args, f"output_dir={tmp_path / 'a'}"))  # resumes: nothing to do
+    assert again["sessions"][-1]["rows"] == 0 and len(again["sessions"]) == 2
+    with pytest.raises(RegenerateMismatchError, match="max_new_tokens"):
+        regenerate(
+            compose_cfg("data.num_rows=4", "max_new_tokens=25", f"output_dir={tmp_path / 'a'}")
+        )
+    with pytest.raises(RegenerateMismatchError, match="greedy"):
+        regenerate(compose_cfg(*args, "greedy=false", f"output_dir={tmp_path / 'a'}"))
+    assert (tmp_path / "a" / "shard-00000-of-00001.jsonl").read_bytes() == a  # nothing mixed in
+
+
+def test_wrong_settings_fail_before_any_work() -> None:
+    with pytest.raises(ConfigError, match="shard=2 is not allowed with num_shards=2"):
+        regenerate(compose_cfg("shard=2", "num_shards=2"))
+    with pytest.raises(ConfigError, match="temperature"):
+        regenerate(compose_cfg("temperature=0"))
+    with pytest.raises(ConfigError, match="draft="):
+        regenerate(compose_cfg("draft=/no/such/draft"))
+
+
+def test_too_long_prompts_and_rows_without_an_assistant_turn_are_counted(
+    tiny_model: MTPCModel,
+) -> None:
+    codec = get_codec("tiny")
+    long = {
+        "messages": [{"role": "user", "content": "x" * 1100}, {"role": "assistant", "content": "y"}]
+    }
+    assert regenerate_row(tiny_model, codec, long, 0, Settings(), 1024).reason == "prompt_too_long"
+    none = {"messages": [{"role": "user", "content": "hi"}]}
+    assert (
+        regenerate_row(tiny_model, codec, none, 1, Settings(), 1024).reason == "no_assistant_turn"
+    )
+
+
+def _script(out: Path, *args: str) -> list[str]:
+    return [
+        sys.executable, str(ROOT / "scripts" / "regenerate.py"), "data.num_rows=10",
+        "max_new_tokens=48", "greedy=false", "progress=false", f"output_dir={out}", *args,
+    ]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_sigkill_then_rerun_gives_every_row_once_equal_to_an_uninterrupted_run(
+    tmp_path: Path,
+) -> None:
+    """Sampled, so a resumed row must also draw from its own seeds."""
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    subprocess.run(_script(whole), check=True, env=ENV, capture_output=True, cwd=ROOT)
+    proc = subprocess.Popen(_script(killed), env=ENV, cwd=ROOT, stderr=subprocess.DEVNULL)
+    rows = killed / "shard-00000-of-00001.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if rows.is_file() and rows.read_bytes().count(b"\n") >= 3:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    written = rows.read_bytes().count(b"\n")
+    assert 1 <= written < 10, "kill the run mid-way"
+    with rows.open("ab") as f:  # a line the kill cut in half
+        f.write(b'{"id":"synthetic-0-00000')
+    done = subprocess.run(_script(killed), env=ENV, capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert "10 rows written" in done.stdout
+    assert rows_by_index(killed) == rows_by_index(whole)
+    assert sorted(rows_by_index(killed)) == list(range(10))
+    manifest = json.loads((killed / "manifest-00000-of-00001.json").read_text())
+    assert (
+        manifest["counts"]["written"] == 10 and manifest["sessions"][-1]["resumed_after"] == written
+    )
+    refused = subprocess.run(
+        _script(killed, "temperature=0.5"), env=ENV, capture_output=True, text=True, cwd=ROOT
+    )
+    assert refused.returncode == 2
+    assert refused.stderr.strip().count("\n") == 0 and "temperature" in refused.stderr
