@@ -1,7 +1,7 @@
 """Heterogeneous-vocabulary speculative decoding on the tiny models, CPU, one run.
 
 Target: the bundled tiny byte-level target (``assets/tiny_target``). Drafters, trained here
-on the synthetic chat corpus rendered like the target's prompts (tests/hetero_fixtures.py):
+on the synthetic chat corpus rendered like the target's prompts (mtpc/evaluation/fixture_drafters.py):
 a byte-level BPE Llama (``bpe``), the same with an NFKC + lowercase tokenizer (``lower``,
 non-injective), and a smaller byte-level Llama (``byte_small``, same vocabulary: standard
 SD). For every algorithm, greedy and sampling: tok/s, target tokens per target pass,
@@ -26,8 +26,8 @@ sys.path.insert(0, str(ROOT))
 
 from mtpc.backbones.tiny import load_tiny_target  # noqa: E402
 from mtpc.data.synthetic import generate_rows  # noqa: E402
+from mtpc.evaluation.fixture_drafters import trained_models  # noqa: E402
 from mtpc.evaluation.hetero import evaluate_hetero  # noqa: E402
-from tests.hetero_fixtures import trained_models  # noqa: E402
 
 RUNS = [  # (algorithm, drafter fixture, lookahead)
     ("slem", "bpe", 4),

@@ -32,13 +32,8 @@ from mtpc.decoding.vocab import (
     utf8_complete,
     vocab_mapping,
 )
-from tests.hetero_fixtures import (
-    BigramLM,
-    char_tokenizer,
-    tiny_llama,
-    trained_models,
-    whitespace_tokenizer,
-)
+from mtpc.evaluation.fixture_drafters import tiny_llama, trained_models
+from tests.hetero_fixtures import BigramLM, char_tokenizer, whitespace_tokenizer
 
 PROMPTS = [
     "user: What is 12 plus 7?\nassistant:",

@@ -207,7 +207,7 @@ def load_drafter(model: str, tokenizer: str | None = None, device: str = "cpu") 
 
     Args:
         model: a local HF causal-LM folder, or ``fixture:bpe`` | ``fixture:lower`` |
-            ``fixture:byte_small`` (the tiny drafters of ``tests/hetero_fixtures.py``,
+            ``fixture:byte_small`` (the tiny drafters of :mod:`mtpc.evaluation.fixture_drafters`,
             trained on the synthetic corpus at first use; run from the repository root).
         tokenizer: an HF tokenizer folder or a codec name (tiny | evabyte | llama3_byte);
             None: the model folder's own tokenizer.
@@ -220,7 +220,7 @@ def load_drafter(model: str, tokenizer: str | None = None, device: str = "cpu") 
         name = model[len(FIXTURE_PREFIX) :]
         if name not in FIXTURES:
             raise ValueError(f"drafter.model is {model!r}; allowed fixtures: {FIXTURES}")
-        from tests.hetero_fixtures import trained_models
+        from mtpc.evaluation.fixture_drafters import trained_models
 
         built = trained_models()
         lm = built["byte_small"] if name == "byte_small" else built[f"{name}_lm"]

@@ -1,0 +1,158 @@
+"""The fixture drafters: tiny models with genuinely different tokenizers, trained at first
+use on the synthetic chat corpus, for heterogeneous-vocabulary decoding without a hub.
+
+``drafter.model=fixture:bpe|lower|byte_small`` (``mtpc.evaluation.hetero.load_drafter``),
+``scripts/bench_hetero.py`` and the tests use them; the package needs nothing from ``tests/``.
+
+* :func:`bpe_tokenizer`: a byte-level BPE (GPT-2 byte-to-unicode strings) trained with the
+  ``tokenizers`` package on the synthetic chat corpus; ``normalize=True`` adds NFKC +
+  lowercasing, a non-injective tokenizer (decode(encode(s)) != s).
+* :func:`tiny_llama` / :func:`train_lm`: 2-layer LlamaForCausalLM models, briefly trained on
+  the corpus so that drafts are sometimes accepted.
+* :func:`trained_models`: the byte-level target (tiny codec layout) with a BPE drafter, a
+  normalising BPE drafter and the reverse pair (BPE target, byte drafter); built once per
+  process.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from mtpc.backbones.codecs import get_codec
+from mtpc.data.synthetic import generate_rows
+
+EOS = "<|endoftext|>"
+
+
+def corpus(num_rows: int = 400, seed: int = 0, chat: bool = False) -> list[str]:
+    """Conversations from the synthetic chat rows.
+
+    ``chat=False``: ``"role: content"`` lines; ``chat=True``: the tiny target's chat template
+    with its special tokens dropped (what a drafter sees of a byte-level target's prompt).
+    """
+    codec = get_codec("tiny")
+    texts = []
+    for row in generate_rows(num_rows, seed):
+        if chat:
+            texts.append(codec.decode(codec.apply_chat_template(row["messages"]).ids))
+        else:
+            texts.append("".join(f"{m['role']}: {m['content']}\n" for m in row["messages"]))
+    return texts
+
+
+def _wrap(tok: Tokenizer) -> PreTrainedTokenizerFast:
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS)
+
+
+def bpe_tokenizer(
+    texts: list[str], vocab_size: int = 400, normalize: bool = False
+) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained on ``texts`` (every byte is expressible)."""
+    tok = Tokenizer(models.BPE())
+    if normalize:
+        tok.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    return _wrap(tok)
+
+
+def tiny_llama(
+    vocab_size: int, seed: int = 0, hidden: int = 48, layers: int = 2
+) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=2 * hidden,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def train_lm(
+    model: LlamaForCausalLM,
+    sequences: list[list[int]],
+    steps: int = 150,
+    seq_len: int = 96,
+    batch: int = 16,
+    lr: float = 3e-3,
+    seed: int = 0,
+) -> LlamaForCausalLM:
+    """Next-token training on random windows of the concatenated sequences."""
+    stream = torch.tensor([t for s in sequences for t in s], dtype=torch.long)
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    for _ in range(steps):
+        starts = torch.randint(0, len(stream) - seq_len - 1, (batch,), generator=g)
+        x = torch.stack([stream[s : s + seq_len] for s in starts.tolist()])  # (B, T)
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+def encode_corpus(tok: Any, texts: list[str]) -> list[list[int]]:
+    """Ids of every text (HF tokenizer or byte codec) followed by its end token."""
+    if hasattr(tok, "backend_tokenizer"):
+        return [[*tok(t, add_special_tokens=False).input_ids, tok.eos_token_id] for t in texts]
+    return [[*tok.encode(t), tok.eos_id] for t in texts]
+
+
+@cache
+def trained_models(
+    steps: int = 100, num_rows: int = 200, bpe_vocab: int = 400, chat: bool = False
+) -> dict[str, Any]:
+    """Briefly trained tiny models sharing the synthetic corpus (built once per process).
+
+    Keys: ``codec`` (tiny byte codec), ``byte_lm`` (byte-level Llama, 320 ids), ``bpe``
+    (byte-level BPE tokenizer), ``bpe_lm``, ``lower`` (NFKC + lowercase BPE), ``lower_lm``,
+    ``byte_small`` (a smaller byte-level Llama: a same-vocabulary drafter), ``texts``.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: one thread is fastest on a shared CPU
+    try:
+        return _train_all(steps, num_rows, bpe_vocab, chat)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_all(steps: int, num_rows: int, bpe_vocab: int, chat: bool) -> dict[str, Any]:
+    texts = corpus(num_rows, chat=chat)
+    codec = get_codec("tiny")
+    bpe = bpe_tokenizer(texts, bpe_vocab)
+    lower = bpe_tokenizer(texts, bpe_vocab, normalize=True)
+    byte_lm = train_lm(tiny_llama(codec.vocab_size, 0, 64), encode_corpus(codec, texts), steps)
+    byte_small = train_lm(
+        tiny_llama(codec.vocab_size, 3, 32, 1), encode_corpus(codec, texts), steps, seed=3
+    )
+    bpe_lm = train_lm(tiny_llama(len(bpe), 1), encode_corpus(bpe, texts), steps, seed=1)
+    lower_texts = [t.lower() for t in texts]
+    lower_lm = train_lm(tiny_llama(len(lower), 2), encode_corpus(lower, lower_texts), steps, seed=2)
+    return {
+        "codec": codec,
+        "byte_lm": byte_lm,
+        "byte_small": byte_small,
+        "bpe": bpe,
+        "bpe_lm": bpe_lm,
+        "lower": lower,
+        "lower_lm": lower_lm,
+        "texts": texts,
+    }
