@@ -26,13 +26,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mtpc.decoding import generate
 from mtpc.evaluation.metrics import set_metrics

@@ -29,18 +29,12 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from head_bytes import TARGETS, head_rows
 
 from mtpc.decoding.speculative import HeadState, draft_step

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,7 +24,6 @@ from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
 CLOSE: Any = None  # RecordStore.close, kept while it is patched
-sys.path.insert(0, str(ROOT))
 os.environ.setdefault("PROJECT_ROOT", str(ROOT))
 
 

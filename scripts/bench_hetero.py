@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import argparse
 import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from mtpc.backbones.tiny import load_tiny_target  # noqa: E402
 from mtpc.data.synthetic import generate_rows  # noqa: E402

@@ -54,8 +54,6 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from mtpc.backbones import load_backbone
 from mtpc.backbones.compat import (
     OPTIONAL_PACKAGES,

@@ -12,11 +12,6 @@ pending token's position plus one per drafted position for the latent-path modes
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from mtpc.circuits import build_structure
 
 # name: (trunk parameters, hidden size d, vocabulary V); bf16 = 2 bytes per weight
