@@ -279,8 +279,8 @@ def _assert_same_training(tmp_path: Path, runs: dict[str, Path]) -> None:
         assert (folder / "draft" / "head.safetensors").exists()
         for name in got:
             moved = (single[name] - start[name]).abs().max()
-            assert moved > 1e-3, name  # every tensor trained (else the comparison proves nothing)
-            # measured: DDP vs 1 process <= 1.0e-5 (weights moved >= 1.5e-3); no sync: 9.6e-3
+            assert moved > 5e-4, name  # every tensor trained (else the comparison proves nothing)
+            # measured: DDP vs 1 process <= 1.0e-5 (weights moved >= 1.0e-3: CP sum_bias); no sync: 9.6e-3
             torch.testing.assert_close(got[name], single[name], rtol=1e-4, atol=5e-5, msg=name)
 
 
