@@ -171,8 +171,80 @@ def test_a_draft_for_another_target_is_refused(tmp_path: Path, drafts: dict[str,
         evaluate(_cfg(tmp_path, draft=str(moved)))
     config["target"]["model"] = "evabyte"
     (moved / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="exported for target model 'evabyte', but model=tiny"):
-        evaluate(_cfg(tmp_path, draft=str(moved)))
+    with pytest.raises(
+        TargetMismatchError,
+        match=r"model\.name='tiny' contradicts draft .*, exported for model\.name='evabyte'",
+    ):  # python eval.py draft=<evabyte draft> model=tiny
+        evaluate(_cfg(tmp_path, draft=str(moved)), explicit_model={"name": "tiny"})
+
+
+def test_the_target_comes_from_the_draft(tmp_path: Path, drafts: dict[str, Path]) -> None:
+    """``python eval.py draft=<d>`` evaluates against the recorded target whatever ``model``
+    holds; an explicit override that restates it is accepted, one that contradicts it is
+    refused before any work, naming the field and both values."""
+    from hydra import compose, initialize_config_dir
+
+    from mtpc.evaluation.run import explicit_model_fields, resolve_target
+
+    recorded = json.loads((drafts["ff"] / "config.json").read_text())["target"]
+    cfg = _cfg(tmp_path, draft=str(drafts["ff"]), num_prompt_sets=1, max_throughput=False,
+               plots=False, model={"name": "evabyte", "path": "EvaByte/EvaByte-SFT", "revision": None,
+                      "dtype": "bfloat16", "codec": "evabyte"})  # fmt: skip
+    res = evaluate(cfg)  # not explicit: the model section is a default, the draft decides
+    assert res["rows"][1]["kind"] == "ff"
+    manifest = json.loads((Path(res["folder"]) / "manifest.json").read_text())
+    assert manifest["target"]["name"] == "hf" and manifest["target"]["path"] == recorded["path"]
+    same = {"name": "hf", "path": recorded["path"]}
+    assert resolve_target(cfg, [drafts["ff"]], same)["path"] == recorded["path"]
+    with pytest.raises(TargetMismatchError, match=r"model\.path='/elsewhere' contradicts draft"):
+        evaluate(cfg, explicit_model={"path": "/elsewhere"})
+    with pytest.raises(TargetMismatchError, match="one evaluation has one target"):
+        evaluate(_cfg(tmp_path, draft=[str(drafts["ff"]), str(drafts["other"])]))
+    # the command line's model fields: model=<group> sets the name, model.<field> that field
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    overrides = ["draft=d", "model=evabyte", "model.path=/ckpt", "+model.extra=1", "seed=3"]
+    with initialize_config_dir(config_dir=str(configs), version_base="1.3"):
+        composed = compose(config_name="eval", overrides=overrides)
+    assert explicit_model_fields(overrides, composed) == {
+        "name": "evabyte", "path": "/ckpt", "extra": 1,
+    }  # fmt: skip
+    assert explicit_model_fields(["draft=d", "seed=3"], composed) == {}
+
+
+def test_an_evabyte_draft_evaluates_without_model_overrides(tmp_path: Path) -> None:
+    """A draft of a (fixture) EvaByte checkpoint: ``draft=`` alone loads EvaByte from the
+    recorded path, with the EvaByte group's codec and attention path; greedy SD = AR."""
+    from mtpc.backbones import load_backbone
+    from tests.test_backbone_loading import eva_checkpoint
+
+    folder, _ = eva_checkpoint(tmp_path, None)
+    config = json.loads((folder / "config.json").read_text())
+    config["max_position_embeddings"] = 512  # room for the chat prompts
+    (folder / "config.json").write_text(json.dumps(config))
+    backbone = load_backbone("evabyte", path=str(folder), dtype="float32")
+    draft = MTPCModel.from_backbone(backbone, "ff", 4, 1).save_pretrained(
+        tmp_path / "eva" / "draft"
+    )
+    cfg = _cfg(tmp_path, draft=str(draft), num_prompt_sets=1, max_throughput=False, plots=False,
+               max_new_tokens=24)  # fmt: skip
+    res = evaluate(cfg)  # cfg.model is the tiny default: the draft's target wins
+    ar, eva = res["rows"]
+    assert eva["prompts"] == ar["prompts"] == 2 and eva["exact"] == "2/2"  # greedy SD = AR
+    manifest = json.loads((Path(res["folder"]) / "manifest.json").read_text())
+    target = manifest["target"]
+    assert target["name"] == "evabyte" and target["path"] == str(folder)
+    assert target["codec"] == "evabyte" and target["attention_impl"] == "auto"
+    # restating the target is fine; contradicting its dtype is refused before loading
+    again = {**cfg, "output_dir": str(tmp_path / "out2")}  # attention_impl: another folder
+    res = evaluate(
+        again, explicit_model={"name": "evabyte", "path": str(folder), "attention_impl": "torch"}
+    )
+    assert (
+        json.loads((Path(res["folder"]) / "manifest.json").read_text())["target"]["attention_impl"]
+        == "torch"
+    )
+    with pytest.raises(TargetMismatchError, match=r"model\.dtype='bfloat16' contradicts"):
+        evaluate(cfg, explicit_model={"dtype": "bfloat16"})
 
 
 def test_hetero_drafter_rows_report_speedup_and_vocabulary_overlap(tmp_path: Path) -> None:
@@ -209,3 +281,96 @@ def test_hetero_drafter_rows_report_speedup_and_vocabulary_overlap(tmp_path: Pat
                 output_dir=str(tmp_path / "m"),
             )
         )
+
+
+def test_cuda_device_index_is_made_current_and_read(
+    tmp_path: Path, drafts: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``device=cuda:1``: GPU 1 becomes the current device before any loading, and the
+    memory counters are synchronised, reset and read on GPU 1 (torch.cuda mocked)."""
+    from mtpc.evaluation import run
+
+    calls: list[tuple[str, Any]] = []
+
+    class Stop(Exception):
+        pass
+
+    def record(name: str, result: Any = None) -> Any:
+        def fn(device: Any = None) -> Any:
+            calls.append((name, device))
+            return result
+
+        return fn
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "synchronize", record("synchronize"))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", record("reset"))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", record("peak", 3 * 2**20))
+    run._sync_memory_reset("cuda:1")
+    assert run._peak_memory_mb("cuda:1") == 3.0
+    run._sync_memory_reset("cuda")  # no index: the current device
+    assert calls == [
+        ("synchronize", 1),
+        ("reset", 1),
+        ("peak", 1),
+        ("synchronize", 0),
+        ("reset", 0),
+    ]
+    calls.clear()
+    run._sync_memory_reset("cpu")
+    assert calls == []
+
+    def set_device(device: Any) -> None:
+        calls.append(("set_device", device))
+        raise Stop  # evaluate got this far: nothing loaded yet
+
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    with (
+        mock.patch("mtpc.evaluation.run.load_for_eval", side_effect=AssertionError("loaded")),
+        pytest.raises(Stop),
+    ):
+        evaluate(_cfg(tmp_path, draft=str(drafts["ff"]), device="cuda:1"))
+    assert calls == [("set_device", 1)]
+
+
+def test_warmup_covers_a_window_crossing_prompt(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On EvaByte (W = 16) the warm-up adds a prompt of 2W - h ids whose prefill compresses a
+    window and whose decoding reaches the next boundary: both compressions happen untimed."""
+    from types import SimpleNamespace
+
+    import mtpc
+    from mtpc.evaluation.run import warmup_prompts
+    from tests.fakes import fake_evabyte
+
+    torch.manual_seed(0)
+    model = MTPCModel.from_hf(fake_evabyte(2, window_size=16, chunk_size=4), "ff", 4, 1)
+    sets = [[SimpleNamespace(prompt_ids=list(range(70, 70 + n))) for n in (5, 9)]]
+    cfg = {"max_new_tokens": 24, "warmup_window": True}
+    first, long = warmup_prompts(model, sets, cfg)
+    assert first == list(range(70, 75)) and len(long) == 2 * 16 - 8
+    assert long[:9] == list(range(70, 79))  # the longest prompt, repeated
+    assert warmup_prompts(model, sets, {**cfg, "warmup_window": False}) == [first]
+    tiny = MTPCModel.from_hf(_save_target_in_memory(), "ff", 4, 1)
+    assert warmup_prompts(tiny, sets, cfg) == [first]  # no attention window: the first prompt
+    compressions = []
+    backbone = model.backbone
+    compress = backbone._compress
+    monkeypatch.setattr(backbone, "_compress", lambda *a: compressions.append(a[0]) or compress(*a))
+    for method in ("autoregressive", "speculative"):
+        compressions.clear()
+        mtpc.generate(model, long, max_new_tokens=24, method=method)
+        layers = backbone.num_layers
+        assert len(compressions) >= 2 * layers  # the prefill's window and the next one
+        compressions.clear()
+        mtpc.generate(model, first, max_new_tokens=24, method=method)
+        assert len(compressions) <= layers  # the first prompt alone compresses less
+
+
+def _save_target_in_memory() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    )  # fmt: skip
+    return LlamaForCausalLM(config).eval()

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from mtpc.data.prompts import UnknownSourceError
 from mtpc.decoding import (
@@ -101,8 +101,9 @@ def check_eval_fields(cfg: Any) -> None:
             f"{', '.join(SAMPLING_DRAFT_MODES)} or null (speculative sampling is exact only for "
             "drafts drawn from the circuit)"
         )
-    for field in ("greedy", "suppress_eos", "max_throughput", "english_only", "plots", "progress"):
-        choice(field, (True, False), optional=field == "progress")
+    for field in ("greedy", "suppress_eos", "max_throughput", "english_only", "plots", "progress",
+                  "warmup_window"):  # fmt: skip
+        choice(field, (True, False), optional=field in ("progress", "warmup_window"))
     choice("resume", RESUME, optional=True)
     budgets = _plain(_get(cfg, "tree_budget"))
     for b in budgets if isinstance(budgets, list) else [budgets]:
@@ -223,6 +224,107 @@ def resolve_drafts(cfg: Any, key: str = "draft") -> list[Path]:
     return out
 
 
+TARGET_FIELDS = ("name", "path", "revision", "dtype")
+"""The target identity an exported draft records (``config.json`` ``target``): the evaluation
+takes it from the draft; a ``model.*`` override may restate it, never contradict it."""
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def recorded_target(path: Path) -> dict[str, Any]:
+    """The target a draft was exported for, as ``model.*`` fields (name, path, revision, dtype)."""
+    from mtpc.export import read_config
+
+    t = read_config(path)["target"]
+    return {"name": t.get("model"), "path": t.get("path"), "revision": t.get("revision"),
+            "dtype": t.get("dtype")}  # fmt: skip
+
+
+def explicit_model_fields(overrides: Sequence[str], cfg: Any) -> dict[str, Any]:
+    """The ``model.*`` fields a command line sets (``model=<group>`` sets ``name``), with the
+    values ``cfg`` composed for them; every other field of ``cfg.model`` is a group default.
+
+    Args:
+        overrides: Hydra's task overrides (``HydraConfig.get().overrides.task``), e.g.
+            ``["draft=d", "model=evabyte", "model.path=/ckpt"]``.
+        cfg: the composed config.
+    """
+    fields: dict[str, Any] = {}
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key == "model":
+            fields["name"] = _get(cfg, "model.name")
+        elif key.startswith("model."):
+            fields[key.removeprefix("model.")] = _plain(_get(cfg, key))
+    return fields
+
+
+def resolve_target(
+    cfg: Any, drafts: Sequence[Path], explicit: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """The evaluation's ``model`` config: the drafts' recorded target, its group's other
+    fields (``configs/model/<name>.yaml``: codec, attention path) and the explicit overrides.
+
+    Args:
+        cfg: the evaluation config.
+        drafts: the drafts and baselines to evaluate (at least one).
+        explicit: the ``model.*`` fields given on the command line (:func:`explicit_model_fields`);
+            ``None`` (a call from Python without Hydra): none.
+
+    Raises:
+        TargetMismatchError: an explicit identity field differs from the recorded one (the
+            message names the field and both values), or two drafts record different targets.
+    """
+    from mtpc.backbones import BACKBONES
+    from mtpc.export import TargetMismatchError
+
+    target = recorded_target(drafts[0])
+    for path in drafts[1:]:
+        other = recorded_target(path)
+        differ = [f for f in ("name", "path", "revision") if other[f] != target[f]]
+        if differ:
+            f = differ[0]
+            raise TargetMismatchError(
+                f"draft {path} was exported for model.{f}={other[f]!r} but draft {drafts[0]} "
+                f"for model.{f}={target[f]!r}; one evaluation has one target: evaluate them "
+                "in separate calls"
+            )
+    explicit = dict(explicit or {})
+    for field in TARGET_FIELDS:
+        if field in explicit and explicit[field] != target[field]:
+            raise TargetMismatchError(
+                f"model.{field}={explicit[field]!r} contradicts draft {drafts[0]}, exported for "
+                f"model.{field}={target[field]!r}; drop the override (the target comes from "
+                "the draft)"
+            )
+    group: dict[str, Any] = {}
+    if target["name"] in BACKBONES:  # the group's other fields (codec, attention path)
+        group = _plain(OmegaConf.load(CONFIGS / "model" / f"{target['name']}.yaml"))
+    current = _plain(_get(cfg, "model")) or {}
+    if current.get("name") == target["name"]:  # model=<the same group>: its own fields
+        group = {**group, **current}
+    model = {**group, **{k: v for k, v in target.items() if k != "dtype" or v is not None}}
+    model.update({k: v for k, v in explicit.items() if k not in TARGET_FIELDS})
+    if target["name"] not in BACKBONES:
+        model.setdefault("codec", read_config_codec(drafts[0]))
+    return model
+
+
+def read_config_codec(path: Path) -> str:
+    from mtpc.export import read_config
+
+    return str(read_config(path)["codec"])
+
+
+def with_model(cfg: Any, model: Mapping[str, Any]) -> Any:
+    """``cfg`` with ``model`` replaced (a DictConfig in place, a mapping copied)."""
+    if isinstance(cfg, DictConfig):
+        with open_dict(cfg):
+            cfg.model = OmegaConf.create(dict(model))
+        return cfg
+    return {**cfg, "model": dict(model)}
+
+
 def load_target(cfg: Any) -> Any:
     """The configured target (``model=``) as a backbone on ``device``."""
     from mtpc.backbones import load_backbone
@@ -263,12 +365,13 @@ def load_for_eval(path: Path, cfg: Any) -> Any:
         ValueError: the draft names another registry target than ``model.name``.
         TargetMismatchError: the target's weights differ from the recorded fingerprint.
     """
+    from mtpc.backbones import BACKBONES
     from mtpc.model import MTPCModel
 
     recorded = check_target_name(path, cfg)
     name = _get(cfg, "model.name", "tiny")
     device = str(_get(cfg, "device", "cpu"))
-    if recorded == name:
+    if recorded == name and name in BACKBONES:
         return MTPCModel.from_pretrained(path, target=load_target(cfg))
     return MTPCModel.from_pretrained(path, device=device)  # an HF target rebuilt from its path
 
@@ -295,15 +398,33 @@ def load_prompt_sets(cfg: Any, codec: str, max_prompt_length: int | None) -> lis
     )
 
 
+def cuda_index(device: str) -> int | None:
+    """The CUDA device index of ``device`` (``cuda`` -> the current one); None for the CPU."""
+    if not device.startswith("cuda"):
+        return None
+    index = torch.device(device).index
+    return torch.cuda.current_device() if index is None else int(index)
+
+
+def use_device(device: str) -> None:
+    """Makes ``device`` (``cuda:<i>``) the current CUDA device, so that kernels launched
+    without an explicit device (triton's, EvaByte's) and the memory counters use it."""
+    index = cuda_index(device)
+    if index is not None:
+        torch.cuda.set_device(index)
+
+
 def _sync_memory_reset(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+    index = cuda_index(device)
+    if index is not None:
+        torch.cuda.synchronize(index)
+        torch.cuda.reset_peak_memory_stats(index)
 
 
 def _peak_memory_mb(device: str) -> float:
-    if device.startswith("cuda"):
-        return torch.cuda.max_memory_allocated() / 2**20
+    index = cuda_index(device)
+    if index is not None:
+        return torch.cuda.max_memory_allocated(index) / 2**20
     scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**20
 
@@ -348,7 +469,8 @@ def tree_budgets(cfg: Any) -> list[int]:
 
 SETTINGS = (
     "greedy", "policy", "draft_mode", "temperature", "top_k", "top_p", "num_prompts",
-    "num_prompt_sets", "max_new_tokens", "warmup", "suppress_eos", "max_throughput",
+    "num_prompt_sets", "max_new_tokens", "warmup", "warmup_window", "suppress_eos",
+    "max_throughput",
     "device", "english_only", "seed", "num_threads", "max_prompt_length", "sources",
     "tree_budget", "tree_floor",
 )  # fmt: skip
@@ -436,6 +558,32 @@ class _Progress:
         self.bar.close()
 
 
+def warmup_prompts(model: Any, prompt_sets: Sequence[Sequence[Any]], cfg: Any) -> list[list[int]]:
+    """The prompts each pass decodes untimed (``warmup`` times) before it is timed, with its
+    own decoding method.
+
+    The first prompt; with ``warmup_window`` on a target with an attention window (EvaByte's
+    ``window_size`` W), also one of ``2W - h`` ids (the prompts' longest, repeated), h =
+    max(1, min(max_new_tokens, W) // 2): its prefill compresses a full window and its
+    decoding reaches the next window boundary within h new ids, so the first window
+    compression and the kernels' shapes of a longer prefill (triton specialises per length)
+    are compiled before the timed prompts. Left out when it would not fit the context.
+    """
+    prompts = [list(prompt_sets[0][0].prompt_ids)]
+    window = getattr(model.backbone, "window_size", None)
+    if not _get(cfg, "warmup_window", True) or not window:
+        return prompts
+    new = int(_get(cfg, "max_new_tokens", 128))
+    length = 2 * int(window) - max(1, min(new, int(window)) // 2)
+    context = getattr(model.backbone.config, "max_position_embeddings", None)
+    if context and length + new + model.head.window > int(context):
+        logger.info("warm-up: a prompt of %d ids does not fit the context %s", length, context)
+        return prompts
+    longest = max((list(p.prompt_ids) for s in prompt_sets for p in s), key=len)
+    ids = longest * (length // len(longest) + 1)
+    return [*prompts, ids[:length]]
+
+
 def run_pass(
     store: RecordStore,
     model: Any,
@@ -446,7 +594,7 @@ def run_pass(
 ) -> int:
     """Decodes the prompts of one pass that ``store`` has no record of; returns their number.
 
-    ``warmup`` untimed runs on the first prompt come first; each prompt's record is appended
+    ``warmup`` untimed runs on each of :func:`warmup_prompts` come first; each prompt's record is appended
     (and flushed) as soon as it is decoded; a ``pass`` record with the peak memory closes
     the pass.
 
@@ -478,7 +626,8 @@ def run_pass(
     check = drafting and kwargs["greedy"]
     _sync_memory_reset(device)
     for w in range(int(_get(cfg, "warmup", 1))):
-        generate(model, prompt_sets[0][0].prompt_ids, seed=seed + w, **kwargs)
+        for ids in warmup_prompts(model, prompt_sets, cfg):
+            generate(model, ids, seed=seed + w, **kwargs)
     total = sum(len(p) for p in prompt_sets)
     bar = _Progress(
         bool(_get(cfg, "progress", True)), total, total - len(todo), f"{name} [{pass_name}]"
@@ -589,8 +738,16 @@ def decode_all(
     return prompt_sets
 
 
-def evaluate(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
+def evaluate(
+    cfg: DictConfig | Mapping[str, Any], explicit_model: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """Evaluates the configured drafts (resuming their folder); prints the tables, writes results.
+
+    The target is the one the drafts were exported for (their ``config.json`` ``target``;
+    :func:`resolve_target`): ``python eval.py draft=<EvaByte draft>`` needs no ``model=``.
+    ``model.*`` fields given on the command line (``explicit_model``; under Hydra read from
+    its task overrides) may restate the recorded target or set what it does not record
+    (``model.attention_impl``); one that contradicts it is refused before loading anything.
 
     With ``report=<folder>`` (or a list, globs allowed) nothing is decoded: the tables,
     results.json, CSVs and plots are rebuilt from the folders' records, merged.
@@ -633,9 +790,14 @@ def evaluate(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
     base_paths = resolve_drafts(cfg, key="baseline")
     baseline_set = {b.resolve() for b in base_paths}
     drafts = [d for d in drafts if d.resolve() not in baseline_set]  # also the baseline: once
+    if drafts or base_paths:  # the target comes from the drafts
+        if explicit_model is None:
+            explicit_model = hydra_model_overrides(cfg)
+        cfg = with_model(cfg, resolve_target(cfg, [*drafts, *base_paths], explicit_model))
     threads = _get(cfg, "num_threads")
     if threads:
         torch.set_num_threads(int(threads))
+    use_device(str(_get(cfg, "device", "cpu")))  # device=cuda:1: kernels and counters on GPU 1
     manifest = build_manifest(cfg, drafts, base_paths)
     folder = eval_folder(cfg, manifest)
     if _get(cfg, "resume", "auto") == "never":
@@ -659,6 +821,15 @@ def evaluate(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
     result = report_folders([folder], folder, plots=plots)
     print(f"results: {result['files']['json']}")
     return {**result, "folder": str(folder)}
+
+
+def hydra_model_overrides(cfg: Any) -> dict[str, Any] | None:
+    """The ``model.*`` fields of this Hydra run's command line; ``None`` outside a Hydra run."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    return explicit_model_fields(list(HydraConfig.get().overrides.task), cfg)
 
 
 def fresh_folder(folder: Path) -> Path:
