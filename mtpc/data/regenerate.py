@@ -31,7 +31,7 @@ import hashlib
 import json
 import os
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -296,6 +296,28 @@ class Counts:
         return out
 
 
+def refuse_other_regeneration(
+    folder: Path, manifest: Mapping[str, Any], keys: Sequence[str] = IDENTITY
+) -> None:
+    """Refuses a folder whose shard manifests differ from ``manifest`` in ``keys``.
+
+    Raises:
+        RegenerateMismatchError: naming the first changed fields.
+    """
+    from mtpc.evaluation.records import differences
+
+    mine = {k: manifest.get(k) for k in keys}
+    for other in sorted(folder.glob("manifest-*.json")):
+        theirs = json.loads(other.read_text(encoding="utf-8"))
+        changed = differences({k: theirs.get(k) for k in keys}, mine)
+        if changed:
+            raise RegenerateMismatchError(
+                f"{folder} holds rows of another regeneration ({other.name}); changed: "
+                + "; ".join(changed[:3])
+                + ". Use another output_dir, or the same settings to resume"
+            )
+
+
 class ShardStore:
     """One shard's output files, locked, read back for resume (see the module docstring).
 
@@ -327,7 +349,7 @@ class ShardStore:
             RegenerateMismatchError: a manifest in the folder differs in target, settings,
                 data or sharding (the message names the first changed fields).
         """
-        from mtpc.evaluation.records import differences, write_json
+        from mtpc.evaluation.records import write_json
 
         self.folder.mkdir(parents=True, exist_ok=True)
         lock = open(self.folder / f".{self.stem}.lock", "w")  # noqa: SIM115
@@ -339,17 +361,11 @@ class ShardStore:
                 f"another process is writing {self.folder / self.stem}.jsonl; wait for it"
             ) from None
         self._lock = lock
-        mine = {k: manifest.get(k) for k in IDENTITY}
-        for other in sorted(self.folder.glob("manifest-*.json")):
-            theirs = json.loads(other.read_text(encoding="utf-8"))
-            changed = differences({k: theirs.get(k) for k in IDENTITY}, mine)
-            if changed:
-                self.close()
-                raise RegenerateMismatchError(
-                    f"{self.folder} holds rows of another regeneration ({other.name}); changed: "
-                    + "; ".join(changed[:3])
-                    + ". Use another output_dir, or the same settings to resume"
-                )
+        try:
+            refuse_other_regeneration(self.folder, manifest)
+        except RegenerateMismatchError:
+            self.close()
+            raise
         for path in (self.rows_path, self.skipped_path):
             _trim_torn_line(path)
         for row in _read_lines(self.rows_path):
@@ -522,20 +538,25 @@ def regenerate(cfg: Any) -> dict[str, Any]:
         revision=data["revision"],
         **({"hf_name": data["hf_name"]} if data["hf_name"] else {}),
     )
+    manifest: dict[str, Any] = {
+        "format": FORMAT_VERSION,
+        "settings": settings.output_law(),
+        "data": {**data, "fingerprint": source.fingerprint, "name": source.name},
+        "num_shards": num_shards,
+    }
+    # settings, data and sharding are refused before the target loads; its weights after
+    refuse_other_regeneration(out, manifest, [k for k in IDENTITY if k != "target"])
     model = load_model(cfg, settings)
     codec = get_codec(str(_get(cfg, "model.codec")))
     context = context_length(model)
     manifest = {
-        "format": FORMAT_VERSION,
+        **manifest,
         "target": {
             "model": _get(cfg, "model.name"),
             "path": _get(cfg, "model.path"),
             "codec": codec.name,
             "weights_fingerprint": model.backbone.weights_fingerprint(),
         },
-        "settings": settings.output_law(),
-        "data": {**data, "fingerprint": source.fingerprint, "name": source.name},
-        "num_shards": num_shards,
         "shard": shard,
         "decoder": asdict(settings),
     }
