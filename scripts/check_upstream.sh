@@ -77,7 +77,7 @@ else
 fi
 
 if [ ${#failed[@]} -eq 0 ]; then
-  echo "== upstream OK: the newest releases pass; refresh the lock with: bash scripts/lock.sh"
+  echo "== upstream OK: ${*:-the newest releases} pass${*:+ (not the lock: refresh it only from the newest)}; refresh the lock with: bash scripts/lock.sh"
   exit 0
 fi
 echo "== upstream drift: failed: ${failed[*]} (logs in $venv; MTPC_UPSTREAM_KEEP=1 keeps them)"
