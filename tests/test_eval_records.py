@@ -242,7 +242,7 @@ def test_merged_report_and_refusals(tmp_path: Path, drafts: dict[str, Path]) -> 
     for field, value, match in (
         ("settings", {"max_new_tokens": 32}, r"settings\.max_new_tokens: 16 -> 32"),
         ("device_name", "another GPU", "device_name"),
-        ("target", {"name": "evabyte"}, r"target\.name: 'tiny' -> 'evabyte'"),
+        ("target", {"name": "evabyte"}, r"target\.name: 'hf' -> 'evabyte'"),
     ):
         shutil.rmtree(tmp_path / "c", ignore_errors=True)
         shutil.copytree(tmp_path / "b", tmp_path / "c")
