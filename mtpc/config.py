@@ -15,17 +15,20 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from mtpc.choices import (
+    ATTENTION_IMPLS,
+    CIRCUIT_KINDS,
+    CODEC_NAMES,
+    DRAFT_MODES,
+    EXTRA_POSITIONS,
+    HEAD_INITS,
+    LOSS_NAMES,
+    MODEL_NAMES,
+    STAGES,
+)
+from mtpc.choices import DTYPE_NAMES as DTYPES
+from mtpc.choices import SAMPLING_POLICIES as REGENERATE_POLICIES
 from mtpc.errors import UserError
-
-MODEL_NAMES = ("tiny", "evabyte", "llama3_byte")
-CODEC_NAMES = ("tiny", "evabyte", "llama3_byte")
-CIRCUIT_KINDS = ("ff", "cp", "hmm", "btree")
-EXTRA_POSITIONS = ("repeat_last", "random")  # mtpc.heads.EXTRA_POSITIONS (no torch import here)
-HEAD_INITS = ("pretrained", "stp", "random")  # mtpc.model.HEAD_INITS
-DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_IMPLS = ("auto", "torch", "triton")  # mtpc.backbones.compat.ATTENTION_IMPLS
-LOSS_NAMES = ("nll", "kl")
-STAGES = ("heads", "lora")
 
 
 class ConfigError(UserError, ValueError):
@@ -250,10 +253,6 @@ def _check_eval(cfg: Mapping[str, Any]) -> None:
 def validate_eval_config(cfg: DictConfig | Mapping[str, Any]) -> None:
     """Raises :class:`ConfigError` naming the first invalid field of an evaluation config."""
     _run_checks(cfg, (_check_model, _check_data, _check_eval))
-
-
-REGENERATE_POLICIES = ("condition", "recompute")  # exact for sampling (mtpc.decoding.POLICIES)
-DRAFT_MODES = ("sample", "map", "chain", "zmap", "zsample", "zsample1")  # mtpc.decoding.DRAFT_MODES
 
 
 def _check_regenerate(cfg: Mapping[str, Any]) -> None:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from mtpc.choices import MODEL_NAMES
 from mtpc.errors import DraftError, UserError
 
 if TYPE_CHECKING:
@@ -303,7 +304,7 @@ def load_draft(
         hf.to(device or "cpu")  # type: ignore[arg-type]
         backbone = backbone_from_hf(hf.eval())
     elif target is None:
-        if t.get("model") not in ("tiny", "evabyte", "llama3_byte"):
+        if t.get("model") not in MODEL_NAMES:
             raise ValueError(
                 f"config.json target.model is {t.get('model')!r}; allowed: tiny, evabyte, llama3_byte, hf "
                 "(or pass target=<the loaded model>)"

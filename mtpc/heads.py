@@ -16,12 +16,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
+from mtpc.choices import EXTRA_POSITIONS
 from mtpc.circuits import Circuit, CircuitParams, build_structure
 from mtpc.circuits.structure import check_kind_window_rank
 
 __all__ = ["EXTRA_POSITIONS", "MTPCHead", "build_head", "chunked_log_likelihood"]
-
-EXTRA_POSITIONS = ("repeat_last", "random")
 
 
 class MTPCHead(nn.Module):

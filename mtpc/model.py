@@ -23,11 +23,10 @@ from torch import nn
 
 from mtpc.backbones import Backbone, LayerCache, backbone_from_hf, load_backbone, resolve_dtype
 from mtpc.backbones.lora import LoraSettings, as_settings, attach_lora, validate_lora
+from mtpc.choices import HEAD_INITS
 
 if TYPE_CHECKING:
     from mtpc.heads import MTPCHead
-
-HEAD_INITS = ("pretrained", "stp", "random")
 
 
 def assign_codec(backbone: Backbone) -> None:
@@ -314,17 +313,7 @@ class MTPCModel(nn.Module):
         tree_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Layers L-k..L-1 with base weights (adapter off): (B, T, d) -> (B, T, d)."""
-        n = self.backbone.num_layers
-        return self.backbone.run_layers(
-            hidden,
-            self.split,
-            n,
-            positions,
-            cache,
-            adapter=False,
-            documents=documents,
-            tree_mask=tree_mask,
-        )
+        return self._tail(hidden, False, cache, positions, documents, tree_mask)
 
     def draft_tail(
         self,
@@ -335,14 +324,25 @@ class MTPCModel(nn.Module):
         tree_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Layers L-k..L-1 with the LoRA adapter on: (B, T, d) -> (B, T, d)."""
-        n = self.backbone.num_layers
+        return self._tail(hidden, self.k > 0, cache, positions, documents, tree_mask)
+
+    def _tail(
+        self,
+        hidden: torch.Tensor,
+        adapter: bool,
+        cache: LayerCache | None,
+        positions: torch.Tensor | None,
+        documents: torch.Tensor | None,
+        tree_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Layers L-k..L-1, adapter on or off: (B, T, d) -> (B, T, d)."""
         return self.backbone.run_layers(
             hidden,
             self.split,
-            n,
+            self.backbone.num_layers,
             positions,
             cache,
-            adapter=self.k > 0,
+            adapter=adapter,
             documents=documents,
             tree_mask=tree_mask,
         )

@@ -15,8 +15,7 @@ from torch import nn
 
 from mtpc.backbones.base import DTYPES, Backbone, LayerCache, resolve_dtype
 from mtpc.backbones.compat import ATTENTION_IMPLS, TargetLoadError
-
-BACKBONES = ("tiny", "evabyte", "llama3_byte")
+from mtpc.choices import MODEL_NAMES as BACKBONES
 
 __all__ = [
     "ATTENTION_IMPLS",

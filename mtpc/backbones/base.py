@@ -30,12 +30,9 @@ import torch
 from torch import nn
 
 from mtpc.backbones.compat import CacheInterfaceError, cache_guard_message
+from mtpc.choices import DTYPE_NAMES
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:

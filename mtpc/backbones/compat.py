@@ -63,11 +63,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from mtpc.choices import ATTENTION_IMPLS
 from mtpc.errors import UserError
 
 log = logging.getLogger(__name__)
-
-ATTENTION_IMPLS = ("auto", "torch", "triton")
 
 # Values a remote config gets for keys its config.json lacks (the hub configs carry them).
 # EvaByte: fp32_* as EvaByte's own checkpoint converter writes them ("legacy attributes");

@@ -16,6 +16,7 @@ evidence draws exactly from ``q(x_{m+1..n} | x_{1..m})``.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -23,9 +24,30 @@ from torch import Tensor
 from mtpc.circuits.params import CircuitParams, _f32
 from mtpc.circuits.structure import Layer, Slot, Structure
 
-_Step = tuple[bool, tuple[int, int], tuple[tuple[int, int], ...], int, int]
-"""A prefix-pass step: (is a sum, its (layer, fold), children on the prefix, first weight row,
-units)."""
+
+class _LayerStep(NamedTuple):
+    """One layer of the layered pass (``Circuit._plan``), flattened for the hot loop."""
+
+    is_sum: bool
+    num_folds: int  # F
+    num_units: int  # R
+    arity: int  # A: children per product fold
+    slot0: Slot  # the first (for a sum, the only) input slot
+    view: tuple[int, bool, int] | None  # a product over consecutive folds of one layer:
+    # (source layer, narrow it?, first fold); None: read ``slots``
+    lo: int  # first sum-weight row of the layer
+    hi: int  # one past its last row
+    slots: tuple[Slot, ...]
+
+
+class _Step(NamedTuple):
+    """One fold of a prefix pass (``Circuit._prefix_plan``)."""
+
+    is_sum: bool
+    fold: tuple[int, int]  # (layer, fold)
+    kids: tuple[tuple[int, int], ...]  # its children that depend on the prefix
+    lo: int  # first sum-weight row
+    num_units: int  # R
 
 
 class Circuit:
@@ -43,7 +65,7 @@ class Circuit:
         self._tri = torch.ones(n, n, dtype=torch.bool).tril().T.unsqueeze(1)  # (n, 1, n)
         self._device_cache: dict[tuple[int, torch.device], Tensor] = {}
         # flat per-layer plan for the hot loop (fewer attribute look-ups)
-        self._plan = []
+        self._plan: list[_LayerStep] = []
         for la in self.layers[1:]:
             view = None
             if la.view_start is not None:
@@ -53,16 +75,16 @@ class Circuit:
             lo = la.sum_offset
             hi = lo + la.num_folds * la.num_units
             self._plan.append(
-                (
-                    la.kind == "sum",
-                    la.num_folds,
-                    la.num_units,
-                    la.arity,
-                    la.slots[0],
-                    view,
-                    lo,
-                    hi,
-                    la.slots,
+                _LayerStep(
+                    is_sum=la.kind == "sum",
+                    num_folds=la.num_folds,
+                    num_units=la.num_units,
+                    arity=la.arity,
+                    slot0=la.slots[0],
+                    view=view,
+                    lo=lo,
+                    hi=hi,
+                    slots=tuple(la.slots),
                 )
             )
         # prefix fast path: layer 1 multiplies consecutive inputs and nobody else reads them
@@ -505,7 +527,7 @@ class Circuit:
                         if (k[1] if k[0] == 0 else self.layers[k[0]].scopes[k[1]][0]) < span
                     )
                     lo = la.sum_offset + f * la.num_units
-                    steps.append((la.kind == "sum", (lid, f), kids, lo, la.num_units))
+                    steps.append(_Step(la.kind == "sum", (lid, f), kids, lo, la.num_units))
                     cost += int(la.kind == "sum" or len(kids) > 1)
             self._prefix_plans[span] = tuple(steps) if cost <= len(self._plan) else None
         return self._prefix_plans[span]
@@ -547,7 +569,7 @@ class Circuit:
                         torch.matmul(wexp[:, lo : lo + R], torch.exp(c - mx)).log() + mx
                     )  # (B, R, K)
             values[fold] = c
-        return values[plan[-1][1]]  # the root: the last fold of a prefix's plan
+        return values[plan[-1].fold]  # the root: the last fold of a prefix's plan
 
     def _prefix_posterior(self, plan: tuple[_Step, ...], ev: Tensor, lw: Tensor) -> Tensor:
         """:meth:`_posterior` given evidence on a prefix, over the prefix's ancestors only.
@@ -565,7 +587,7 @@ class Circuit:
         scores: list[Tensor] = []
         self._prefix_values(plan, inputs, lw, scores)
         pieces, done = [], 0
-        rows = [lo for is_sum, _, _, lo, _ in plan if is_sum]
+        rows = [step.lo for step in plan if step.is_sum]
         for lo, s in zip(rows, scores, strict=True):
             pieces += [lw[:, done:lo], s]
             done = lo + s.shape[1]

@@ -27,7 +27,9 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-KINDS = ("ff", "cp", "hmm", "btree")
+from mtpc.choices import CIRCUIT_KINDS
+
+KINDS = CIRCUIT_KINDS
 
 LayerKind = Literal["input", "product", "sum"]
 

@@ -53,6 +53,7 @@ from mtpc.data.preprocess import (
 )
 from mtpc.data.sources import Row, RowSource
 from mtpc.errors import DataError
+from mtpc.files import remove_stale_tmp
 
 logger = logging.getLogger(__name__)
 
@@ -238,7 +239,7 @@ def prepare(
         logger.info("data cache hit: %s", folder)
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_tmp(folder.parent)
+    remove_stale_tmp(folder.parent, "an interrupted data preparation")
     tmp = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -371,28 +372,6 @@ def ensure_prepared(
         shutil.rmtree(folder, ignore_errors=True)
     folder = prepare(source, codec, cache_dir, max_bytes, seed, validation_fraction)
     return load_prepared(folder)
-
-
-def remove_stale_tmp(parent: Path) -> None:
-    """Removes ``.<name>.<pid>.tmp`` folders of preparations whose process is gone."""
-    for tmp in parent.glob(".*.tmp"):
-        pid = tmp.name.rsplit(".", 2)[-2]
-        if pid.isdigit() and not pid_alive(int(pid)):
-            logger.info("removing %s, left by an interrupted data preparation", tmp)
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` is running (this process counts as running)."""
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _read_prepared(folder: Path, meta: dict[str, Any]) -> PreparedData:

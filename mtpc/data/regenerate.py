@@ -26,7 +26,6 @@ uninterrupted one. A rerun with another target, other settings or other data is 
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -39,6 +38,7 @@ from typing import IO, Any
 from mtpc.backbones.codecs import ByteCodec
 from mtpc.data.preprocess import check_row
 from mtpc.errors import UserError
+from mtpc.files import FolderBusy, FolderLock
 
 FORMAT_VERSION = 1
 METHODS = ("autoregressive", "speculative")
@@ -337,7 +337,7 @@ class ShardStore:
         self.done: set[int] = set()
         self.counts = Counts()
         self.manifest: dict[str, Any] = {}
-        self._lock: IO[str] | None = None
+        self._lock: FolderLock | None = None
         self._rows: IO[str] | None = None
         self._skipped: IO[str] | None = None
 
@@ -352,11 +352,10 @@ class ShardStore:
         from mtpc.evaluation.records import write_json
 
         self.folder.mkdir(parents=True, exist_ok=True)
-        lock = open(self.folder / f".{self.stem}.lock", "w")  # noqa: SIM115
+        lock = FolderLock(self.folder / f".{self.stem}.lock")
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            lock.close()
+            lock.acquire()
+        except FolderBusy:
             raise RegenerateBusyError(
                 f"another process is writing {self.folder / self.stem}.jsonl; wait for it"
             ) from None
@@ -423,7 +422,7 @@ class ShardStore:
                 f.close()
         self._rows = self._skipped = None
         if self._lock is not None:
-            self._lock.close()
+            self._lock.release()
             self._lock = None
 
     def __enter__(self) -> ShardStore:

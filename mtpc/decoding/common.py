@@ -23,11 +23,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mtpc.choices import DRAFT_MODES, METHODS, POLICIES
 from mtpc.decoding.verify import process_logits
 
-METHODS = ("speculative", "autoregressive")
-POLICIES = ("condition", "recompute", "drop")
-DRAFT_MODES = ("sample", "map", "chain", "zmap", "zsample", "zsample1")
 """``map`` / ``chain`` evaluate the head's whole (n, r, V) table; ``zmap`` / ``zsample`` /
 ``sample`` the leaves of the evidence position and one leaf per drafted position (``sample``
 adds every unit at the positions its marginal proposal is asked at, ``zsample1`` every unit

@@ -32,7 +32,6 @@ partial last line before appending.
 from __future__ import annotations
 
 import datetime
-import fcntl
 import hashlib
 import json
 import math
@@ -42,9 +41,10 @@ import re
 import subprocess
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from mtpc.errors import UserError
+from mtpc.files import FolderBusy, FolderLock
 
 RECORDS = "records.jsonl"
 MANIFEST = "manifest.json"
@@ -241,7 +241,7 @@ class RecordStore:
         done: keys (:func:`record_key`) of the prompt records held.
     """
 
-    def __init__(self, folder: Path, manifest: dict[str, Any], lock: IO[str]) -> None:
+    def __init__(self, folder: Path, manifest: dict[str, Any], lock: FolderLock) -> None:
         self.folder = folder
         self.manifest = manifest
         self.records = read_records(folder)
@@ -264,19 +264,19 @@ class RecordStore:
                 with other settings, drafts, target, data or device (the message lists them).
         """
         folder.mkdir(parents=True, exist_ok=True)
-        lock = open(folder / LOCK, "w")  # noqa: SIM115
+        lock = FolderLock(folder / LOCK)
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            lock.close()
+            lock.acquire()
+        except FolderBusy as busy:
             raise RecordsError(
-                f"another evaluation is writing to {folder}; wait for it or use another output_dir"
+                f"another evaluation is writing to {folder} ({busy.holder}); wait for it or "
+                "use another output_dir"
             ) from None
         if (folder / MANIFEST).is_file():
             old = read_manifest(folder)
             changed = differences(identity(old), identity(manifest))
             if changed and not force:
-                lock.close()
+                lock.release()
                 raise RecordsError(
                     f"{folder} holds records of another evaluation; changed: "
                     + "; ".join(changed)
@@ -320,7 +320,7 @@ class RecordStore:
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
-        self._lock.close()
+        self._lock.release()
 
     def __enter__(self) -> RecordStore:
         return self

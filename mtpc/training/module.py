@@ -22,6 +22,7 @@ import lightning as L
 import torch
 from torch import Tensor
 
+from mtpc.choices import LOSS_NAMES
 from mtpc.heads import MTPCHead
 from mtpc.model import MTPCModel
 from mtpc.training.loss import LossOutput, composite_nll, distillation_kl, expected_accepted
@@ -61,7 +62,7 @@ class MTPCLightningModule(L.LightningModule):
         top1_positions: int = 512,
     ) -> None:
         super().__init__()
-        if loss not in ("nll", "kl"):
+        if loss not in LOSS_NAMES:
             raise ValueError(f"loss is {loss!r}; allowed: nll, kl")
         self.model = model
         self.loss_name = loss

@@ -15,20 +15,17 @@
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import shutil
-import socket
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from mtpc.data.cache import pid_alive
 from mtpc.errors import UserError
+from mtpc.files import FolderBusy, FolderLock
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +85,7 @@ class CheckpointUnreadableError(UserError):
     """No checkpoint of the run folder can be read."""
 
 
-class RunLock:
+class RunLock(FolderLock):
     """An exclusive lock on a run folder (``flock`` on ``<folder>/.lock``; no-op off rank 0).
 
     The lock is released when the process ends, however it ends, so a killed run never
@@ -96,9 +93,7 @@ class RunLock:
     """
 
     def __init__(self, folder: Path, enabled: bool = True) -> None:
-        self.path = folder / LOCK_NAME
-        self.enabled = enabled
-        self._fd: int | None = None
+        super().__init__(folder / LOCK_NAME, enabled)
 
     def acquire(self) -> None:
         """Takes the lock.
@@ -106,47 +101,17 @@ class RunLock:
         Raises:
             RunFolderBusyError: another process holds it (the message names the folder).
         """
-        if not self.enabled or self._fd is not None:
-            return
-        import fcntl
-
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as err:
-            if err.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
-                os.close(fd)  # a file system without locks: run unlocked, but say so
-                log.warning(
-                    "cannot lock %s (%s); running without a run-folder lock", self.path, err
-                )
-                return
-            holder = self.path.read_text(errors="replace").strip() or "unknown process"
-            os.close(fd)
+            super().acquire()
+        except FolderBusy as busy:
             raise RunFolderBusyError(
-                f"run folder {self.path.parent} is in use by another run ({holder}); wait for "
-                "it to finish, or give this run another folder (run_name=<new name>)"
+                f"run folder {self.path.parent} is in use by another run ({busy.holder}); wait "
+                "for it to finish, or give this run another folder (run_name=<new name>)"
             ) from None
-        os.ftruncate(fd, 0)
-        started = time.strftime("%Y-%m-%dT%H:%M:%S")
-        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since {started}\n".encode())
-        self._fd = fd
-
-    def release(self) -> None:
-        """Releases the lock (the file stays; it only records the last holder)."""
-        if self._fd is None:
-            return
-        import fcntl
-
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
-        os.close(self._fd)
-        self._fd = None
 
     def __enter__(self) -> RunLock:
         self.acquire()
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
 
 
 def is_global_zero() -> bool:
@@ -156,21 +121,6 @@ def is_global_zero() -> bool:
         if value is not None and value.isdigit():
             return int(value) == 0
     return True
-
-
-def remove_stale_tmp(folder: Path) -> None:
-    """Removes ``.<name>.tmp-<pid>`` files of checkpoint writes and exports whose process died."""
-    if not folder.is_dir():
-        return
-    for tmp in folder.glob(".*.tmp*"):
-        pid = tmp.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and pid_alive(int(pid)):
-            continue
-        log.warning("removing %s, left by an interrupted write", tmp)
-        if tmp.is_dir():
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            tmp.unlink(missing_ok=True)
 
 
 def _read_checkpoint(path: Path) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mtpc.config import ConfigError, validate_train_config
 from mtpc.errors import UserError
+from mtpc.files import remove_stale_tmp
 from mtpc.model import MTPCModel
 from mtpc.training.callbacks import AtomicCheckpointIO, RNGStateCallback, RunRecordCallback
 from mtpc.training.module import MTPCLightningModule
@@ -35,7 +36,6 @@ from mtpc.training.resume import (
     comparable_config,
     find_resume_checkpoint,
     is_global_zero,
-    remove_stale_tmp,
     restore_hydra,
     snapshot_hydra,
 )

@@ -1,0 +1,37 @@
+"""The allowed values of every named setting, defined once (no imports: cheap and torch-free).
+
+The config checks (:mod:`mtpc.config`), the model, head, backbone and decoding code all
+import them from here, so a new choice is added in one place. The drafting vocabulary
+(``draft``, ``proposal``) and its mapping onto the draft step's internal modes is in
+:mod:`mtpc.decoding.settings`; its one table is docs/DECODING.md, "Drafting".
+"""
+
+from __future__ import annotations
+
+MODEL_NAMES = ("tiny", "evabyte", "llama3_byte")
+"""Registry targets (``model=``); ``mtpc.backbones.load_backbone``."""
+CODEC_NAMES = ("tiny", "evabyte", "llama3_byte")
+"""Byte codecs (``mtpc.backbones.codecs``)."""
+CIRCUIT_KINDS = ("ff", "cp", "hmm", "btree")
+"""Circuit families (``mtpc.circuits.structure``)."""
+EXTRA_POSITIONS = ("repeat_last", "random")
+"""Head positions past the pretrained MTP heads (``mtpc.heads``)."""
+HEAD_INITS = ("pretrained", "stp", "random")
+"""Head initialisations (``mtpc.model``)."""
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+"""Target dtypes (``mtpc.backbones.base.DTYPES``)."""
+ATTENTION_IMPLS = ("auto", "torch", "triton")
+"""EvaByte attention paths (``mtpc.backbones.compat``)."""
+LOSS_NAMES = ("nll", "kl")
+STAGES = ("heads", "lora")
+
+METHODS = ("speculative", "autoregressive")
+POLICIES = ("condition", "recompute", "drop")
+SAMPLING_POLICIES = ("condition", "recompute")
+"""Policies exact for speculative sampling (``drop`` is biased)."""
+DRAFTS = ("path", "map", "chain", "tree")
+"""What a cycle drafts; docs/DECODING.md, "Drafting"."""
+PROPOSALS = ("path", "first_marginal", "marginal")
+"""What speculative sampling verifies the drafts against; docs/DECODING.md, "Drafting"."""
+DRAFT_MODES = ("sample", "map", "chain", "zmap", "zsample", "zsample1")
+"""The draft step's internal modes (and the old ``draft_mode`` names, kept for one release)."""

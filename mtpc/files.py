@@ -1,0 +1,146 @@
+"""File machinery shared by training, data preparation, evaluation and regeneration.
+
+* :class:`FolderLock`: an exclusive, non-blocking ``flock`` on a lock file, released when
+  the process ends however it ends (a killed process never leaves a stale lock). The file
+  records the last holder (pid, host, start time) so a refusal can name it.
+* :func:`remove_stale_tmp`: removes the temporary files and folders of writes whose
+  process is gone. Every temporary name in the project carries its writer's pid, in one of
+  two spellings: ``.<name>.tmp-<pid>`` (checkpoints, exports) or ``.<name>.<pid>.tmp``
+  (data preparation).
+* :func:`pid_alive`: whether a process is running.
+
+Torch-free and cheap to import.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+import shutil
+import socket
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_TMP_PID = re.compile(r"\.tmp-(\d+)$|\.(\d+)\.tmp$")
+"""The writer's pid in a temporary name: ``.<name>.tmp-<pid>`` or ``.<name>.<pid>.tmp``."""
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` is running (this process counts as running)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def tmp_writer_pid(name: str) -> int | None:
+    """The pid in a temporary file name (see the module docstring), or None."""
+    match = _TMP_PID.search(name)
+    if match is None:
+        return None
+    return int(match.group(1) or match.group(2))
+
+
+def remove_stale_tmp(folder: Path, what: str = "an interrupted write") -> list[Path]:
+    """Removes ``folder``'s hidden temporary entries (``.*.tmp*``) whose writer is gone.
+
+    An entry whose name carries no pid cannot belong to a running writer of this project
+    and is removed too.
+
+    Args:
+        folder: the folder to clean (nothing happens when it does not exist).
+        what: what left them, for the log line.
+
+    Returns:
+        The removed paths.
+    """
+    if not folder.is_dir():
+        return []
+    removed = []
+    for tmp in sorted(folder.glob(".*.tmp*")):
+        pid = tmp_writer_pid(tmp.name)
+        if pid is not None and pid_alive(pid):
+            continue
+        log.warning("removing %s, left by %s", tmp, what)
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+        removed.append(tmp)
+    return removed
+
+
+class FolderBusy(Exception):
+    """Another process holds the lock; ``holder`` is what it wrote in the lock file."""
+
+    def __init__(self, path: Path, holder: str) -> None:
+        super().__init__(f"{path} is held by {holder}")
+        self.path, self.holder = path, holder
+
+
+class FolderLock:
+    """An exclusive ``flock`` on ``path`` (created when missing), held until :meth:`release`.
+
+    Args:
+        path: the lock file.
+        enabled: False: a no-op lock (e.g. off global rank 0).
+
+    On a file system without locks the lock logs a warning and the caller runs unlocked.
+    """
+
+    def __init__(self, path: Path, enabled: bool = True) -> None:
+        self.path = path
+        self.enabled = enabled
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Takes the lock and records this process as its holder.
+
+        Raises:
+            FolderBusy: another process holds it.
+        """
+        if not self.enabled or self._fd is not None:
+            return
+        import fcntl
+
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
+                os.close(fd)  # a file system without locks: run unlocked, but say so
+                log.warning("cannot lock %s (%s); running without a lock", self.path, err)
+                return
+            holder = self.path.read_text(errors="replace").strip() or "unknown process"
+            os.close(fd)
+            raise FolderBusy(self.path, holder) from None
+        os.ftruncate(fd, 0)
+        started = time.strftime("%Y-%m-%dT%H:%M:%S")
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since {started}\n".encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        """Releases the lock (the file stays; it only records the last holder)."""
+        if self._fd is None:
+            return
+        import fcntl
+
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None
+
+    def __enter__(self) -> FolderLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
