@@ -3,9 +3,10 @@
 Batch-1 decoding is memory-bound: a cycle reads every weight it uses once. The trunk reads
 its parameters once per verify pass (KV cache and activations not counted); the head reads
 the sum-unit projections R (every sum unit, every cycle) and rows of W (n, r, V, d): all
-n·r rows for the full-table draft modes (``sample``, ``map``, ``chain``), r rows at the
-pending token's position plus one per drafted position for the latent-path modes (``zmap``,
-``zsample``; ff: n - 1). Counts come from the real structures (``build_structure``).
+n·r rows for the full-table drafts (``draft=map``, ``draft=chain``), r rows at the pending
+token's position plus one per drafted position for ``draft=path`` (ff: n - 1; a marginal
+proposal reads more, only where a test asks). The choices: docs/DECODING.md, "Drafting".
+Counts come from the real structures (``build_structure``).
 
     python scripts/head_bytes.py            # EvaByte-SFT and the byte Llama 3.2 3B, bf16
 """

@@ -161,6 +161,13 @@ def test_each_bad_training_value_is_a_user_error(overrides: str, message: str, t
 BAD_EVALUATION = [
     ("greedy=false draft_mode=map", r"draft_mode='map' is not allowed with greedy=false"),
     ("greedy=false draft_mode=chain", r"draft_mode='chain' is not allowed with greedy=false"),
+    ("greedy=false drafting=map", r"draft='map' is not allowed with greedy=false"),
+    ("drafting=beam", r"draft='beam' is not allowed; allowed: path, map, chain, tree"),
+    ("drafting=tree tree_budget=4", r"drafting=tree is not allowed in an evaluation"),
+    ("proposal=marginal", r"proposal='marginal' is not allowed with greedy=true"),
+    ("greedy=false proposal=best", r"proposal='best' is not allowed; allowed: path, first_"),
+    ("tree_floor=0.1", r"tree_floor=0.1 is not allowed without tree_budget"),
+    ("draft_mode=map drafting=map", r"draft_mode='map' is not allowed with draft or proposal"),
     ("drafter=hetero drafter.algorithm=foo", r"drafter\.algorithm='foo' is not allowed"),
     ("drafter=hetero drafter.psi=bad", r"drafter\.psi='bad' is not allowed"),
     ("drafter=hetero drafter.lookahead=0", r"drafter\.lookahead=0 is not allowed"),

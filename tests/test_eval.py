@@ -184,7 +184,7 @@ def test_the_target_comes_from_the_draft(tmp_path: Path, drafts: dict[str, Path]
     refused before any work, naming the field and both values."""
     from hydra import compose, initialize_config_dir
 
-    from mtpc.evaluation.run import explicit_model_fields, resolve_target
+    from mtpc.evaluation.loading import explicit_model_fields, resolve_target
 
     recorded = json.loads((drafts["ff"] / "config.json").read_text())["target"]
     cfg = _cfg(tmp_path, draft=str(drafts["ff"]), num_prompt_sets=1, max_throughput=False,

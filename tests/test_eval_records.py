@@ -180,7 +180,7 @@ def test_a_changed_default_draft_mode_is_another_measurement(
     """The manifest names the mode each draft decodes with (``draft_mode=null``: the family's
     default), so when a default changes the same command measures afresh in another folder
     instead of resuming records decoded with the old one; the old folder is untouched."""
-    from mtpc.decoding import common
+    from mtpc.decoding import settings
 
     over = {"draft": str(drafts["btree"]), "num_prompt_sets": 1, "max_throughput": False,
             "plots": False, "output_dir": None, "greedy": False}  # fmt: skip
@@ -190,7 +190,7 @@ def test_a_changed_default_draft_mode_is_another_measurement(
     manifest = json.loads((folder / "manifest.json").read_text())
     assert [d["draft_mode"] for d in manifest["drafts"]] == ["zsample1"]
     assert {r["draft_mode"] for r in _prompt_records(folder) if "draft_mode" in r} == {"zsample1"}
-    monkeypatch.setitem(common.DEFAULT_SAMPLING_DRAFT_MODE, "btree", "zsample")
+    monkeypatch.setitem(settings.DEFAULT_SAMPLING_PROPOSAL, "btree", "path")
     second = evaluate(_cfg(tmp_path, **over))
     assert Path(second["folder"]) != folder
     assert {

@@ -12,31 +12,34 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from mtpc.decoding.common import (
-    DEFAULT_GREEDY_DRAFT_MODE,
-    DEFAULT_SAMPLING_DRAFT_MODE,
-    DRAFT_MODES,
-    METHODS,
-    POLICIES,
-    SAMPLING_DRAFT_MODES,
-    GenerationResult,
-    check_request,
+from mtpc.choices import DRAFT_MODES, DRAFTS, METHODS, POLICIES, PROPOSALS
+from mtpc.decoding.common import GenerationResult, check_request, prompt_tensor
+from mtpc.decoding.settings import (
+    DEFAULT_GREEDY_DRAFT,
+    DEFAULT_SAMPLING_PROPOSAL,
+    LEGACY_DRAFT_MODES,
+    Drafting,
+    SettingsError,
     default_draft_mode,
-    prompt_tensor,
+    resolve_drafting,
 )
 
 _log = logging.getLogger(__name__)
 
 __all__ = [
-    "DEFAULT_GREEDY_DRAFT_MODE",
-    "DEFAULT_SAMPLING_DRAFT_MODE",
+    "DEFAULT_GREEDY_DRAFT",
+    "DEFAULT_SAMPLING_PROPOSAL",
+    "DRAFTS",
     "DRAFT_MODES",
     "METHODS",
     "POLICIES",
-    "SAMPLING_DRAFT_MODES",
+    "PROPOSALS",
+    "Drafting",
     "GenerationResult",
+    "SettingsError",
     "default_draft_mode",
     "generate",
+    "resolve_drafting",
 ]
 
 
@@ -48,7 +51,8 @@ def generate(
     greedy: bool = True,
     seed: int = 0,
     policy: str = "condition",
-    draft_mode: str | None = None,
+    draft: str | None = None,
+    proposal: str | None = None,
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
@@ -59,6 +63,7 @@ def generate(
     drafter: Any = None,
     tree_budget: int | None = None,
     tree_floor: float = 0.0,
+    draft_mode: str | None = None,
 ) -> GenerationResult:
     """Generates a continuation of one prompt with the target of ``model``.
 
@@ -76,18 +81,11 @@ def generate(
         policy: what happens to the verifier's correction / bonus token: ``condition``
             (keep it, draft the next window conditioned on it; no extra pass), ``recompute``
             (keep it, one extra trunk pass), ``drop`` (the paper's Alg. 2).
-        draft_mode: ``map`` (max-product) or ``chain`` (greedy chain of exact
-            conditionals), which evaluate the head's whole table, or the latent-path modes,
-            which compute the pending token's leaves and one leaf per drafted position:
-            ``zmap`` (each sum unit's most probable child given the evidence, then the leaf
-            argmax), ``zsample`` (an ancestral sample along a drawn path; sampling verifies
-            against the path's proposal q(. | z)) and ``sample`` (the same draw; sampling
-            verifies against the marginal q(x_i | x_<i), every unit read at the positions a
-            test needs), ``zsample1`` (the same draw; the first draft verified against
-            the marginal, read only when its test asks);
-            None: the measured per-family default (:data:`DEFAULT_GREEDY_DRAFT_MODE`,
-            :data:`DEFAULT_SAMPLING_DRAFT_MODE`). Sampling allows ``sample``, ``zsample``
-            and ``zsample1``.
+        draft: what a cycle drafts: ``path`` | ``map`` | ``chain`` | ``tree`` (with
+            ``tree_budget``); None: the measured default. The one table of the choices:
+            docs/DECODING.md, "Drafting".
+        proposal: sampling: what the drafts are verified against: ``path`` |
+            ``first_marginal`` | ``marginal``; None: the family's measured default.
         temperature: sampling temperature (> 0), applied to the target and to the draft's
             input units.
         top_k: keep the k most likely target tokens (sampling).
@@ -98,12 +96,13 @@ def generate(
         max_throughput: accept every draft (not lossless; the paper's max tok/s).
         profile: time each section of a cycle (``result.breakdown``).
         drafter: test hook replacing the circuit draft (``speculative.Drafter``).
-        tree_budget: draft a token tree of at most this many nodes per cycle (the circuit's
-            most probable prefixes, verified in one pass, ``mtpc.decoding.tree``); 0 or None:
-            one chain (``draft_mode``). A backbone without tree attention falls back to
-            the chain, with a log line; EvaByte's trees stop at the current EVA window's end.
+        tree_budget: nodes per token tree (``draft=tree``, implied when ``draft`` is None);
+            0 or None: a chain. A backbone without tree attention falls back to the chain,
+            with a log line; EvaByte's trees stop at the current EVA window's end.
         tree_floor: token trees: leave out nodes whose draft probability q(path) is below
-            it (adaptive tree size); in [0, 1).
+            it (adaptive tree size); in [0, 1); needs a ``tree_budget``.
+        draft_mode: the old name of a (``draft``, ``proposal``) pair, kept for one release
+            (each logs a one-line note of what it is now).
 
     Returns:
         A :class:`GenerationResult` (``tokens``, ``accepted``, ``seconds``, per-cycle data).
@@ -131,6 +130,8 @@ def generate(
         profile=profile,
         tree_budget=tree_budget,
         tree_floor=tree_floor,
+        draft=draft,
+        proposal=proposal,
     )
     if request.tree_budget and drafter is not None:
         raise ValueError("drafter (a chain test hook) is not allowed with tree_budget > 0")
@@ -140,7 +141,10 @@ def generate(
             request.tree_budget,
             type(model.backbone).__name__,
         )
-        request = dataclasses.replace(request, tree_budget=0)
+        chain, proposal = LEGACY_DRAFT_MODES[request.draft_mode]
+        request = dataclasses.replace(
+            request, tree_budget=0, draft=chain, proposal=None if request.greedy else proposal
+        )
     was_training = model.training
     if was_training:
         model.eval()

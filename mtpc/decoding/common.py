@@ -23,52 +23,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mtpc.choices import DRAFT_MODES, METHODS, POLICIES
+from mtpc.choices import METHODS, POLICIES
+from mtpc.decoding.settings import resolve_drafting
 from mtpc.decoding.verify import process_logits
 
-"""``map`` / ``chain`` evaluate the head's whole (n, r, V) table; ``zmap`` / ``zsample`` /
-``sample`` the leaves of the evidence position and one leaf per drafted position (``sample``
-adds every unit at the positions its marginal proposal is asked at, ``zsample1`` every unit
-at the first drafted position, whose proposal is the marginal); see
-``mtpc.decoding.speculative.draft_step``."""
-SAMPLING_DRAFT_MODES = ("sample", "zsample", "zsample1")
-"""Modes that draw their tokens from a distribution speculative sampling can verify."""
 SECTIONS = ("model", "head", "circuit", "verify", "cache")
 """Breakdown sections of a cycle; the rest of its wall time is reported as ``overhead``."""
-
-DEFAULT_GREEDY_DRAFT_MODE: dict[str, str] = {
-    "ff": "zmap",
-    "cp": "zmap",
-    "hmm": "zmap",
-    "btree": "zmap",
-}
-"""Greedy draft mode per circuit family (measured, see docs/BENCHMARKS.md).
-
-For ff every mode drafts the same tokens (independent positions, one unit); ``zmap`` reads
-n - 1 rows of W and runs no circuit pass, the cheapest.
-"""
-
-DEFAULT_SAMPLING_DRAFT_MODE: dict[str, str] = {
-    "ff": "zsample",
-    "cp": "zsample1",
-    "hmm": "zsample1",
-    "btree": "zsample1",
-}
-"""Speculative-sampling draft mode per circuit family (measured, see docs/BENCHMARKS.md).
-
-``zsample1`` drafts as ``zsample`` (an ancestral draw along a latent path) and verifies the
-first draft against the marginal, so it accepts at least as much in expectation
-(E_z min(q(.|z), p) <= min(E_z q(.|z), p)) for the rows of one position more, read only when
-the first test asks. For ff the proposals coincide (one unit); ``zsample`` reads n - 1 rows.
-``sample`` (the marginal at every draft) accepts more on multi-answer prompts, at a dearer
-cycle.
-"""
-
-
-def default_draft_mode(kind: str, greedy: bool) -> str:
-    """The draft mode a circuit family decodes with when none is asked for."""
-    defaults = DEFAULT_GREEDY_DRAFT_MODE if greedy else DEFAULT_SAMPLING_DRAFT_MODE
-    return defaults.get(kind, "map" if greedy else "sample")
 
 
 @dataclass
@@ -93,7 +53,10 @@ class GenerationResult:
         stopped: a stop id ended the generation.
         method: ``speculative`` or ``autoregressive``.
         policy: resume policy (speculative).
-        draft_mode: draft mode (speculative).
+        draft_mode: the draft step's internal mode (speculative; ``tree<B>`` for trees).
+        draft: the drafting choice (speculative): ``path`` | ``map`` | ``chain`` | ``tree``.
+        proposal: what sampling verified against (``path`` | ``first_marginal`` |
+            ``marginal``); None when greedy or for trees.
         breakdown: with ``profile=True``, seconds per section summed over cycles
             (:data:`SECTIONS` plus ``overhead``).
         nodes: token trees (``tree_budget``): draft nodes verified per cycle (``drafted``
@@ -116,6 +79,8 @@ class GenerationResult:
     method: str = "speculative"
     policy: str | None = None
     draft_mode: str | None = None
+    draft: str | None = None
+    proposal: str | None = None
     breakdown: dict[str, float] | None = None
     nodes: list[int] = field(default_factory=list)
     expected: list[list[float]] = field(default_factory=list)
@@ -149,6 +114,8 @@ class Request:
     profile: bool
     tree_budget: int = 0
     tree_floor: float = 0.0
+    draft: str = "path"
+    proposal: str | None = None
 
 
 def _int(name: str, value: Any, minimum: int) -> int:
@@ -269,6 +236,8 @@ def check_request(
     profile: bool,
     tree_budget: int | None = None,
     tree_floor: float = 0.0,
+    draft: str | None = None,
+    proposal: str | None = None,
 ) -> Request:
     """Checks every decoding argument before decoding starts.
 
@@ -279,27 +248,20 @@ def check_request(
     _int("max_new_tokens", max_new_tokens, 1)
     _int("seed", seed, 0)
     _choice("policy", policy, POLICIES)
-    budget = 0 if tree_budget is None else _int("tree_budget", tree_budget, 0)
-    if (
-        isinstance(tree_floor, bool)
-        or not isinstance(tree_floor, int | float)
-        or not 0 <= tree_floor < 1
-    ):
-        raise ValueError(f"tree_floor={tree_floor!r} is not allowed; allowed: a number in [0, 1)")
     if not isinstance(greedy, bool):
         raise ValueError(f"greedy={greedy!r} is not allowed; allowed: True, False")
     speculative = method == "speculative"
     if speculative and not hasattr(model, "head"):
         raise ValueError("method='speculative' needs an MTPCModel with a draft head")
-    if draft_mode is None:
-        draft_mode = default_draft_mode(model.head.circuit.kind if speculative else "ff", greedy)
-    _choice("draft_mode", draft_mode, DRAFT_MODES)
-    if not greedy and draft_mode not in SAMPLING_DRAFT_MODES:
-        raise ValueError(
-            f"draft_mode={draft_mode!r} is not allowed with greedy=False; allowed: "
-            f"{', '.join(SAMPLING_DRAFT_MODES)} (speculative sampling is exact only for drafts "
-            "drawn from the circuit)"
-        )
+    drafting = resolve_drafting(  # SettingsError is a ValueError
+        model.head.circuit.kind if speculative else "ff",
+        greedy,
+        draft=draft,
+        proposal=proposal,
+        draft_mode=draft_mode,
+        tree_budget=tree_budget,
+        tree_floor=tree_floor,
+    )
     if (
         isinstance(temperature, bool)
         or not isinstance(temperature, int | float)
@@ -349,7 +311,7 @@ def check_request(
         greedy=greedy,
         seed=seed,
         policy=policy,
-        draft_mode=draft_mode,
+        draft_mode=drafting.mode,
         temperature=float(temperature),
         top_k=top_k,
         top_p=None if top_p is None else float(top_p),
@@ -357,8 +319,10 @@ def check_request(
         suppress_eos=bool(suppress_eos),
         max_throughput=bool(max_throughput),
         profile=bool(profile),
-        tree_budget=budget if method == "speculative" else 0,
-        tree_floor=float(tree_floor),
+        tree_budget=drafting.tree_budget if speculative else 0,
+        tree_floor=drafting.tree_floor,
+        draft=drafting.draft,
+        proposal=drafting.proposal,
     )
 
 

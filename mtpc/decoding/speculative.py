@@ -20,6 +20,9 @@ next token (correction, or bonus when every draft was accepted). The caches keep
 pending token and the s accepted positions; the rejected ones are cropped. The draft tail
 then runs on exactly those kept trunk states, giving the new last state and theta.
 
+The internal modes named below are the public (``draft``, ``proposal``) choices mapped by
+``mtpc.decoding.settings`` (the one table: docs/DECODING.md, "Drafting").
+
 The draft step (:func:`draft_step`) reads the head through a :class:`HeadState`, which
 computes input logits only where asked. ``map`` and ``chain`` take all n·r·V of them; the
 path-drawn modes take what they use. They pick a latent path z from the sum weights and every
@@ -239,8 +242,9 @@ def draft_step(
     Args:
         state: the head at the last processed state.
         evidence: ``(1, pre)`` the pending token, or None.
-        mode: a draft mode (``mtpc.decoding.DRAFT_MODES``); sampling needs ``sample``,
-            ``zsample`` or ``zsample1``.
+        mode: the internal mode of a drafting choice (``mtpc.decoding.settings``; the
+            table of the public names ``draft`` / ``proposal``: docs/DECODING.md,
+            "Drafting"); sampling needs ``sample``, ``zsample`` or ``zsample1``.
         generator: RNG for the sampling modes.
         sampling: also return the proposal (token probabilities and the full proposal).
     """
@@ -395,6 +399,8 @@ def speculative_generate(
         method="speculative",
         policy=policy,
         draft_mode=mode,
+        draft=request.draft,
+        proposal=request.proposal,
         prefill_seconds=clock.split(),
     )
     out = res.tokens

@@ -127,6 +127,7 @@ def tree_generate(model: Any, prompt: Tensor, request: Request) -> GenerationRes
         method="speculative",
         policy=policy,
         draft_mode=f"tree{request.tree_budget}",
+        draft="tree",
         prefill_seconds=clock.split(),
     )
     out = res.tokens

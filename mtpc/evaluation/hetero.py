@@ -13,13 +13,16 @@ import hashlib
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mtpc.decoding.hetero import CachedLM, HeteroResult, generate_hetero
 from mtpc.decoding.verify import process_logits
 from mtpc.decoding.vocab import as_tokenizer, prompt_overlap, vocab_mapping
+
+if TYPE_CHECKING:
+    from mtpc.evaluation.records import RecordStore
 
 FIXTURE_PREFIX = "fixture:"
 FIXTURES = ("bpe", "lower", "byte_small")
@@ -234,3 +237,55 @@ def load_drafter(model: str, tokenizer: str | None = None, device: str = "cpu") 
     if tokenizer in CODECS:
         return lm, get_codec(str(tokenizer))
     return lm, AutoTokenizer.from_pretrained(tokenizer or model)
+
+
+def decode_hetero(cfg: Any, store: RecordStore, prompt_sets: list[list[Any]]) -> None:
+    """Decodes the prompts of ``drafter=hetero``: the configured target drafted by another
+    vocabulary.
+
+    Each prompt is decoded by the target alone and with :func:`mtpc.generate_hetero`
+    (``mtpc.evaluation.hetero.hetero_decoders``, so ``x AR`` compares like with like) and
+    recorded in ``store`` as it finishes (passes ``HETERO_PASSES``, ``draft_path``
+    ``drafter:<model>``); prompts already recorded are not decoded again, so a killed
+    evaluation resumes. The vocabulary overlap (Timor et al., Tables 5-6) is recorded once
+    (an ``overlap`` line). The rows are built from the records
+    (``mtpc.evaluation.report.hetero_report``), so ``report=`` rebuilds them too.
+    """
+    from mtpc.backbones.codecs import get_codec
+    from mtpc.evaluation.checks import _get
+    from mtpc.evaluation.loading import load_target
+    from mtpc.evaluation.records import hetero_draft_path
+    from mtpc.evaluation.report import HETERO_PASSES, hetero_row_name
+
+    device = str(_get(cfg, "device", "cpu"))
+    backbone = load_target(cfg)
+    codec = get_codec(str(_get(cfg, "model.codec", "tiny")))
+    drafter_model = str(_get(cfg, "drafter.model"))
+    model, tokenizer = load_drafter(drafter_model, _get(cfg, "drafter.tokenizer"), device=device)
+    options = {key: _get(cfg, f"drafter.{key}") for key in ("look_behind", "max_psi_paths", "psi")}
+    if not _get(cfg, "greedy", True):
+        options.update({k: _get(cfg, k) for k in ("temperature", "top_k", "top_p")})
+    algorithm = str(_get(cfg, "drafter.algorithm", "slem"))
+    lookahead = int(_get(cfg, "drafter.lookahead", 5))
+    run_ar, run_sd = hetero_decoders(
+        backbone.hf_model, codec, model, tokenizer, algorithm=algorithm, lookahead=lookahead,
+        greedy=bool(_get(cfg, "greedy", True)), max_new_tokens=int(_get(cfg, "max_new_tokens", 128)),
+        **{k: v for k, v in options.items() if v is not None},
+    )  # fmt: skip
+    decoders = dict(zip(HETERO_PASSES, (run_ar, run_sd), strict=True))
+    key = hetero_draft_path({"model": drafter_model})
+    name, seed = hetero_row_name(algorithm), int(_get(cfg, "seed", 0))
+    for pass_name, decode in decoders.items():
+        todo = store.pending(prompt_sets, key, pass_name)
+        for w in range(int(_get(cfg, "warmup", 1)) if todo else 0):
+            decode(list(prompt_sets[0][0].prompt_ids), seed + w)
+        for k, i, p in todo:  # set k, prompt i: seed + k + i, as evaluate_hetero per set
+            result = decode(list(p.prompt_ids), seed + k + i)
+            store.append(
+                {"type": "prompt", "draft": "AR (target)" if pass_name == "hetero_ar" else name,
+                 "draft_path": key, "pass": pass_name, "set": k, "index": i, "prompt_id": p.id,
+                 "source": p.source, "seed": seed + k + i, **hetero_record(result)}
+            )  # fmt: skip
+    if not any(r.get("type") == "overlap" and r["draft_path"] == key for r in store.records):
+        stats = overlap_stats(codec, tokenizer, [p.prompt_ids for p in prompt_sets[0]])
+        store.append({"type": "overlap", "draft_path": key, **stats})

@@ -1,0 +1,120 @@
+"""An evaluation's folder: the manifest that defines what is measured (its key names the
+folder), a fresh folder for ``resume=never``, and the check that its prompts are the same."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from mtpc.decoding import resolve_drafting
+from mtpc.evaluation.checks import _get, _plain
+from mtpc.evaluation.drafting import asked
+from mtpc.evaluation.loading import _root, check_target_name
+from mtpc.evaluation.records import (
+    MANIFEST,
+    RecordsError,
+    RecordStore,
+)
+
+logger = logging.getLogger(__name__)
+
+
+SETTINGS = (
+    "greedy", "policy", "temperature", "top_k", "top_p", "num_prompts",
+    "num_prompt_sets", "max_new_tokens", "warmup", "warmup_window", "suppress_eos",
+    "max_throughput",
+    "device", "english_only", "seed", "num_threads", "max_prompt_length", "sources",
+    "tree_budget", "tree_floor",
+)  # fmt: skip
+"""Settings that define a measurement (their change starts another evaluation folder)."""
+
+
+DATA_IGNORED = ("cache_dir", "num_workers", "batch_size", "streaming", "pack_documents")
+"""Data fields that do not change the prompts."""
+
+
+def _draft_name(path: Path) -> str:
+    return path.name if path.name != "draft" else path.parent.name
+
+
+def build_manifest(cfg: Any, drafts: Sequence[Path], baselines: Sequence[Path]) -> dict[str, Any]:
+    """What an evaluation measures (settings, target, data, drafts, device) and its provenance."""
+    from mtpc.evaluation.records import FORMAT_VERSION, device_name, draft_fingerprint, provenance
+    from mtpc.export import read_config
+
+    entries = []
+    greedy = bool(_get(cfg, "greedy", True))
+    for i, path in enumerate([*drafts, *baselines]):
+        check_target_name(path, cfg)
+        config = read_config(path)
+        c = config["circuit"]
+        # the mode each draft decodes with: a change of the per-family default is another
+        # measurement (another folder), never resumed into the old records
+        mode = resolve_drafting(
+            c["kind"],
+            greedy,
+            draft=_get(cfg, "drafting"),
+            proposal=_get(cfg, "proposal"),
+            draft_mode=_get(cfg, "draft_mode"),
+        ).mode
+        entries.append(
+            {"path": str(path), "name": _draft_name(path), "kind": c["kind"],
+             "window": c["window"], "rank": c["rank"], "lora_layers": config["lora"]["layers"],
+             "baseline": i >= len(drafts), "fingerprint": draft_fingerprint(path),
+             "draft_mode": mode}
+        )  # fmt: skip
+    data = _plain(_get(cfg, "data")) or {}
+    device = str(_get(cfg, "device", "cpu"))
+    settings = {k: _plain(_get(cfg, k)) for k in SETTINGS}
+    settings.update(
+        asked(greedy, _get(cfg, "drafting"), _get(cfg, "proposal"), _get(cfg, "draft_mode"))
+    )
+    if _get(cfg, "drafter") is not None:  # drafter=hetero: another drafter, another folder
+        settings["drafter"] = _plain(_get(cfg, "drafter"))
+    if isinstance(settings["sources"], str):  # sources=a is sources=[a]
+        settings["sources"] = [settings["sources"]]
+    return {
+        "format": FORMAT_VERSION,
+        "settings": settings,
+        "target": _plain(_get(cfg, "model")),
+        "data": {k: v for k, v in data.items() if k not in DATA_IGNORED},
+        "drafts": entries,
+        "device_name": device_name(device),
+        "sessions": [provenance(device, _root(cfg))],
+    }
+
+
+def eval_folder(cfg: Any, manifest: Mapping[str, Any]) -> Path:
+    """``output_dir`` when given, else ``outputs/eval/<name from the drafts and settings>``."""
+    from mtpc.evaluation.records import folder_name
+
+    try:
+        out = _get(cfg, "output_dir")
+    except Exception:  # an interpolation such as ${hydra:...} outside a Hydra run
+        out = None
+    return Path(out) if out else _root(cfg) / "outputs" / "eval" / folder_name(manifest)
+
+
+def _check_prompts(store: RecordStore, prompt_sets: Sequence[Sequence[Any]]) -> None:
+    """Refuses records whose (set, index) is another prompt than today's (the data changed)."""
+    for r in store.records:
+        if r.get("type") != "prompt":
+            continue
+        k, i = r["set"], r["index"]
+        here = prompt_sets[k][i].id if k < len(prompt_sets) and i < len(prompt_sets[k]) else None
+        if here != r["prompt_id"]:
+            raise RecordsError(
+                f"{store.folder}: set {k} prompt {i} was {r['prompt_id']!r} and is now {here!r}: "
+                "the prompts changed; use another output_dir (or resume=force after removing "
+                "records.jsonl)"
+            )
+
+
+def fresh_folder(folder: Path) -> Path:
+    """``folder`` if it holds no evaluation yet, else the first free ``<folder>-<k>``, k >= 2."""
+    candidate, k = folder, 2
+    while (candidate / MANIFEST).exists() or (candidate.exists() and any(candidate.iterdir())):
+        candidate, k = folder.with_name(f"{folder.name}-{k}"), k + 1
+    return candidate

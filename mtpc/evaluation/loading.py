@@ -1,0 +1,286 @@
+"""What an evaluation loads: the drafts, the target they were exported for (refusing another),
+the prompt sets and the device."""
+
+from __future__ import annotations
+
+import logging
+import resource
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from mtpc.data.prompts import UnknownSourceError
+from mtpc.evaluation.checks import EvalConfigError, _get, _plain
+
+logger = logging.getLogger(__name__)
+
+
+TRAIN_HINT = "train one with `python train.py` or pass draft=<exported draft dir>"
+
+
+def _root(cfg: Any) -> Path:
+    root = _get(cfg, "paths.root_dir")
+    return Path(root) if root else Path(__file__).resolve().parents[2]
+
+
+def resolve_drafts(cfg: Any, key: str = "draft") -> list[Path]:
+    """The drafts named by ``cfg[key]`` (a dir or a list); for ``draft``, else the last trained.
+
+    Raises:
+        DraftError: a named folder is a training run folder (the message names its
+            ``draft/``).
+        FileNotFoundError: no draft given and ``outputs/last_draft.txt`` is missing, or a
+            draft folder does not exist; the message says how to make one.
+    """
+    from mtpc.errors import DraftError
+    from mtpc.export import CONFIG_NAME
+
+    draft = _get(cfg, key)
+    if draft is None and key == "draft":
+        marker = _root(cfg) / "outputs" / "last_draft.txt"
+        if not marker.is_file():
+            raise FileNotFoundError(f"no draft given and {marker} does not exist: {TRAIN_HINT}")
+        draft = marker.read_text(encoding="utf-8").strip()
+    paths = [] if draft is None else [draft] if isinstance(draft, str | Path) else list(draft)
+    out = []
+    for p in paths:
+        path = Path(str(p))
+        if not path.is_absolute():
+            path = _root(cfg) / path
+        if not (path / CONFIG_NAME).is_file():
+            if (path / "draft" / CONFIG_NAME).is_file():
+                raise DraftError(
+                    f"{key}={p} is a training run folder, not an exported draft; "
+                    f"use {key}={Path(str(p)) / 'draft'}"
+                )
+            raise FileNotFoundError(
+                f"{key}={p} is not an exported draft folder (no config.json); {TRAIN_HINT}"
+            )
+        out.append(path)
+    return out
+
+
+TARGET_FIELDS = ("name", "path", "revision", "dtype")
+"""The target identity an exported draft records (``config.json`` ``target``): the evaluation
+takes it from the draft; a ``model.*`` override may restate it, never contradict it."""
+
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def recorded_target(path: Path) -> dict[str, Any]:
+    """The target a draft was exported for, as ``model.*`` fields (name, path, revision, dtype)."""
+    from mtpc.export import read_config
+
+    t = read_config(path)["target"]
+    return {"name": t.get("model"), "path": t.get("path"), "revision": t.get("revision"),
+            "dtype": t.get("dtype")}  # fmt: skip
+
+
+def explicit_model_fields(overrides: Sequence[str], cfg: Any) -> dict[str, Any]:
+    """The ``model.*`` fields a command line sets (``model=<group>`` sets ``name``), with the
+    values ``cfg`` composed for them; every other field of ``cfg.model`` is a group default.
+
+    Args:
+        overrides: Hydra's task overrides (``HydraConfig.get().overrides.task``), e.g.
+            ``["draft=d", "model=evabyte", "model.path=/ckpt"]``.
+        cfg: the composed config.
+    """
+    fields: dict[str, Any] = {}
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key == "model":
+            fields["name"] = _get(cfg, "model.name")
+        elif key.startswith("model."):
+            fields[key.removeprefix("model.")] = _plain(_get(cfg, key))
+    return fields
+
+
+def resolve_target(
+    cfg: Any, drafts: Sequence[Path], explicit: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """The evaluation's ``model`` config: the drafts' recorded target, its group's other
+    fields (``configs/model/<name>.yaml``: codec, attention path) and the explicit overrides.
+
+    Args:
+        cfg: the evaluation config.
+        drafts: the drafts and baselines to evaluate (at least one).
+        explicit: the ``model.*`` fields given on the command line (:func:`explicit_model_fields`);
+            ``None`` (a call from Python without Hydra): none.
+
+    Raises:
+        TargetMismatchError: an explicit identity field differs from the recorded one (the
+            message names the field and both values), or two drafts record different targets.
+    """
+    from mtpc.backbones import BACKBONES
+    from mtpc.export import TargetMismatchError
+
+    target = recorded_target(drafts[0])
+    for path in drafts[1:]:
+        other = recorded_target(path)
+        differ = [f for f in ("name", "path", "revision") if other[f] != target[f]]
+        if differ:
+            f = differ[0]
+            raise TargetMismatchError(
+                f"draft {path} was exported for model.{f}={other[f]!r} but draft {drafts[0]} "
+                f"for model.{f}={target[f]!r}; one evaluation has one target: evaluate them "
+                "in separate calls"
+            )
+    explicit = dict(explicit or {})
+    for field in TARGET_FIELDS:
+        if field in explicit and explicit[field] != target[field]:
+            raise TargetMismatchError(
+                f"model.{field}={explicit[field]!r} contradicts draft {drafts[0]}, exported for "
+                f"model.{field}={target[field]!r}; drop the override (the target comes from "
+                "the draft)"
+            )
+    group: dict[str, Any] = {}
+    if target["name"] in BACKBONES:  # the group's other fields (codec, attention path)
+        group = _plain(OmegaConf.load(CONFIGS / "model" / f"{target['name']}.yaml"))
+    current = _plain(_get(cfg, "model")) or {}
+    if current.get("name") == target["name"]:  # model=<the same group>: its own fields
+        group = {**group, **current}
+    model = {**group, **{k: v for k, v in target.items() if k != "dtype" or v is not None}}
+    model.update({k: v for k, v in explicit.items() if k not in TARGET_FIELDS})
+    if target["name"] not in BACKBONES:
+        model.setdefault("codec", read_config_codec(drafts[0]))
+    return model
+
+
+def read_config_codec(path: Path) -> str:
+    from mtpc.export import read_config
+
+    return str(read_config(path)["codec"])
+
+
+def with_model(cfg: Any, model: Mapping[str, Any]) -> Any:
+    """``cfg`` with ``model`` replaced (a DictConfig in place, a mapping copied)."""
+    if isinstance(cfg, DictConfig):
+        with open_dict(cfg):
+            cfg.model = OmegaConf.create(dict(model))
+        return cfg
+    return {**cfg, "model": dict(model)}
+
+
+def load_target(cfg: Any) -> Any:
+    """The configured target (``model=``) as a backbone on ``device``."""
+    from mtpc.backbones import load_backbone
+
+    return load_backbone(
+        str(_get(cfg, "model.name", "tiny")),
+        path=_get(cfg, "model.path"),
+        revision=_get(cfg, "model.revision"),
+        dtype=_get(cfg, "model.dtype", "float32"),
+        device=str(_get(cfg, "device", "cpu")),
+        attention_impl=str(_get(cfg, "model.attention_impl", "auto")),
+    )
+
+
+def check_target_name(path: Path, cfg: Any) -> str | None:
+    """The registry target a draft was exported for; refuses one other than ``model.name``.
+
+    Raises:
+        ValueError: the draft names another registry target than ``model.name``.
+    """
+    from mtpc.backbones import BACKBONES
+    from mtpc.export import TargetMismatchError, read_config
+
+    recorded = read_config(path)["target"].get("model")
+    name = _get(cfg, "model.name", "tiny")
+    if recorded in BACKBONES and recorded != name:
+        raise TargetMismatchError(
+            f"draft {path} was exported for target model {recorded!r}, but model={name}; "
+            f"evaluate it with model={recorded}"
+        )
+    return recorded
+
+
+def load_for_eval(path: Path, cfg: Any) -> Any:
+    """Loads a draft against the configured target (``model=``), refusing another target.
+
+    Raises:
+        ValueError: the draft names another registry target than ``model.name``.
+        TargetMismatchError: the target's weights differ from the recorded fingerprint.
+    """
+    from mtpc.backbones import BACKBONES
+    from mtpc.model import MTPCModel
+
+    recorded = check_target_name(path, cfg)
+    name = _get(cfg, "model.name", "tiny")
+    device = str(_get(cfg, "device", "cpu"))
+    if recorded == name and name in BACKBONES:
+        return MTPCModel.from_pretrained(path, target=load_target(cfg))
+    return MTPCModel.from_pretrained(path, device=device)  # an HF target rebuilt from its path
+
+
+def load_prompt_sets(cfg: Any, codec: str, max_prompt_length: int | None) -> list[list[Any]]:
+    """Evaluation prompt sets from the data pipeline's validation split (``sources``: only those)."""
+    from hydra.utils import instantiate
+
+    data = _get(cfg, "data")
+    module = instantiate(data, codec=codec) if data is not None else None
+    if module is None:
+        from mtpc.data.datamodule import build_datamodule
+
+        module = build_datamodule(codec=codec)
+    seed = int(_get(cfg, "seed", 0))
+    sets = int(_get(cfg, "num_prompt_sets", 1))
+    sources = _plain(_get(cfg, "sources"))
+    return module.prompt_sets(
+        num_prompts=int(_get(cfg, "num_prompts", 8)),
+        seeds=tuple(range(seed, seed + sets)),
+        english_only=bool(_get(cfg, "english_only", True)),
+        max_prompt_length=max_prompt_length,
+        **({"sources": [sources] if isinstance(sources, str) else sources} if sources else {}),
+    )
+
+
+def cuda_index(device: str) -> int | None:
+    """The CUDA device index of ``device`` (``cuda`` -> the current one); None for the CPU."""
+    if not device.startswith("cuda"):
+        return None
+    index = torch.device(device).index
+    return torch.cuda.current_device() if index is None else int(index)
+
+
+def use_device(device: str) -> None:
+    """Makes ``device`` (``cuda:<i>``) the current CUDA device, so that kernels launched
+    without an explicit device (triton's, EvaByte's) and the memory counters use it."""
+    index = cuda_index(device)
+    if index is not None:
+        torch.cuda.set_device(index)
+
+
+def _sync_memory_reset(device: str) -> None:
+    index = cuda_index(device)
+    if index is not None:
+        torch.cuda.synchronize(index)
+        torch.cuda.reset_peak_memory_stats(index)
+
+
+def _peak_memory_mb(device: str) -> float:
+    index = cuda_index(device)
+    if index is not None:
+        return torch.cuda.max_memory_allocated(index) / 2**20
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**20
+
+
+def _load_prompts(cfg: Any, codec: str, limit: int | None) -> list[list[Any]]:
+    try:
+        return load_prompt_sets(cfg, codec, limit)
+    except UnknownSourceError as e:
+        raise EvalConfigError(str(e)) from None
+
+
+def hydra_model_overrides(cfg: Any) -> dict[str, Any] | None:
+    """The ``model.*`` fields of this Hydra run's command line; ``None`` outside a Hydra run."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    return explicit_model_fields(list(HydraConfig.get().overrides.task), cfg)
