@@ -24,6 +24,7 @@ def _run(script: str, args: list[str], tmp_path: Path, **env: str) -> subprocess
     return subprocess.run(command, env=environ, cwd=tmp_path, capture_output=True, text=True)
 
 
+@pytest.mark.slow
 def test_user_errors_print_one_or_two_lines_without_a_traceback(tmp_path: Path) -> None:
     bad = _run("train.py", ["circuit=ff", "circuit.rank=4"], tmp_path)
     assert bad.returncode == 2, bad.stderr[-2000:]
@@ -98,6 +99,7 @@ def test_a_head_too_big_for_memory_is_refused_with_the_numbers(tmp_path: Path) -
     assert not (tmp_path / "cache").exists()  # before data preparation
 
 
+@pytest.mark.slow
 def test_the_two_remaining_tracebacks_are_one_line_at_the_command_line(tmp_path: Path) -> None:
     """Issue 19: both raised a ValueError from below the startup check (a traceback)."""
     lora = _run("train.py", ["lora.layers=999", "logger=none"], tmp_path)

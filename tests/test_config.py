@@ -38,6 +38,7 @@ def test_defaults_compose_and_validate() -> None:
 
 
 @pytest.mark.parametrize(("group", "option"), _group_options())
+@pytest.mark.slow
 def test_every_config_file_composes(group: str, option: str) -> None:
     overrides = [f"{group}={option}"]
     cfg = _compose("train", overrides)

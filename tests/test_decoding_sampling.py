@@ -51,6 +51,7 @@ def target() -> torch.nn.Module:
     ],
 )
 @pytest.mark.parametrize("kind,rank", FAMILIES)
+@pytest.mark.slow
 def test_sampling_matches_the_enumerated_target(
     target, kind: str, rank: int, policy: str, mode: str
 ) -> None:  # type: ignore[no-untyped-def]
@@ -65,6 +66,7 @@ def test_sampling_matches_the_enumerated_target(
     assert chi2_pvalue(counts, probs) > 1e-3, (kind, policy, mode)
 
 
+@pytest.mark.slow
 def test_sampling_with_temperature_top_k_and_lora_matches_the_processed_target() -> None:
     hf = make_target(vocab=V, hidden=16, seed=3, context=64)
     torch.manual_seed(4)
@@ -87,6 +89,7 @@ def test_sampling_with_temperature_top_k_and_lora_matches_the_processed_target()
     assert chi2_pvalue(counts, probs) > 1e-3
 
 
+@pytest.mark.slow
 def test_drop_is_biased_and_condition_is_not() -> None:
     """Target p = (1/2, 1/2) everywhere, draft always A: drop gives P(A | A) = 3/4."""
     hf = make_target(vocab=2, hidden=16, seed=5, context=64)

@@ -151,6 +151,7 @@ def test_greedy_speculative_equals_autoregressive_across_windows(n: int, k: int)
         assert all(int(e) % W == 1 for e in ends[1:])  # + the pending token past the boundary
 
 
+@pytest.mark.slow
 def test_sampling_matches_the_enumerated_target_across_a_window_boundary() -> None:
     torch.manual_seed(3)
     hf = fake_evabyte(2, hidden_size=16, vocab_size=4, window_size=4, chunk_size=2)

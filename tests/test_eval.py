@@ -247,6 +247,7 @@ def test_an_evabyte_draft_evaluates_without_model_overrides(tmp_path: Path) -> N
         evaluate(cfg, explicit_model={"dtype": "bfloat16"})
 
 
+@pytest.mark.slow
 def test_hetero_drafter_rows_report_speedup_and_vocabulary_overlap(tmp_path: Path) -> None:
     """eval.py drafter=hetero: a BPE drafter for the byte-level tiny target."""
     drafter = {
@@ -307,9 +308,9 @@ def test_cuda_device_index_is_made_current_and_read(
     monkeypatch.setattr(torch.cuda, "synchronize", record("synchronize"))
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", record("reset"))
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", record("peak", 3 * 2**20))
-    run._sync_memory_reset("cuda:1")
-    assert run._peak_memory_mb("cuda:1") == 3.0
-    run._sync_memory_reset("cuda")  # no index: the current device
+    run.sync_memory_reset("cuda:1")
+    assert run.peak_memory_mb("cuda:1") == 3.0
+    run.sync_memory_reset("cuda")  # no index: the current device
     assert calls == [
         ("synchronize", 1),
         ("reset", 1),
@@ -318,7 +319,7 @@ def test_cuda_device_index_is_made_current_and_read(
         ("reset", 0),
     ]
     calls.clear()
-    run._sync_memory_reset("cpu")
+    run.sync_memory_reset("cpu")
     assert calls == []
 
     def set_device(device: Any) -> None:

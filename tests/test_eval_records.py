@@ -74,6 +74,7 @@ def _prompt_records(folder: Path) -> list[dict[str, Any]]:
     return [r for r in read_records(folder) if r["type"] == "prompt"]
 
 
+@pytest.mark.slow
 def test_killed_evaluation_resumes_to_the_uninterrupted_table(
     tmp_path: Path, drafts: dict[str, Path]
 ) -> None:
@@ -296,6 +297,7 @@ def test_results_json_is_strict_json(tmp_path: Path) -> None:
     assert saved["rows"][0]["speedup_ar"] is None and saved["rows"][0]["acceptance"] == [1.0, None]
 
 
+@pytest.mark.slow
 def test_progress_bar_on_a_terminal_leaves_the_table_intact(
     tmp_path: Path, drafts: dict[str, Path]
 ) -> None:
@@ -328,6 +330,7 @@ def test_progress_bar_on_a_terminal_leaves_the_table_intact(
     assert shown[start : start + len(lines)] == lines
 
 
+@pytest.mark.slow
 def test_killed_hetero_evaluation_resumes_per_prompt(tmp_path: Path) -> None:
     """drafter=hetero rows are recorded per prompt: SIGKILL midway, the rerun decodes the rest."""
     drafter = {

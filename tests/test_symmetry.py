@@ -110,6 +110,7 @@ def test_step0_equals_ff_exactly(kind: str) -> None:
     ("kind", "options"),
     [("cp", {}), ("hmm", {}), ("btree", {}), ("hmm", {"contextual_transitions": False})],
 )
+@pytest.mark.slow
 def test_mixture_beats_ff_best_on_bimodal_windows(kind: str, options: dict[str, bool]) -> None:
     """From the FF start, the default optimiser takes the mixture well below FF's best (on at
     least 2 of 6 training seeds: escaping the saddle is random, never escaping is the bug)."""

@@ -67,6 +67,7 @@ def test_mtp_block_zero_is_lm_head(target: TinyTarget) -> None:
     assert not torch.equal(target.mtp_unembeddings[320:640], target.model.lm_head.weight)
 
 
+@pytest.mark.slow
 def test_validation_loss_below_recorded_bound(target: TinyTarget, tmp_path: Path) -> None:
     rows = list(load_synthetic(tmp_path)["validation"])
     metrics = validation_metrics(target.model, rows, batch_size=64)

@@ -202,6 +202,7 @@ def test_resume_continues_the_same_loss_curve(tmp_path: Path) -> None:
         assert resumed[step] == pytest.approx(straight[step], rel=1e-5), step
 
 
+@pytest.mark.slow
 def test_every_experiment_composes_and_validates() -> None:
     from mtpc.config import validate_train_config
 
@@ -317,6 +318,7 @@ def _sweep(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True)
 
 
+@pytest.mark.slow
 def test_multirun_sweep_over_a_field_outside_the_run_name_resumes_each_job(tmp_path: Path) -> None:
     """python train.py -m optimizer.lr=1e-3,3e-3: one folder per job, named by what varied."""
     sweep = ["optimizer.lr=1e-3,3e-3", "circuit=ff", "circuit.window=2",

@@ -138,6 +138,7 @@ def test_greedy_tree_equals_autoregressive(kind: str, rank: int, window: int, k:
 
 
 @pytest.mark.parametrize("kind,rank", FAMILIES)
+@pytest.mark.slow
 def test_sampled_tree_matches_the_enumerated_target(kind: str, rank: int) -> None:
     target = make_target(vocab=4, hidden=16, seed=1, context=64)
     with torch.no_grad():

@@ -26,6 +26,7 @@ def test_greedy_accepts_the_matching_prefix_and_emits_the_target_token() -> None
 
 
 @pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.slow
 def test_sampling_reproduces_the_target_distribution(n: int) -> None:
     """Emitted first tokens follow p whatever q is (chi-square over many draws)."""
     V = 4
