@@ -10,19 +10,23 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mtpc.choices import DRAFT_MODES, DRAFTS, METHODS, POLICIES, PROPOSALS
-from mtpc.decoding.common import GenerationResult, check_request, prompt_tensor
 from mtpc.decoding.settings import (
     DEFAULT_GREEDY_DRAFT,
     DEFAULT_SAMPLING_PROPOSAL,
     LEGACY_DRAFT_MODES,
+    DecodingSettings,
     Drafting,
     SettingsError,
+    check_settings,
     default_draft_mode,
     resolve_drafting,
 )
+
+if TYPE_CHECKING:
+    from mtpc.decoding.common import GenerationResult
 
 _log = logging.getLogger(__name__)
 
@@ -34,13 +38,23 @@ __all__ = [
     "METHODS",
     "POLICIES",
     "PROPOSALS",
+    "DecodingSettings",
     "Drafting",
     "GenerationResult",
     "SettingsError",
+    "check_settings",
     "default_draft_mode",
     "generate",
     "resolve_drafting",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "GenerationResult":  # lazily: mtpc.decoding.settings stays torch-free
+        from mtpc.decoding.common import GenerationResult
+
+        return GenerationResult
+    raise AttributeError(f"module 'mtpc.decoding' has no attribute {name!r}")
 
 
 def generate(
@@ -111,28 +125,29 @@ def generate(
         ValueError: bad arguments, an empty prompt or one that does not fit the target's
             context (checked before decoding starts).
     """
-    prompt = prompt_tensor(model, prompt_ids)
-    request = check_request(
-        model,
-        prompt,
+    from mtpc.decoding.common import check_request, prompt_tensor
+
+    settings = check_settings(  # model-free: the same refusals as generate_hetero, evaluate
         method=method,
         max_new_tokens=max_new_tokens,
         greedy=greedy,
         seed=seed,
         policy=policy,
+        draft=draft,
+        proposal=proposal,
         draft_mode=draft_mode,
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
-        stop_ids=stop_ids,
+        stop_ids=None if stop_ids is None else tuple(stop_ids),
         suppress_eos=suppress_eos,
         max_throughput=max_throughput,
         profile=profile,
         tree_budget=tree_budget,
         tree_floor=tree_floor,
-        draft=draft,
-        proposal=proposal,
     )
+    prompt = prompt_tensor(model, prompt_ids)
+    request = check_request(model, prompt, settings)
     if request.tree_budget and drafter is not None:
         raise ValueError("drafter (a chain test hook) is not allowed with tree_budget > 0")
     if request.tree_budget and not model.backbone.supports_tree_mask:

@@ -1,9 +1,12 @@
 """Pieces shared by the autoregressive and the self-speculative decoders.
 
-* :class:`GenerationResult`: what ``mtpc.generate`` returns (tokens, per-cycle counts and
-  wall times, optional cycle breakdown).
-* :func:`check_request`: every argument checked before any model work, with messages that
-  name the argument and the allowed values.
+* :class:`GenerationResult`: what ``mtpc.generate`` and ``mtpc.generate_hetero`` return
+  (tokens, per-cycle counts and wall times, optional cycle breakdown; the heterogeneous
+  decoder's text and pass counts).
+* :func:`check_request`: what needs the model checked before any model work (the rest:
+  ``mtpc.decoding.settings.check_settings``), with messages that name the argument and the
+  allowed values.
+* :func:`cut_at_stop`: the one stop rule (``max_new_tokens``, the first stop id).
 * :class:`TargetRule`: how the target's logits become the next token (greedy argmax or the
   processed sampling distribution, with end-of-sequence suppression), applied identically
   by both decoders so that speculative output equals autoregressive output.
@@ -13,8 +16,6 @@
 
 from __future__ import annotations
 
-import math
-import numbers
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,8 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mtpc.choices import METHODS, POLICIES
-from mtpc.decoding.settings import resolve_drafting
+from mtpc.decoding.settings import DecodingSettings, check_ids
 from mtpc.decoding.verify import process_logits
 
 SECTIONS = ("model", "head", "circuit", "verify", "cache")
@@ -51,7 +51,7 @@ class GenerationResult:
         seconds: total wall time (prefill + cycles).
         trunk_passes: trunk calls after the prefill (one per cycle, plus one per recompute).
         stopped: a stop id ended the generation.
-        method: ``speculative`` or ``autoregressive``.
+        method: ``speculative``, ``autoregressive`` or ``hetero`` (``mtpc.generate_hetero``).
         policy: resume policy (speculative).
         draft_mode: the draft step's internal mode (speculative; ``tree<B>`` for trees).
         draft: the drafting choice (speculative): ``path`` | ``map`` | ``chain`` | ``tree``.
@@ -64,6 +64,12 @@ class GenerationResult:
         expected: token trees: per cycle, the circuit's predicted probability that at least
             d drafts are accepted, d = 1..(verified depth) (sum of q over the nodes at depth
             d); its sum is the expected accepted drafts (calibration against ``accepted``).
+        text: ``mtpc.generate_hetero``: the tokens' text (target tokenizer, specials skipped).
+        target_passes: ``mtpc.generate_hetero``: target forward passes, prefill included.
+        drafter_passes: ``mtpc.generate_hetero``: drafter forward passes (psi enumeration
+            included).
+        algorithm: ``mtpc.generate_hetero``: the algorithm (``slem``, ``tli``, ...; ``ar``
+            for the evaluation's autoregressive reference).
     """
 
     tokens: list[int]
@@ -84,10 +90,19 @@ class GenerationResult:
     breakdown: dict[str, float] | None = None
     nodes: list[int] = field(default_factory=list)
     expected: list[list[float]] = field(default_factory=list)
+    text: str = ""
+    target_passes: int = 0
+    drafter_passes: int = 0
+    algorithm: str | None = None
 
     @property
     def num_cycles(self) -> int:
         return len(self.cycle_seconds)
+
+    @property
+    def mean_accepted(self) -> float:
+        """Mean accepted drafts per cycle (target pass)."""
+        return sum(self.accepted) / max(len(self.accepted), 1)
 
     @property
     def tokens_per_cycle(self) -> float:
@@ -116,18 +131,6 @@ class Request:
     tree_floor: float = 0.0
     draft: str = "path"
     proposal: str | None = None
-
-
-def _int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r} is not allowed; allowed: an integer >= {minimum}")
-    return value
-
-
-def _choice(name: str, value: Any, allowed: Sequence[str]) -> str:
-    if value not in allowed:
-        raise ValueError(f"{name}={value!r} is not allowed; allowed: {', '.join(allowed)}")
-    return str(value)
 
 
 def context_length(model: Any) -> int | None:
@@ -161,19 +164,6 @@ def default_stop_ids(model: Any) -> tuple[int, ...]:
     return tuple(int(e) for e in (eos if isinstance(eos, list | tuple) else [eos]))
 
 
-def _check_integers(name: str, items: Sequence[Any]) -> None:
-    """Refuses a float (or any non-integer) id instead of truncating it."""
-    for item in items:
-        nested = isinstance(item, list | tuple)
-        for value in item if nested else [item]:
-            if isinstance(value, Tensor) and value.numel() == 1 and not value.is_floating_point():
-                continue
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-                raise ValueError(
-                    f"{name} contains {value!r}; allowed: integer token ids (not floats)"
-                )
-
-
 def prompt_tensor(model: Any, prompt_ids: Any) -> Tensor:
     """Normalises a prompt (list of ids, (T,) or (1, T) tensor) to a (1, T) long tensor.
 
@@ -195,7 +185,7 @@ def prompt_tensor(model: Any, prompt_ids: Any) -> Tensor:
             raise ValueError(
                 f"prompt_ids must be a list of ints or a 1-D / (1, T) tensor; got {prompt_ids!r:.80}"
             ) from err
-        _check_integers("prompt_ids", items)
+        check_ids("prompt_ids", items)  # SettingsError is a ValueError
         try:
             ids = torch.tensor(items, dtype=torch.long)
         except (TypeError, ValueError, RuntimeError) as err:
@@ -217,77 +207,25 @@ def prompt_tensor(model: Any, prompt_ids: Any) -> Tensor:
     return ids[None].to(model.backbone.device)
 
 
-def check_request(
-    model: Any,
-    prompt: Tensor,
-    *,
-    method: str,
-    max_new_tokens: int,
-    greedy: bool,
-    seed: int,
-    policy: str,
-    draft_mode: str | None,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
-    stop_ids: Sequence[int] | None,
-    suppress_eos: bool,
-    max_throughput: bool,
-    profile: bool,
-    tree_budget: int | None = None,
-    tree_floor: float = 0.0,
-    draft: str | None = None,
-    proposal: str | None = None,
-) -> Request:
-    """Checks every decoding argument before decoding starts.
+def check_request(model: Any, prompt: Tensor, settings: DecodingSettings) -> Request:
+    """Completes the model-free check (:func:`mtpc.decoding.settings.check_settings`) with what
+    needs the model: a draft head for ``speculative``, the family's drafting defaults, stop
+    ids below the vocabulary, the prompt and the new tokens within the target's context.
 
     Raises:
         ValueError: naming the argument and the allowed values.
     """
-    _choice("method", method, METHODS)
-    _int("max_new_tokens", max_new_tokens, 1)
-    _int("seed", seed, 0)
-    _choice("policy", policy, POLICIES)
-    if not isinstance(greedy, bool):
-        raise ValueError(f"greedy={greedy!r} is not allowed; allowed: True, False")
-    speculative = method == "speculative"
+    s = settings
+    speculative = s.method == "speculative"
     if speculative and not hasattr(model, "head"):
         raise ValueError("method='speculative' needs an MTPCModel with a draft head")
-    drafting = resolve_drafting(  # SettingsError is a ValueError
-        model.head.circuit.kind if speculative else "ff",
-        greedy,
-        draft=draft,
-        proposal=proposal,
-        draft_mode=draft_mode,
-        tree_budget=tree_budget,
-        tree_floor=tree_floor,
-    )
-    if (
-        isinstance(temperature, bool)
-        or not isinstance(temperature, int | float)
-        or math.isnan(temperature)
-        or (not greedy and math.isinf(temperature))
-    ):
-        raise ValueError(f"temperature={temperature!r} is not allowed; allowed: a number > 0")
-    if not greedy and temperature <= 0:
-        raise ValueError(
-            f"temperature={temperature!r} is not allowed with greedy=False; allowed: a "
-            "number > 0 (use greedy=True for argmax decoding)"
-        )
-    if top_k is not None:
-        _int("top_k", top_k, 1)
-    if top_p is not None and (
-        isinstance(top_p, bool) or not isinstance(top_p, int | float) or not 0 < top_p <= 1
-    ):
-        raise ValueError(f"top_p={top_p!r} is not allowed; allowed: a number in (0, 1] or None")
+    drafting = s.drafting(model.head.circuit.kind if speculative else "ff")
     vocab = model.backbone.vocab_size
-    if stop_ids is not None:
-        _check_integers("stop_ids", list(stop_ids))
-    stops = default_stop_ids(model) if stop_ids is None else tuple(int(s) for s in stop_ids)
-    bad = [s for s in stops if not 0 <= s < vocab]
+    stops = default_stop_ids(model) if s.stop_ids is None else s.stop_ids
+    bad = [t for t in stops if not 0 <= t < vocab]
     if bad:
         raise ValueError(f"stop_ids contains {bad[0]}; allowed: ids in 0..{vocab - 1}")
-    if suppress_eos and len(stops) >= vocab:
+    if s.suppress_eos and len(stops) >= vocab:
         raise ValueError("suppress_eos=True would suppress every token; pass fewer stop_ids")
     context = context_length(model)
     length = prompt.shape[1]
@@ -298,27 +236,27 @@ def check_request(
                 f"allowed: at most {context - 1} prompt tokens"
             )
         lookahead = model.head.circuit.window if speculative else 0
-        if length + max_new_tokens + lookahead > context:
+        if length + s.max_new_tokens + lookahead > context:
             raise ValueError(
-                f"prompt ({length}) + max_new_tokens ({max_new_tokens})"
+                f"prompt ({length}) + max_new_tokens ({s.max_new_tokens})"
                 + (f" + window ({lookahead})" if lookahead else "")
                 + f" exceeds the target's context ({context}); allowed: max_new_tokens <= "
                 f"{max(0, context - length - lookahead)}"
             )
     return Request(
-        method=method,
-        max_new_tokens=max_new_tokens,
-        greedy=greedy,
-        seed=seed,
-        policy=policy,
+        method=s.method,
+        max_new_tokens=s.max_new_tokens,
+        greedy=s.greedy,
+        seed=s.seed,
+        policy=s.policy,
         draft_mode=drafting.mode,
-        temperature=float(temperature),
-        top_k=top_k,
-        top_p=None if top_p is None else float(top_p),
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p,
         stop_ids=stops,
-        suppress_eos=bool(suppress_eos),
-        max_throughput=bool(max_throughput),
-        profile=bool(profile),
+        suppress_eos=s.suppress_eos,
+        max_throughput=s.max_throughput,
+        profile=s.profile,
         tree_budget=drafting.tree_budget if speculative else 0,
         tree_floor=drafting.tree_floor,
         draft=drafting.draft,
@@ -404,20 +342,34 @@ class Stopwatch:
         return out
 
 
+def cut_at_stop(
+    new: Sequence[int], room: int, stop_ids: Sequence[int] | set[int], ignore_stops: bool = False
+) -> tuple[list[int], bool]:
+    """The stop rule of every decoder (autoregressive, speculative, tree, heterogeneous).
+
+    Returns:
+        (the first ``room`` ids of ``new``, cut after the first stop id unless
+        ``ignore_stops``; whether a stop id ended them).
+    """
+    kept = list(new[: max(room, 0)])
+    if stop_ids and not ignore_stops:
+        for i, tok in enumerate(kept):
+            if tok in stop_ids:
+                return kept[: i + 1], True
+    return kept, False
+
+
 def emit(
     out: list[int], new: list[int], request: Request, ignore_stops: bool = False
 ) -> tuple[int, bool]:
-    """Appends ``new`` to ``out`` up to ``max_new_tokens`` and the first stop id.
+    """Appends ``new`` to ``out`` up to ``max_new_tokens`` and the first stop id
+    (:func:`cut_at_stop`).
 
     Returns:
         (tokens appended, stopped).
     """
-    room = request.max_new_tokens - len(out)
-    new = new[:room]
-    if request.stop_ids and not ignore_stops:
-        for i, tok in enumerate(new):
-            if tok in request.stop_ids:
-                out.extend(new[: i + 1])
-                return i + 1, True
-    out.extend(new)
-    return len(new), False
+    kept, stopped = cut_at_stop(
+        new, request.max_new_tokens - len(out), request.stop_ids, ignore_stops
+    )
+    out.extend(kept)
+    return len(kept), stopped

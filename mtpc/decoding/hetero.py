@@ -37,7 +37,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,6 +49,10 @@ from mtpc.backbones.compat import (
     cache_keyword,
     output_cache,
 )
+from mtpc.decoding.common import GenerationResult, cut_at_stop
+from mtpc.decoding.settings import ALGORITHMS as ALGORITHMS  # re-exported: the old home
+from mtpc.decoding.settings import PSI_METHODS as PSI_METHODS
+from mtpc.decoding.settings import check_settings
 from mtpc.decoding.verify import process_logits, verify_greedy, verify_sampling
 from mtpc.decoding.vocab import (
     CodecTokenizer,
@@ -60,8 +64,6 @@ from mtpc.decoding.vocab import (
     vocab_mapping,
 )
 
-ALGORITHMS = ("slem", "tli", "slrs", "union", "standard")
-PSI_METHODS = ("auto", "enumerate", "circuit")
 _BOTTOM = -1  # a proposal outside the target vocabulary (always rejected)
 
 
@@ -69,32 +71,10 @@ class PsiBoundError(RuntimeError):
     """The psi enumeration of SLRS needs more drafter paths than ``max_psi_paths``."""
 
 
-@dataclass
-class HeteroResult:
-    """Output of :func:`generate_hetero`.
-
-    Attributes:
-        tokens: new target ids (the prompt excluded), cut at a stop id or max_new_tokens.
-        text: their text (target tokenizer, specials skipped).
-        accepted: accepted drafted target tokens per target pass (cycle).
-        target_passes: target forward passes, prefill included.
-        drafter_passes: drafter forward passes (psi enumeration included).
-        seconds: wall time of the decoding loop.
-        algorithm: the algorithm used.
-    """
-
-    tokens: list[int]
-    text: str
-    accepted: list[int] = field(default_factory=list)
-    target_passes: int = 0
-    drafter_passes: int = 0
-    seconds: float = 0.0
-    algorithm: str = "slem"
-
-    @property
-    def mean_accepted(self) -> float:
-        """Mean accepted drafted tokens per target pass (cycle)."""
-        return sum(self.accepted) / max(len(self.accepted), 1)
+HeteroResult = GenerationResult
+"""The old name of :func:`generate_hetero`'s result: ``mtpc.decoding.common.GenerationResult``
+(``tokens``, ``text``, ``accepted``, ``target_passes``, ``drafter_passes``, ``seconds``,
+``algorithm``)."""
 
 
 class CachedLM:
@@ -218,7 +198,9 @@ def _is_mtpc(model: Any) -> bool:
 
 
 @dataclass
-class _Settings:
+class _Sampler:
+    """The target's (and an HF drafter's) decision rule of one run, with its generator."""
+
     greedy: bool
     temperature: float
     top_k: int | None
@@ -248,7 +230,7 @@ class _Session:
         drafter: Any,
         d_tok: TokenizerAdapter,
         prompt_ids: list[int],
-        settings: _Settings,
+        settings: _Sampler,
     ) -> None:
         self.t_tok, self.d_tok, self.s = t_tok, d_tok, settings
         self.tlm = CachedLM(target)
@@ -653,7 +635,7 @@ def generate_hetero(
     max_psi_paths: int = 4096,
     psi: str = "auto",
     stop_ids: Sequence[int] | None = None,
-) -> HeteroResult:
+) -> GenerationResult:
     """Lossless speculative decoding with a drafter of another vocabulary.
 
     Args:
@@ -679,25 +661,22 @@ def generate_hetero(
         stop_ids: target ids that end generation (default: the target tokenizer's).
 
     Returns:
-        A :class:`HeteroResult`.
+        A :class:`mtpc.decoding.common.GenerationResult` with ``method="hetero"``:
+        ``tokens`` (cut at a stop id or ``max_new_tokens``), ``text``, ``accepted`` (accepted
+        drafted target tokens per target pass), ``target_passes`` (prefill included),
+        ``drafter_passes``, ``seconds``, ``algorithm``.
 
     Raises:
         ValueError: bad settings; HeteroVocabularyError: empty T ∩ D for tli, different
             vocabularies for standard; InexpressibleTextError: the drafter's tokenizer
             cannot express the text; PsiBoundError: psi enumeration past its bound.
     """
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm is {algorithm!r}; allowed: {ALGORITHMS}")
-    if psi not in PSI_METHODS:
-        raise ValueError(f"psi is {psi!r}; allowed: {PSI_METHODS}")
-    for name, value, low in (
-        ("lookahead", lookahead, 1),
-        ("max_new_tokens", max_new_tokens, 0),
-        ("look_behind", look_behind, 0),
-        ("max_psi_paths", max_psi_paths, 1),
-    ):
-        if not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    checked = check_settings(  # model-free: the same refusals as mtpc.generate and evaluate
+        algorithm=algorithm, lookahead=lookahead, greedy=greedy, seed=seed,
+        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+        look_behind=look_behind, max_psi_paths=max_psi_paths, psi=psi,
+        stop_ids=None if stop_ids is None else tuple(stop_ids),
+    )  # fmt: skip
     t_tok, d_tok = as_tokenizer(target_tokenizer), as_tokenizer(drafter_tokenizer)
     prompt_ids = t_tok.prompt_ids(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
     if not prompt_ids:
@@ -728,43 +707,35 @@ def generate_hetero(
                 f"{mapping.intersection_size}). Use 'tli' or 'slem'"
             )
     generator = torch.Generator().manual_seed(seed)
-    settings = _Settings(greedy, temperature, top_k, top_p, generator)
-    if not greedy:
-        process_logits(torch.zeros(2), temperature, top_k, top_p)  # validates early
-    sess = _Session(target, t_tok, drafter, d_tok, prompt_ids, settings)
-    stops = set(t_tok.stop_ids if stop_ids is None else stop_ids)
+    sampler = _Sampler(greedy, checked.temperature, top_k, checked.top_p, generator)
+    sess = _Session(target, t_tok, drafter, d_tok, prompt_ids, sampler)
+    stops = set(t_tok.stop_ids if checked.stop_ids is None else checked.stop_ids)
     if sess.circuit is not None:
         lookahead = min(lookahead, sess.circuit.window)
     table = SLRSTable.build(t_tok, lookahead) if algorithm == "slrs" else None
     if table is not None and not table.ids:
         raise HeteroVocabularyError(f"target {t_tok.name} has no token of 1..{lookahead} bytes")
-    out: list[int] = []
-    accepted: list[int] = []
-    start = time.perf_counter()
-    while len(out) < max_new_tokens:
+    res = GenerationResult(tokens=[], method="hetero", algorithm=algorithm)
+    start = cycle_start = time.perf_counter()
+    while len(res.tokens) < max_new_tokens:
         if algorithm == "slem":
             new, acc = _slem_cycle(sess, lookahead, look_behind)
         elif table is not None:
             new, acc = _slrs_cycle(sess, table, psi, max_psi_paths)
         else:
             new, acc = _token_cycle(sess, algorithm, lookahead)
-        new = new[: max_new_tokens - len(out)]
-        for j, tok in enumerate(new):
-            if tok in stops:
-                new = new[: j + 1]
-                break
-        accepted.append(min(acc, len(new)))
-        out.extend(new)
+        new, res.stopped = cut_at_stop(new, max_new_tokens - len(res.tokens), stops)
+        res.accepted.append(min(acc, len(new)))
+        res.emitted.append(len(new))
+        res.tokens.extend(new)
         sess.extend(new)
-        if new and new[-1] in stops:
+        now = time.perf_counter()
+        res.cycle_seconds.append(now - cycle_start)
+        cycle_start = now
+        if res.stopped:
             break
-    seconds = time.perf_counter() - start
-    return HeteroResult(
-        tokens=out,
-        text=t_tok.decode(out),
-        accepted=accepted,
-        target_passes=sess.tlm.passes,
-        drafter_passes=sess.drafter_passes,
-        seconds=seconds,
-        algorithm=algorithm,
-    )
+    res.seconds = time.perf_counter() - start
+    res.text = t_tok.decode(res.tokens)
+    res.target_passes = sess.tlm.passes
+    res.drafter_passes = sess.drafter_passes
+    return res

@@ -14,15 +14,27 @@ in one line naming the fields, any setting another one would silently ignore or 
 The old ``draft_mode`` names keep working for one release, each with a one-line note of what
 it is now.
 
+:func:`check_settings` checks every other setting a decoding call can be refused on without a
+model (method, greedy, seed, policy, sampling, stop ids' integer-ness, max_new_tokens, the
+heterogeneous decoder's algorithm and lookahead, ...) into one :class:`DecodingSettings`;
+``mtpc.generate``, ``mtpc.generate_hetero`` and ``evaluate`` all refuse through it, so a bad
+setting gets the same one-line message from each. What needs the model (prompt ids in range,
+prompt vs context length, stop ids below the vocabulary) is checked at decode time
+(``mtpc.decoding.common.check_request``).
+
 This module is torch-free: evaluation configs are checked with it before anything loads.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import operator
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from mtpc.choices import CIRCUIT_KINDS, DRAFT_MODES, DRAFTS, PROPOSALS
+from mtpc.choices import CIRCUIT_KINDS, DRAFT_MODES, DRAFTS, METHODS, POLICIES, PROPOSALS
 
 _log = logging.getLogger(__name__)
 _NOTED: set[tuple[str, bool]] = set()
@@ -220,3 +232,151 @@ def resolve_drafting(
 def default_draft_mode(kind: str, greedy: bool) -> str:
     """The draft step's mode a family decodes a chain with when nothing is asked for."""
     return resolve_drafting(kind, greedy).mode
+
+
+ALGORITHMS = ("slem", "tli", "slrs", "union", "standard")
+"""Heterogeneous-vocabulary algorithms (``mtpc.generate_hetero``, docs/HETERO.md)."""
+PSI_METHODS = ("auto", "enumerate", "circuit")
+"""How SLRS computes psi (``mtpc.generate_hetero``'s ``psi``)."""
+
+
+@dataclass(frozen=True)
+class DecodingSettings:
+    """Decoding settings checked without a model (:func:`check_settings`).
+
+    The shared fields apply to every decoder; ``method`` .. ``tree_floor`` to ``mtpc.generate``
+    (the drafting fields as given: :meth:`drafting` resolves them for a circuit family);
+    ``algorithm`` .. ``psi`` to ``mtpc.generate_hetero`` (``algorithm`` None: not a
+    heterogeneous decoding).
+    """
+
+    max_new_tokens: int = 64
+    greedy: bool = True
+    seed: int = 0
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    stop_ids: tuple[int, ...] | None = None
+    method: str = "speculative"
+    policy: str = "condition"
+    suppress_eos: bool = False
+    max_throughput: bool = False
+    profile: bool = False
+    draft: str | None = None
+    proposal: str | None = None
+    draft_mode: str | None = None
+    tree_budget: int | None = None
+    tree_floor: float = 0.0
+    algorithm: str | None = None
+    lookahead: int = 5
+    look_behind: int = 8
+    max_psi_paths: int = 4096
+    psi: str = "auto"
+
+    def drafting(self, kind: str) -> Drafting:
+        """The drafting choice resolved for circuit family ``kind`` (:func:`resolve_drafting`)."""
+        s = self
+        return resolve_drafting(
+            kind, s.greedy, draft=s.draft, proposal=s.proposal, draft_mode=s.draft_mode,
+            tree_budget=s.tree_budget, tree_floor=s.tree_floor,
+        )  # fmt: skip
+
+
+def _integer(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise SettingsError(f"{name}={value!r} is not allowed; allowed: an integer >= {minimum}")
+    return value
+
+
+def check_ids(name: str, items: Sequence[Any]) -> list[Any]:
+    """Refuses a float (or any non-integer) id instead of truncating it; one level of nesting
+    (rows of ids) allowed. Integer scalars (numpy, one-element integer tensors) pass.
+
+    Returns:
+        The items, ids as ``int`` (rows as lists).
+    """
+    out: list[Any] = []
+    for item in items:
+        nested = isinstance(item, list | tuple)
+        row = []
+        for value in item if nested else [item]:
+            try:
+                if isinstance(value, bool):
+                    raise TypeError
+                row.append(operator.index(value))
+            except (TypeError, RuntimeError, ValueError):
+                raise SettingsError(
+                    f"{name} contains {value!r}; allowed: integer token ids (not floats)"
+                ) from None
+        out.append(row if nested else row[0])
+    return out
+
+
+def check_settings(spell: Callable[[str], str] | None = None, **given: Any) -> DecodingSettings:
+    """Checks decoding settings from the settings alone, before any model loads.
+
+    Args:
+        spell: the caller's name of a field in messages (``evaluate``: ``drafter.lookahead``);
+            None: the field's own name.
+        **given: fields of :class:`DecodingSettings`; the others keep their defaults.
+            ``algorithm`` given (not None): a heterogeneous decoding (``max_new_tokens`` may
+            be 0; the drafting fields are not checked).
+
+    Returns:
+        The checked settings.
+
+    Raises:
+        SettingsError: one line naming the field and the allowed values.
+        TypeError: an unknown field.
+    """
+    name = spell or (lambda field: field)
+    s = DecodingSettings(**given)
+    hetero = s.algorithm is not None
+    if not hetero:
+        _choice(name("method"), s.method, METHODS)
+    _integer(name("max_new_tokens"), s.max_new_tokens, 0 if hetero else 1)
+    _integer(name("seed"), s.seed, 0)
+    if not hetero:
+        _choice(name("policy"), s.policy, POLICIES)
+    if not isinstance(s.greedy, bool):
+        raise SettingsError(f"{name('greedy')}={s.greedy!r} is not allowed; allowed: True, False")
+    if not hetero:
+        s.drafting("cp")  # the refusals do not depend on the family
+    t = s.temperature
+    if (
+        isinstance(t, bool)
+        or not isinstance(t, int | float)
+        or math.isnan(t)
+        or (not s.greedy and math.isinf(t))
+    ):
+        raise SettingsError(f"{name('temperature')}={t!r} is not allowed; allowed: a number > 0")
+    if not s.greedy and t <= 0:
+        raise SettingsError(
+            f"{name('temperature')}={t!r} is not allowed with greedy=False; allowed: a "
+            "number > 0 (use greedy=True for argmax decoding)"
+        )
+    if s.top_k is not None:
+        _integer(name("top_k"), s.top_k, 1)
+    p = s.top_p
+    if p is not None and (isinstance(p, bool) or not isinstance(p, int | float) or not 0 < p <= 1):
+        raise SettingsError(
+            f"{name('top_p')}={p!r} is not allowed; allowed: a number in (0, 1] or None"
+        )
+    stops = None if s.stop_ids is None else tuple(check_ids(name("stop_ids"), list(s.stop_ids)))
+    if hetero:
+        _choice(name("algorithm"), s.algorithm, ALGORITHMS)
+        _choice(name("psi"), s.psi, PSI_METHODS)
+        _integer(name("lookahead"), s.lookahead, 1)
+        _integer(name("look_behind"), s.look_behind, 0)
+        _integer(name("max_psi_paths"), s.max_psi_paths, 1)
+    return DecodingSettings(
+        **{
+            **given,
+            "temperature": float(t),
+            "top_p": None if p is None else float(p),
+            "stop_ids": stops,
+            "suppress_eos": bool(s.suppress_eos),
+            "max_throughput": bool(s.max_throughput),
+            "profile": bool(s.profile),
+        }
+    )

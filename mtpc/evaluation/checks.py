@@ -11,8 +11,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from mtpc.decoding import POLICIES
-from mtpc.decoding.settings import SettingsError
+from mtpc.decoding.settings import SettingsError, check_settings
 from mtpc.errors import UserError
 from mtpc.evaluation.drafting import check_drafting
 
@@ -28,7 +27,8 @@ class EvalConfigError(UserError, ValueError):
     """An evaluation setting outside what the evaluator accepts; names the field."""
 
 
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
+def get_field(cfg: Any, key: str, default: Any = None) -> Any:
+    """``cfg``'s field ``key`` (dotted) of a config or a plain mapping; ``default`` if missing."""
     if isinstance(cfg, DictConfig):
         return OmegaConf.select(cfg, key, default=default)
     node = cfg
@@ -39,11 +39,25 @@ def _get(cfg: Any, key: str, default: Any = None) -> Any:
     return node
 
 
+DECODING_FIELDS = ("policy", "greedy", "temperature", "top_k", "top_p", "seed", "max_new_tokens")
+"""The evaluation's fields checked by :func:`mtpc.decoding.settings.check_settings`."""
+
+
+def _config_spelling(err: SettingsError) -> EvalConfigError:
+    """A decoding refusal in the config's own spelling of booleans."""
+    message = str(err).replace("greedy=False", "greedy=false").replace("=True", "=true")
+    return EvalConfigError(message)
+
+
 def check_eval_fields(cfg: Any) -> None:
-    """Checks the evaluator's own fields (beyond ``mtpc.config.validate_eval_config``)."""
+    """Checks the evaluator's own fields (beyond ``mtpc.config.validate_eval_config``).
+
+    The decoding settings go through :func:`mtpc.decoding.settings.check_settings`, as
+    ``mtpc.generate`` and ``mtpc.generate_hetero`` do: a bad one gets the same one line.
+    """
 
     def choice(field: str, allowed: Sequence[Any], optional: bool = False) -> None:
-        value = _get(cfg, field)
+        value = get_field(cfg, field)
         if optional and value is None:
             return
         if value not in allowed:
@@ -51,24 +65,24 @@ def check_eval_fields(cfg: Any) -> None:
                 f"{field}={value!r} is not allowed; allowed: {', '.join(map(str, allowed))}"
             )
 
-    choice("policy", POLICIES)
-    for field in ("greedy", "suppress_eos", "max_throughput", "english_only", "plots", "progress",
+    for field in ("suppress_eos", "max_throughput", "english_only", "plots", "progress",
                   "warmup_window"):  # fmt: skip
         choice(field, (True, False), optional=field in ("progress", "warmup_window"))
     choice("resume", RESUME, optional=True)
+    greedy = get_field(cfg, "greedy", True)
     try:
+        check_settings(**{f: v for f in DECODING_FIELDS if (v := get_field(cfg, f)) is not None})
         check_drafting(
-            _get(cfg, "greedy", True),
-            _get(cfg, "drafting"),
-            _get(cfg, "proposal"),
-            _get(cfg, "draft_mode"),
-            _plain(_get(cfg, "tree_budget")),
-            _get(cfg, "tree_floor", 0.0),
+            greedy,
+            get_field(cfg, "drafting"),
+            get_field(cfg, "proposal"),
+            get_field(cfg, "draft_mode"),
+            plain(get_field(cfg, "tree_budget")),
+            get_field(cfg, "tree_floor", 0.0),
         )
-    except SettingsError as err:  # in the config's own spelling of booleans
-        message = str(err).replace("greedy=False", "greedy=false").replace("=True", "=true")
-        raise EvalConfigError(message) from None
-    sources = _plain(_get(cfg, "sources"))
+    except SettingsError as err:
+        raise _config_spelling(err) from None
+    sources = plain(get_field(cfg, "sources"))
     if sources is not None and not (
         isinstance(sources, str)
         or (isinstance(sources, list) and sources and all(isinstance(x, str) for x in sources))
@@ -77,34 +91,15 @@ def check_eval_fields(cfg: Any) -> None:
             f"sources={sources!r} is not allowed; allowed: null or a list of source names, "
             "e.g. sources=[synthetic/multi_answer]"
         )
-    integers = (
-        ("warmup", 0),
-        ("num_threads", 1),
-        ("top_k", 1),
-        ("max_prompt_length", 1),
-        ("drafter.lookahead", 1),  # drafter=hetero; absent (None) otherwise
-        ("drafter.look_behind", 0),
-        ("drafter.max_psi_paths", 1),
-    )
-    for field, low in integers:
-        value = _get(cfg, field)
+    for field, low in (("warmup", 0), ("num_threads", 1), ("max_prompt_length", 1)):
+        value = get_field(cfg, field)
         if value is not None and (
             isinstance(value, bool) or not isinstance(value, int) or value < low
         ):
             raise EvalConfigError(f"{field}={value!r} is not allowed; allowed: an integer >= {low}")
-    temperature = _get(cfg, "temperature", 1.0)
-    if (
-        isinstance(temperature, bool)
-        or not isinstance(temperature, int | float)
-        or temperature <= 0
-    ):
-        raise EvalConfigError(f"temperature={temperature!r} is not allowed; allowed: a number > 0")
-    top_p = _get(cfg, "top_p")
-    if top_p is not None and (not isinstance(top_p, int | float) or not 0 < top_p <= 1):
-        raise EvalConfigError(f"top_p={top_p!r} is not allowed; allowed: a number in (0, 1]")
-    if _get(cfg, "drafter") is not None:
-        _check_drafter(cfg, choice)
-    device = str(_get(cfg, "device", "cpu"))
+    if get_field(cfg, "drafter") is not None:
+        _check_drafter(cfg, greedy)
+    device = str(get_field(cfg, "device", "cpu"))
     if device != "cpu" and not device.startswith("cuda"):
         raise EvalConfigError(f"device={device!r} is not allowed; allowed: cpu, cuda, cuda:<i>")
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -113,14 +108,20 @@ def check_eval_fields(cfg: Any) -> None:
         )
 
 
-def _check_drafter(cfg: Any, choice: Any) -> None:
+def _check_drafter(cfg: Any, greedy: Any) -> None:
     """``drafter.*`` of ``drafter=hetero`` (configs/drafter/hetero.yaml)."""
-    from mtpc.decoding.hetero import ALGORITHMS, PSI_METHODS
     from mtpc.evaluation.hetero import FIXTURE_PREFIX, FIXTURES
 
-    choice("drafter.algorithm", ALGORITHMS)
-    choice("drafter.psi", PSI_METHODS, optional=True)
-    model = str(_get(cfg, "drafter.model"))
+    hetero = {
+        field: value
+        for field in ("algorithm", "lookahead", "look_behind", "max_psi_paths", "psi")
+        if (value := get_field(cfg, f"drafter.{field}")) is not None or field == "algorithm"
+    }
+    try:
+        check_settings(lambda field: f"drafter.{field}", greedy=greedy, **hetero)
+    except SettingsError as err:
+        raise _config_spelling(err) from None
+    model = str(get_field(cfg, "drafter.model"))
     if model.startswith(FIXTURE_PREFIX) and model[len(FIXTURE_PREFIX) :] not in FIXTURES:
         raise EvalConfigError(
             f"drafter.model={model!r} is not allowed; allowed: a local HF causal-LM folder or "
@@ -133,7 +134,8 @@ def _check_drafter(cfg: Any, choice: Any) -> None:
         )
 
 
-def _plain(value: Any) -> Any:
+def plain(value: Any) -> Any:
+    """``value`` as plain Python (a config node resolved to dicts and lists)."""
     if isinstance(value, DictConfig | ListConfig):
         return OmegaConf.to_container(value, resolve=True)
     return value

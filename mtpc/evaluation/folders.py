@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from mtpc.decoding import resolve_drafting
-from mtpc.evaluation.checks import _get, _plain
+from mtpc.evaluation.checks import get_field, plain
 from mtpc.evaluation.drafting import asked
-from mtpc.evaluation.loading import _root, check_target_name
+from mtpc.evaluation.loading import check_target_name, root_dir
 from mtpc.evaluation.records import (
     MANIFEST,
     RecordsError,
@@ -45,7 +45,7 @@ def build_manifest(cfg: Any, drafts: Sequence[Path], baselines: Sequence[Path]) 
     from mtpc.export import read_config
 
     entries = []
-    greedy = bool(_get(cfg, "greedy", True))
+    greedy = bool(get_field(cfg, "greedy", True))
     for i, path in enumerate([*drafts, *baselines]):
         check_target_name(path, cfg)
         config = read_config(path)
@@ -55,9 +55,9 @@ def build_manifest(cfg: Any, drafts: Sequence[Path], baselines: Sequence[Path]) 
         mode = resolve_drafting(
             c["kind"],
             greedy,
-            draft=_get(cfg, "drafting"),
-            proposal=_get(cfg, "proposal"),
-            draft_mode=_get(cfg, "draft_mode"),
+            draft=get_field(cfg, "drafting"),
+            proposal=get_field(cfg, "proposal"),
+            draft_mode=get_field(cfg, "draft_mode"),
         ).mode
         entries.append(
             {"path": str(path), "name": _draft_name(path), "kind": c["kind"],
@@ -65,24 +65,29 @@ def build_manifest(cfg: Any, drafts: Sequence[Path], baselines: Sequence[Path]) 
              "baseline": i >= len(drafts), "fingerprint": draft_fingerprint(path),
              "draft_mode": mode}
         )  # fmt: skip
-    data = _plain(_get(cfg, "data")) or {}
-    device = str(_get(cfg, "device", "cpu"))
-    settings = {k: _plain(_get(cfg, k)) for k in SETTINGS}
+    data = plain(get_field(cfg, "data")) or {}
+    device = str(get_field(cfg, "device", "cpu"))
+    settings = {k: plain(get_field(cfg, k)) for k in SETTINGS}
     settings.update(
-        asked(greedy, _get(cfg, "drafting"), _get(cfg, "proposal"), _get(cfg, "draft_mode"))
+        asked(
+            greedy,
+            get_field(cfg, "drafting"),
+            get_field(cfg, "proposal"),
+            get_field(cfg, "draft_mode"),
+        )
     )
-    if _get(cfg, "drafter") is not None:  # drafter=hetero: another drafter, another folder
-        settings["drafter"] = _plain(_get(cfg, "drafter"))
+    if get_field(cfg, "drafter") is not None:  # drafter=hetero: another drafter, another folder
+        settings["drafter"] = plain(get_field(cfg, "drafter"))
     if isinstance(settings["sources"], str):  # sources=a is sources=[a]
         settings["sources"] = [settings["sources"]]
     return {
         "format": FORMAT_VERSION,
         "settings": settings,
-        "target": _plain(_get(cfg, "model")),
+        "target": plain(get_field(cfg, "model")),
         "data": {k: v for k, v in data.items() if k not in DATA_IGNORED},
         "drafts": entries,
         "device_name": device_name(device),
-        "sessions": [provenance(device, _root(cfg))],
+        "sessions": [provenance(device, root_dir(cfg))],
     }
 
 
@@ -91,13 +96,13 @@ def eval_folder(cfg: Any, manifest: Mapping[str, Any]) -> Path:
     from mtpc.evaluation.records import folder_name
 
     try:
-        out = _get(cfg, "output_dir")
+        out = get_field(cfg, "output_dir")
     except Exception:  # an interpolation such as ${hydra:...} outside a Hydra run
         out = None
-    return Path(out) if out else _root(cfg) / "outputs" / "eval" / folder_name(manifest)
+    return Path(out) if out else root_dir(cfg) / "outputs" / "eval" / folder_name(manifest)
 
 
-def _check_prompts(store: RecordStore, prompt_sets: Sequence[Sequence[Any]]) -> None:
+def check_prompts(store: RecordStore, prompt_sets: Sequence[Sequence[Any]]) -> None:
     """Refuses records whose (set, index) is another prompt than today's (the data changed)."""
     for r in store.records:
         if r.get("type") != "prompt":

@@ -13,13 +13,16 @@ import hashlib
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from mtpc.decoding.hetero import CachedLM, HeteroResult, generate_hetero
+from mtpc.decoding.common import GenerationResult, cut_at_stop
+from mtpc.decoding.hetero import CachedLM, generate_hetero
 from mtpc.decoding.verify import process_logits
 from mtpc.decoding.vocab import as_tokenizer, prompt_overlap, vocab_mapping
+from mtpc.evaluation.report import HETERO_PASSES, hetero_row_name
 
 if TYPE_CHECKING:
     from mtpc.evaluation.records import RecordStore
@@ -39,28 +42,31 @@ def autoregressive(
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
-) -> HeteroResult:
+) -> GenerationResult:
     """Plain decoding of an HF causal LM with a KV cache (the AR reference)."""
     lm = CachedLM(target)
     g = torch.Generator().manual_seed(seed)
     seq, out = list(prompt_ids), []  # type: list[int], list[int]
+    stopped = False
     start = time.perf_counter()
-    while len(out) < max_new_tokens:
+    while len(out) < max_new_tokens and not stopped:
         logits = lm.logits(seq, 1)[0]
         if greedy:
             tok = int(logits.argmax())
         else:
             probs = process_logits(logits, temperature, top_k, top_p).exp()
             tok = int(torch.multinomial(probs.double(), 1, generator=g))
-        out.append(tok)
-        seq.append(tok)
-        if tok in stop_ids:
-            break
+        new, stopped = cut_at_stop([tok], max_new_tokens - len(out), stop_ids)
+        out.extend(new)
+        seq.extend(new)
     seconds = time.perf_counter() - start
-    return HeteroResult(out, "", [0] * len(out), lm.passes, 0, seconds, "ar")
+    return GenerationResult(
+        tokens=out, accepted=[0] * len(out), emitted=[1] * len(out), seconds=seconds,
+        stopped=stopped, method="autoregressive", target_passes=lm.passes, algorithm="ar",
+    )  # fmt: skip
 
 
-def hetero_record(result: HeteroResult) -> dict[str, Any]:
+def hetero_record(result: GenerationResult) -> dict[str, Any]:
     """What one decoded prompt contributes to a row (a ``records.jsonl`` line's measurements)."""
     return {
         "new_tokens": len(result.tokens),
@@ -88,7 +94,7 @@ def hetero_metrics(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     }
 
 
-Decoder = Callable[[list[int], int], HeteroResult]
+Decoder = Callable[[list[int], int], GenerationResult]
 """Decodes one prompt's target ids with a seed."""
 
 
@@ -103,23 +109,105 @@ def hetero_decoders(
     max_new_tokens: int = 128,
     stop_ids: Sequence[int] | None = None,
     **options: Any,
-) -> tuple[Decoder, Decoder]:
-    """(autoregressive, heterogeneous speculative) decoders of one prompt; see
-    :func:`evaluate_hetero` for the arguments."""
+) -> dict[str, Decoder]:
+    """The autoregressive and the heterogeneous speculative decoder of one prompt, by pass
+    (``mtpc.evaluation.report.HETERO_PASSES``); see :func:`evaluate_hetero` for the
+    arguments."""
     t_tok, d_tok = as_tokenizer(target_tokenizer), as_tokenizer(drafter_tokenizer)
     stops = list(t_tok.stop_ids if stop_ids is None else stop_ids)
     sample_kw = {k: options[k] for k in ("temperature", "top_k", "top_p") if k in options}
 
-    def run_ar(p: list[int], seed: int) -> HeteroResult:
+    def run_ar(p: list[int], seed: int) -> GenerationResult:
         return autoregressive(target, p, max_new_tokens, greedy, seed, stops, **sample_kw)
 
-    def run_sd(p: list[int], seed: int) -> HeteroResult:
+    def run_sd(p: list[int], seed: int) -> GenerationResult:
         return generate_hetero(
             target, t_tok, drafter, d_tok, p, algorithm=algorithm, lookahead=lookahead,
             greedy=greedy, seed=seed, max_new_tokens=max_new_tokens, stop_ids=stops, **options,
         )  # fmt: skip
 
-    return run_ar, run_sd
+    return dict(zip(HETERO_PASSES, (run_ar, run_sd), strict=True))
+
+
+@dataclass(frozen=True)
+class HeteroPrompt:
+    """A prompt of :func:`run_hetero_passes` (``mtpc.data.prompts.EvalPrompt`` is one too)."""
+
+    id: str
+    prompt_ids: list[int]
+    source: str | None = None
+
+
+class RecordSink(Protocol):
+    """Where :func:`run_hetero_passes` writes: a ``RecordStore`` (an evaluation folder) or
+    :class:`MemoryRecords`."""
+
+    def pending(
+        self, prompt_sets: Sequence[Sequence[Any]], draft_path: str | None, pass_name: str
+    ) -> list[tuple[int, int, Any]]: ...
+
+    def append(self, record: dict[str, Any]) -> None: ...
+
+
+class MemoryRecords:
+    """An in-memory :class:`RecordSink` (``evaluate_hetero``, ``scripts/bench_hetero.py``)."""
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+
+    def pending(
+        self, prompt_sets: Sequence[Sequence[Any]], draft_path: str | None, pass_name: str
+    ) -> list[tuple[int, int, Any]]:
+        """``(set, index, prompt)`` of every prompt without a record of this pass."""
+        done = {
+            (r.get("draft_path"), r.get("pass"), r.get("set"), r.get("index")) for r in self.records
+        }
+        return [
+            (k, i, p)
+            for k, prompts in enumerate(prompt_sets)
+            for i, p in enumerate(prompts)
+            if (draft_path, pass_name, k, i) not in done
+        ]
+
+    def append(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+
+
+def run_hetero_passes(
+    sink: RecordSink,
+    decoders: Mapping[str, Decoder],
+    prompt_sets: Sequence[Sequence[Any]],
+    draft_path: str,
+    name: str,
+    seed: int,
+    warmup: int,
+) -> None:
+    """The one heterogeneous-drafter harness: each pass decodes the prompts ``sink`` has no
+    record of, after ``warmup`` untimed runs on the first prompt, and appends one record per
+    prompt (:func:`hetero_record`) as it finishes.
+
+    Args:
+        sink: an evaluation folder's ``RecordStore`` (``eval.py drafter=hetero``) or
+            :class:`MemoryRecords` (:func:`evaluate_hetero`).
+        decoders: pass name -> decoder (:func:`hetero_decoders`).
+        prompt_sets: sets of prompts with ``id``, ``prompt_ids`` and ``source``.
+        draft_path: the records' ``draft_path``.
+        name: the heterogeneous row's name (the AR pass is ``AR (target)``).
+        seed: set k, prompt i decodes with seed + k + i.
+        warmup: untimed runs per pass.
+    """
+    for pass_name, decode in decoders.items():
+        todo = sink.pending(prompt_sets, draft_path, pass_name)
+        for w in range(warmup if todo else 0):
+            decode(list(prompt_sets[0][0].prompt_ids), seed + w)
+        for k, i, p in todo:
+            result = decode(list(p.prompt_ids), seed + k + i)
+            sink.append(
+                {"type": "prompt", "draft": "AR (target)" if pass_name == HETERO_PASSES[0] else name,
+                 "draft_path": draft_path, "pass": pass_name, "set": k, "index": i,
+                 "prompt_id": p.id, "source": p.source, "seed": seed + k + i,
+                 **hetero_record(result)}
+            )  # fmt: skip
 
 
 def overlap_stats(
@@ -177,20 +265,20 @@ def evaluate_hetero(
     ids = [t_tok.prompt_ids(p) if isinstance(p, str) else list(p) for p in prompts]
     if not ids:
         raise ValueError("prompts is empty")
-    run_ar, run_sd = hetero_decoders(
+    decoders = hetero_decoders(
         target, target_tokenizer, drafter, drafter_tokenizer, algorithm, lookahead, greedy,
         max_new_tokens, stop_ids, **options,
     )  # fmt: skip
-    for _ in range(warmup):
-        run_ar(ids[0], seed)
-        run_sd(ids[0], seed)
-    ar = hetero_metrics([hetero_record(run_ar(p, seed + i)) for i, p in enumerate(ids)])
-    sd = hetero_metrics([hetero_record(run_sd(p, seed + i)) for i, p in enumerate(ids)])
+    sink = MemoryRecords()
+    prompt_set = [HeteroPrompt(str(i), p) for i, p in enumerate(ids)]
+    name = hetero_row_name(algorithm)
+    run_hetero_passes(sink, decoders, [prompt_set], "drafter", name, seed, warmup)
+    ar, sd = (hetero_metrics([r for r in sink.records if r["pass"] == p]) for p in HETERO_PASSES)
     sd["speedup_ar"] = sd["tok_s"] / ar["tok_s"] if ar["tok_s"] > 0 else float("nan")
     return {
         "rows": [
             {"name": "AR (target)", "kind": "ar", **ar},
-            {"name": f"hetero:{algorithm}", "kind": algorithm, "lookahead": lookahead, **sd},
+            {"name": name, "kind": algorithm, "lookahead": lookahead, **sd},
         ],
         "overlap": overlap_stats(target_tokenizer, drafter_tokenizer, ids),
         "settings": {
@@ -252,40 +340,34 @@ def decode_hetero(cfg: Any, store: RecordStore, prompt_sets: list[list[Any]]) ->
     (``mtpc.evaluation.report.hetero_report``), so ``report=`` rebuilds them too.
     """
     from mtpc.backbones.codecs import get_codec
-    from mtpc.evaluation.checks import _get
+    from mtpc.evaluation.checks import get_field
     from mtpc.evaluation.loading import load_target
     from mtpc.evaluation.records import hetero_draft_path
-    from mtpc.evaluation.report import HETERO_PASSES, hetero_row_name
 
-    device = str(_get(cfg, "device", "cpu"))
+    device = str(get_field(cfg, "device", "cpu"))
     backbone = load_target(cfg)
-    codec = get_codec(str(_get(cfg, "model.codec", "tiny")))
-    drafter_model = str(_get(cfg, "drafter.model"))
-    model, tokenizer = load_drafter(drafter_model, _get(cfg, "drafter.tokenizer"), device=device)
-    options = {key: _get(cfg, f"drafter.{key}") for key in ("look_behind", "max_psi_paths", "psi")}
-    if not _get(cfg, "greedy", True):
-        options.update({k: _get(cfg, k) for k in ("temperature", "top_k", "top_p")})
-    algorithm = str(_get(cfg, "drafter.algorithm", "slem"))
-    lookahead = int(_get(cfg, "drafter.lookahead", 5))
-    run_ar, run_sd = hetero_decoders(
+    codec = get_codec(str(get_field(cfg, "model.codec", "tiny")))
+    drafter_model = str(get_field(cfg, "drafter.model"))
+    model, tokenizer = load_drafter(
+        drafter_model, get_field(cfg, "drafter.tokenizer"), device=device
+    )
+    options = {
+        key: get_field(cfg, f"drafter.{key}") for key in ("look_behind", "max_psi_paths", "psi")
+    }
+    if not get_field(cfg, "greedy", True):
+        options.update({k: get_field(cfg, k) for k in ("temperature", "top_k", "top_p")})
+    algorithm = str(get_field(cfg, "drafter.algorithm", "slem"))
+    lookahead = int(get_field(cfg, "drafter.lookahead", 5))
+    decoders = hetero_decoders(
         backbone.hf_model, codec, model, tokenizer, algorithm=algorithm, lookahead=lookahead,
-        greedy=bool(_get(cfg, "greedy", True)), max_new_tokens=int(_get(cfg, "max_new_tokens", 128)),
+        greedy=bool(get_field(cfg, "greedy", True)), max_new_tokens=int(get_field(cfg, "max_new_tokens", 128)),
         **{k: v for k, v in options.items() if v is not None},
     )  # fmt: skip
-    decoders = dict(zip(HETERO_PASSES, (run_ar, run_sd), strict=True))
     key = hetero_draft_path({"model": drafter_model})
-    name, seed = hetero_row_name(algorithm), int(_get(cfg, "seed", 0))
-    for pass_name, decode in decoders.items():
-        todo = store.pending(prompt_sets, key, pass_name)
-        for w in range(int(_get(cfg, "warmup", 1)) if todo else 0):
-            decode(list(prompt_sets[0][0].prompt_ids), seed + w)
-        for k, i, p in todo:  # set k, prompt i: seed + k + i, as evaluate_hetero per set
-            result = decode(list(p.prompt_ids), seed + k + i)
-            store.append(
-                {"type": "prompt", "draft": "AR (target)" if pass_name == "hetero_ar" else name,
-                 "draft_path": key, "pass": pass_name, "set": k, "index": i, "prompt_id": p.id,
-                 "source": p.source, "seed": seed + k + i, **hetero_record(result)}
-            )  # fmt: skip
+    name, seed = hetero_row_name(algorithm), int(get_field(cfg, "seed", 0))
+    run_hetero_passes(
+        store, decoders, prompt_sets, key, name, seed, int(get_field(cfg, "warmup", 1))
+    )
     if not any(r.get("type") == "overlap" and r["draft_path"] == key for r in store.records):
         stats = overlap_stats(codec, tokenizer, [p.prompt_ids for p in prompt_sets[0]])
         store.append({"type": "overlap", "draft_path": key, **stats})

@@ -14,7 +14,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from mtpc.data.prompts import UnknownSourceError
-from mtpc.evaluation.checks import EvalConfigError, _get, _plain
+from mtpc.evaluation.checks import EvalConfigError, get_field, plain
 
 logger = logging.getLogger(__name__)
 
@@ -22,8 +22,8 @@ logger = logging.getLogger(__name__)
 TRAIN_HINT = "train one with `python train.py` or pass draft=<exported draft dir>"
 
 
-def _root(cfg: Any) -> Path:
-    root = _get(cfg, "paths.root_dir")
+def root_dir(cfg: Any) -> Path:
+    root = get_field(cfg, "paths.root_dir")
     return Path(root) if root else Path(__file__).resolve().parents[2]
 
 
@@ -39,9 +39,9 @@ def resolve_drafts(cfg: Any, key: str = "draft") -> list[Path]:
     from mtpc.errors import DraftError
     from mtpc.export import CONFIG_NAME
 
-    draft = _get(cfg, key)
+    draft = get_field(cfg, key)
     if draft is None and key == "draft":
-        marker = _root(cfg) / "outputs" / "last_draft.txt"
+        marker = root_dir(cfg) / "outputs" / "last_draft.txt"
         if not marker.is_file():
             raise FileNotFoundError(f"no draft given and {marker} does not exist: {TRAIN_HINT}")
         draft = marker.read_text(encoding="utf-8").strip()
@@ -50,7 +50,7 @@ def resolve_drafts(cfg: Any, key: str = "draft") -> list[Path]:
     for p in paths:
         path = Path(str(p))
         if not path.is_absolute():
-            path = _root(cfg) / path
+            path = root_dir(cfg) / path
         if not (path / CONFIG_NAME).is_file():
             if (path / "draft" / CONFIG_NAME).is_file():
                 raise DraftError(
@@ -94,9 +94,9 @@ def explicit_model_fields(overrides: Sequence[str], cfg: Any) -> dict[str, Any]:
     for override in overrides:
         key = override.split("=", 1)[0].lstrip("+~")
         if key == "model":
-            fields["name"] = _get(cfg, "model.name")
+            fields["name"] = get_field(cfg, "model.name")
         elif key.startswith("model."):
-            fields[key.removeprefix("model.")] = _plain(_get(cfg, key))
+            fields[key.removeprefix("model.")] = plain(get_field(cfg, key))
     return fields
 
 
@@ -140,8 +140,8 @@ def resolve_target(
             )
     group: dict[str, Any] = {}
     if target["name"] in BACKBONES:  # the group's other fields (codec, attention path)
-        group = _plain(OmegaConf.load(CONFIGS / "model" / f"{target['name']}.yaml"))
-    current = _plain(_get(cfg, "model")) or {}
+        group = plain(OmegaConf.load(CONFIGS / "model" / f"{target['name']}.yaml"))
+    current = plain(get_field(cfg, "model")) or {}
     if current.get("name") == target["name"]:  # model=<the same group>: its own fields
         group = {**group, **current}
     model = {**group, **{k: v for k, v in target.items() if k != "dtype" or v is not None}}
@@ -171,12 +171,12 @@ def load_target(cfg: Any) -> Any:
     from mtpc.backbones import load_backbone
 
     return load_backbone(
-        str(_get(cfg, "model.name", "tiny")),
-        path=_get(cfg, "model.path"),
-        revision=_get(cfg, "model.revision"),
-        dtype=_get(cfg, "model.dtype", "float32"),
-        device=str(_get(cfg, "device", "cpu")),
-        attention_impl=str(_get(cfg, "model.attention_impl", "auto")),
+        str(get_field(cfg, "model.name", "tiny")),
+        path=get_field(cfg, "model.path"),
+        revision=get_field(cfg, "model.revision"),
+        dtype=get_field(cfg, "model.dtype", "float32"),
+        device=str(get_field(cfg, "device", "cpu")),
+        attention_impl=str(get_field(cfg, "model.attention_impl", "auto")),
     )
 
 
@@ -190,7 +190,7 @@ def check_target_name(path: Path, cfg: Any) -> str | None:
     from mtpc.export import TargetMismatchError, read_config
 
     recorded = read_config(path)["target"].get("model")
-    name = _get(cfg, "model.name", "tiny")
+    name = get_field(cfg, "model.name", "tiny")
     if recorded in BACKBONES and recorded != name:
         raise TargetMismatchError(
             f"draft {path} was exported for target model {recorded!r}, but model={name}; "
@@ -210,8 +210,8 @@ def load_for_eval(path: Path, cfg: Any) -> Any:
     from mtpc.model import MTPCModel
 
     recorded = check_target_name(path, cfg)
-    name = _get(cfg, "model.name", "tiny")
-    device = str(_get(cfg, "device", "cpu"))
+    name = get_field(cfg, "model.name", "tiny")
+    device = str(get_field(cfg, "device", "cpu"))
     if recorded == name and name in BACKBONES:
         return MTPCModel.from_pretrained(path, target=load_target(cfg))
     return MTPCModel.from_pretrained(path, device=device)  # an HF target rebuilt from its path
@@ -221,19 +221,19 @@ def load_prompt_sets(cfg: Any, codec: str, max_prompt_length: int | None) -> lis
     """Evaluation prompt sets from the data pipeline's validation split (``sources``: only those)."""
     from hydra.utils import instantiate
 
-    data = _get(cfg, "data")
+    data = get_field(cfg, "data")
     module = instantiate(data, codec=codec) if data is not None else None
     if module is None:
         from mtpc.data.datamodule import build_datamodule
 
         module = build_datamodule(codec=codec)
-    seed = int(_get(cfg, "seed", 0))
-    sets = int(_get(cfg, "num_prompt_sets", 1))
-    sources = _plain(_get(cfg, "sources"))
+    seed = int(get_field(cfg, "seed", 0))
+    sets = int(get_field(cfg, "num_prompt_sets", 1))
+    sources = plain(get_field(cfg, "sources"))
     return module.prompt_sets(
-        num_prompts=int(_get(cfg, "num_prompts", 8)),
+        num_prompts=int(get_field(cfg, "num_prompts", 8)),
         seeds=tuple(range(seed, seed + sets)),
-        english_only=bool(_get(cfg, "english_only", True)),
+        english_only=bool(get_field(cfg, "english_only", True)),
         max_prompt_length=max_prompt_length,
         **({"sources": [sources] if isinstance(sources, str) else sources} if sources else {}),
     )
@@ -255,14 +255,14 @@ def use_device(device: str) -> None:
         torch.cuda.set_device(index)
 
 
-def _sync_memory_reset(device: str) -> None:
+def sync_memory_reset(device: str) -> None:
     index = cuda_index(device)
     if index is not None:
         torch.cuda.synchronize(index)
         torch.cuda.reset_peak_memory_stats(index)
 
 
-def _peak_memory_mb(device: str) -> float:
+def peak_memory_mb(device: str) -> float:
     index = cuda_index(device)
     if index is not None:
         return torch.cuda.max_memory_allocated(index) / 2**20
@@ -270,7 +270,7 @@ def _peak_memory_mb(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**20
 
 
-def _load_prompts(cfg: Any, codec: str, limit: int | None) -> list[list[Any]]:
+def load_prompts(cfg: Any, codec: str, limit: int | None) -> list[list[Any]]:
     try:
         return load_prompt_sets(cfg, codec, limit)
     except UnknownSourceError as e:

@@ -33,19 +33,19 @@ import torch
 from omegaconf import DictConfig
 
 from mtpc.decoding import generate
-from mtpc.evaluation.checks import EvalConfigError, _get, _plain, check_eval_fields
+from mtpc.evaluation.checks import EvalConfigError, check_eval_fields, get_field, plain
 from mtpc.evaluation.drafting import chain_kwargs, tree_kwargs
-from mtpc.evaluation.folders import _check_prompts, build_manifest, eval_folder, fresh_folder
+from mtpc.evaluation.folders import build_manifest, check_prompts, eval_folder, fresh_folder
 from mtpc.evaluation.hetero import decode_hetero
 from mtpc.evaluation.loading import (
-    _load_prompts,
-    _peak_memory_mb,
-    _root,
-    _sync_memory_reset,
     hydra_model_overrides,
     load_for_eval,
+    load_prompts,
+    peak_memory_mb,
     resolve_drafts,
     resolve_target,
+    root_dir,
+    sync_memory_reset,
     use_device,
     with_model,
 )
@@ -63,13 +63,13 @@ logger = logging.getLogger(__name__)
 def decode_kwargs(cfg: Any) -> dict[str, Any]:
     """The ``mtpc.generate`` keywords the evaluation settings give."""
     return {
-        "max_new_tokens": int(_get(cfg, "max_new_tokens", 128)),
-        "greedy": bool(_get(cfg, "greedy", True)),
-        "policy": _get(cfg, "policy", "condition"),
-        "temperature": float(_get(cfg, "temperature", 1.0)),
-        "top_k": _get(cfg, "top_k"),
-        "top_p": _get(cfg, "top_p"),
-        "suppress_eos": bool(_get(cfg, "suppress_eos", True)),
+        "max_new_tokens": int(get_field(cfg, "max_new_tokens", 128)),
+        "greedy": bool(get_field(cfg, "greedy", True)),
+        "policy": get_field(cfg, "policy", "condition"),
+        "temperature": float(get_field(cfg, "temperature", 1.0)),
+        "top_k": get_field(cfg, "top_k"),
+        "top_p": get_field(cfg, "top_p"),
+        "suppress_eos": bool(get_field(cfg, "suppress_eos", True)),
     }
 
 
@@ -86,10 +86,12 @@ def pass_overrides(pass_name: str, cfg: Any = None) -> dict[str, Any]:
     """The ``mtpc.generate`` overrides of a pass (``ar``, ``speculative``, ``tree<B>``, ...),
     with the drafting choice of ``cfg`` (the chain's for the chain passes)."""
     if pass_name.startswith("tree"):
-        return tree_kwargs(int(pass_name.removeprefix("tree")), _get(cfg, "tree_floor", 0.0))
+        return tree_kwargs(int(pass_name.removeprefix("tree")), get_field(cfg, "tree_floor", 0.0))
     if pass_name == "ar":
         return PASSES[pass_name]
-    chain = chain_kwargs(_get(cfg, "drafting"), _get(cfg, "proposal"), _get(cfg, "draft_mode"))
+    chain = chain_kwargs(
+        get_field(cfg, "drafting"), get_field(cfg, "proposal"), get_field(cfg, "draft_mode")
+    )
     return {**chain, **PASSES[pass_name]}
 
 
@@ -97,7 +99,7 @@ def tree_budgets(cfg: Any) -> list[int]:
     """The positive budgets of ``tree_budget`` (null, an int or a list), sorted, no repeats."""
     from mtpc.evaluation.drafting import tree_budgets as budgets
 
-    return budgets(_plain(_get(cfg, "tree_budget")))
+    return budgets(plain(get_field(cfg, "tree_budget")))
 
 
 class _Progress:
@@ -132,9 +134,9 @@ def warmup_prompts(model: Any, prompt_sets: Sequence[Sequence[Any]], cfg: Any) -
     """
     prompts = [list(prompt_sets[0][0].prompt_ids)]
     window = getattr(model.backbone, "window_size", None)
-    if not _get(cfg, "warmup_window", True) or not window:
+    if not get_field(cfg, "warmup_window", True) or not window:
         return prompts
-    new = int(_get(cfg, "max_new_tokens", 128))
+    new = int(get_field(cfg, "max_new_tokens", 128))
     length = 2 * int(window) - max(1, min(new, int(window)) // 2)
     context = getattr(model.backbone.config, "max_position_embeddings", None)
     if context and length + new + model.head.window > int(context):
@@ -176,8 +178,8 @@ def run_pass(
         )
         return 0
     kwargs = {**decode_kwargs(cfg), **pass_overrides(pass_name, cfg)}
-    seed = int(_get(cfg, "seed", 0))
-    device = str(_get(cfg, "device", "cpu"))
+    seed = int(get_field(cfg, "seed", 0))
+    device = str(get_field(cfg, "device", "cpu"))
     reference = {
         (r["set"], r["index"]): r["tokens_sha1"]
         for r in store.records
@@ -185,13 +187,13 @@ def run_pass(
     }
     drafting = pass_name == "speculative" or pass_name.startswith("tree")
     check = drafting and kwargs["greedy"]
-    _sync_memory_reset(device)
-    for w in range(int(_get(cfg, "warmup", 1))):
+    sync_memory_reset(device)
+    for w in range(int(get_field(cfg, "warmup", 1))):
         for ids in warmup_prompts(model, prompt_sets, cfg):
             generate(model, ids, seed=seed + w, **kwargs)
     total = sum(len(p) for p in prompt_sets)
     bar = _Progress(
-        bool(_get(cfg, "progress", True)), total, total - len(todo), f"{name} [{pass_name}]"
+        bool(get_field(cfg, "progress", True)), total, total - len(todo), f"{name} [{pass_name}]"
     )
     try:
         for k, i, p in todo:
@@ -210,7 +212,7 @@ def run_pass(
         bar.close()
     store.append(
         {"type": "pass", "draft_path": path, "pass": pass_name,
-         "peak_memory_mb": _peak_memory_mb(device)}
+         "peak_memory_mb": peak_memory_mb(device)}
     )  # fmt: skip
     return len(todo)
 
@@ -224,14 +226,16 @@ def decode_all(
         The prompt sets when a model was loaded (None when every record was there).
     """
     entries = store.manifest["drafts"]
-    codec = str(_get(cfg, "model.codec", "tiny"))
+    codec = str(get_field(cfg, "model.codec", "tiny"))
     if entries:
         from mtpc.export import read_config
 
         codec = read_config(Path(entries[0]["path"]))["codec"]
     windows = [d["window"] for d in entries] or [0]
-    new = int(_get(cfg, "max_new_tokens", 128))
-    passes = ["speculative"] + (["max_throughput"] if _get(cfg, "max_throughput", True) else [])
+    new = int(get_field(cfg, "max_new_tokens", 128))
+    passes = ["speculative"] + (
+        ["max_throughput"] if get_field(cfg, "max_throughput", True) else []
+    )
     passes += [f"tree{b}" for b in tree_budgets(cfg)]
     prompt_sets: list[list[Any]] | None = None
     for index, (path, draft) in enumerate(zip([*drafts, *baselines], entries, strict=True)):
@@ -255,12 +259,12 @@ def decode_all(
         model = load_for_eval(path, cfg)
         if prompt_sets is None:  # the target's context bounds the prompts
             context = getattr(model.backbone.config, "max_position_embeddings", None)
-            limit = _get(cfg, "max_prompt_length")
+            limit = get_field(cfg, "max_prompt_length")
             if context:
                 fit = int(context) - new - max(windows)
                 limit = fit if limit is None else min(int(limit), fit)
-            prompt_sets = _load_prompts(cfg, codec, limit)
-            _check_prompts(store, prompt_sets)
+            prompt_sets = load_prompts(cfg, codec, limit)
+            check_prompts(store, prompt_sets)
         decoded = sum(
             run_pass(store, model, prompt_sets, cfg, None if p == "ar" else draft, p) for p in todo
         )
@@ -307,12 +311,12 @@ def evaluate(
 
     validate_eval_config(cfg)
     check_eval_fields(cfg)
-    plots = bool(_get(cfg, "plots", True))
-    report = _plain(_get(cfg, "report"))
+    plots = bool(get_field(cfg, "plots", True))
+    report = plain(get_field(cfg, "report"))
     if report:
-        folders = expand_folders([report] if isinstance(report, str) else report, _root(cfg))
+        folders = expand_folders([report] if isinstance(report, str) else report, root_dir(cfg))
         try:
-            out = _get(cfg, "output_dir")
+            out = get_field(cfg, "output_dir")
         except Exception:
             out = None
         if out is None and len(folders) > 1:
@@ -323,9 +327,9 @@ def evaluate(
         print(f"results: {result['files']['json']}")
         return result
 
-    drafter = _get(cfg, "drafter")
+    drafter = get_field(cfg, "drafter")
     # drafter=hetero alone evaluates only the other-vocabulary drafter; with draft= both
-    drafts = resolve_drafts(cfg) if drafter is None or _get(cfg, "draft") else []
+    drafts = resolve_drafts(cfg) if drafter is None or get_field(cfg, "draft") else []
     base_paths = resolve_drafts(cfg, key="baseline")
     baseline_set = {b.resolve() for b in base_paths}
     drafts = [d for d in drafts if d.resolve() not in baseline_set]  # also the baseline: once
@@ -333,25 +337,29 @@ def evaluate(
         if explicit_model is None:
             explicit_model = hydra_model_overrides(cfg)
         cfg = with_model(cfg, resolve_target(cfg, [*drafts, *base_paths], explicit_model))
-    threads = _get(cfg, "num_threads")
+    threads = get_field(cfg, "num_threads")
     if threads:
         torch.set_num_threads(int(threads))
-    use_device(str(_get(cfg, "device", "cpu")))  # device=cuda:1: kernels and counters on GPU 1
+    use_device(str(get_field(cfg, "device", "cpu")))  # device=cuda:1: kernels and counters on GPU 1
     manifest = build_manifest(cfg, drafts, base_paths)
     folder = eval_folder(cfg, manifest)
-    if _get(cfg, "resume", "auto") == "never":
+    if get_field(cfg, "resume", "auto") == "never":
         folder = fresh_folder(folder)
     logger.info("evaluation folder: %s", folder)
     new = not (folder / MANIFEST).is_file()
-    with RecordStore.open(folder, manifest, force=_get(cfg, "resume", "auto") == "force") as store:
+    with RecordStore.open(
+        folder, manifest, force=get_field(cfg, "resume", "auto") == "force"
+    ) as store:
         try:
             prompt_sets = decode_all(cfg, store, drafts, base_paths)
             if drafter is not None:
                 if prompt_sets is None:
-                    prompt_sets = _load_prompts(
-                        cfg, str(_get(cfg, "model.codec", "tiny")), _get(cfg, "max_prompt_length")
+                    prompt_sets = load_prompts(
+                        cfg,
+                        str(get_field(cfg, "model.codec", "tiny")),
+                        get_field(cfg, "max_prompt_length"),
                     )
-                    _check_prompts(store, prompt_sets)
+                    check_prompts(store, prompt_sets)
                 decode_hetero(cfg, store, prompt_sets)
         except Exception:
             if new and not store.records:  # refused before any decoding: leave no folder
