@@ -82,6 +82,9 @@ def check_eval_fields(cfg: Any) -> None:
         )
     except SettingsError as err:
         raise _config_spelling(err) from None
+    temperature = get_field(cfg, "temperature", 1.0)
+    if temperature <= 0:  # a config's temperature is a number > 0 even when greedy ignores it
+        raise EvalConfigError(f"temperature={temperature!r} is not allowed; allowed: a number > 0")
     sources = plain(get_field(cfg, "sources"))
     if sources is not None and not (
         isinstance(sources, str)
