@@ -163,7 +163,7 @@ def test_each_bad_training_value_is_a_user_error(overrides: str, message: str, t
 BAD_EVALUATION = [
     ("greedy=false draft_mode=map", r"draft_mode='map' is not allowed with greedy=false"),
     ("greedy=false draft_mode=chain", r"draft_mode='chain' is not allowed with greedy=false"),
-    ("greedy=false drafting=map", r"draft='map' is not allowed with greedy=false"),
+    ("greedy=false drafting=map", r"drafting='map' is not allowed with greedy=false"),
     ("drafting=beam", r"draft='beam' is not allowed; allowed: path, map, chain, tree"),
     ("drafting=tree tree_budget=4", r"drafting=tree is not allowed in an evaluation"),
     ("proposal=marginal", r"proposal='marginal' is not allowed with greedy=true"),

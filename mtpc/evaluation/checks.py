@@ -4,6 +4,7 @@ allowed values (``check_eval_fields``; the drafting choice: ``mtpc.evaluation.dr
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -44,9 +45,10 @@ DECODING_FIELDS = ("policy", "greedy", "temperature", "top_k", "top_p", "seed", 
 
 
 def _config_spelling(err: SettingsError) -> EvalConfigError:
-    """A decoding refusal in the config's own spelling of booleans."""
+    """A decoding refusal in the config's own spelling: booleans in lower case, and the
+    chain's ``draft`` as ``drafting`` (``draft=`` names the exported draft folder here)."""
     message = str(err).replace("greedy=False", "greedy=false").replace("=True", "=true")
-    return EvalConfigError(message)
+    return EvalConfigError(re.sub(r"\bdraft=", "drafting=", message))
 
 
 def check_eval_fields(cfg: Any) -> None:
