@@ -164,7 +164,7 @@ BAD_EVALUATION = [
     ("greedy=false draft_mode=map", r"draft_mode='map' is not allowed with greedy=false"),
     ("greedy=false draft_mode=chain", r"draft_mode='chain' is not allowed with greedy=false"),
     ("greedy=false drafting=map", r"drafting='map' is not allowed with greedy=false"),
-    ("drafting=beam", r"draft='beam' is not allowed; allowed: path, map, chain, tree"),
+    ("drafting=beam", r"drafting='beam' is not allowed; allowed: path, map, chain, tree"),
     ("drafting=tree tree_budget=4", r"drafting=tree is not allowed in an evaluation"),
     ("proposal=marginal", r"proposal='marginal' is not allowed with greedy=true"),
     ("greedy=false proposal=best", r"proposal='best' is not allowed; allowed: path, first_"),
