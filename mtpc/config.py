@@ -9,6 +9,7 @@ by Hydra itself, with the list of available options.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,6 @@ from mtpc.choices import (
     ATTENTION_IMPLS,
     CIRCUIT_KINDS,
     CODEC_NAMES,
-    DRAFT_MODES,
     EXTRA_POSITIONS,
     HEAD_INITS,
     LOSS_NAMES,
@@ -272,8 +272,7 @@ def _check_regenerate(cfg: Mapping[str, Any]) -> None:
     _check_int(cfg, "top_k", 1, optional=True)
     _check_int(cfg, "num_threads", 1, optional=True)
     _check_choice(cfg, "policy", REGENERATE_POLICIES)
-    if _get(cfg, "draft_mode") not in (_MISSING, None):
-        _check_choice(cfg, "draft_mode", DRAFT_MODES)
+    _check_regenerate_drafting(cfg)
     draft = _get(cfg, "draft")
     if draft not in (_MISSING, None) and (
         not isinstance(draft, str) or not (Path(draft).expanduser() / "config.json").is_file()
@@ -284,6 +283,28 @@ def _check_regenerate(cfg: Mapping[str, Any]) -> None:
         )
     if not isinstance(_get(cfg, "device"), str):
         raise ConfigError(f"device={_get(cfg, 'device')!r} is not allowed; allowed: cpu, cuda[:i]")
+
+
+def _check_regenerate_drafting(cfg: Mapping[str, Any]) -> None:
+    """The drafting choice (``drafting``, ``proposal``, old ``draft_mode``), checked as
+    ``mtpc.generate`` checks it (``mtpc.decoding.settings``: torch-free)."""
+    from mtpc.decoding.settings import SettingsError, resolve_drafting
+
+    given = {
+        name: value
+        for name in ("drafting", "proposal", "draft_mode")
+        if (value := _get(cfg, name)) not in (_MISSING, None)
+    }
+    if not given:
+        return
+    try:
+        resolve_drafting(
+            "cp", _get(cfg, "greedy") is not False, draft=given.get("drafting"),
+            proposal=given.get("proposal"), draft_mode=given.get("draft_mode"),
+        )  # fmt: skip
+    except SettingsError as err:
+        message = re.sub(r"\bdraft=", "drafting=", str(err))
+        raise ConfigError(message.replace("=False", "=false").replace("=True", "=true")) from None
 
 
 def validate_regenerate_config(cfg: DictConfig | Mapping[str, Any]) -> None:

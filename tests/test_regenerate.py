@@ -224,6 +224,24 @@ def test_wrong_settings_fail_before_any_work() -> None:
         regenerate(compose_cfg("temperature=0"))
     with pytest.raises(ConfigError, match="draft="):
         regenerate(compose_cfg("draft=/no/such/draft"))
+    with pytest.raises(ConfigError, match="drafting='map' is not allowed with greedy=false"):
+        regenerate(compose_cfg("greedy=false", "drafting=map"))
+    with pytest.raises(ConfigError, match="draft_mode='zsample1' is not allowed with draft or"):
+        regenerate(compose_cfg("greedy=false", "draft_mode=zsample1", "proposal=path"))
+
+
+def test_drafting_choices_reach_the_decoder(tiny_model: MTPCModel) -> None:
+    """``drafting`` / ``proposal`` are what speculative decoding drafts with: a proposal
+    greedy decoding cannot use is refused by the decoder itself."""
+    from mtpc.decoding.settings import SettingsError
+
+    codec = get_codec("tiny")
+    row = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}]}
+    greedy_map = Settings(method="speculative", max_new_tokens=8, drafting="map")
+    assert regenerate_row(tiny_model, codec, row, 0, greedy_map, 1024).row is not None
+    wrong = Settings(method="speculative", max_new_tokens=8, proposal="marginal")
+    with pytest.raises(SettingsError, match="proposal='marginal' is not allowed with greedy"):
+        regenerate_row(tiny_model, codec, row, 0, wrong, 1024)
 
 
 def test_too_long_prompts_and_rows_without_an_assistant_turn_are_counted(

@@ -70,7 +70,10 @@ class Settings:
         max_new_tokens: at most this many ids per assistant turn (fewer where the context ends).
         seed: base seed of the per-turn seeds.
         policy: speculative decoding's correction policy.
-        draft_mode: speculative decoding's draft mode (None: the family default).
+        drafting: speculative decoding's draft (docs/DECODING.md, "Drafting"; None: the
+            family default).
+        proposal: speculative sampling's proposal (None: the family default).
+        draft_mode: the old name of ``drafting`` + ``proposal`` (one release).
     """
 
     method: str = "autoregressive"
@@ -82,6 +85,8 @@ class Settings:
     max_new_tokens: int = 1024
     seed: int = 0
     policy: str = "condition"
+    drafting: str | None = None
+    proposal: str | None = None
     draft_mode: str | None = None
 
     def output_law(self) -> dict[str, Any]:
@@ -105,6 +110,8 @@ class Settings:
                 "method": self.method,
                 "draft": self.draft,
                 "policy": self.policy,
+                "drafting": self.drafting,
+                "proposal": self.proposal,
                 "draft_mode": self.draft_mode,
             }
         return law
@@ -197,6 +204,8 @@ def regenerate_row(
             greedy=settings.greedy,
             seed=turn_seed(settings.seed, index, len(truncated)),
             policy=settings.policy,
+            draft=settings.drafting,
+            proposal=settings.proposal,
             draft_mode=settings.draft_mode,
             temperature=settings.temperature,
             top_k=settings.top_k,
@@ -473,6 +482,8 @@ def settings_from(cfg: Any) -> Settings:
         max_new_tokens=int(_get(cfg, "max_new_tokens")),
         seed=int(_get(cfg, "seed", 0)),
         policy=str(_get(cfg, "policy", "condition")),
+        drafting=_get(cfg, "drafting"),
+        proposal=_get(cfg, "proposal"),
         draft_mode=_get(cfg, "draft_mode"),
     )
 
