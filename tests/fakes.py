@@ -17,11 +17,17 @@ checked against this full forward.
 ``FakeTPULlamaForCausalLM`` follows tokenkit's ``TPULlamaForCausalLM``: layers take
 ``past_key_value`` and return tuples, and the input embedding adds
 ``expand_embed_tokens(torch_expand_input_ids(history, ...))``, a function of the id history.
+
+Below them, what several test modules share: tiny random targets (``make_target``,
+``tiny_llama``), random drafts (``make_model``, ``randomize_lora``), the decoding prompts and
+families, a stub drafter that knows the answer (``oracle``), and the exact-distribution checks
+of sampling (``exact_distribution``, ``sampled_counts``, ``chi2_pvalue``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +39,12 @@ from transformers.models.llama.modeling_llama import (
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
 )
+
+if TYPE_CHECKING:  # mtpc is imported where used: the remote-code stand-ins need torch only
+    from transformers import LlamaForCausalLM
+
+    from mtpc.circuits.params import CircuitParams
+    from mtpc.model import MTPCModel
 
 USE_TRITON_IMPL = False
 
@@ -436,3 +448,89 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
         obs = torch.cat([obs, counts[~big].sum()[None]])
         exp = torch.cat([exp, expected[~big].sum()[None]])
     return float(chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue)
+
+
+def tiny_llama(layers: int = 4, hidden: int = 32) -> LlamaForCausalLM:
+    """A random float32 Llama on the tiny codec's vocabulary (320)."""
+    from transformers import LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=320, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+    )  # fmt: skip
+    return LlamaForCausalLM(config).eval()
+
+
+def randomize_lora(model: MTPCModel) -> None:
+    """LoRA weights away from their zero init, so the adapter changes the draft path."""
+    with torch.no_grad():
+        for p in model.backbone.lora.parameters():
+            p.normal_(0, 0.05)
+
+
+# -------------------------------------------------- decoding: drafts, prompts, stub drafters ----
+FAMILIES = [("ff", 1), ("cp", 3), ("hmm", 3), ("btree", 3)]  # (kind, rank)
+PROMPTS = [[1, 5, 7, 9, 3], [40, 2], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
+
+
+def make_model(
+    kind: str, window: int, rank: int, k: int = 0, noise: float = 0.3, **target: int
+) -> MTPCModel:
+    """A draft with random (noised STP) heads and random LoRA: exactness must hold for any."""
+    from mtpc.model import MTPCModel
+
+    hf = make_target(**target)
+    model = MTPCModel.from_hf(hf, kind=kind, window=window, rank=rank, lora_layers=k)
+    torch.manual_seed(1)
+    model.head.from_pretrained_unembeddings(hf.lm_head.weight.detach().float(), noise_std=noise)
+    with torch.no_grad():
+        for p in model.head.parameters():
+            if p is not model.head.unembedding:
+                p.normal_(0, 0.3)
+        if k:
+            for p in model.backbone.lora.parameters():
+                p.normal_(0, 0.05)
+    return model
+
+
+def oracle(
+    reference: list[int], window: int, wrong_from: int | None, vocab: int = 48
+) -> Callable[..., torch.Tensor]:
+    """Drafts the true continuation, wrong (the next id mod ``vocab``) from window position
+    ``wrong_from`` on."""
+
+    def drafter(
+        params: CircuitParams, evidence: torch.Tensor | None, position: int
+    ) -> torch.Tensor:
+        true = (reference + [0] * (window + 1))[position : position + window]
+        if evidence is not None:
+            assert int(evidence[0, 0]) == true[0], "the pending token is the true next token"
+        draft = [
+            t if wrong_from is None or i < wrong_from else (t + 1) % vocab
+            for i, t in enumerate(true)
+        ]
+        if evidence is not None:
+            draft[0] = int(evidence[0, 0])
+        return torch.tensor([draft])
+
+    return drafter
+
+
+# The sampling checks: the first SAMPLING_LENGTH tokens after SAMPLING_PROMPT, on a target of
+# SAMPLING_VOCAB ids, so that all SAMPLING_VOCAB ** SAMPLING_LENGTH continuations enumerate.
+SAMPLING_VOCAB, SAMPLING_LENGTH = 4, 3
+SAMPLING_PROMPT = [1, 2, 3, 0]
+
+
+def sampled_counts(model: MTPCModel, policy: str, draws: int, **kwargs: object) -> torch.Tensor:
+    """How often each continuation (itertools.product order) came out of ``draws`` seeds."""
+    import mtpc
+
+    V, L = SAMPLING_VOCAB, SAMPLING_LENGTH
+    counts = torch.zeros(V**L)
+    for seed in range(draws):
+        res = mtpc.generate(
+            model, SAMPLING_PROMPT, L, greedy=False, seed=seed, policy=policy, stop_ids=(), **kwargs
+        )
+        counts[sum(t * V ** (L - 1 - i) for i, t in enumerate(res.tokens))] += 1
+    return counts

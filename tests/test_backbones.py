@@ -4,28 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from mtpc.backbones import backbone_from_hf, load_backbone, resolve_dtype
 from mtpc.model import MTPCModel
-from tests.fakes import fake_evabyte, fake_llama3_byte
+from tests.fakes import fake_evabyte, fake_llama3_byte, randomize_lora, tiny_llama
 
-V = 320
-
-
-def tiny_llama(layers: int = 4, hidden: int = 32) -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=V, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-    )  # fmt: skip
-    return LlamaForCausalLM(config).eval()
-
-
-def randomize_lora(model: MTPCModel) -> None:
-    with torch.no_grad():
-        for p in model.backbone.lora.parameters():
-            p.normal_(0, 0.05)
-
+V = 320  # tiny_llama's and the fake EvaByte's vocabulary
 
 MAKERS = {
     "llama": (tiny_llama, V),

@@ -11,48 +11,18 @@ window pass.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-
 import pytest
 import torch
 
 import mtpc
-from mtpc.circuits.params import CircuitParams
 from mtpc.decoding import POLICIES
 from mtpc.model import MTPCModel
-from tests.fakes import make_target
+from tests.fakes import FAMILIES, PROMPTS, make_model, oracle
 
-V = 48
-FAMILIES = [("ff", 1), ("cp", 3), ("hmm", 3), ("btree", 3)]
-PROMPTS = [[1, 5, 7, 9, 3], [40, 2], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
+V = 48  # make_target's vocabulary
 NEW = 24
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Batch-1 decoding of tiny models is fastest (and steadiest) on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def make_model(
-    kind: str, window: int, rank: int, k: int = 0, noise: float = 0.3, **target: int
-) -> MTPCModel:
-    """A draft with random (noised STP) heads and random LoRA: exactness must hold for any."""
-    hf = make_target(**target)
-    model = MTPCModel.from_hf(hf, kind=kind, window=window, rank=rank, lora_layers=k)
-    torch.manual_seed(1)
-    model.head.from_pretrained_unembeddings(hf.lm_head.weight.detach().float(), noise_std=noise)
-    with torch.no_grad():
-        for p in model.head.parameters():
-            if p is not model.head.unembedding:
-                p.normal_(0, 0.3)
-        if k:
-            for p in model.backbone.lora.parameters():
-                p.normal_(0, 0.05)
-    return model
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def hf_greedy(model: MTPCModel, prompt: list[int], new: int) -> list[int]:
@@ -218,28 +188,7 @@ def test_a_draft_that_predicts_the_target_gets_accepted() -> None:
     assert sd.accepted[0] >= 1  # the first window's first draft is the target's argmax
 
 
-# --- stub drafters: every branch of the cycle ------------------------------------------------
-
-
-def oracle(
-    reference: list[int], window: int, wrong_from: int | None
-) -> Callable[..., torch.Tensor]:
-    """Drafts the true continuation, wrong from window position ``wrong_from`` on."""
-
-    def drafter(
-        params: CircuitParams, evidence: torch.Tensor | None, position: int
-    ) -> torch.Tensor:
-        true = (reference + [0] * (window + 1))[position : position + window]
-        if evidence is not None:
-            assert int(evidence[0, 0]) == true[0], "the pending token is the true next token"
-        draft = [
-            t if wrong_from is None or i < wrong_from else (t + 1) % V for i, t in enumerate(true)
-        ]
-        if evidence is not None:
-            draft[0] = int(evidence[0, 0])
-        return torch.tensor([draft])
-
-    return drafter
+# --- stub drafters (tests/fakes.oracle): every branch of the cycle ----------------------------
 
 
 def spy_trunk_history(model: MTPCModel, reference: list[int]) -> list[int]:

@@ -16,21 +16,21 @@ import torch
 
 import mtpc
 from mtpc.model import MTPCModel
-from tests.fakes import chi2_pvalue, exact_distribution, make_target
-from tests.test_decoding import FAMILIES, _one_thread  # noqa: F401 (fixture)
+from tests.fakes import (
+    FAMILIES,
+    SAMPLING_LENGTH,
+    SAMPLING_PROMPT,
+    SAMPLING_VOCAB,
+    chi2_pvalue,
+    exact_distribution,
+    make_target,
+    sampled_counts,
+)
 
-V, L, N = 4, 3, 1000
-PROMPT = [1, 2, 3, 0]
+V, L, N = SAMPLING_VOCAB, SAMPLING_LENGTH, 1000
+PROMPT = SAMPLING_PROMPT
 
-
-def sampled_counts(model: MTPCModel, policy: str, draws: int, **kwargs: object) -> torch.Tensor:
-    counts = torch.zeros(V**L)
-    for seed in range(draws):
-        res = mtpc.generate(
-            model, PROMPT, L, greedy=False, seed=seed, policy=policy, stop_ids=(), **kwargs
-        )
-        counts[sum(t * V ** (L - 1 - i) for i, t in enumerate(res.tokens))] += 1
-    return counts
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

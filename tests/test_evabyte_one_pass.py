@@ -14,10 +14,7 @@ import torch
 
 import mtpc
 from mtpc.model import MTPCModel
-from tests.fakes import fake_evabyte
-from tests.test_backbones import randomize_lora
-from tests.test_decoding import oracle
-from tests.test_decoding_sampling import chi2_pvalue, exact_distribution
+from tests.fakes import chi2_pvalue, exact_distribution, fake_evabyte, oracle, randomize_lora
 
 W, C, V = 8, 4, 320
 

@@ -183,7 +183,7 @@ def test_attention_path_follows_the_run_device_not_the_load_device(
 ) -> None:
     """Loaded on the CPU for a GPU run: ``auto`` takes the triton path and ``triton`` is not
     refused; the log names both devices. (A stand-in triton package; no kernel runs.)"""
-    from tests.test_backbone_loading import eva_checkpoint
+    from tests.fake_checkpoints import eva_checkpoint
 
     site = tmp_path / "site"
     (site / "triton").mkdir(parents=True)

@@ -19,6 +19,7 @@ from mtpc.evaluation.records import RecordsError
 from mtpc.evaluation.run import EvalConfigError, evaluate
 from mtpc.export import TargetMismatchError
 from mtpc.model import MTPCModel
+from tests.helpers import eval_cfg, make_drafts
 
 V = 320  # the tiny codec's vocabulary (the prompts come from the data pipeline)
 
@@ -30,54 +31,9 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def _save_target(path: Path, seed: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-    )  # fmt: skip
-    hf = LlamaForCausalLM(config).eval()
-    hf.save_pretrained(path)
-    return LlamaForCausalLM.from_pretrained(path).eval()
-
-
 @pytest.fixture(scope="module")
 def drafts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return make_drafts(tmp_path_factory.mktemp("drafts"))
-
-
-def make_drafts(root: Path) -> dict[str, Path]:
-    """Untrained btree (k = 1) and ff drafts of one random target, and a cp draft of another."""
-    out = {}
-    for name, kind, rank, k in (("btree", "btree", 2, 1), ("ff", "ff", 1, 0)):
-        hf = _save_target(root / "target", 0)
-        model = MTPCModel.from_hf(hf, kind=kind, window=4, rank=rank, lora_layers=k)
-        out[name] = model.save_pretrained(root / name / "draft")
-    other = _save_target(root / "other_target", 1)
-    out["other"] = MTPCModel.from_hf(other, kind="cp", window=4, rank=2).save_pretrained(
-        root / "other" / "draft"
-    )
-    return out
-
-
-def _cfg(tmp_path: Path, **over: Any) -> dict[str, Any]:
-    cfg: dict[str, Any] = {
-        "model": {"name": "tiny", "path": None, "revision": None, "dtype": "float32", "codec": "tiny"},
-        "data": {
-            "_target_": "mtpc.data.datamodule.build_datamodule", "source": "synthetic",
-            "num_rows": 300, "codec": "tiny", "seq_len": 256, "window": 4, "seed": 0,
-            "cache_dir": str(tmp_path / "cache"), "validation_fraction": 0.1,
-        },
-        "paths": {"root_dir": str(tmp_path)},
-        "seed": 0, "draft": None, "baseline": None, "device": "cpu", "num_threads": 1,
-        "num_prompts": 2, "num_prompt_sets": 2, "english_only": True, "max_prompt_length": None,
-        "max_new_tokens": 16, "warmup": 1, "greedy": True, "policy": "condition",
-        "draft_mode": None, "temperature": 1.0, "top_k": None, "top_p": None,
-        "suppress_eos": True, "max_throughput": True, "plots": True,
-        "output_dir": str(tmp_path / "out"),
-    }  # fmt: skip
-    cfg.update(over)
-    return cfg
 
 
 def test_metrics_count_the_correction_and_acceptance_per_position() -> None:
@@ -97,7 +53,7 @@ def test_metrics_count_the_correction_and_acceptance_per_position() -> None:
 def test_evaluate_drafts_with_baseline_writes_table_json_csv_plots(
     tmp_path: Path, drafts: dict[str, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    cfg = _cfg(tmp_path, draft=[str(drafts["btree"])], baseline=str(drafts["ff"]))
+    cfg = eval_cfg(tmp_path, draft=[str(drafts["btree"])], baseline=str(drafts["ff"]))
     res = evaluate(cfg)
     printed = capsys.readouterr().out
     assert "x AR" in printed and "AR (target)" in printed
@@ -118,7 +74,7 @@ def test_baseline_listed_among_the_drafts_is_evaluated_once(
     tmp_path: Path, drafts: dict[str, Path]
 ) -> None:
     """``draft=[btree, ff] baseline=ff``: the FF row appears once, as the baseline."""
-    cfg = _cfg(
+    cfg = eval_cfg(
         tmp_path,
         draft=[str(drafts["btree"]), str(drafts["ff"])],
         baseline=str(drafts["ff"]),
@@ -131,11 +87,11 @@ def test_baseline_listed_among_the_drafts_is_evaluated_once(
 
 def test_default_draft_is_the_last_trained_one(tmp_path: Path, drafts: dict[str, Path]) -> None:
     with pytest.raises(FileNotFoundError, match=r"python train\.py"):
-        evaluate(_cfg(tmp_path))
+        evaluate(eval_cfg(tmp_path))
     (tmp_path / "outputs").mkdir()
     (tmp_path / "outputs" / "last_draft.txt").write_text(str(drafts["ff"]) + "\n")
     res = evaluate(
-        _cfg(tmp_path, num_prompt_sets=1, max_throughput=False, plots=False, greedy=False)
+        eval_cfg(tmp_path, num_prompt_sets=1, max_throughput=False, plots=False, greedy=False)
     )
     assert res["rows"][1]["kind"] == "ff"
 
@@ -155,7 +111,7 @@ def test_bad_settings_fail_before_loading(
     tmp_path: Path, over: dict, error: type, match: str
 ) -> None:
     with pytest.raises(error, match=match):
-        evaluate(_cfg(tmp_path, **{"draft": "/nonexistent/draft", **over}))
+        evaluate(eval_cfg(tmp_path, **{"draft": "/nonexistent/draft", **over}))
 
 
 def test_a_draft_for_another_target_is_refused(tmp_path: Path, drafts: dict[str, Path]) -> None:
@@ -168,14 +124,14 @@ def test_a_draft_for_another_target_is_refused(tmp_path: Path, drafts: dict[str,
         (moved / f.name).write_bytes(f.read_bytes())
     (moved / "config.json").write_text(json.dumps(config))
     with pytest.raises(TargetMismatchError, match="exported for target"):
-        evaluate(_cfg(tmp_path, draft=str(moved)))
+        evaluate(eval_cfg(tmp_path, draft=str(moved)))
     config["target"]["model"] = "evabyte"
     (moved / "config.json").write_text(json.dumps(config))
     with pytest.raises(
         TargetMismatchError,
         match=r"model\.name='tiny' contradicts draft .*, exported for model\.name='evabyte'",
     ):  # python eval.py draft=<evabyte draft> model=tiny
-        evaluate(_cfg(tmp_path, draft=str(moved)), explicit_model={"name": "tiny"})
+        evaluate(eval_cfg(tmp_path, draft=str(moved)), explicit_model={"name": "tiny"})
 
 
 def test_the_target_comes_from_the_draft(tmp_path: Path, drafts: dict[str, Path]) -> None:
@@ -187,7 +143,7 @@ def test_the_target_comes_from_the_draft(tmp_path: Path, drafts: dict[str, Path]
     from mtpc.evaluation.loading import explicit_model_fields, resolve_target
 
     recorded = json.loads((drafts["ff"] / "config.json").read_text())["target"]
-    cfg = _cfg(tmp_path, draft=str(drafts["ff"]), num_prompt_sets=1, max_throughput=False,
+    cfg = eval_cfg(tmp_path, draft=str(drafts["ff"]), num_prompt_sets=1, max_throughput=False,
                plots=False, model={"name": "evabyte", "path": "EvaByte/EvaByte-SFT", "revision": None,
                       "dtype": "bfloat16", "codec": "evabyte"})  # fmt: skip
     res = evaluate(cfg)  # not explicit: the model section is a default, the draft decides
@@ -199,7 +155,7 @@ def test_the_target_comes_from_the_draft(tmp_path: Path, drafts: dict[str, Path]
     with pytest.raises(TargetMismatchError, match=r"model\.path='/elsewhere' contradicts draft"):
         evaluate(cfg, explicit_model={"path": "/elsewhere"})
     with pytest.raises(TargetMismatchError, match="one evaluation has one target"):
-        evaluate(_cfg(tmp_path, draft=[str(drafts["ff"]), str(drafts["other"])]))
+        evaluate(eval_cfg(tmp_path, draft=[str(drafts["ff"]), str(drafts["other"])]))
     # the command line's model fields: model=<group> sets the name, model.<field> that field
     configs = Path(__file__).resolve().parents[1] / "configs"
     overrides = ["draft=d", "model=evabyte", "model.path=/ckpt", "+model.extra=1", "seed=3"]
@@ -215,7 +171,7 @@ def test_an_evabyte_draft_evaluates_without_model_overrides(tmp_path: Path) -> N
     """A draft of a (fixture) EvaByte checkpoint: ``draft=`` alone loads EvaByte from the
     recorded path, with the EvaByte group's codec and attention path; greedy SD = AR."""
     from mtpc.backbones import load_backbone
-    from tests.test_backbone_loading import eva_checkpoint
+    from tests.fake_checkpoints import eva_checkpoint
 
     folder, _ = eva_checkpoint(tmp_path, None)
     config = json.loads((folder / "config.json").read_text())
@@ -225,7 +181,7 @@ def test_an_evabyte_draft_evaluates_without_model_overrides(tmp_path: Path) -> N
     draft = MTPCModel.from_backbone(backbone, "ff", 4, 1).save_pretrained(
         tmp_path / "eva" / "draft"
     )
-    cfg = _cfg(tmp_path, draft=str(draft), num_prompt_sets=1, max_throughput=False, plots=False,
+    cfg = eval_cfg(tmp_path, draft=str(draft), num_prompt_sets=1, max_throughput=False, plots=False,
                max_new_tokens=24)  # fmt: skip
     res = evaluate(cfg)  # cfg.model is the tiny default: the draft's target wins
     ar, eva = res["rows"]
@@ -254,7 +210,7 @@ def test_hetero_drafter_rows_report_speedup_and_vocabulary_overlap(tmp_path: Pat
         "name": "hetero", "model": "fixture:bpe", "tokenizer": None, "algorithm": "slem",
         "lookahead": 3, "look_behind": 8, "max_psi_paths": 4096, "psi": "auto",
     }  # fmt: skip
-    res = evaluate(_cfg(tmp_path, drafter=drafter, max_throughput=False, plots=False))
+    res = evaluate(eval_cfg(tmp_path, drafter=drafter, max_throughput=False, plots=False))
     ar, slem = res["rows"]
     assert ar["kind"] == "ar" and slem["kind"] == "slem"
     assert slem["mu_acc"] >= 1.0 and slem["speedup_ar"] > 0 and len(slem["per_set"]) == 2
@@ -266,7 +222,7 @@ def test_hetero_drafter_rows_report_speedup_and_vocabulary_overlap(tmp_path: Pat
     # report= rebuilds the hetero rows from the records alone (no drafter loaded)
     folder = Path(res["folder"])
     with mock.patch("mtpc.evaluation.hetero.load_drafter", side_effect=AssertionError("loaded")):
-        rebuilt = evaluate(_cfg(tmp_path, report=str(folder), plots=False))
+        rebuilt = evaluate(eval_cfg(tmp_path, report=str(folder), plots=False))
     assert [r["name"] for r in rebuilt["rows"]] == ["AR (target)", "hetero:slem"]
     for got, want in zip(rebuilt["rows"], res["rows"], strict=True):
         assert got == want
@@ -276,7 +232,7 @@ def test_hetero_drafter_rows_report_speedup_and_vocabulary_overlap(tmp_path: Pat
     shutil.copytree(folder, tmp_path / "copy")
     with pytest.raises(RecordsError, match="drafter:fixture:bpe was evaluated in both"):
         evaluate(
-            _cfg(
+            eval_cfg(
                 tmp_path,
                 report=[str(folder), str(tmp_path / "copy")],
                 output_dir=str(tmp_path / "m"),
@@ -331,7 +287,7 @@ def test_cuda_device_index_is_made_current_and_read(
         mock.patch("mtpc.evaluation.run.load_for_eval", side_effect=AssertionError("loaded")),
         pytest.raises(Stop),
     ):
-        evaluate(_cfg(tmp_path, draft=str(drafts["ff"]), device="cuda:1"))
+        evaluate(eval_cfg(tmp_path, draft=str(drafts["ff"]), device="cuda:1"))
     assert calls == [("set_device", 1)]
 
 

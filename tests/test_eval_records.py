@@ -28,7 +28,7 @@ from mtpc.evaluation.metrics import prompt_record, set_metrics
 from mtpc.evaluation.records import RecordsError, read_records
 from mtpc.evaluation.report import TIMING, write_outputs
 from mtpc.evaluation.run import EvalConfigError, evaluate
-from tests.test_eval import _cfg, make_drafts
+from tests.helpers import eval_cfg, make_drafts
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = "import json, sys; from mtpc.evaluation.run import evaluate; evaluate(json.load(open(sys.argv[1])))"
@@ -80,7 +80,7 @@ def test_killed_evaluation_resumes_to_the_uninterrupted_table(
 ) -> None:
     """SIGKILL midway (and a half-written last line): the rerun decodes only the rest."""
     over = {"draft": [str(drafts["btree"])], "baseline": str(drafts["ff"]), "plots": False}
-    killed = _cfg(tmp_path, **over, output_dir=str(tmp_path / "killed"))
+    killed = eval_cfg(tmp_path, **over, output_dir=str(tmp_path / "killed"))
     records = tmp_path / "killed" / "records.jsonl"
     proc = _spawn(killed, tmp_path)
     deadline = time.monotonic() + 300
@@ -102,7 +102,7 @@ def test_killed_evaluation_resumes_to_the_uninterrupted_table(
     assert len(after) == total and len(set(keys)) == total  # nothing decoded twice
     assert after[: len(before)] == before  # the records of the killed run were kept
 
-    whole = evaluate(_cfg(tmp_path, **over, output_dir=str(tmp_path / "whole")))
+    whole = evaluate(eval_cfg(tmp_path, **over, output_dir=str(tmp_path / "whole")))
     assert [_untimed(r) for r in resumed["rows"]] == [_untimed(r) for r in whole["rows"]]
     assert [r["name"] for r in resumed["rows"]] == ["AR (target)", "btree", "ff"]
     strip = [{k: r[k] for k in ("name", "source", "prompts", "mu_acc")} for r in whole["by_source"]]
@@ -112,7 +112,7 @@ def test_killed_evaluation_resumes_to_the_uninterrupted_table(
 def test_records_add_up_to_the_table_and_rebuild_it_without_decoding(
     tmp_path: Path, drafts: dict[str, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    res = evaluate(_cfg(tmp_path, draft=[str(drafts["btree"])], max_new_tokens=5, plots=False))
+    res = evaluate(eval_cfg(tmp_path, draft=[str(drafts["btree"])], max_new_tokens=5, plots=False))
     folder = Path(res["folder"])
     recs = _prompt_records(folder)
     by_pass: dict[tuple[Any, str], list[dict[str, Any]]] = {}
@@ -148,7 +148,7 @@ def test_records_add_up_to_the_table_and_rebuild_it_without_decoding(
     assert session["date"] and session["num_threads"] == 1
     capsys.readouterr()
 
-    rebuilt = evaluate(_cfg(tmp_path, report=str(folder), plots=False))
+    rebuilt = evaluate(eval_cfg(tmp_path, report=str(folder), plots=False))
     assert rebuilt["table"] == res["table"] and rebuilt["source_table"] == res["source_table"]
     assert rebuilt["table"] in capsys.readouterr().out
     assert _prompt_records(folder) == recs  # nothing decoded
@@ -158,19 +158,19 @@ def test_same_command_resumes_its_folder_and_other_settings_get_their_own(
     tmp_path: Path, drafts: dict[str, Path]
 ) -> None:
     over = {"draft": str(drafts["ff"]), "num_prompt_sets": 1, "max_throughput": False}
-    first = evaluate(_cfg(tmp_path, **over, output_dir=None, plots=False))
+    first = evaluate(eval_cfg(tmp_path, **over, output_dir=None, plots=False))
     folder = Path(first["folder"])
     assert folder.parent == tmp_path / "outputs" / "eval" and folder.name.startswith("ff-greedy-")
-    again = evaluate(_cfg(tmp_path, **over, output_dir=None, plots=False))
+    again = evaluate(eval_cfg(tmp_path, **over, output_dir=None, plots=False))
     assert again["folder"] == first["folder"] and again["table"] == first["table"]
-    other = evaluate(_cfg(tmp_path, **over, output_dir=None, plots=False, max_new_tokens=8))
+    other = evaluate(eval_cfg(tmp_path, **over, output_dir=None, plots=False, max_new_tokens=8))
     assert other["folder"] != first["folder"]
     assert (folder / "results.json").is_file()  # the first evaluation's results are kept
 
     with pytest.raises(RecordsError, match=r"settings\.max_new_tokens: 16 -> 8.*resume=force"):
-        evaluate(_cfg(tmp_path, **over, output_dir=str(folder), max_new_tokens=8))
+        evaluate(eval_cfg(tmp_path, **over, output_dir=str(folder), max_new_tokens=8))
     forced = evaluate(
-        _cfg(tmp_path, **over, output_dir=str(folder), max_new_tokens=8, resume="force")
+        eval_cfg(tmp_path, **over, output_dir=str(folder), max_new_tokens=8, resume="force")
     )
     assert forced["rows"][1]["prompts"] == 2  # the records were kept, nothing re-decoded
 
@@ -185,14 +185,14 @@ def test_a_changed_default_draft_mode_is_another_measurement(
 
     over = {"draft": str(drafts["btree"]), "num_prompt_sets": 1, "max_throughput": False,
             "plots": False, "output_dir": None, "greedy": False}  # fmt: skip
-    first = evaluate(_cfg(tmp_path, **over))
+    first = evaluate(eval_cfg(tmp_path, **over))
     folder = Path(first["folder"])
     before = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
     manifest = json.loads((folder / "manifest.json").read_text())
     assert [d["draft_mode"] for d in manifest["drafts"]] == ["zsample1"]
     assert {r["draft_mode"] for r in _prompt_records(folder) if "draft_mode" in r} == {"zsample1"}
     monkeypatch.setitem(settings.DEFAULT_SAMPLING_PROPOSAL, "btree", "path")
-    second = evaluate(_cfg(tmp_path, **over))
+    second = evaluate(eval_cfg(tmp_path, **over))
     assert Path(second["folder"]) != folder
     assert {
         r["draft_mode"] for r in _prompt_records(Path(second["folder"])) if "draft_mode" in r
@@ -205,38 +205,42 @@ def test_resume_never_measures_again_in_a_new_folder(
 ) -> None:
     over = {"draft": str(drafts["ff"]), "num_prompt_sets": 1, "max_throughput": False,
             "plots": False, "output_dir": None}  # fmt: skip
-    first = evaluate(_cfg(tmp_path, **over))
+    first = evaluate(eval_cfg(tmp_path, **over))
     folder = Path(first["folder"])
     with caplog.at_level("INFO", logger="mtpc.evaluation.run"):
-        evaluate(_cfg(tmp_path, **over))  # the same command: nothing decoded
+        evaluate(eval_cfg(tmp_path, **over))  # the same command: nothing decoded
     before = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
     assert re.search(
         rf"ff: already recorded in {re.escape(str(folder))} \(resume=never", caplog.text
     )
-    fresh = evaluate(_cfg(tmp_path, **over, resume="never"))
+    fresh = evaluate(eval_cfg(tmp_path, **over, resume="never"))
     assert Path(fresh["folder"]) == folder.with_name(folder.name + "-2")
     again = _prompt_records(Path(fresh["folder"]))
     assert len(again) == len(_prompt_records(folder)) == 4  # AR + speculative, 2 prompts each
     assert [r["tokens_sha1"] for r in again] == [r["tokens_sha1"] for r in _prompt_records(folder)]
     assert {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()} == before
-    third = evaluate(_cfg(tmp_path, **over, resume="never"))
+    third = evaluate(eval_cfg(tmp_path, **over, resume="never"))
     assert Path(third["folder"]).name == folder.name + "-3"
 
 
 def test_merged_report_and_refusals(tmp_path: Path, drafts: dict[str, Path]) -> None:
     """One folder per draft (a SLURM array) merges into one table; mismatches are refused."""
     over = {"num_prompt_sets": 1, "max_throughput": False, "plots": False}
-    a = evaluate(_cfg(tmp_path, **over, draft=str(drafts["btree"]), output_dir=str(tmp_path / "a")))
-    b = evaluate(_cfg(tmp_path, **over, draft=str(drafts["ff"]), output_dir=str(tmp_path / "b")))
+    a = evaluate(
+        eval_cfg(tmp_path, **over, draft=str(drafts["btree"]), output_dir=str(tmp_path / "a"))
+    )
+    b = evaluate(
+        eval_cfg(tmp_path, **over, draft=str(drafts["ff"]), output_dir=str(tmp_path / "b"))
+    )
     merged = evaluate(
-        _cfg(tmp_path, report=[str(tmp_path / "a"), "b"], output_dir=str(tmp_path / "m"))
+        eval_cfg(tmp_path, report=[str(tmp_path / "a"), "b"], output_dir=str(tmp_path / "m"))
     )
     assert [r["name"] for r in merged["rows"]] == ["AR (target)", "btree", "ff"]
     assert _untimed(merged["rows"][1]) == _untimed(a["rows"][1])
     assert _untimed(merged["rows"][2]) == _untimed(b["rows"][1])
     assert "2 folders merged" in merged["table"] and (tmp_path / "m" / "results.json").is_file()
     globbed = evaluate(
-        _cfg(tmp_path, report=str(tmp_path / "[ab]"), output_dir=str(tmp_path / "g"))
+        eval_cfg(tmp_path, report=str(tmp_path / "[ab]"), output_dir=str(tmp_path / "g"))
     )
     assert globbed["table"] == merged["table"]
 
@@ -252,26 +256,26 @@ def test_merged_report_and_refusals(tmp_path: Path, drafts: dict[str, Path]) -> 
         manifest["drafts"] = []
         (tmp_path / "c" / "manifest.json").write_text(json.dumps(manifest))
         with pytest.raises(RecordsError, match=f"cannot merge .*{match}"):
-            evaluate(_cfg(tmp_path, report=["a", "c"], output_dir=str(tmp_path / "m")))
+            evaluate(eval_cfg(tmp_path, report=["a", "c"], output_dir=str(tmp_path / "m")))
     shutil.copytree(tmp_path / "a", tmp_path / "a2")
     with pytest.raises(RecordsError, match="evaluated in both"):
-        evaluate(_cfg(tmp_path, report=["a", "a2", "b"], output_dir=str(tmp_path / "m")))
+        evaluate(eval_cfg(tmp_path, report=["a", "a2", "b"], output_dir=str(tmp_path / "m")))
     with pytest.raises(EvalConfigError, match="output_dir"):
-        evaluate(_cfg(tmp_path, report=["a", "b"], output_dir=None))
+        evaluate(eval_cfg(tmp_path, report=["a", "b"], output_dir=None))
 
 
 def test_sources_select_prompts_and_unknown_names_list_the_available(
     tmp_path: Path, drafts: dict[str, Path]
 ) -> None:
     over = {"draft": str(drafts["ff"]), "num_prompt_sets": 1, "max_throughput": False}
-    res = evaluate(_cfg(tmp_path, **over, sources=["synthetic/multi_answer"], plots=False))
+    res = evaluate(eval_cfg(tmp_path, **over, sources=["synthetic/multi_answer"], plots=False))
     sources = {r["source"] for r in _prompt_records(Path(res["folder"]))}
     assert sources == {"synthetic/multi_answer"}
     assert [r["source"] for r in res["by_source"]] == ["synthetic/multi_answer"]
     assert "sources=synthetic/multi_answer" in res["table"]
     with pytest.raises(EvalConfigError, match=r"'synthetic/nope'; available: .*synthetic/arithm"):
         evaluate(
-            _cfg(tmp_path, **over, sources=["synthetic/nope"], output_dir=str(tmp_path / "no"))
+            eval_cfg(tmp_path, **over, sources=["synthetic/nope"], output_dir=str(tmp_path / "no"))
         )
 
 
@@ -302,7 +306,7 @@ def test_progress_bar_on_a_terminal_leaves_the_table_intact(
     tmp_path: Path, drafts: dict[str, Path]
 ) -> None:
     """stdout and stderr on one pseudo-terminal: the bar shows, then the table reads whole."""
-    cfg = _cfg(
+    cfg = eval_cfg(
         tmp_path, draft=str(drafts["ff"]), num_prompt_sets=1, max_throughput=False, plots=False
     )
     leader, follower = pty.openpty()
@@ -338,7 +342,7 @@ def test_killed_hetero_evaluation_resumes_per_prompt(tmp_path: Path) -> None:
         "lookahead": 3, "look_behind": 8, "max_psi_paths": 4096, "psi": "auto",
     }  # fmt: skip
     over = {"drafter": drafter, "max_throughput": False, "plots": False}
-    killed = _cfg(tmp_path, **over, output_dir=str(tmp_path / "killed"))
+    killed = eval_cfg(tmp_path, **over, output_dir=str(tmp_path / "killed"))
     records = tmp_path / "killed" / "records.jsonl"
     proc = _spawn(killed, tmp_path)
     deadline = time.monotonic() + 300
@@ -361,7 +365,7 @@ def test_killed_hetero_evaluation_resumes_per_prompt(tmp_path: Path) -> None:
     assert after[: len(before)] == before  # the killed run's records were kept
     assert all(r["draft_path"] == "drafter:fixture:bpe" for r in after)
 
-    whole = evaluate(_cfg(tmp_path, **over, output_dir=str(tmp_path / "whole")))
+    whole = evaluate(eval_cfg(tmp_path, **over, output_dir=str(tmp_path / "whole")))
     untimed = ("mu_acc", "mu_acc_drafts", "cycles", "tokens", "drafter_passes_per_cycle")
     for got, want in zip(resumed["rows"], whole["rows"], strict=True):
         assert got["name"] == want["name"] and got.get("overlap") == want.get("overlap")

@@ -10,7 +10,7 @@ import torch
 
 from mtpc.export import TargetMismatchError
 from mtpc.model import MTPCModel
-from tests.test_backbones import randomize_lora, tiny_llama
+from tests.fakes import randomize_lora, tiny_llama
 
 V = 320
 

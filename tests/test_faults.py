@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import DictConfig, open_dict
 
-from tests.test_training import _compose as compose_run
+from tests.helpers import compose_train_cfg
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO / "configs"
@@ -34,7 +34,7 @@ FAST = [
 
 
 def _compose(tmp_path: Path, overrides: list[str], name: str = "run") -> DictConfig:
-    return compose_run(tmp_path, overrides, name, fast=FAST)
+    return compose_train_cfg(tmp_path, overrides, name, fast=FAST)
 
 
 def _chat_rows(path: Path, count: int) -> Path:

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from mtpc.model import MTPCModel
-from tests.fakes import fake_evabyte
-from tests.test_backbones import tiny_llama
+from tests.fakes import fake_evabyte, tiny_llama
 
 V = 320
 

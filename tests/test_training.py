@@ -19,7 +19,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from mtpc.config import ConfigError
@@ -27,6 +27,7 @@ from mtpc.data.datamodule import build_datamodule
 from mtpc.model import MTPCModel
 from mtpc.training.module import MTPCLightningModule, NonFiniteLossError
 from mtpc.training.run import build_model, train
+from tests.helpers import compose_train_cfg
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO / "configs"
@@ -45,14 +46,7 @@ def _compose(
     tmp_path: Path, overrides: list[str], name: str = "run", fast: list[str] = FAST
 ) -> DictConfig:
     """The training config of ``fast + overrides``, writing only under ``tmp_path``."""
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=[*fast, *overrides], return_hydra_config=False)
-    with open_dict(cfg):
-        cfg.paths.root_dir = str(tmp_path)
-        cfg.paths.cache_dir = str(tmp_path / "cache")
-        cfg.paths.output_dir = str(tmp_path / name)
-        cfg.run_dir = str(tmp_path / name)
-    return cfg
+    return compose_train_cfg(tmp_path, overrides, name, fast=fast)
 
 
 def _random_llama(vocab: int = 320) -> LlamaForCausalLM:

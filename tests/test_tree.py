@@ -22,9 +22,20 @@ import mtpc
 from mtpc.circuits.tree import build_tree
 from mtpc.decoding.tree import verify_layout
 from mtpc.model import MTPCModel
-from tests.fakes import fake_evabyte, fake_llama3_byte
-from tests.test_decoding import FAMILIES, PROMPTS, _one_thread, make_model, make_target  # noqa: F401
-from tests.test_decoding_sampling import PROMPT, chi2_pvalue, exact_distribution, sampled_counts
+from tests.fakes import (
+    FAMILIES,
+    PROMPTS,
+    SAMPLING_PROMPT,
+    chi2_pvalue,
+    exact_distribution,
+    fake_evabyte,
+    fake_llama3_byte,
+    make_model,
+    make_target,
+    sampled_counts,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("kind,rank", FAMILIES)
@@ -147,7 +158,7 @@ def test_sampled_tree_matches_the_enumerated_target(kind: str, rank: int) -> Non
     model = MTPCModel.from_hf(
         target, kind=kind, window=3, rank=rank, head_init="random", init_std=0.5
     )
-    probs = exact_distribution(target, PROMPT, 3)
+    probs = exact_distribution(target, SAMPLING_PROMPT, 3)
     counts = sampled_counts(model, "condition", 400, tree_budget=3)
     assert chi2_pvalue(counts, probs) > 1e-3, kind
 

@@ -1,0 +1,85 @@
+"""Config and draft helpers several test modules share (stand-in models live in fakes.py).
+
+``compose_train_cfg``: a composed training config that writes only under ``tmp_path``;
+``eval_cfg``: a complete evaluation config on the tiny target; ``make_drafts``: untrained
+drafts of random tiny targets, saved as ``eval.py`` loads them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig, open_dict
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from mtpc.model import MTPCModel
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG_DIR = REPO / "configs"
+TINY_VOCAB = 320  # the tiny codec's vocabulary (eval prompts come from the data pipeline)
+
+
+# ---------------------------------------------------------------------------- training ----
+def compose_train_cfg(
+    tmp_path: Path, overrides: list[str], name: str = "run", fast: Sequence[str] = ()
+) -> DictConfig:
+    """The training config of ``fast + overrides``, writing only under ``tmp_path``."""
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=[*fast, *overrides], return_hydra_config=False)
+    with open_dict(cfg):
+        cfg.paths.root_dir = str(tmp_path)
+        cfg.paths.cache_dir = str(tmp_path / "cache")
+        cfg.paths.output_dir = str(tmp_path / name)
+        cfg.run_dir = str(tmp_path / name)
+    return cfg
+
+
+# -------------------------------------------------------------------------- evaluation ----
+def _save_target(path: Path, seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    )  # fmt: skip
+    hf = LlamaForCausalLM(config).eval()
+    hf.save_pretrained(path)
+    return LlamaForCausalLM.from_pretrained(path).eval()
+
+
+def make_drafts(root: Path) -> dict[str, Path]:
+    """Untrained btree (k = 1) and ff drafts of one random target, and a cp draft of another."""
+    out = {}
+    for name, kind, rank, k in (("btree", "btree", 2, 1), ("ff", "ff", 1, 0)):
+        hf = _save_target(root / "target", 0)
+        model = MTPCModel.from_hf(hf, kind=kind, window=4, rank=rank, lora_layers=k)
+        out[name] = model.save_pretrained(root / name / "draft")
+    other = _save_target(root / "other_target", 1)
+    out["other"] = MTPCModel.from_hf(other, kind="cp", window=4, rank=2).save_pretrained(
+        root / "other" / "draft"
+    )
+    return out
+
+
+def eval_cfg(tmp_path: Path, **over: Any) -> dict[str, Any]:
+    """A complete evaluation config on the tiny target (no draft yet), ``over`` on top."""
+    cfg: dict[str, Any] = {
+        "model": {"name": "tiny", "path": None, "revision": None, "dtype": "float32", "codec": "tiny"},
+        "data": {
+            "_target_": "mtpc.data.datamodule.build_datamodule", "source": "synthetic",
+            "num_rows": 300, "codec": "tiny", "seq_len": 256, "window": 4, "seed": 0,
+            "cache_dir": str(tmp_path / "cache"), "validation_fraction": 0.1,
+        },
+        "paths": {"root_dir": str(tmp_path)},
+        "seed": 0, "draft": None, "baseline": None, "device": "cpu", "num_threads": 1,
+        "num_prompts": 2, "num_prompt_sets": 2, "english_only": True, "max_prompt_length": None,
+        "max_new_tokens": 16, "warmup": 1, "greedy": True, "policy": "condition",
+        "draft_mode": None, "temperature": 1.0, "top_k": None, "top_p": None,
+        "suppress_eos": True, "max_throughput": True, "plots": True,
+        "output_dir": str(tmp_path / "out"),
+    }  # fmt: skip
+    cfg.update(over)
+    return cfg
