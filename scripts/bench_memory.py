@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 
@@ -27,11 +26,9 @@ PRESETS = {
 
 
 def _peak(device: str) -> int:
-    import torch
+    from mtpc.benchmarking import peak_memory_mb  # torch: only in the measuring process
 
-    if device.startswith("cuda"):
-        return int(torch.cuda.max_memory_allocated())
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    return int(peak_memory_mb(device) * 2**20)
 
 
 def measure(

@@ -37,7 +37,6 @@ import importlib.util
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import tempfile
@@ -51,6 +50,7 @@ import torch
 
 import mtpc
 from mtpc.backbones import load_backbone
+from mtpc.benchmarking import peak_memory_mb
 from mtpc.model import MTPCModel
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,9 +94,8 @@ def _sync(device: str) -> None:
 
 
 def _peak_memory(device: str) -> str:
-    if device.startswith("cuda"):
-        return f"{torch.cuda.max_memory_allocated() / 2**20:.0f} MiB (CUDA, allocated)"
-    return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB (process RSS)"
+    kind = "CUDA, allocated" if device.startswith("cuda") else "process RSS"
+    return f"{peak_memory_mb(device):.0f} MiB ({kind})"
 
 
 # -- targets ------------------------------------------------------------------------------------

@@ -4,8 +4,6 @@ the prompt sets and the device."""
 from __future__ import annotations
 
 import logging
-import resource
-import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -13,6 +11,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from mtpc.benchmarking import cuda_index
 from mtpc.data.prompts import UnknownSourceError
 from mtpc.evaluation.checks import EvalConfigError, get_field, plain
 
@@ -239,35 +238,12 @@ def load_prompt_sets(cfg: Any, codec: str, max_prompt_length: int | None) -> lis
     )
 
 
-def cuda_index(device: str) -> int | None:
-    """The CUDA device index of ``device`` (``cuda`` -> the current one); None for the CPU."""
-    if not device.startswith("cuda"):
-        return None
-    index = torch.device(device).index
-    return torch.cuda.current_device() if index is None else int(index)
-
-
 def use_device(device: str) -> None:
     """Makes ``device`` (``cuda:<i>``) the current CUDA device, so that kernels launched
     without an explicit device (triton's, EvaByte's) and the memory counters use it."""
     index = cuda_index(device)
     if index is not None:
         torch.cuda.set_device(index)
-
-
-def sync_memory_reset(device: str) -> None:
-    index = cuda_index(device)
-    if index is not None:
-        torch.cuda.synchronize(index)
-        torch.cuda.reset_peak_memory_stats(index)
-
-
-def peak_memory_mb(device: str) -> float:
-    index = cuda_index(device)
-    if index is not None:
-        return torch.cuda.max_memory_allocated(index) / 2**20
-    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**20
 
 
 def load_prompts(cfg: Any, codec: str, limit: int | None) -> list[list[Any]]:

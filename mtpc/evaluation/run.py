@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from mtpc.benchmarking import peak_memory_mb, sync_memory_reset
 from mtpc.decoding import generate
 from mtpc.evaluation.checks import EvalConfigError, check_eval_fields, get_field, plain
 from mtpc.evaluation.drafting import chain_kwargs, tree_kwargs
@@ -41,11 +42,9 @@ from mtpc.evaluation.loading import (
     hydra_model_overrides,
     load_for_eval,
     load_prompts,
-    peak_memory_mb,
     resolve_drafts,
     resolve_target,
     root_dir,
-    sync_memory_reset,
     use_device,
     with_model,
 )
