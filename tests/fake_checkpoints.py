@@ -316,3 +316,12 @@ def llama_checkpoint(
     if extra_import:
         files["fixture_helpers.py"] = f"import {ABSENT_PACKAGE}\n"
     return _write(_unique(tmp_path, "llama"), files, config, fake), fake
+
+
+def stand_in_triton(tmp_path: Path, monkeypatch: Any) -> None:
+    """Makes ``import triton`` find a stand-in package (``jit`` a no-op; no kernel runs)."""
+    site = tmp_path / "site"
+    (site / "triton").mkdir(parents=True)
+    (site / "triton" / "__init__.py").write_text("def jit(fn=None, **kw):\n    return fn\n")
+    (site / "triton" / "language.py").write_text("constexpr = int\n")
+    monkeypatch.syspath_prepend(str(site))

@@ -26,7 +26,12 @@ import torch
 from mtpc.backbones import TargetLoadError, load_backbone
 from mtpc.backbones import compat as compat_module
 from mtpc.backbones.sanity import rotary_problems
-from tests.fake_checkpoints import ABSENT_PACKAGE, eva_checkpoint, llama_checkpoint
+from tests.fake_checkpoints import (
+    ABSENT_PACKAGE,
+    eva_checkpoint,
+    llama_checkpoint,
+    stand_in_triton,
+)
 
 OLD_FORM_ROPE = [None, {"type": "linear", "factor": 2.0}]
 
@@ -184,11 +189,7 @@ def test_attention_path_switch_imports_the_remote_code_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """EvaByte picks its path at import time: a load with the other path re-imports it."""
-    site = tmp_path / "site"  # a stand-in triton package (no kernels are ever run)
-    (site / "triton").mkdir(parents=True)
-    (site / "triton" / "__init__.py").write_text("def jit(fn=None, **kw):\n    return fn\n")
-    (site / "triton" / "language.py").write_text("constexpr = int\n")
-    monkeypatch.syspath_prepend(str(site))
+    stand_in_triton(tmp_path, monkeypatch)  # no kernels are ever run
     folder, _ = eva_checkpoint(tmp_path, None)
     paths = []
     try:

@@ -183,13 +183,9 @@ def test_attention_path_follows_the_run_device_not_the_load_device(
 ) -> None:
     """Loaded on the CPU for a GPU run: ``auto`` takes the triton path and ``triton`` is not
     refused; the log names both devices. (A stand-in triton package; no kernel runs.)"""
-    from tests.fake_checkpoints import eva_checkpoint
+    from tests.fake_checkpoints import eva_checkpoint, stand_in_triton
 
-    site = tmp_path / "site"
-    (site / "triton").mkdir(parents=True)
-    (site / "triton" / "__init__.py").write_text("def jit(fn=None, **kw):\n    return fn\n")
-    (site / "triton" / "language.py").write_text("constexpr = int\n")
-    monkeypatch.syspath_prepend(str(site))
+    stand_in_triton(tmp_path, monkeypatch)
     folder, _ = eva_checkpoint(tmp_path, None)
     paths = []
     try:
