@@ -8,6 +8,8 @@
   two spellings: ``.<name>.tmp-<pid>`` (checkpoints, exports) or ``.<name>.<pid>.tmp``
   (data preparation).
 * :func:`pid_alive`: whether a process is running.
+* :func:`trim_torn_line` / :func:`read_json_lines`: append-only JSON-lines files (evaluation
+  records, regenerated rows) after a kill: the line in flight is cut off, or left out.
 
 Torch-free and cheap to import.
 """
@@ -15,6 +17,7 @@ Torch-free and cheap to import.
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import re
@@ -22,6 +25,7 @@ import shutil
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -144,3 +148,48 @@ class FolderLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+class BadJsonLine(ValueError):
+    """A complete line of a JSON-lines file does not parse (the file is damaged)."""
+
+    def __init__(self, path: Path, number: int) -> None:
+        super().__init__(f"{path}:{number}")
+        self.path = path
+        self.number = number
+
+
+def trim_torn_line(path: Path) -> None:
+    """Cuts ``path`` after its last newline: a line a kill left half written goes."""
+    if not path.is_file():
+        return
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1
+    if end < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(end)
+
+
+def read_json_lines(path: Path) -> list[Any]:
+    """The JSON values of ``path``, one per line; [] when it does not exist.
+
+    A last line without its newline that does not parse (the line in flight at a kill) is
+    left out.
+
+    Raises:
+        BadJsonLine: any other line does not parse.
+    """
+    if not path.is_file():
+        return []
+    lines = path.read_bytes().split(b"\n")
+    out = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            if number == len(lines):  # no newline after it
+                continue
+            raise BadJsonLine(path, number) from None
+    return out

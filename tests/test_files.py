@@ -9,7 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from mtpc.files import FolderBusy, FolderLock, remove_stale_tmp, tmp_writer_pid
+from mtpc.files import (
+    BadJsonLine,
+    FolderBusy,
+    FolderLock,
+    read_json_lines,
+    remove_stale_tmp,
+    tmp_writer_pid,
+    trim_torn_line,
+)
 
 
 def _dead_pid() -> int:
@@ -66,3 +74,20 @@ def test_folder_lock_refuses_a_second_holder(tmp_path: Path) -> None:
     with FolderLock(path) as lock:  # released when its holder ended
         assert f"pid {os.getpid()}" in lock.path.read_text()
     FolderLock(path, enabled=False).acquire()  # a disabled lock never blocks
+
+
+def test_json_lines_after_a_kill(tmp_path: Path) -> None:
+    """The line in flight at a kill is left out (read) or cut off (trim); a damaged complete
+    line is refused with its number."""
+    path = tmp_path / "rows.jsonl"
+    assert read_json_lines(path) == []
+    path.write_bytes(b'{"a": 1}\n{"a": 2}\n{"a": ')
+    assert read_json_lines(path) == [{"a": 1}, {"a": 2}]
+    trim_torn_line(path)
+    assert path.read_bytes() == b'{"a": 1}\n{"a": 2}\n'
+    trim_torn_line(path)  # nothing torn: unchanged
+    assert path.read_bytes() == b'{"a": 1}\n{"a": 2}\n'
+    path.write_bytes(b'{"a": 1}\n{"a": \n{"a": 3}\n')
+    with pytest.raises(BadJsonLine) as bad:
+        read_json_lines(path)
+    assert bad.value.number == 2

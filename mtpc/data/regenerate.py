@@ -38,10 +38,9 @@ from typing import IO, Any
 from mtpc.backbones.codecs import ByteCodec
 from mtpc.data.preprocess import check_row
 from mtpc.errors import UserError
-from mtpc.files import FolderBusy, FolderLock
+from mtpc.files import BadJsonLine, FolderBusy, FolderLock, read_json_lines, trim_torn_line
 
 FORMAT_VERSION = 1
-METHODS = ("autoregressive", "speculative")
 SKIP_REASONS = ("prompt_too_long",)
 """Reasons of our own; a malformed row is skipped under ``check_row``'s reason."""
 IDENTITY = ("format", "target", "settings", "data", "num_shards")
@@ -238,36 +237,18 @@ def shard_stem(shard: int, num_shards: int) -> str:
     return f"shard-{shard:05d}-of-{num_shards:05d}"
 
 
-def _trim_torn_line(path: Path) -> None:
-    """Cuts ``path`` after its last newline (a line a kill left half written)."""
-    if not path.is_file():
-        return
-    data = path.read_bytes()
-    end = data.rfind(b"\n") + 1
-    if end < len(data):
-        with open(path, "r+b") as f:
-            f.truncate(end)
-
-
 def _read_lines(path: Path) -> list[dict[str, Any]]:
-    """The JSON lines of ``path`` (complete lines only; call after :func:`_trim_torn_line`).
+    """The JSON lines of ``path`` (complete lines only; trim a torn last line first).
 
     Raises:
         RegenerateMismatchError: a complete line does not parse (the file is damaged).
     """
-    if not path.is_file():
-        return []
-    out = []
-    for number, line in enumerate(path.read_bytes().split(b"\n"), 1):
-        if not line.strip():
-            continue
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            raise RegenerateMismatchError(
-                f"{path}:{number} is not a JSON line; remove that line or the file"
-            ) from None
-    return out
+    try:
+        return read_json_lines(path)
+    except BadJsonLine as bad:
+        raise RegenerateMismatchError(
+            f"{bad.path}:{bad.number} is not a JSON line; remove that line or the file"
+        ) from None
 
 
 @dataclass
@@ -375,7 +356,7 @@ class ShardStore:
             self.close()
             raise
         for path in (self.rows_path, self.skipped_path):
-            _trim_torn_line(path)
+            trim_torn_line(path)
         for row in _read_lines(self.rows_path):
             result = RowResult(int(row["regenerated"]["index"]), row=row)
             if result.index not in self.done:

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from mtpc.errors import UserError
-from mtpc.files import FolderBusy, FolderLock
+from mtpc.files import BadJsonLine, FolderBusy, FolderLock, read_json_lines, trim_torn_line
 
 RECORDS = "records.jsonl"
 MANIFEST = "manifest.json"
@@ -197,21 +197,12 @@ def read_records(folder: Path) -> list[dict[str, Any]]:
     Raises:
         RecordsError: a line other than the last does not parse (the file is damaged).
     """
-    path = folder / RECORDS
-    if not path.is_file():
-        return []
-    lines = path.read_bytes().split(b"\n")
-    out = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            if number == len(lines):  # no newline after it: the line in flight at a kill
-                continue
-            raise RecordsError(f"{path}:{number} is not a JSON record; remove that line") from None
-    return out
+    try:
+        return read_json_lines(folder / RECORDS)
+    except BadJsonLine as bad:
+        raise RecordsError(
+            f"{bad.path}:{bad.number} is not a JSON record; remove that line"
+        ) from None
 
 
 def read_manifest(folder: Path) -> dict[str, Any]:
@@ -247,7 +238,7 @@ class RecordStore:
         self.records = read_records(folder)
         self.done = {record_key(r) for r in self.records if r.get("type") == "prompt"}
         self._lock = lock
-        self._trim_partial_line()
+        trim_torn_line(folder / RECORDS)
         self._file = open(folder / RECORDS, "a", encoding="utf-8")  # noqa: SIM115
 
     @classmethod
@@ -286,15 +277,6 @@ class RecordStore:
             manifest = {**manifest, "sessions": old.get("sessions", []) + manifest["sessions"]}
         write_json(folder / MANIFEST, manifest)
         return cls(folder, manifest, lock)
-
-    def _trim_partial_line(self) -> None:
-        path = self.folder / RECORDS
-        if path.is_file():
-            data = path.read_bytes()
-            end = data.rfind(b"\n") + 1
-            if end < len(data):
-                with open(path, "r+b") as f:
-                    f.truncate(end)
 
     def append(self, record: dict[str, Any]) -> None:
         """Appends one record and flushes it to the OS (it survives a kill of this process)."""
