@@ -339,7 +339,7 @@ def install_removed_module_shims() -> list[str]:
         shim = importlib.import_module(ours)
         sys.modules[name] = shim
         parent, _, child = name.rpartition(".")
-        setattr(sys.modules[parent], child, shim)
+        setattr(importlib.import_module(parent), child, shim)
         log.info("%s is not in transformers %s: serving %s", name, transformers_version(), ours)
         installed.append(name)
     return installed
