@@ -14,7 +14,7 @@ import json
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 import torch
 
@@ -22,10 +22,8 @@ from mtpc.decoding.common import GenerationResult, cut_at_stop
 from mtpc.decoding.hetero import CachedLM, generate_hetero
 from mtpc.decoding.verify import process_logits
 from mtpc.decoding.vocab import as_tokenizer, prompt_overlap, vocab_mapping
+from mtpc.evaluation.records import MemoryRecords, RecordStore
 from mtpc.evaluation.report import HETERO_PASSES, hetero_row_name
-
-if TYPE_CHECKING:
-    from mtpc.evaluation.records import RecordStore
 
 FIXTURE_PREFIX = "fixture:"
 FIXTURES = ("bpe", "lower", "byte_small")
@@ -138,43 +136,8 @@ class HeteroPrompt:
     source: str | None = None
 
 
-class RecordSink(Protocol):
-    """Where :func:`run_hetero_passes` writes: a ``RecordStore`` (an evaluation folder) or
-    :class:`MemoryRecords`."""
-
-    def pending(
-        self, prompt_sets: Sequence[Sequence[Any]], draft_path: str | None, pass_name: str
-    ) -> list[tuple[int, int, Any]]: ...
-
-    def append(self, record: dict[str, Any]) -> None: ...
-
-
-class MemoryRecords:
-    """An in-memory :class:`RecordSink` (``evaluate_hetero``, ``scripts/bench_hetero.py``)."""
-
-    def __init__(self) -> None:
-        self.records: list[dict[str, Any]] = []
-
-    def pending(
-        self, prompt_sets: Sequence[Sequence[Any]], draft_path: str | None, pass_name: str
-    ) -> list[tuple[int, int, Any]]:
-        """``(set, index, prompt)`` of every prompt without a record of this pass."""
-        done = {
-            (r.get("draft_path"), r.get("pass"), r.get("set"), r.get("index")) for r in self.records
-        }
-        return [
-            (k, i, p)
-            for k, prompts in enumerate(prompt_sets)
-            for i, p in enumerate(prompts)
-            if (draft_path, pass_name, k, i) not in done
-        ]
-
-    def append(self, record: dict[str, Any]) -> None:
-        self.records.append(record)
-
-
 def run_hetero_passes(
-    sink: RecordSink,
+    sink: MemoryRecords,
     decoders: Mapping[str, Decoder],
     prompt_sets: Sequence[Sequence[Any]],
     draft_path: str,
@@ -188,7 +151,7 @@ def run_hetero_passes(
 
     Args:
         sink: an evaluation folder's ``RecordStore`` (``eval.py drafter=hetero``) or
-            :class:`MemoryRecords` (:func:`evaluate_hetero`).
+            in-memory ``MemoryRecords`` (:func:`evaluate_hetero`).
         decoders: pass name -> decoder (:func:`hetero_decoders`).
         prompt_sets: sets of prompts with ``id``, ``prompt_ids`` and ``source``.
         draft_path: the records' ``draft_path``.

@@ -222,7 +222,38 @@ def record_key(record: Mapping[str, Any]) -> tuple[Any, ...]:
     return (record.get("draft_path"), record["pass"], record["set"], record["index"])
 
 
-class RecordStore:
+class MemoryRecords:
+    """Prompt records held in memory: what was measured, and what is still to decode
+    (``evaluate_hetero`` uses it as it is; :class:`RecordStore` adds the folder).
+
+    Attributes:
+        records: every record held, in order.
+        done: keys (:func:`record_key`) of the prompt records held.
+    """
+
+    def __init__(self, records: Iterable[dict[str, Any]] = ()) -> None:
+        self.records: list[dict[str, Any]] = list(records)
+        self.done = {record_key(r) for r in self.records if r.get("type") == "prompt"}
+
+    def append(self, record: dict[str, Any]) -> None:
+        """Holds one more record."""
+        self.records.append(record)
+        if record.get("type") == "prompt":
+            self.done.add(record_key(record))
+
+    def pending(
+        self, prompt_sets: Sequence[Sequence[Any]], draft_path: str | None, pass_name: str
+    ) -> list[tuple[int, int, Any]]:
+        """``(set, index, prompt)`` of every prompt not yet recorded for this draft and pass."""
+        return [
+            (k, i, p)
+            for k, prompts in enumerate(prompt_sets)
+            for i, p in enumerate(prompts)
+            if (draft_path, pass_name, k, i) not in self.done
+        ]
+
+
+class RecordStore(MemoryRecords):
     """An evaluation folder open for appending records (see the module docstring).
 
     Attributes:
@@ -233,10 +264,9 @@ class RecordStore:
     """
 
     def __init__(self, folder: Path, manifest: dict[str, Any], lock: FolderLock) -> None:
+        super().__init__(read_records(folder))
         self.folder = folder
         self.manifest = manifest
-        self.records = read_records(folder)
-        self.done = {record_key(r) for r in self.records if r.get("type") == "prompt"}
         self._lock = lock
         trim_torn_line(folder / RECORDS)
         self._file = open(folder / RECORDS, "a", encoding="utf-8")  # noqa: SIM115
@@ -282,20 +312,7 @@ class RecordStore:
         """Appends one record and flushes it to the OS (it survives a kill of this process)."""
         self._file.write(dumps(record, separators=(",", ":")) + "\n")
         self._file.flush()
-        self.records.append(record)
-        if record.get("type") == "prompt":
-            self.done.add(record_key(record))
-
-    def pending(
-        self, prompt_sets: Sequence[Sequence[Any]], draft_path: str | None, pass_name: str
-    ) -> list[tuple[int, int, Any]]:
-        """``(set, index, prompt)`` of every prompt not yet recorded for this draft and pass."""
-        return [
-            (k, i, p)
-            for k, prompts in enumerate(prompt_sets)
-            for i, p in enumerate(prompts)
-            if (draft_path, pass_name, k, i) not in self.done
-        ]
+        super().append(record)
 
     def close(self) -> None:
         """Syncs the records to disk and releases the folder."""
