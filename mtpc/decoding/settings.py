@@ -104,15 +104,14 @@ def _choice(name: str, value: object, allowed: tuple[str, ...]) -> str:
 
 
 def legacy_note(draft_mode: str, greedy: bool) -> str:
-    """The one-line note an old ``draft_mode`` name logs: what it is now."""
+    """The one-line note an old ``draft_mode`` name logs: what it is now (a greedy-only name
+    with ``greedy=False`` is refused before any note)."""
     draft, proposal = LEGACY_DRAFT_MODES[draft_mode]
     if greedy and proposal is not None:
         return (
             f"draft_mode={draft_mode} with greedy=True drafts a drawn latent path (no new name; "
             "draft=path drafts the most probable one); see docs/DECODING.md, Drafting"
         )
-    if not greedy and proposal is None:
-        return f"draft_mode={draft_mode} is draft={draft} (greedy only)"
     new = f"draft={draft}" + (f" proposal={proposal}" if proposal else "")
     return f"draft_mode={draft_mode} is {new}; draft_mode is deprecated"
 
