@@ -3,27 +3,74 @@
 # requirements.lock (every dependency, transitive ones included, pinned with hashes; torch's
 # CPU build torch==2.13.0+cpu), then MTPC itself in editable mode without resolving anything.
 # A fresh clone thus gets the environment the tests passed in. Re-running is cheap: pip runs
-# again only when requirements.lock or pyproject.toml changed.
+# again only when requirements.lock, pyproject.toml, the Python or MTPC_TORCH_INDEX changed.
 #
-# GPU machines: MTPC_TORCH_INDEX=https://download.pytorch.org/whl/cu128 bash scripts/setup.sh
-# installs torch==2.13.0 from that index (the CUDA build; triton with it) and every other
-# package from the lock, with the same pins and hashes.
+# The interpreter: $PYTHON if set, else python3.11, else python3; Python 3.11, 3.12 or 3.13.
+# The lock's hashes cover every wheel of each pinned release, except torch's: its entry is the
+# cp311 CPU wheel. So on Python 3.12/3.13, or with MTPC_TORCH_INDEX set, torch==2.13.0 comes
+# from elsewhere, resolved by pip with its own dependencies (not hash-pinned), and every other
+# package from the lock, same pins and hashes:
+#   PYTHON=python3.12 bash scripts/setup.sh            # torch 2.13.0 from the default index
+#                                                      # (PyPI: the CUDA 13.0 build, ~3 GB)
+#   MTPC_TORCH_INDEX=https://download.pytorch.org/whl/cu128 bash scripts/setup.sh   # a GPU
+#   MTPC_TORCH_INDEX=https://download.pytorch.org/whl/cpu bash scripts/setup.sh     # CPU build
+# A CUDA torch pins its own triton (2.13.0: triton==3.7.1); then the lock's triton (3.9.0, for
+# the interpreter tests on CPU) is skipped so that torch keeps the one it was built with.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON="${PYTHON:-python3.11}"
-command -v "$PYTHON" >/dev/null 2>&1 || PYTHON=python3
+SUPPORTED="Python 3.11, 3.12 or 3.13"
 TORCH_INDEX="${MTPC_TORCH_INDEX:-}"
-if [ ! -x .venv/bin/python ]; then
-  "$PYTHON" -m venv .venv
+pyver() { "$1" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null || true; }
+supported() { case "$1" in 3.11 | 3.12 | 3.13) return 0 ;; *) return 1 ;; esac; }
+
+if [ -n "${PYTHON:-}" ]; then
+  ver=$(pyver "$PYTHON")
+  supported "$ver" || { echo "setup.sh: PYTHON=$PYTHON is ${ver:+Python $ver}${ver:-not a runnable Python}; MTPC needs $SUPPORTED" >&2; exit 1; }
+  if [ -x .venv/bin/python ] && [ "$(pyver .venv/bin/python)" != "$ver" ]; then
+    echo "setup.sh: .venv is Python $(pyver .venv/bin/python), PYTHON=$PYTHON is $ver; remove .venv to rebuild it" >&2
+    exit 1
+  fi
+elif [ ! -x .venv/bin/python ]; then
+  if command -v python3.11 >/dev/null 2>&1; then
+    PYTHON=python3.11
+  elif supported "$(pyver python3)"; then
+    PYTHON=python3
+  else
+    p3=$(pyver python3)
+    echo "setup.sh: no python3.11, and python3 is ${p3:+Python $p3}${p3:-absent}; MTPC needs $SUPPORTED (set PYTHON=<interpreter>)" >&2
+    exit 1
+  fi
 fi
+if [ ! -x .venv/bin/python ]; then
+  if ! "$PYTHON" -m venv .venv >/dev/null 2>.venv-error.log; then
+    rm -rf .venv
+    echo "setup.sh: '$PYTHON -m venv .venv' failed ($(tail -n 1 .venv-error.log); Debian/Ubuntu: apt install python$(pyver "$PYTHON")-venv)" >&2
+    rm -f .venv-error.log
+    exit 1
+  fi
+  rm -f .venv-error.log
+fi
+ver=$(pyver .venv/bin/python)
+
 stamp=.venv/.mtpc-installed
-want=$(cat requirements.lock pyproject.toml | sha256sum | cut -d' ' -f1)-${TORCH_INDEX}
+want=$(cat requirements.lock pyproject.toml | sha256sum | cut -d' ' -f1)-py${ver}-${TORCH_INDEX}
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   lock=requirements.lock
-  if [ -n "$TORCH_INDEX" ]; then
-    .venv/bin/python -m pip install --quiet torch==2.13.0 --index-url "$TORCH_INDEX"
-    lock=.venv/requirements-no-torch.lock  # the lock without torch's entry (its hash is the CPU wheel's)
-    awk '/^torch==/{skip=1; next} skip && /^[ \t]/{next} {skip=0; print}' requirements.lock > "$lock"
+  if [ -n "$TORCH_INDEX" ] || [ "$ver" != 3.11 ]; then
+    if [ -n "$TORCH_INDEX" ]; then
+      .venv/bin/python -m pip install --quiet torch==2.13.0 --index-url "$TORCH_INDEX"
+    else
+      echo "setup.sh: Python $ver: torch==2.13.0 from the default index (the lock's torch is the cp311 CPU wheel; MTPC_TORCH_INDEX picks another)"
+      .venv/bin/python -m pip install --quiet torch==2.13.0
+    fi
+    # Skip the lock's torch entry (its hash is the cp311 CPU wheel's) and, where this torch
+    # requires a triton of its own, the lock's triton too.
+    skip='^torch=='
+    if .venv/bin/python -c "import importlib.metadata as m, sys; sys.exit(not any(r.split(';')[0].strip().startswith('triton') and 'extra ==' not in r for r in m.requires('torch') or []))"; then
+      skip='^(torch|triton)=='
+    fi
+    lock=.venv/requirements-lock-rest.lock
+    awk -v skip="$skip" '$0 ~ skip {s=1; next} s && /^[ \t]/ {next} {s=0; print}' requirements.lock > "$lock"
   fi
   .venv/bin/python -m pip install --quiet --require-hashes --no-deps -r "$lock"
   .venv/bin/python -m pip install --quiet --no-deps --no-build-isolation -e .
