@@ -245,7 +245,9 @@ def validate_train_config(cfg: DictConfig | Mapping[str, Any]) -> None:
 
 def _check_eval(cfg: Mapping[str, Any]) -> None:
     _check_int(cfg, "max_new_tokens", 1)
-    _check_int(cfg, "num_prompts", 1)
+    # prompts=spec_bench: num_prompts=null takes every question of the file
+    spec_bench = _get(cfg, "prompts.name") == "spec_bench"
+    _check_int(cfg, "num_prompts", 1, optional=spec_bench)
     _check_int(cfg, "num_prompt_sets", 1)
     _check_int(cfg, "seed", 0)
 

@@ -104,6 +104,8 @@ def check_eval_fields(cfg: Any) -> None:
             raise EvalConfigError(f"{field}={value!r} is not allowed; allowed: an integer >= {low}")
     if get_field(cfg, "drafter") is not None:
         _check_drafter(cfg, greedy)
+    if get_field(cfg, "prompts") is not None:
+        _check_prompts(cfg)
     device = str(get_field(cfg, "device", "cpu"))
     if device != "cpu" and not device.startswith("cuda"):
         raise EvalConfigError(f"device={device!r} is not allowed; allowed: cpu, cuda, cuda:<i>")
@@ -136,6 +138,58 @@ def _check_drafter(cfg: Any, greedy: Any) -> None:
         raise EvalConfigError(
             f"drafter.model={model!r} does not exist; allowed: a local HF causal-LM folder or "
             + ", ".join(FIXTURE_PREFIX + f for f in FIXTURES)
+        )
+
+
+def _check_prompts(cfg: Any) -> None:
+    """``prompts.*`` of ``prompts=spec_bench`` (configs/prompts/spec_bench.yaml); the file
+    itself is read by ``mtpc.evaluation.loading.spec_bench_questions``."""
+    from mtpc.data.spec_bench import NAME
+
+    name = get_field(cfg, "prompts.name")
+    if name != NAME:
+        raise EvalConfigError(f"prompts.name={name!r} is not allowed; allowed: {NAME}")
+    path = get_field(cfg, "prompts.path")
+    if not isinstance(path, str) or not path:
+        raise EvalConfigError(
+            f"prompts.path={path!r} is not allowed; allowed: a Spec-Bench question.jsonl "
+            "(prompts=spec_bench prompts.path=<file>)"
+        )
+    categories = plain(get_field(cfg, "prompts.categories"))
+    if categories is not None and not (
+        isinstance(categories, str)
+        or (
+            isinstance(categories, list)
+            and categories
+            and all(isinstance(c, str) for c in categories)
+        )
+    ):
+        raise EvalConfigError(
+            f"prompts.categories={categories!r} is not allowed; allowed: null or a list of "
+            "categories, e.g. prompts.categories=[writing,translation]"
+        )
+    for field in ("prompts.per_category", "prompts.turns"):
+        value = get_field(cfg, field)
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise EvalConfigError(
+                f"{field}={value!r} is not allowed; allowed: null or an integer >= 1"
+            )
+    if plain(get_field(cfg, "sources")) is not None:
+        raise EvalConfigError(
+            "sources= is not allowed with prompts=spec_bench (it selects the data group's "
+            "sources); allowed: sources=null, and prompts.categories=[...] for Spec-Bench"
+        )
+    if get_field(cfg, "english_only") is True:
+        raise EvalConfigError(
+            "english_only=true is not allowed with prompts=spec_bench (its questions are taken "
+            "as they are); allowed: false, and prompts.categories=[...] to choose questions"
+        )
+    if get_field(cfg, "drafter") is not None and get_field(cfg, "prompts.turns") != 1:
+        raise EvalConfigError(
+            "drafter=hetero decodes one turn per prompt; with prompts=spec_bench set "
+            "prompts.turns=1 (allowed: 1)"
         )
 
 

@@ -11,7 +11,12 @@ from typing import Any
 from mtpc.decoding import resolve_drafting
 from mtpc.evaluation.checks import get_field, plain
 from mtpc.evaluation.drafting import asked
-from mtpc.evaluation.loading import check_target_name, root_dir
+from mtpc.evaluation.loading import (
+    check_target_name,
+    root_dir,
+    spec_bench_path,
+    spec_bench_questions,
+)
 from mtpc.evaluation.records import (
     MANIFEST,
     RecordsError,
@@ -80,7 +85,7 @@ def build_manifest(cfg: Any, drafts: Sequence[Path], baselines: Sequence[Path]) 
         settings["drafter"] = plain(get_field(cfg, "drafter"))
     if isinstance(settings["sources"], str):  # sources=a is sources=[a]
         settings["sources"] = [settings["sources"]]
-    return {
+    manifest = {
         "format": FORMAT_VERSION,
         "settings": settings,
         "target": plain(get_field(cfg, "model")),
@@ -89,6 +94,17 @@ def build_manifest(cfg: Any, drafts: Sequence[Path], baselines: Sequence[Path]) 
         "device_name": device_name(device),
         "sessions": [provenance(device, root_dir(cfg))],
     }
+    spec = spec_bench_questions(cfg)
+    if spec is not None:  # the prompts are the file's (its content, not its path, is the key)
+        categories = plain(get_field(cfg, "prompts.categories"))
+        manifest["data"] = {
+            "prompts": "spec_bench", "file": spec_bench_path(cfg).name, "sha256": spec[1],
+            "categories": [categories] if isinstance(categories, str) else categories,
+            "per_category": get_field(cfg, "prompts.per_category"),
+            "turns": get_field(cfg, "prompts.turns"), "questions": len(spec[0]),
+        }  # fmt: skip
+        manifest["prompt_file"] = str(spec_bench_path(cfg))
+    return manifest
 
 
 def eval_folder(cfg: Any, manifest: Mapping[str, Any]) -> Path:

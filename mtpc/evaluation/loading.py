@@ -216,9 +216,55 @@ def load_for_eval(path: Path, cfg: Any) -> Any:
     return MTPCModel.from_pretrained(path, device=device)  # an HF target rebuilt from its path
 
 
+def spec_bench_path(cfg: Any) -> Path:
+    """``prompts.path`` (relative to the project root, as ``draft=`` is)."""
+    path = Path(str(get_field(cfg, "prompts.path"))).expanduser()
+    return path if path.is_absolute() else root_dir(cfg) / path
+
+
+def spec_bench_questions(cfg: Any) -> tuple[list[Any], str] | None:
+    """``prompts=spec_bench``: the selected questions (``prompts.categories``,
+    ``prompts.turns``) and the file's sha256; None for the data group's prompts.
+
+    Raises:
+        SpecBenchError: a bad file or an unknown category (one line naming the file, line).
+    """
+    if get_field(cfg, "prompts") is None:
+        return None
+    from mtpc.data.spec_bench import read_questions, select_questions
+
+    path = spec_bench_path(cfg)
+    questions, sha256 = read_questions(path)
+    categories = plain(get_field(cfg, "prompts.categories"))
+    return select_questions(
+        questions,
+        path,
+        [categories] if isinstance(categories, str) else categories,
+        get_field(cfg, "prompts.turns"),
+    ), sha256
+
+
 def load_prompt_sets(cfg: Any, codec: str, max_prompt_length: int | None) -> list[list[Any]]:
-    """Evaluation prompt sets from the data pipeline's validation split (``sources``: only those)."""
+    """Evaluation prompt sets from the data pipeline's validation split (``sources``: only
+    those), or with ``prompts=spec_bench`` from the Spec-Bench file (runs over its questions)."""
     from hydra.utils import instantiate
+
+    spec = spec_bench_questions(cfg)
+    if spec is not None:
+        from mtpc.backbones.codecs import get_codec
+        from mtpc.data.spec_bench import build_prompt_sets
+
+        num_prompts = get_field(cfg, "num_prompts")
+        return list(
+            build_prompt_sets(
+                spec[0], get_codec(codec), num_sets=int(get_field(cfg, "num_prompt_sets", 1)),
+                max_new_tokens=int(get_field(cfg, "max_new_tokens", 128)),
+                max_prompt_length=max_prompt_length,
+                per_category=get_field(cfg, "prompts.per_category"),
+                num_prompts=None if num_prompts is None else int(num_prompts),
+                path=spec_bench_path(cfg),
+            )
+        )  # fmt: skip
 
     data = get_field(cfg, "data")
     module = instantiate(data, codec=codec) if data is not None else None

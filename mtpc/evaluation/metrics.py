@@ -85,6 +85,29 @@ def prompt_record(result: GenerationResult, per_cycle: bool = True) -> dict[str,
     return record
 
 
+def pool_turns(turns: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The record of a multi-turn prompt from its turns' records (:func:`prompt_record`):
+    counts and times summed, per-cycle lists concatenated, ``stopped`` of the last turn, so
+    that :func:`set_metrics` pools the cycles of every turn."""
+    out: dict[str, Any] = {
+        key: sum(t[key] for t in turns)
+        for key in ("new_tokens", "cycles", "accepted_total", "cycle_seconds",
+                    "prefill_seconds", "seconds", "nodes_total", "expected_total")
+        if all(key in t for t in turns)
+    }  # fmt: skip
+    out["stopped"] = turns[-1]["stopped"]
+    for key in ("accepted", "drafted", "offsets"):
+        if all(key in t for t in turns):
+            out[key] = [x for t in turns for x in t[key]]
+    if all("expected_by_position" in t for t in turns):
+        width = max(len(t["expected_by_position"]) for t in turns)
+        out["expected_by_position"] = [
+            sum(t["expected_by_position"][i] for t in turns if i < len(t["expected_by_position"]))
+            for i in range(width)
+        ]
+    return out
+
+
 def set_metrics(
     records: Sequence[Mapping[str, Any] | GenerationResult], window: int = 1
 ) -> dict[str, Any]:

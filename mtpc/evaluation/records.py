@@ -169,7 +169,12 @@ def folder_name(manifest: Mapping[str, Any]) -> str:
     label = re.sub(r"[^A-Za-z0-9_.+-]+", "_", label)[:48]
     s = manifest["settings"]
     mode = "greedy" if s.get("greedy", True) else "sampling"
-    shape = f"{s.get('num_prompt_sets')}x{s.get('num_prompts')}x{s.get('max_new_tokens')}"
+    prompts = s.get("num_prompts")
+    data = manifest.get("data") or {}
+    if data.get("prompts") == "spec_bench":  # Spec-Bench's questions (null: all selected)
+        mode += "-specbench"
+        prompts = prompts or data.get("questions")
+    shape = f"{s.get('num_prompt_sets')}x{prompts}x{s.get('max_new_tokens')}"
     return f"{label}-{mode}-{shape}-{key}"
 
 

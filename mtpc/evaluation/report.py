@@ -57,6 +57,26 @@ SOURCE_COLUMNS = (
     ("tok_s", "tok/s", "1f"),
     ("speedup_ar", "x AR", "2f"),
 )
+SPEC_BENCH_COLUMNS = (
+    ("name", "draft", "{}"),
+    ("task", "category", "{}"),
+    ("questions", "questions", "{}"),
+    ("turns", "turns", "{}"),
+    ("mu_acc", "tok/cyc (ours) = mean accepted (SB)", "2f"),
+    ("tok_s", "tok/s (ours)", "1f"),
+    ("speedup_ar", "x AR (ours)", "2f"),
+    ("sb_tok_s", "tok/s (SB)", "1f"),
+    ("sb_speedup", "x AR (SB)", "2f"),
+    ("exact", "= AR turns", "{}"),
+)
+SPEC_BENCH_NOTE = (
+    "tok/cyc (ours): new tokens / cycles, cycles pooled, the correction/bonus token counted "
+    "(AR 1.00) = Spec-Bench's mean accepted tokens. tok/s (ours): tok/cyc / mean cycle time "
+    "(prefill excluded); x AR (ours): tok/s / AR's, per run. tok/s (SB): per question, new "
+    "tokens / wall time of all its turns (prefill included), mean over questions; x AR (SB): "
+    "mean tok/s (SB) / AR's mean tok/s (SB), per run. Mean ± std over runs "
+    "(num_prompt_sets); mt_bench pools MT-bench's 8 categories."
+)
 HETERO_PASSES = ("hetero_ar", "hetero")
 """Record passes of ``drafter=hetero``: the target alone and drafted by the other vocabulary."""
 
@@ -188,6 +208,86 @@ def build_report(
     return rows + hetero_rows, source_rows + hetero_sources
 
 
+def spec_bench_report(
+    manifest: Mapping[str, Any], records: Sequence[Mapping[str, Any]], with_ar: bool = True
+) -> list[dict[str, Any]]:
+    """``prompts=spec_bench``: per Spec-Bench category, ``mt_bench`` and ``overall``, for AR
+    and every draft (chain and token-tree passes), both the field's metrics and ours
+    (:data:`SPEC_BENCH_NOTE`); none for other prompts.
+
+    Args:
+        manifest: the folder's manifest.
+        records: its records.
+        with_ar: include the AR rows (a merged report takes the first folder's).
+    """
+    from mtpc.data.spec_bench import MT_BENCH, MT_BENCH_CATEGORIES, OVERALL
+
+    if (manifest.get("data") or {}).get("prompts") != "spec_bench":
+        return []
+    prompts = [r for r in records if r.get("type") == "prompt"]
+    categories = list(dict.fromkeys(r["source"] for r in prompts))
+    tasks = [(c, {c}) for c in categories]
+    mt = [c for c in categories if c in MT_BENCH_CATEGORIES]
+    if mt:
+        tasks.append((MT_BENCH, set(mt)))
+    tasks.append((OVERALL, set(categories)))
+    ar_recs = [r for r in prompts if r["pass"] == "ar" and r.get("draft_path") is None]
+    passes = [(None, "ar", "AR (target)", 1)] if with_ar else []
+    trees = sorted(
+        {r["pass"] for r in prompts if r["pass"].startswith("tree")},
+        key=lambda p: int(p.removeprefix("tree")),
+    )
+    for d in manifest["drafts"]:
+        for p in ("speculative", *trees):
+            name = d["name"] if p == "speculative" else f"{d['name']} {p}"
+            passes.append((d["path"], p, name, d["window"]))
+    rows = []
+    for path, pass_name, name, window in passes:
+        recs = [r for r in prompts if r.get("draft_path") == path and r["pass"] == pass_name]
+        if not recs:
+            continue
+        for task, members in tasks:
+            mine = [r for r in recs if r["source"] in members]
+            ar = [r for r in ar_recs if r["source"] in members]
+            per_set = []
+            for k in sorted({r["set"] for r in mine}):
+                m = set_metrics([r for r in mine if r["set"] == k], window)
+                a = set_metrics([r for r in ar if r["set"] == k])
+                sb, sb_ar = (
+                    _sb_tok_s([r for r in mine if r["set"] == k]),
+                    _sb_tok_s([r for r in ar if r["set"] == k]),
+                )
+                per_set.append(
+                    {"set": k, "mu_acc": m["mu_acc"], "tok_s": m["tok_s"],
+                     "speedup_ar": m["tok_s"] / a["tok_s"] if a["tok_s"] > 0 else math.nan,
+                     "sb_tok_s": sb, "sb_speedup": sb / sb_ar if sb_ar > 0 else math.nan}
+                )  # fmt: skip
+            checked = [  # per turn: greedy speculative output == AR output
+                bool(t["equal_reference"])
+                for r in mine
+                for t in r.get("turns", [r])
+                if t.get("equal_reference") is not None
+            ]
+            row: dict[str, Any] = {
+                "name": name, "path": path, "task": task, "pass": pass_name,
+                "questions": len({r["prompt_id"] for r in mine}),  # per run
+                "turns": sum(len(r.get("turns", [r])) for r in mine) // max(1, len(per_set)),
+                "exact": f"{sum(checked)}/{len(checked)}" if checked else None,
+                "per_set": per_set,
+            }  # fmt: skip
+            for key in ("mu_acc", "tok_s", "speedup_ar", "sb_tok_s", "sb_speedup"):
+                row[key], row[f"{key}_std"] = mean_std([m[key] for m in per_set])
+            rows.append(row)
+    return rows
+
+
+def _sb_tok_s(records: Sequence[Mapping[str, Any]]) -> float:
+    """Spec-Bench's throughput: per question, new tokens / wall seconds of all its turns,
+    averaged over the questions."""
+    rates = [r["new_tokens"] / r["seconds"] for r in records if r["seconds"] > 0]
+    return sum(rates) / len(rates) if rates else math.nan
+
+
 def hetero_report(
     settings: Mapping[str, Any], records: Sequence[Mapping[str, Any]], with_ar: bool
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -276,9 +376,13 @@ def _baseline_speedups(rows: list[dict[str, Any]]) -> None:
 def title_of(manifest: Mapping[str, Any], rows: Sequence[Mapping[str, Any]] = ()) -> str:
     """The table's title line: decoding mode, prompt sets, device (and what is missing)."""
     s = manifest["settings"]
+    prompts, unit = s.get("num_prompts"), "prompts"
+    if (manifest.get("data") or {}).get("prompts") == "spec_bench":
+        prompts = prompts or manifest["data"].get("questions")
+        unit = "Spec-Bench questions (every turn)"
     title = (
         f"{'greedy' if s.get('greedy', True) else 'sampling'} | policy={s.get('policy')} | "
-        f"{s.get('num_prompt_sets')} set(s) x {s.get('num_prompts')} prompts x "
+        f"{s.get('num_prompt_sets')} set(s) x {prompts} {unit} x "
         f"{s.get('max_new_tokens')} bytes | device={s.get('device')}"
     )
     if s.get("sources"):
@@ -288,6 +392,23 @@ def title_of(manifest: Mapping[str, Any], rows: Sequence[Mapping[str, Any]] = ()
     if partial:
         title += f" | INCOMPLETE: {', '.join(partial)}"
     return title + " | mu_acc counts the kept correction/bonus token"
+
+
+def spec_bench_title(manifest: Mapping[str, Any]) -> str:
+    """The Spec-Bench table's title: the file, its fingerprint and the selection."""
+    data, s = manifest["data"], manifest["settings"]
+    title = (
+        f"Spec-Bench {data.get('file')} (sha256 {str(data.get('sha256'))[:12]}): "
+        f"{data.get('questions')} questions selected"
+    )
+    for key in ("categories", "per_category", "turns"):
+        if data.get(key) is not None:
+            title += f" | prompts.{key}={data[key]}"
+    if s.get("num_prompts") is not None:
+        title += f" | num_prompts={s['num_prompts']}"
+    return (
+        title + f" | {s.get('num_prompt_sets')} run(s) x {s.get('max_new_tokens')} bytes per turn"
+    )
 
 
 def report_folders(
@@ -319,10 +440,13 @@ def report_folders(
     check_mergeable(manifests, folders)
     rows: list[dict[str, Any]] = []
     source_rows: list[dict[str, Any]] = []
+    spec_rows: list[dict[str, Any]] = []
     for index, (folder, manifest) in enumerate(zip(folders, manifests, strict=True)):
-        folder_rows, folder_sources = build_report(manifest, read_records(folder))
+        records = read_records(folder)
+        folder_rows, folder_sources = build_report(manifest, records)
         rows += [r for r in folder_rows if index == 0 or r["kind"] != "ar"]
         source_rows += folder_sources
+        spec_rows += spec_bench_report(manifest, records, with_ar=index == 0)
     rows.sort(key=lambda r: bool(r.get("baseline")))  # baselines last (stable)
     _baseline_speedups(rows)
     first = manifests[0]
@@ -333,10 +457,19 @@ def report_folders(
     source_table = format_table(
         source_rows, "per source (cycles of every set pooled)", SOURCE_COLUMNS
     )
+    spec_table = (
+        format_table(spec_rows, spec_bench_title(first), SPEC_BENCH_COLUMNS)
+        + "\n"
+        + SPEC_BENCH_NOTE
+        if spec_rows
+        else ""
+    )
     if echo:
         print(table)
         if source_rows:
             print(source_table)
+        if spec_rows:
+            print(spec_table)
     results: dict[str, Any] = {
         **{k: first.get(k) for k in ("settings", "target", "data", "device_name")},
         "drafts": [d for m in manifests for d in m["drafts"]],
@@ -347,6 +480,8 @@ def report_folders(
         "table": table,
         "source_table": source_table,
     }
+    if spec_rows:
+        results.update(spec_bench=spec_rows, spec_bench_table=spec_table)
     results["files"] = write_outputs(results, out_dir, plots=plots)
     return results
 
@@ -371,6 +506,11 @@ def write_outputs(results: dict[str, Any], out_dir: Path, plots: bool = True) ->
     rows = results["rows"]
     _write_csv(Path(files["csv"]), rows)
     _write_csv(Path(files["by_source_csv"]), results.get("by_source", []))
+    if results.get("spec_bench"):
+        files["spec_bench_csv"] = str(out_dir / "spec_bench.csv")
+        files["spec_bench_md"] = str(out_dir / "spec_bench.md")
+        _write_csv(Path(files["spec_bench_csv"]), results["spec_bench"])
+        Path(files["spec_bench_md"]).write_text(results["spec_bench_table"] + "\n")
     if plots and rows:
         files.update(plot_tradeoff(rows, out_dir / "tradeoff.png"))
         files.update(plot_acceptance(rows, out_dir / "acceptance.png"))

@@ -32,8 +32,10 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from mtpc.backbones.codecs import get_codec
 from mtpc.benchmarking import peak_memory_mb, sync_memory_reset
 from mtpc.decoding import generate
+from mtpc.decoding.common import cut_at_stop
 from mtpc.evaluation.checks import EvalConfigError, check_eval_fields, get_field, plain
 from mtpc.evaluation.drafting import chain_kwargs, tree_kwargs
 from mtpc.evaluation.folders import build_manifest, check_prompts, eval_folder, fresh_folder
@@ -45,10 +47,11 @@ from mtpc.evaluation.loading import (
     resolve_drafts,
     resolve_target,
     root_dir,
+    spec_bench_questions,
     use_device,
     with_model,
 )
-from mtpc.evaluation.metrics import prompt_record
+from mtpc.evaluation.metrics import pool_turns, prompt_record
 from mtpc.evaluation.records import (
     MANIFEST,
     RecordStore,
@@ -146,6 +149,86 @@ def warmup_prompts(model: Any, prompt_sets: Sequence[Sequence[Any]], cfg: Any) -
     return [*prompts, ids[:length]]
 
 
+def tokens_sha1(tokens: Sequence[int]) -> str:
+    """The hash of one output's new ids that records keep (``tokens_sha1``)."""
+    return hashlib.sha1(json.dumps(list(tokens)).encode()).hexdigest()
+
+
+def turn_hashes(record: Mapping[str, Any]) -> list[str]:
+    """``tokens_sha1`` of each turn of a prompt record (one for a single-turn prompt)."""
+    turns = record.get("turns")
+    return [t["tokens_sha1"] for t in turns] if turns else [record["tokens_sha1"]]
+
+
+def decode_prompt(
+    model: Any,
+    prompt: Any,
+    codec: Any,
+    seed: int,
+    kwargs: Mapping[str, Any],
+    per_cycle: bool,
+    reference: Sequence[str] | None,
+) -> dict[str, Any]:
+    """Decodes one prompt, every turn of a multi-turn one; returns its record's measurements.
+
+    A prompt with ``later_turns`` (Spec-Bench's MT-bench questions) asks each later user
+    turn after the model's own answer to the turn before: the conversation (user, the answer
+    cut after its first stop id and decoded to text, user, ...) is rendered again with the
+    target's chat template, and the new prompt is decoded and timed like the first. The
+    record's measurements are the turns' pooled (tokens, cycles and times summed, per-cycle
+    lists concatenated), ``turns`` holds each turn's own, with its ``tokens_sha1``,
+    ``prompt_tokens`` and ``equal_reference``.
+
+    Args:
+        model: the loaded draft.
+        prompt: an ``EvalPrompt`` (``SpecBenchPrompt`` for several turns).
+        codec: the target's byte codec (renders the later turns' prompts).
+        seed: the decoding seed of every turn.
+        kwargs: ``mtpc.generate`` keywords of the pass.
+        per_cycle: keep the per-cycle lists (drafting passes).
+        reference: the AR pass's ``tokens_sha1`` per turn (greedy check), or None.
+    """
+    later = tuple(getattr(prompt, "later_turns", ()))
+    ids = list(prompt.prompt_ids)
+    messages = [dict(m) for m in prompt.messages]
+    results: list[Any] = []
+    lengths: list[int] = []
+    for turn in (None, *later):
+        if turn is not None:  # the next user turn, after the model's own answer
+            kept, _ = cut_at_stop(results[-1].tokens, len(results[-1].tokens), codec.stop_ids)
+            messages += [
+                {"role": "assistant", "content": codec.decode(kept)},
+                {"role": "user", "content": turn},
+            ]
+            ids = codec.generation_prompt(messages)
+        lengths.append(len(ids))
+        results.append(generate(model, ids, seed=seed, **kwargs))
+    hashes = [tokens_sha1(r.tokens) for r in results]
+    equal = (
+        None
+        if reference is None
+        else [j < len(reference) and reference[j] == h for j, h in enumerate(hashes)]
+    )
+    draft_mode = {"draft_mode": results[0].draft_mode} if per_cycle else {}
+    if not later:  # one turn: the record of every single-turn evaluation
+        return {
+            "tokens_sha1": hashes[0], "equal_reference": None if equal is None else equal[0],
+            **draft_mode, **prompt_record(results[0], per_cycle=per_cycle),
+        }  # fmt: skip
+    full = [prompt_record(r, per_cycle=per_cycle) for r in results]
+    turns = [  # each turn's scalars (its per-cycle lists are in the pooled record)
+        {"tokens_sha1": h, "prompt_tokens": n,
+         "equal_reference": None if equal is None else equal[j],
+         **{key: v for key, v in rec.items() if not isinstance(v, list)}}
+        for j, (h, n, rec) in enumerate(zip(hashes, lengths, full, strict=True))
+    ]  # fmt: skip
+    return {
+        "tokens_sha1": tokens_sha1([t for r in results for t in r.tokens]),
+        "equal_reference": None if equal is None else all(equal),
+        **draft_mode, **pool_turns(full), "turns": turns,
+    }  # fmt: skip
+
+
 def run_pass(
     store: RecordStore,
     model: Any,
@@ -180,12 +263,13 @@ def run_pass(
     seed = int(get_field(cfg, "seed", 0))
     device = str(get_field(cfg, "device", "cpu"))
     reference = {
-        (r["set"], r["index"]): r["tokens_sha1"]
+        (r["set"], r["index"]): turn_hashes(r)
         for r in store.records
         if r.get("type") == "prompt" and r["pass"] == "ar"
     }
     drafting = pass_name == "speculative" or pass_name.startswith("tree")
     check = drafting and kwargs["greedy"]
+    codec = get_codec(model.backbone.codec)
     sync_memory_reset(device)
     for w in range(int(get_field(cfg, "warmup", 1))):
         for ids in warmup_prompts(model, prompt_sets, cfg):
@@ -196,15 +280,14 @@ def run_pass(
     )
     try:
         for k, i, p in todo:
-            res = generate(model, p.prompt_ids, seed=seed + i, **kwargs)
-            sha = hashlib.sha1(json.dumps(res.tokens).encode()).hexdigest()
+            s = seed + i + getattr(p, "seed_offset", 0)
+            fields = decode_prompt(
+                model, p, codec, s, kwargs, drafting, reference.get((k, i), []) if check else None
+            )
             store.append(
                 {"type": "prompt", "draft": name, "draft_path": path, "pass": pass_name,
-                 "set": k, "index": i, "prompt_id": p.id, "source": p.source, "seed": seed + i,
-                 "tokens_sha1": sha,
-                 "equal_reference": reference.get((k, i)) == sha if check else None,
-                 **({"draft_mode": res.draft_mode} if drafting else {}),
-                 **prompt_record(res, per_cycle=drafting)}
+                 "set": k, "index": i, "prompt_id": p.id, "source": p.source, "seed": s,
+                 **fields}
             )  # fmt: skip
             bar.step(f"set {k + 1}/{len(prompt_sets)}")
     finally:
@@ -310,6 +393,7 @@ def evaluate(
 
     validate_eval_config(cfg)
     check_eval_fields(cfg)
+    spec_bench_questions(cfg)  # prompts=spec_bench: a bad file is refused before anything loads
     plots = bool(get_field(cfg, "plots", True))
     report = plain(get_field(cfg, "report"))
     if report:
