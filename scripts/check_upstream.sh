@@ -13,10 +13,12 @@
 #     bash scripts/check_upstream.sh                       # + the real-code conformance
 #   MTPC_UPSTREAM_PYTEST="-m 'not slow' -k decoding" bash scripts/check_upstream.sh
 #   MTPC_UPSTREAM_KEEP=1 ...                               # keep the venv (path printed)
+#   PYTHON=python3.13 bash scripts/check_upstream.sh       # another Python (3.11-3.13)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PYTHON="${PYTHON:-python3.11}"
-command -v "$PYTHON" >/dev/null 2>&1 || PYTHON=python3
+# shellcheck source=scripts/python.sh
+. scripts/python.sh
+PYTHON=$(pick_python) || exit 1  # $PYTHON, else python3.11, else python3 (3.11-3.13)
 venv=$(mktemp -d "${TMPDIR:-/tmp}/mtpc-upstream.XXXXXX")
 [ -n "${MTPC_UPSTREAM_KEEP:-}" ] || trap 'rm -rf "$venv"' EXIT
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline
@@ -24,8 +26,9 @@ failed=()
 
 echo "== building $venv from pyproject.toml's ranges ${*:+(pinned: $*)}"
 "$PYTHON" -m venv "$venv"
-# torch stays torch==2.13.0 (pyproject pins it: a range would pull a CUDA build)
-if ! "$venv/bin/python" -m pip install --quiet --upgrade -e '.[dev,slurm,sweep]' "$@"; then
+# torch stays torch==2.13.0 (pyproject pins it: a range would pull a CUDA build; on Python
+# 3.12/3.13 it is the CUDA build anyway, the CPU wheel here being cp311's, with its own triton)
+if ! "$venv/bin/python" -m pip install --quiet --upgrade -e '.[dev,slurm,sweep,triton]' "$@"; then
   echo "FAIL install: pip could not resolve pyproject.toml's ranges ${*:+with $*}"
   exit 1
 fi

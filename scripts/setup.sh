@@ -18,37 +18,25 @@
 # the interpreter tests on CPU) is skipped so that torch keeps the one it was built with.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-SUPPORTED="Python 3.11, 3.12 or 3.13"
+# shellcheck source=scripts/python.sh
+. scripts/python.sh
 TORCH_INDEX="${MTPC_TORCH_INDEX:-}"
-pyver() { "$1" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null || true; }
-supported() { case "$1" in 3.11 | 3.12 | 3.13) return 0 ;; *) return 1 ;; esac; }
 
-if [ -n "${PYTHON:-}" ]; then
-  ver=$(pyver "$PYTHON")
-  supported "$ver" || { echo "setup.sh: PYTHON=$PYTHON is ${ver:+Python $ver}${ver:-not a runnable Python}; MTPC needs $SUPPORTED" >&2; exit 1; }
-  if [ -x .venv/bin/python ] && [ "$(pyver .venv/bin/python)" != "$ver" ]; then
-    echo "setup.sh: .venv is Python $(pyver .venv/bin/python), PYTHON=$PYTHON is $ver; remove .venv to rebuild it" >&2
-    exit 1
-  fi
-elif [ ! -x .venv/bin/python ]; then
-  if command -v python3.11 >/dev/null 2>&1; then
-    PYTHON=python3.11
-  elif supported "$(pyver python3)"; then
-    PYTHON=python3
-  else
-    p3=$(pyver python3)
-    echo "setup.sh: no python3.11, and python3 is ${p3:+Python $p3}${p3:-absent}; MTPC needs $SUPPORTED (set PYTHON=<interpreter>)" >&2
-    exit 1
-  fi
+if [ ! -x .venv/bin/python ] || [ -n "${PYTHON:-}" ]; then
+  PYTHON=$(pick_python)
+fi
+if [ -x .venv/bin/python ] && [ -n "${PYTHON:-}" ] && [ "$(pyver .venv/bin/python)" != "$(pyver "$PYTHON")" ]; then
+  echo "setup.sh: .venv is Python $(pyver .venv/bin/python), PYTHON=$PYTHON is $(pyver "$PYTHON"); remove .venv to rebuild it" >&2
+  exit 1
 fi
 if [ ! -x .venv/bin/python ]; then
-  if ! "$PYTHON" -m venv .venv >/dev/null 2>.venv-error.log; then
+  err=$(mktemp)
+  if ! "$PYTHON" -m venv .venv >/dev/null 2>"$err"; then
     rm -rf .venv
-    echo "setup.sh: '$PYTHON -m venv .venv' failed ($(tail -n 1 .venv-error.log); Debian/Ubuntu: apt install python$(pyver "$PYTHON")-venv)" >&2
-    rm -f .venv-error.log
+    echo "setup.sh: '$PYTHON -m venv .venv' failed ($(tail -n 1 "$err"); Debian/Ubuntu: apt install python$(pyver "$PYTHON")-venv)" >&2
     exit 1
   fi
-  rm -f .venv-error.log
+  rm -f "$err"
 fi
 ver=$(pyver .venv/bin/python)
 
