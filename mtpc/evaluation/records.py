@@ -21,7 +21,10 @@ Record lines (``type`` first):
   ``speculative`` | ``max_throughput``), ``set``, ``index``, ``prompt_id``, ``source``,
   ``seed``, ``tokens_sha1`` (of the new ids), ``equal_reference`` (greedy speculative: the
   output equals the AR output of the same prompt; None where not checked), ``draft_mode``
-  (speculative), and the measurements of :func:`mtpc.evaluation.metrics.prompt_record`.
+  (speculative), and the measurements of :func:`mtpc.evaluation.metrics.prompt_record`;
+  a question of several turns (``prompts=spec_bench``) also ``turns``: each turn's
+  ``tokens_sha1``, ``prompt_tokens``, ``equal_reference`` and scalar measurements, the
+  record's own measurements pooling them (``mtpc.evaluation.run.decode_prompt``).
 * ``pass``: a finished pass of one draft over every prompt: ``draft_path``, ``pass``,
   ``peak_memory_mb``.
 
