@@ -256,45 +256,71 @@ def _family(config: Mapping[str, Any]) -> tuple[str, int, int]:
     return ours, n, r
 
 
-def _address_book(state: Mapping[str, Any]) -> list[Tensor]:
-    """The circuit's inner fold-index tensors (F, H), entry order (input layer excluded)."""
+def _address_book(state: Mapping[str, Any]) -> tuple[dict[int, Tensor], int | None]:
+    """The circuit's stored fold-index tensors by entry, and the output entry's number.
+
+    Entry i gathers the inputs of module i (topological order; module 0 is the folded input
+    layer). cirkit stores no tensor for a gather that is an unsqueeze (every fold of the
+    layer before into one fold, or fold f into fold f): those entries are absent.
+    """
     entries: dict[int, Tensor] = {}
+    output = None
     for key, value in state.items():
         m = BOOK_KEY_RE.match(key)
         if not m:
             continue
         if int(m.group(2)) != 0:
             raise PaperImportError(f"circuit buffer {key}: more than one input group per layer")
-        entries[int(m.group(1))] = value
-    return [entries[i] for i in sorted(entries) if entries[i].dim() == 2]
+        if value.dim() == 1:
+            output = int(m.group(1))
+        else:
+            entries[int(m.group(1))] = value
+    return entries, output
 
 
-def _chain_scopes(scope_idx: Tensor, book: list[Tensor]) -> list[tuple[int, list[frozenset[int]]]]:
-    """Scopes of every inner layer's folds, each layer reading the layer before it.
+def _chain_scopes(
+    scope_idx: Tensor, book: Mapping[int, Tensor], kinds: list[str]
+) -> list[list[frozenset[int]]]:
+    """Fold scopes of every inner layer of a chain (each layer reads the one before it).
+
+    Args:
+        scope_idx: (n,) window position of each input fold.
+        book: stored fold-index tensors (F, H) by entry (1 = the first inner layer).
+        kinds: the inner layers' kinds in order (``product`` | ``sum``).
 
     Returns:
-        ``(arity H, scopes)`` per inner layer in order.
+        The fold scopes of each inner layer.
 
     Raises:
-        PaperImportError: an index past the layer before (not a chain of layers) or
-            overlapping children (not decomposable).
+        PaperImportError: an index past the layer before, a sum reading more than one fold,
+            or overlapping children (not decomposable).
     """
     prev = [frozenset([int(p)]) for p in scope_idx.tolist()]
     out = []
-    for idx in book:
-        if int(idx.min()) < 0 or int(idx.max()) >= len(prev):
+    for i, kind in enumerate(kinds, start=1):
+        if i in book:
+            idx = book[i]
+        elif kind == "product":  # every fold of the layer before into one fold
+            idx = torch.arange(len(prev))[None]
+        else:  # fold f reads fold f
+            idx = torch.arange(len(prev))[:, None]
+        if (
+            (idx.shape[1] == 1) != (kind == "sum")
+            or int(idx.min()) < 0
+            or int(idx.max()) >= len(prev)
+        ):
             raise PaperImportError(
-                "circuit address book: a layer reads folds past the layer before it; this "
-                "circuit's wiring is not a chain of layers and cannot be mapped"
+                f"circuit address book entry {i}: {tuple(idx.shape)} does not fit a {kind} "
+                "layer reading the layer before it; this circuit's wiring cannot be mapped"
             )
         scopes = []
         for row in idx.tolist():
-            parts = [prev[i] for i in row]
+            parts = [prev[j] for j in row]
             scope = frozenset().union(*parts)
             if sum(len(p) for p in parts) != len(scope):
                 raise PaperImportError("circuit address book: a product over overlapping scopes")
             scopes.append(scope)
-        out.append((idx.shape[1], scopes))
+        out.append(scopes)
         prev = scopes
     return out
 
@@ -310,15 +336,16 @@ def _sum_scopes(
         return [[frozenset(range(n - 1 - k, n))] for k in range(n)]
     if kind == "cp":
         return [[frozenset(range(n))]]
-    book = _address_book(state)
-    if not book:
+    book, output = _address_book(state)
+    kinds = ["product", "sum"] * (n.bit_length() - 1)  # n a power of two
+    if output is None or output != len(kinds) + 1:
         raise PaperImportError(
-            "the checkpoint has no circuit address-book buffers (_in_fold_idx_*): the BTree's "
-            "fold wiring cannot be established"
+            "the checkpoint's circuit address book (_in_fold_idx_* buffers) does not describe "
+            f"a BTree over {n} positions ({len(kinds)} inner layers): its fold wiring cannot be "
+            "established"
         )
-    layers = _chain_scopes(scope_idx, book)
-    sum_layers = [scopes for arity, scopes in layers if arity == 1]
-    return sum_layers
+    layers = _chain_scopes(scope_idx, book, kinds)
+    return [scopes for kind, scopes in zip(kinds, layers, strict=True) if kind == "sum"]
 
 
 def _check_scopes(

@@ -106,6 +106,19 @@ def paper_layout(kind: str, n: int, r: int, reverse_folds: bool = False) -> Pape
     return PaperLayout(scope_idx, layers, out_units)
 
 
+def _fold_size(layout: PaperLayout, i: int) -> int:
+    """Folds entry i's index ranges over: the layer before (HMM products: a sum and the inputs)."""
+    idx = layout.layers[i - 1][1]
+    return max(int(idx.max()) + 1, len(layout.layers[i - 2][2]) if i > 1 else len(layout.scope_idx))
+
+
+def _is_unsqueeze(idx: Tensor, fold_size: int) -> bool:
+    """cirkit's rule: a gather of every fold in order into one fold, or fold f from fold f."""
+    if idx.flatten().tolist() != list(range(fold_size)):
+        return False
+    return idx.shape[0] == 1 or idx.shape[1] == 1
+
+
 def paper_head(
     layout: PaperLayout, n: int, r: int, V: int, d: int, dtype: torch.dtype, seed: int = 0
 ) -> dict[str, Tensor]:
@@ -187,7 +200,8 @@ def paper_state(
     state: dict[str, Any] = paper_head(layout, n, r, V, d, dtype, seed)
     state["circuit._circuit._nodes.0._scope_idx"] = layout.scope_idx[:, None].clone()
     for i, (_, idx, _) in enumerate(layout.layers, start=1):
-        state[f"circuit._circuit._address_book._in_fold_idx_{i}_0"] = idx.clone()
+        if not _is_unsqueeze(idx, _fold_size(layout, i)):  # cirkit stores no unsqueeze
+            state[f"circuit._circuit._address_book._in_fold_idx_{i}_0"] = idx.clone()
     state[f"circuit._circuit._address_book._in_fold_idx_{len(layout.layers) + 1}_0"] = torch.zeros(
         1, dtype=torch.long
     )
@@ -266,6 +280,15 @@ def _sum(state: dict[str, Any], k: int, e: Tensor, child: Tensor) -> Tensor:
     return torch.logsumexp(logw + child[:, :, None, :], -1)  # (F, B, O)
 
 
+def _inner_layers(state: dict[str, Any], n: int, kind: str) -> list[tuple[str, Tensor | None]]:
+    """(kind, stored fold index or None) of each inner layer of an ff / cp / btree circuit."""
+    kinds = {"ff": ["product"], "cp": ["product", "sum"]}.get(
+        kind, ["product", "sum"] * (n.bit_length() - 1)
+    )
+    prefix = "circuit._circuit._address_book._in_fold_idx_"
+    return [(k, state.get(f"{prefix}{i}_0")) for i, k in enumerate(kinds, start=1)]
+
+
 def reference_prefix_log_probs(
     state: dict[str, Any], kind: str, n: int, e: Tensor, x: Tensor
 ) -> Tensor:
@@ -286,14 +309,12 @@ def reference_prefix_log_probs(
             cols.append(node[:, 0])
             continue
         prev, k = leaves, 0
-        books = sorted(
-            (int(key.split("_")[-2]), v)
-            for key, v in state.items()
-            if "_address_book._in_fold_idx_" in key and v.dim() == 2
-        )
-        for _, idx in books:
+        for kind_i, idx in _inner_layers(state, n, kind):
+            if idx is None:  # an unsqueeze cirkit does not store
+                F = prev.shape[0]
+                idx = torch.arange(F)[None] if kind_i == "product" else torch.arange(F)[:, None]
             gathered = prev[idx]  # (F, H, B, K)
-            if idx.shape[1] == 1:  # a sum layer
+            if kind_i == "sum":
                 prev = _sum(state, k, e, gathered[:, 0])
                 k += 1
             else:  # a Hadamard product
