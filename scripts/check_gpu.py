@@ -1,22 +1,33 @@
 """GPU self-check: what only a GPU can show, in about two minutes, before a long job.
 
     python scripts/check_gpu.py                        # one GPU (two-GPU part when 2 are visible)
-    python scripts/check_gpu.py --evabyte-code DIR     # + EvaByte's triton vs torch attention
+    python scripts/check_gpu.py --evabyte-code DIR     # + EvaByte's triton kernels vs torch
     python scripts/check_gpu.py --device cpu           # the same checks on CPU (the test suite)
+    python scripts/check_gpu.py --device cpu --evabyte-code DIR   # EvaByte's kernels on CPU
     python scripts/check_gpu.py -- model.dtype=bfloat16 lora.layers=2   # training overrides
 
 One line per check, ``PASS name: detail``, ``FAIL name: detail`` or ``SKIP name: why``;
-the exit status is 1 when any check fails. Checks (docs/TRAINING.md, "GPU self-check"):
+every check runs inside the reporter (a crash is a FAIL line, never a traceback) and the exit
+status is 1 when any check fails. Checks (docs/TRAINING.md, "GPU self-check"):
 
 * ``device``: the device, torch / CUDA versions, bf16 support, visible GPUs.
+* ``load[<target>]``: the target loads (the tiny EvaByte checkpoint is built here too), with
+  the attention path it runs.
 * ``eva_triton_vs_torch``: EvaByte's real remote code (``--evabyte-code``, a directory with
-  ``evabyte_hf/*.py``) as a tiny random checkpoint (EVA window 16, chunk 4), loaded once
-  with ``model.attention_impl=triton`` and once with ``torch``: the logits of a 40-byte
-  prompt (past one window, so the window compression ``triton_eva_prep_kv_fwd`` runs) agree.
+  ``evabyte_hf/*.py``) as a tiny random checkpoint (EVA window 128, chunk 4: shapes every
+  GPU's block table accepts), loaded once with ``model.attention_impl=triton`` and once with
+  ``torch``: the logits of a 160-byte prompt (past one window, so the window compression
+  ``triton_eva_prep_kv_fwd`` runs) agree.
+* ``eva_train_triton_vs_torch``: a LoRA k = 1 objective step of the tiny EvaByte on rows
+  shorter than one window (no compressed chunk yet: a backward the remote code cannot take
+  without ``mtpc.backbones.compat``) and on rows longer than one: the loss and gradients of
+  the triton path equal the torch path's.
 * ``one_pass_verify[<target>]``: a drafted window run in one cached trunk pass gives the
-  logits of the same positions fed one per pass (how every cycle verifies).
+  logits of the same positions fed one per pass (how every cycle verifies), up to EvaByte's
+  window boundary and past it.
 * ``greedy_spec_equals_ar[<target>]``: greedy self-speculative output through
-  ``mtpc.generate`` equals autoregressive output token for token.
+  ``mtpc.generate`` equals autoregressive output token for token (the prompt and the
+  generation cross EvaByte's first window boundary).
 * ``ar_vs_hf_generate[<target>]``: our autoregressive decoding gives the target's own
   ``generate`` output, and its tokens per second against ``generate``'s
   (fails below ``--min-ar-speed``).
@@ -27,7 +38,12 @@ the exit status is 1 when any check fails. Checks (docs/TRAINING.md, "GPU self-c
   processes when two GPUs are visible (``--two-process`` forces it, on CPU with gloo).
 
 Targets: the bundled tiny target, and the tiny EvaByte of the real code with
-``--evabyte-code``. Nothing is downloaded.
+``--evabyte-code`` (on the triton kernels on a GPU). With ``--device cpu``, triton installed
+and ``--evabyte-code``, the script sets ``TRITON_INTERPRET=1`` before triton is imported and
+the EvaByte checks run the real kernels through triton's CPU interpreter (float32, the
+blocks of an H100: ``mtpc.backbones.compat.INTERPRETER_CAPABILITY``). ``--break-kernel``
+forces a forward ``BLOCK_M`` twice the EVA window into the kernels after each load (past the
+gate that refuses it at load time): the self-test of the FAIL path. Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -44,14 +60,16 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 import mtpc
 from mtpc.backbones import load_backbone
 from mtpc.benchmarking import peak_memory_mb
-from mtpc.model import MTPCModel
+
+if TYPE_CHECKING:  # mtpc.model imports triton (through peft): only after main() set the mode
+    from mtpc.model import MTPCModel
 
 REPO = Path(__file__).resolve().parents[1]
 STRATEGIES = ("single", "ddp", "fsdp")
@@ -109,26 +127,80 @@ def _remote_code_tools() -> Any:
     return module
 
 
+EVA_TINY = {"window_size": 128, "chunk_size": 4, "num_hidden_layers": 2}
+"""The tiny EvaByte's EVA sizes (head_dim 16): every GPU's block table divides a window of 128
+and its 32 chunks (``mtpc.backbones.compat.check_kernel_blocks``)."""
+
+
 def tiny_evabyte_checkpoint(code: Path, root: Path) -> Path:
-    """A tiny random checkpoint of EvaByte's real code (window 16, chunk 4, 2 layers)."""
+    """A tiny random checkpoint of EvaByte's real code (:data:`EVA_TINY`, 2 layers)."""
     tools = _remote_code_tools()
     source = code / "evabyte_hf" if (code / "evabyte_hf").is_dir() else code
     folder, _ = tools.write_checkpoint(
-        "evabyte", source, "default", root, window_size=16, chunk_size=4, num_hidden_layers=2
+        "evabyte", source, "default", root, max_position_embeddings=512, **EVA_TINY
     )
     return Path(folder)
 
 
-def targets(args: argparse.Namespace, root: Path) -> Iterator[tuple[str, str, str | None]]:
-    """``(label, model name, path)`` of each target the decoding checks run on."""
-    yield "tiny", "tiny", None
-    if args.evabyte_code:
-        yield "evabyte-tiny", "evabyte", str(tiny_evabyte_checkpoint(args.evabyte_code, root))
+def interpreter_mode(args: argparse.Namespace) -> bool:
+    """``--device cpu`` in float32 with triton installed and ``--evabyte-code``: the EvaByte
+    checks run the kernels through triton's CPU interpreter (``main`` sets
+    ``TRITON_INTERPRET=1``)."""
+    return (
+        not args.device.startswith("cuda")
+        and args.dtype == "float32"
+        and args.evabyte_code is not None
+        and importlib.util.find_spec("triton") is not None
+    )
 
 
-def draft_model(name: str, path: str | None, args: argparse.Namespace, **kwargs: Any) -> MTPCModel:
+def eva_impl(args: argparse.Namespace) -> str:
+    """EvaByte's ``model.attention_impl`` here: ``auto`` on a GPU (the kernels when triton is
+    installed), ``triton`` in :func:`interpreter_mode`, else ``torch``."""
+    if args.device.startswith("cuda"):
+        return "auto"
+    return "triton" if interpreter_mode(args) else "torch"
+
+
+def break_kernel(backbone: Any) -> None:
+    """``--break-kernel``: the loaded model's ``eva_agg_kernel._get_config`` gives a forward
+    ``BLOCK_M`` twice the EVA window from now on (what the load-time gate refuses)."""
+    package = backbone.remote.__name__.rpartition(".")[0]
+    kernels = sys.modules[f"{package}.eva_agg_kernel"]
+    original = getattr(kernels._get_config, "__wrapped__", kernels._get_config)
+    wrong = 2 * backbone.window_size
+
+    def broken(dtype: Any, head_dim: int, mode: str) -> tuple[int, int, int, int]:
+        block_m, block_n, warps, stages = original(dtype, head_dim, mode)
+        return (wrong if mode == "fwd" else block_m), block_n, warps, stages
+
+    broken.__wrapped__ = original  # type: ignore[attr-defined]
+    kernels._get_config = broken
+
+
+def load_target(
+    name: str, path: str | None, args: argparse.Namespace, impl: str | None = None
+) -> Any:
+    """The backbone of a target (EvaByte on ``impl``, default :func:`eva_impl`)."""
+    kwargs = {"attention_impl": impl or eva_impl(args)} if name == "evabyte" else {}
     backbone = load_backbone(name, path=path, dtype=args.dtype, device=args.device, **kwargs)
-    return MTPCModel.from_backbone(backbone, "btree", 4, 2, lora_layers=1)
+    if args.break_kernel and getattr(backbone, "use_triton", False):
+        break_kernel(backbone)
+    return backbone
+
+
+def draft_model(name: str, path: str | None, args: argparse.Namespace) -> MTPCModel:
+    """The target with an untrained btree head (n = 4, r = 2) and LoRA on its last layer."""
+    from mtpc.model import MTPCModel
+
+    return MTPCModel.from_backbone(load_target(name, path, args), "btree", 4, 2, lora_layers=1)
+
+
+def attention_path(model: MTPCModel) -> str:
+    """The attention the target's layers run (EvaByte: its EVA path; else transformers')."""
+    return getattr(model.backbone, "attention_path", None) or str(
+        getattr(model.backbone.hf_model.config, "_attn_implementation", "?")
+    )
 
 
 def _prompt(model: MTPCModel, length: int, seed: int = 0) -> list[int]:
@@ -169,34 +241,122 @@ def check_device(args: argparse.Namespace) -> tuple[bool | None, str]:
     return True, f"cpu ({platform.processor() or platform.machine()}), torch {torch.__version__}"
 
 
-def check_eva_triton(args: argparse.Namespace, root: Path) -> tuple[bool | None, str]:
-    if not args.device.startswith("cuda"):
-        return None, "the triton kernels need a CUDA GPU (the CPU runs EVA's pure-torch path)"
-    if importlib.util.find_spec("triton") is None:
-        return None, "triton is not installed"
+def _eva_skip(args: argparse.Namespace) -> str | None:
+    """Why the EvaByte kernel checks cannot run here (``None``: they can)."""
     if not args.evabyte_code:
-        return None, "no EvaByte remote code (--evabyte-code DIR with evabyte_hf/*.py)"
-    path = str(tiny_evabyte_checkpoint(args.evabyte_code, root))
-    ids = torch.tensor([_prompt(draft_model("evabyte", path, args), 40)], device=args.device)
-    logits = {}
-    for impl in ("triton", "torch"):
-        backbone = load_backbone(
-            "evabyte", path=path, dtype=args.dtype, device=args.device, attention_impl=impl
-        )
-        with torch.no_grad():
-            hidden = backbone.run_layers(backbone.embed(ids), 0, backbone.num_layers)
-            logits[impl] = backbone.stp_logits(backbone.norm(hidden))[0].float()  # (40, V)
+        return "no EvaByte remote code (--evabyte-code DIR with evabyte_hf/*.py)"
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    return None
+
+
+def _logits(backbone: Any, ids: torch.Tensor) -> torch.Tensor:
+    """STP logits of a cache-free run of every layer (1, T) -> (T, V) float32."""
+    hidden = backbone.run_layers(backbone.embed(ids), 0, backbone.num_layers)
+    return backbone.stp_logits(backbone.norm(hidden))[0].float()
+
+
+def check_eva_triton(args: argparse.Namespace, path: str) -> tuple[bool | None, str]:
+    """Logits of a prompt past one EVA window, triton path vs torch path."""
+    from mtpc.model import MTPCModel
+
+    backbones = {impl: load_target("evabyte", path, args, impl) for impl in ("triton", "torch")}
+    length = backbones["torch"].window_size + 32  # past one window: the compression kernel runs
+    model = MTPCModel.from_backbone(backbones["torch"], "ff", 1, 1)
+    ids = torch.tensor([_prompt(model, length)], device=args.device)
+    with torch.no_grad():
+        logits = {impl: _logits(b, ids) for impl, b in backbones.items()}  # (T, V) each
     ok, detail = _close(logits["triton"], logits["torch"], args)
     same = float((logits["triton"].argmax(-1) == logits["torch"].argmax(-1)).float().mean())
-    return (
-        ok,
-        f"40 bytes (EVA window 16, chunk 4), triton vs torch logits: {detail}; same argmax {same:.0%}",
+    sizes = f"EVA window {backbones['torch'].window_size}, chunk {EVA_TINY['chunk_size']}"
+    return ok, (
+        f"{length} bytes ({sizes}; {backbones['triton'].attention_path}), triton vs torch "
+        f"logits: {detail}; same argmax {same:.0%}"
     )
 
 
+def eva_objective_step(
+    model: MTPCModel, ids: torch.Tensor
+) -> tuple[float, dict[str, torch.Tensor]]:
+    """One LoRA-stage objective (paper Eq. 4 over every position of ``ids`` (B, T)) and its
+    backward: the loss and the gradient of every trainable tensor (head and LoRA)."""
+    from mtpc.data.windows import make_windows
+    from mtpc.training.module import MTPCLightningModule
+
+    module = MTPCLightningModule(model, chunk_size=256)
+    n = module.head.window
+    documents = torch.zeros_like(ids)
+    targets, target_mask, window_mask = make_windows(
+        ids, documents, torch.ones_like(ids, dtype=torch.bool), n, pad_id=0
+    )
+    batch = {"input_ids": ids, "targets": targets, "target_mask": target_mask,
+             "window_mask": window_mask}  # fmt: skip
+    module.zero_grad()
+    loss = module._objective(batch)[0].loss
+    loss.backward()
+    grads = {
+        name: p.grad.detach().float().clone()
+        for name, p in module.named_parameters()
+        if p.requires_grad and p.grad is not None
+    }
+    return float(loss), grads
+
+
+def eva_lora_model(backbone: Any, seed: int = 0) -> MTPCModel:
+    """The backbone with a btree head (n = 4, r = 2) and random LoRA weights on its last layer
+    (peft starts B at zero: random ones give the LoRA A matrices a gradient too)."""
+    from mtpc.model import MTPCModel
+
+    torch.manual_seed(seed)
+    model = MTPCModel.from_backbone(backbone, "btree", 4, 2, lora_layers=1)
+    with torch.no_grad():
+        for p in model.backbone.lora.parameters():
+            p.normal_(0, 0.05)
+    return model
+
+
+def compare_objective_steps(
+    args: argparse.Namespace, path: str, lengths: Sequence[int], rows: int = 2
+) -> dict[int, dict[str, float]]:
+    """:func:`eva_objective_step` on the triton and the torch path, for rows of each length:
+    ``{length: {"loss": |diff|, "grad": max |diff| / max |grad|, "tensors": count}}``."""
+    found: dict[int, dict[str, float]] = {}
+    models = {impl: eva_lora_model(load_target("evabyte", path, args, impl)) for impl in
+              ("triton", "torch")}  # fmt: skip
+    for length in lengths:
+        g = torch.Generator().manual_seed(length)
+        ids = torch.randint(64, 320, (rows, length), generator=g).to(args.device)
+        steps = {impl: eva_objective_step(m, ids) for impl, m in models.items()}
+        (loss_a, grads_a), (loss_b, grads_b) = steps["triton"], steps["torch"]
+        if sorted(grads_a) != sorted(grads_b) or not grads_a:
+            raise AssertionError(f"trainable tensors differ: {len(grads_a)} vs {len(grads_b)}")
+        scale = max(float(g.abs().max()) for g in grads_b.values())
+        diff = max(float((grads_a[n] - grads_b[n]).abs().max()) for n in grads_b)
+        found[length] = {"loss": abs(loss_a - loss_b), "grad": diff / max(scale, 1e-30),
+                         "tensors": float(len(grads_b))}  # fmt: skip
+    return found
+
+
+def check_eva_train(args: argparse.Namespace, path: str) -> tuple[bool | None, str]:
+    """LoRA k = 1 objective steps, triton vs torch, on rows shorter and longer than a window."""
+    window = EVA_TINY["window_size"]
+    found = compare_objective_steps(args, path, (window - 28, window + 32))
+    tol = args.tolerance if args.dtype == "float32" else args.bf16_rtol
+    ok = all(v["loss"] <= tol and v["grad"] <= tol for v in found.values())
+    parts = [
+        f"rows of {length} bytes: |loss diff| {v['loss']:.1e}, max |grad diff| {v['grad']:.1e} "
+        f"of max |grad| ({v['tensors']:.0f} tensors)"
+        for length, v in found.items()
+    ]
+    return ok, f"LoRA k=1, triton vs torch (tolerance {tol:.0e}): {'; '.join(parts)}"
+
+
 def check_one_pass(model: MTPCModel, args: argparse.Namespace) -> tuple[bool | None, str]:
+    """After a prefill of 249 positions (past EvaByte's first window of 128), a verify pass up
+    to the next window boundary, then one past it, each against the same positions fed one
+    per pass."""
     backbone = model.backbone
-    ids = torch.tensor([_prompt(model, 40, seed=2)], device=args.device)  # (1, 40)
+    ids = torch.tensor([_prompt(model, 280, seed=2)], device=args.device)  # (1, 280)
     layers = backbone.num_layers
     cache = backbone.new_cache(0, layers)
 
@@ -204,18 +364,26 @@ def check_one_pass(model: MTPCModel, args: argparse.Namespace) -> tuple[bool | N
         hidden = backbone.run_layers(backbone.embed(chunk), 0, layers, cache=into)
         return backbone.stp_logits(backbone.norm(hidden))[0].float()  # (len, V)
 
+    start = 249
     with torch.no_grad():
-        logits(ids[:, :21], cache)
-        span = backbone.one_pass_span(21, 16)  # to EvaByte's window boundary; 16 elsewhere
+        logits(ids[:, :start], cache)
+        span = backbone.one_pass_span(start, 16)  # to EvaByte's window boundary; 16 elsewhere
         sequential = cache.clone()
-        one = logits(ids[:, 21 : 21 + span], cache)
-        seq = torch.cat([logits(ids[:, i : i + 1], sequential) for i in range(21, 21 + span)])
-    ok, detail = _close(one, seq, args)
-    return ok, f"{span} positions in one pass vs one per pass: {detail}"
+        one = logits(ids[:, start : start + span], cache)
+        seq = [logits(ids[:, i : i + 1], sequential) for i in range(start, start + span)]
+        after = start + span  # EvaByte: past the boundary, on the window's compressed RFAs
+        one = torch.cat([one, logits(ids[:, after : after + 5], cache)])
+        seq += [logits(ids[:, i : i + 1], sequential) for i in range(after, after + 5)]
+    ok, detail = _close(one, torch.cat(seq), args)
+    return ok, (
+        f"{span} positions after {start} in one pass, then 5 after them, vs one per pass: "
+        f"{detail} ({attention_path(model)})"
+    )
 
 
 def check_greedy(model: MTPCModel, args: argparse.Namespace) -> tuple[bool | None, str]:
-    prompt = _prompt(model, 24)
+    prompt = _prompt(model, 230)  # the prefill and, with --new-tokens 48, the generation
+    # cross a boundary of EvaByte's window of 128
     kw = {"max_new_tokens": args.new_tokens, "greedy": True, "suppress_eos": True}
     ar = mtpc.generate(model, prompt, method="autoregressive", **kw)
     sd = mtpc.generate(model, prompt, method="speculative", **kw)
@@ -226,8 +394,9 @@ def check_greedy(model: MTPCModel, args: argparse.Namespace) -> tuple[bool | Non
     )
     where = "" if same else f", first difference at token {first}"
     return same, (
-        f"{len(ar.tokens)} tokens, speculative == autoregressive {same}{where}; "
-        f"{sum(sd.accepted) / cycles:.2f} accepted drafts per cycle (untrained head)"
+        f"{len(prompt)}-byte prompt, {len(ar.tokens)} tokens, speculative == autoregressive "
+        f"{same}{where}; {sum(sd.accepted) / cycles:.2f} accepted drafts per cycle (untrained "
+        f"head; {attention_path(model)})"
     )
 
 
@@ -346,9 +515,7 @@ def check_train_single(args: argparse.Namespace, root: Path) -> tuple[bool | Non
     ckpts = sorted((root / "single").rglob("*.ckpt"))
     saved = torch.load(ckpts[-1], weights_only=False)["state_dict"] if ckpts else {}
     only_trained = bool(saved) and sorted(saved) == sorted(trainable)
-    attention = getattr(model.backbone, "attention_path", None) or getattr(
-        model.backbone.hf_model.config, "_attn_implementation", "?"
-    )
+    attention = attention_path(model)
     ok = (
         dtypes == ["float32"]
         and len(steps.losses) == 3
@@ -415,32 +582,64 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--bf16-rtol", type=float, default=0.02, help="logit tolerance (bf16)")
     parser.add_argument("--min-ar-speed", type=float, default=0.5,
                         help="our AR tokens/s over generate()'s, at least")  # fmt: skip
+    parser.add_argument("--break-kernel", action="store_true",
+                        help="self-test: force a wrong forward BLOCK_M into EvaByte's kernels "
+                             "after each load (its checks FAIL)")  # fmt: skip
     parser.add_argument("overrides", nargs="*", help="training overrides (after --)")
     args = parser.parse_args(argv)
     if args.evabyte_code is not None:
         args.evabyte_code = Path(args.evabyte_code)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    if interpreter_mode(args):  # before triton (and the remote kernels) are imported
+        os.environ["TRITON_INTERPRET"] = "1"
     report = Report()
     report.run("device", lambda: check_device(args))
     if report.failed:
         return 1
     with tempfile.TemporaryDirectory(prefix="mtpc-check-") as tmp, _quiet():
         root = Path(tmp)
-        report.run("eva_triton_vs_torch", lambda: check_eva_triton(args, root))
-        if not args.evabyte_code:
-            report.add("SKIP", "evabyte-tiny", "no EvaByte remote code (--evabyte-code DIR)")
-        for label, name, path in targets(args, root):
-            model = draft_model(name, path, args)
-            report.run(f"one_pass_verify[{label}]", lambda m=model: check_one_pass(m, args))
-            report.run(f"greedy_spec_equals_ar[{label}]", lambda m=model: check_greedy(m, args))
-            if name == "tiny":  # EvaByte's remote code predates transformers 5's generate()
-                report.run(f"ar_vs_hf_generate[{label}]", lambda m=model: check_ar_speed(m, args))
-        report.run("train[single]", lambda: check_train_single(args, root))
-        for strategy in STRATEGIES[1:]:
-            report.run(
-                f"train[{strategy}]", lambda s=strategy: check_train_two_process(s, args, root)
-            )
+        run_checks(report, args, root)
     return 1 if report.failed else 0
+
+
+def run_checks(report: Report, args: argparse.Namespace, root: Path) -> None:
+    """Every check after ``device``, each inside ``report.run`` (a crash is one FAIL line)."""
+    models: dict[str, MTPCModel] = {}
+    eva: dict[str, str] = {}
+
+    def load(label: str, name: str) -> tuple[bool | None, str]:
+        path = None
+        if name == "evabyte":
+            eva["path"] = path = str(tiny_evabyte_checkpoint(args.evabyte_code, root))
+        models[label] = model = draft_model(name, path, args)
+        return True, f"{name}, {args.dtype}, attention {attention_path(model)}"
+
+    eva_skip = _eva_skip(args)
+    if eva_skip is None and not args.device.startswith("cuda") and args.dtype != "float32":
+        eva_skip = (
+            "triton's interpreter computes bf16 wrongly (triton issue #11584): --dtype float32"
+        )
+    report.run("load[tiny]", lambda: load("tiny", "tiny"))
+    if args.evabyte_code:
+        report.run("load[evabyte-tiny]", lambda: load("evabyte-tiny", "evabyte"))
+    else:
+        report.add("SKIP", "load[evabyte-tiny]", "no EvaByte remote code (--evabyte-code DIR)")
+    for name, check in (("eva_triton_vs_torch", check_eva_triton),
+                        ("eva_train_triton_vs_torch", check_eva_train)):  # fmt: skip
+        if eva_skip is not None:
+            report.add("SKIP", name, eva_skip)
+        elif "path" not in eva:
+            report.add("FAIL", name, "the tiny EvaByte did not load (load[evabyte-tiny])")
+        else:
+            report.run(name, lambda c=check: c(args, eva["path"]))
+    for label, model in models.items():
+        report.run(f"one_pass_verify[{label}]", lambda m=model: check_one_pass(m, args))
+        report.run(f"greedy_spec_equals_ar[{label}]", lambda m=model: check_greedy(m, args))
+        if label == "tiny":  # EvaByte's remote code predates transformers 5's generate()
+            report.run(f"ar_vs_hf_generate[{label}]", lambda m=model: check_ar_speed(m, args))
+    report.run("train[single]", lambda: check_train_single(args, root))
+    for strategy in STRATEGIES[1:]:
+        report.run(f"train[{strategy}]", lambda s=strategy: check_train_two_process(s, args, root))
 
 
 if __name__ == "__main__":

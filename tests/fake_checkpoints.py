@@ -46,15 +46,132 @@ class FixtureEvaConfig(PretrainedConfig):
         super().__init__(**kwargs)
 '''
 
-EVA_KERNELS = """
-import triton  # unconditional, like EvaByte's eva_prep_kv_kernel.py
+EVA_AGG_KERNEL = '''
+"""Our stand-in for EvaByte's eva_agg_kernel.py (same host-wrapper interface and failure modes).
+
+The host wrappers assert ``is_cuda`` and pick their blocks by
+``torch.cuda.get_device_capability()``; the backward asserts on ``rfa_k.stride(-1)`` even when
+``rfa_k`` is None; the kernel gives each program the rows of one window only, so a BLOCK_M
+larger than the window is silently wrong. The "attention" is a windowed causal mean of v:
+o[t] = mean of v[s] for s in t's window (aligned at 0) with s <= t.
+"""
+import torch
+import triton
 import triton.language as tl
 
 
+def _get_config(dtype, head_dim, mode):
+    capability = torch.cuda.get_device_capability()
+    if capability >= (9, 0):
+        return (16, 2, 4, 1)
+    return (8, 2, 4, 1)
+
+
 @triton.jit
-def fused_attention_kernel(x, BLOCK: tl.constexpr):
-    pass
-"""
+def _fwd_window_mean_kernel(V, O, stride_vb, stride_vt, seqlen, HEADDIM: tl.constexpr,
+                            WINDOW_SIZE: tl.constexpr, BLOCK_M: tl.constexpr):
+    start_m = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEADDIM)
+    offs_w = (start_m * BLOCK_M) // WINDOW_SIZE  # one window per program, as EVA's kernels
+    start_n = offs_w * WINDOW_SIZE
+    end_n = tl.minimum((start_m + 1) * BLOCK_M, seqlen)
+    acc = tl.zeros([BLOCK_M, HEADDIM], dtype=tl.float32)
+    for n in range(start_n, end_n):
+        v = tl.load(V + off_bh * stride_vb + n * stride_vt + offs_d)
+        acc += tl.where((offs_m >= n)[:, None], v[None, :], 0.0)
+    count = (offs_m - start_n + 1).to(tl.float32)
+    out = acc / count[:, None]
+    tl.store(O + off_bh * stride_vb + offs_m[:, None] * stride_vt + offs_d[None, :], out,
+             mask=(offs_m < seqlen)[:, None])
+
+
+def triton_eva_agg_fwd(q, k, v, rfa_k, rfa_v, window_mask, chunk_mask, softmax_scale,
+                       window_size, chunks_per_window):
+    assert q.is_cuda and k.is_cuda and v.is_cuda
+    batch, nheads, seqlen, head_dim = v.shape
+    BLOCK_M, BLOCK_N, num_warps, num_stages = _get_config(q.dtype, head_dim, "fwd")
+    assert chunks_per_window >= BLOCK_N, "chunks_per_window must be greater than BLOCK"
+    v = v.contiguous().reshape(batch * nheads, seqlen, head_dim)
+    o = torch.empty_like(v)
+    grid = (triton.cdiv(seqlen, BLOCK_M), batch * nheads)
+    _fwd_window_mean_kernel[grid](v, o, v.stride(0), v.stride(1), seqlen, head_dim,
+                                  window_size, BLOCK_M)
+    lse = torch.zeros(batch, nheads, seqlen, dtype=torch.float32, device=v.device)
+    return o.reshape(batch, nheads, seqlen, head_dim), lse
+
+
+def triton_eva_agg_bwd(do, q, k, v, rfa_k, rfa_v, window_mask, chunk_mask, o, lse, dq, dk, dv,
+                       d_rfa_k, d_rfa_v, softmax_scale, window_size, chunks_per_window,
+                       empty_rfa_kv, mask_type):
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == o.stride(-1) == rfa_k.stride(-1) == rfa_v.stride(-1) == 1
+    assert q.is_cuda
+    _get_config(q.dtype, q.shape[-1], "bwd_dq")
+    seqlen = v.shape[-2]
+    t = torch.arange(seqlen, device=v.device)
+    count = (t % window_size + 1).to(do.dtype)
+    g = do / count[:, None]  # d o[t] / d v[s] = 1 / count[t] for s in t's window, s <= t
+    start = t - t % window_size
+    weight = ((t[None, :] >= t[:, None]) & (start[None, :] == start[:, None])).to(do.dtype)
+    dv.copy_(weight @ g)  # (T, T) @ (B, h, T, hd)
+    dq.zero_()
+    dk.zero_()
+
+
+class EvaAggFunc(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, rfa_k, rfa_v, window_mask, chunk_mask, softmax_scale=None,
+                window_size=None, chunks_per_window=None):
+        empty_rfa_kv = 1 if rfa_k is None and rfa_v is None else 0
+        o, lse = triton_eva_agg_fwd(q, k, v, rfa_k, rfa_v, window_mask, chunk_mask,
+                                    softmax_scale, window_size, chunks_per_window)
+        ctx.save_for_backward(q, k, v, o, lse, rfa_k, rfa_v, window_mask, chunk_mask)
+        ctx.softmax_scale, ctx.window_size = softmax_scale, window_size
+        ctx.chunks_per_window, ctx.empty_rfa_kv = chunks_per_window, empty_rfa_kv
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, rfa_k, rfa_v, window_mask, chunk_mask = ctx.saved_tensors
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        d_rfa_k = d_rfa_v = None
+        triton_eva_agg_bwd(do, q, k, v, rfa_k, rfa_v, window_mask, chunk_mask, o, lse,
+                           dq, dk, dv, d_rfa_k, d_rfa_v, softmax_scale=ctx.softmax_scale,
+                           window_size=ctx.window_size, chunks_per_window=ctx.chunks_per_window,
+                           empty_rfa_kv=ctx.empty_rfa_kv, mask_type=0)
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def eva_agg_func_triton(q, k, v, rfa_k, rfa_v, window_mask, chunk_mask, softmax_scale=None,
+                        window_size=None, chunks_per_window=None):
+    return EvaAggFunc.apply(q, k, v, rfa_k, rfa_v, window_mask, chunk_mask, softmax_scale,
+                            window_size, chunks_per_window)
+'''
+
+EVA_PREP_KV_KERNEL = '''
+"""Our stand-in for EvaByte's eva_prep_kv_kernel.py: chunk means of k and v (host code only)."""
+import torch
+import triton  # noqa: F401  (unconditional, like EvaByte's)
+
+
+def triton_eva_prep_kv_fwd(k, v, param_mu, param_phi, mask, softmax_scale, chunksize):
+    assert k.is_cuda and v.is_cuda
+    b, h, t, d = k.shape
+    return (k.reshape(b, h, t // chunksize, chunksize, d).mean(-2),
+            v.reshape(b, h, t // chunksize, chunksize, d).mean(-2))
+
+
+def triton_eva_prep_kv_bwd(d_rfa_k, d_rfa_v, k, v, param_mu, param_phi, mask, rfa_k, rfa_v,
+                           d_k, d_v, d_param_mu, d_param_phi, softmax_scale, mask_type,
+                           chunksize):
+    assert k.is_cuda
+    raise NotImplementedError
+
+
+def eva_prep_kv_func_triton(k, v, param_mu, param_phi, mask, softmax_scale=None, chunksize=None):
+    return triton_eva_prep_kv_fwd(k, v, param_mu, param_phi, mask, softmax_scale, chunksize)
+'''
 
 EVA_MODELING = '''
 import torch
@@ -64,7 +181,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from tests.fakes import EvaCache, FakeEvaByteModel
 from .configuration_fixture_eva import FixtureEvaConfig
-from .fixture_eva_kernels import fused_attention_kernel  # needs triton, used on GPUs only
+from .eva_agg_kernel import eva_agg_func_triton  # needs triton, used on GPUs only
+from .eva_prep_kv_kernel import triton_eva_prep_kv_fwd  # noqa: F401
 
 try:
     import triton  # noqa: F401
@@ -232,8 +350,16 @@ def _unique(tmp_path: Path, stem: str) -> Path:
     return tmp_path / f"{stem}_{uuid.uuid4().hex[:10]}"
 
 
-def eva_checkpoint(tmp_path: Path, rope_scaling: dict[str, Any] | None) -> tuple[Path, Any]:
-    """An EvaByte-like checkpoint and the stand-in whose weights it holds."""
+def eva_checkpoint(
+    tmp_path: Path, rope_scaling: dict[str, Any] | None, window_size: int | None = None
+) -> tuple[Path, Any]:
+    """An EvaByte-like checkpoint and the stand-in whose weights it holds (EVA window 16, or
+    ``window_size`` in its config.json; the stand-in's attention does not read it).
+
+    Its kernel modules ``eva_agg_kernel.py`` / ``eva_prep_kv_kernel.py`` are ours, with the
+    host-wrapper interface of EvaByte's and their failure modes (``EVA_AGG_KERNEL``): what
+    ``mtpc.backbones.compat.prepare_eva_kernels`` wraps, run under triton's interpreter by
+    ``tests/test_triton_interpreter.py``. The model itself never calls them."""
     config = FakeEvaByteConfig(hidden_size=32, num_hidden_layers=2, chunk_size=4)  # the fixture's
     fake = FakeEvaByteForCausalLM(config).eval()
     with torch.no_grad():
@@ -257,10 +383,12 @@ def eva_checkpoint(tmp_path: Path, rope_scaling: dict[str, Any] | None) -> tuple
         "bos_token_id": 1,
         "eos_token_id": 2,
         "torch_dtype": "float32",
+        **({"window_size": window_size} if window_size is not None else {}),
     }
     files = {
         "configuration_fixture_eva.py": EVA_CONFIGURATION,
-        "fixture_eva_kernels.py": EVA_KERNELS,
+        "eva_agg_kernel.py": EVA_AGG_KERNEL,
+        "eva_prep_kv_kernel.py": EVA_PREP_KV_KERNEL,
         "modeling_fixture_eva.py": EVA_MODELING,
     }
     return _write(_unique(tmp_path, "eva"), files, config, fake), fake

@@ -94,9 +94,9 @@ def test_evabyte_checkpoint_loads_the_real_model_without_triton(
     # no triton here: the pure-torch path, the kernel module a placeholder that says why
     remote = sys.modules[type(backbone.inner).__module__]
     assert remote.USE_TRITON_IMPL is False and backbone.use_triton is False
-    kernels = sys.modules[remote.__name__.rpartition(".")[0] + ".fixture_eva_kernels"]
+    kernels = sys.modules[remote.__name__.rpartition(".")[0] + ".eva_agg_kernel"]
     with pytest.raises(RuntimeError, match="triton"):
-        kernels.fused_attention_kernel()
+        kernels.eva_agg_func_triton()
 
 
 @pytest.mark.parametrize("rope_scaling", OLD_FORM_ROPE, ids=["rope_null", "rope_linear_old_form"])

@@ -85,7 +85,9 @@ def load_backbone(
     if name == "evabyte":
         from mtpc.backbones.compat import resolve_attention_impl
 
-        resolve_attention_impl(attention_impl, run_device or device)  # before any download
+        resolve_attention_impl(
+            attention_impl, run_device or device, torch_dtype
+        )  # before any download
     if name == "tiny":
         from mtpc.backbones.tiny import load_tiny_target
 

@@ -50,11 +50,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
 import inspect
 import logging
+import os
 import sys
 from collections.abc import Callable, Iterator
 from types import ModuleType
@@ -172,35 +174,78 @@ def triton_available() -> bool:
         return False
 
 
-def resolve_attention_impl(requested: str, device: str | torch.device) -> str:
+class AttentionImplError(UserError, ValueError):
+    """``model.attention_impl`` names a path that cannot run here (one line, the allowed values)."""
+
+
+def triton_interpreter() -> bool:
+    """Whether triton's CPU interpreter is switched on (``TRITON_INTERPRET``, read by triton
+    itself; ``False`` without triton). Kernels decorated while it is on run on CPU tensors."""
+    if not triton_available():
+        return False
+    from triton import knobs
+
+    return bool(knobs.runtime.interpret)
+
+
+def resolve_attention_impl(
+    requested: str, device: str | torch.device, dtype: torch.dtype | str | None = None
+) -> str:
     """EvaByte's attention path: ``triton`` (GPU kernels) or ``torch`` (``eva_pt_ref.py``).
+
+    On a CPU, ``triton`` is accepted only in triton's interpreter mode (``TRITON_INTERPRET=1``
+    with triton installed), float32 only: the interpreter's bf16 arithmetic is wrong (triton
+    issue #11584). The interpreter runs the real kernels on CPU tensors, with the blocks of
+    :func:`kernel_capability`'s GPU (docs/BACKBONES.md, "The kernels on a CPU").
 
     Args:
         requested: ``auto`` (triton when a CUDA device is used and triton is installed, else
-            torch), ``torch`` or ``triton``.
+            torch; never the interpreter), ``torch`` or ``triton``.
         device: where the model will run.
+        dtype: the weights' dtype (checked in interpreter mode); ``None``: not checked.
 
     Returns:
         ``"torch"`` or ``"triton"``.
 
     Raises:
-        ValueError: unknown value, or ``triton`` where it cannot run (no triton, or a CPU).
+        AttentionImplError: unknown value, or ``triton`` where it cannot run (no triton; a CPU
+            without the interpreter; the interpreter with bf16 or fp16).
     """
     if requested not in ATTENTION_IMPLS:
-        raise ValueError(f"model.attention_impl is {requested!r}; allowed: {list(ATTENTION_IMPLS)}")
+        raise AttentionImplError(
+            f"model.attention_impl is {requested!r}; allowed: {list(ATTENTION_IMPLS)}"
+        )
     on_gpu = torch.device(device).type == "cuda"
     if requested == "auto":
         return "triton" if on_gpu and triton_available() else "torch"
     if requested == "triton" and not triton_available():
-        raise ValueError(
+        raise AttentionImplError(
             "model.attention_impl is 'triton' but triton is not installed; allowed here: "
             "['auto', 'torch']"
         )
     if requested == "triton" and not on_gpu:
-        raise ValueError(
-            f"model.attention_impl is 'triton' but device is {str(device)!r}; triton kernels "
-            "need a CUDA device; allowed on cpu: ['auto', 'torch']"
-        )
+        if not triton_interpreter():
+            raise AttentionImplError(
+                f"model.attention_impl is 'triton' but device is {str(device)!r}; triton kernels "
+                "need a CUDA device (or TRITON_INTERPRET=1 for triton's CPU interpreter, float32); "
+                "allowed on cpu: ['auto', 'torch']"
+            )
+        name = str(dtype).removeprefix("torch.") if dtype is not None else None
+        if name is not None and name != "float32":
+            raise AttentionImplError(
+                f"model.dtype is {name!r} with model.attention_impl=triton under triton's CPU "
+                "interpreter (TRITON_INTERPRET=1), whose bf16/fp16 arithmetic is wrong (triton "
+                "issue #11584); allowed there: model.dtype=float32"
+            )
+        import triton.language.standard as triton_standard
+
+        if type(triton_standard.sum).__name__ != "InterpretedFunction":
+            raise AttentionImplError(
+                "model.attention_impl is 'triton' on the CPU, but triton was imported before "
+                "TRITON_INTERPRET=1 was set, so its own functions are compiled for a GPU; set "
+                "TRITON_INTERPRET=1 in the environment before Python starts "
+                "(TRITON_INTERPRET=1 python train.py ...)"
+            )
     return requested
 
 
@@ -489,6 +534,298 @@ def restore_non_persistent_buffers(model: nn.Module, dtype: torch.dtype) -> list
     return replaced
 
 
+# ------------------------------------------------------------ 8. EVA's triton kernels ----
+INTERPRETER_CAPABILITY = (9, 0)
+"""The GPU whose kernel blocks triton's CPU interpreter mode uses: the CUDA compute capability
+the remote ``_get_config`` is told (9.0, an H100). ``MTPC_TRITON_CAPABILITY=8.0`` (an A100)
+overrides it; docs/BACKBONES.md, "The kernels on a CPU"."""
+
+CAPABILITY_ENV = "MTPC_TRITON_CAPABILITY"
+
+KERNEL_INTERFACE: dict[str, dict[str, tuple[str, ...]]] = {
+    "eva_agg_kernel": {
+        "_get_config": ("dtype", "head_dim", "mode"),
+        "triton_eva_agg_fwd": (
+            "q", "k", "v", "rfa_k", "rfa_v", "window_mask", "chunk_mask", "softmax_scale",
+            "window_size", "chunks_per_window",
+        ),
+        "triton_eva_agg_bwd": (
+            "do", "q", "k", "v", "rfa_k", "rfa_v", "window_mask", "chunk_mask", "o", "lse",
+            "dq", "dk", "dv", "d_rfa_k", "d_rfa_v", "softmax_scale", "window_size",
+            "chunks_per_window", "empty_rfa_kv", "mask_type",
+        ),
+    },
+    "eva_prep_kv_kernel": {
+        "triton_eva_prep_kv_fwd": (
+            "k", "v", "param_mu", "param_phi", "mask", "softmax_scale", "chunksize",
+        ),
+        "triton_eva_prep_kv_bwd": (
+            "d_rfa_k", "d_rfa_v", "k", "v", "param_mu", "param_phi", "mask", "rfa_k", "rfa_v",
+            "d_k", "d_v", "d_param_mu", "d_param_phi", "softmax_scale", "mask_type", "chunksize",
+        ),
+    },
+}  # fmt: skip
+"""The host wrappers of EvaByte's kernels (OpenEvaByte/evabyte @ 432331a) that
+:func:`prepare_eva_kernels` wraps, with their parameters: checked at load time."""
+
+KERNEL_MODES = ("fwd", "bwd_dq", "bwd_dkdv", "bwd_drfa_kv")
+"""The ``mode``s of ``eva_agg_kernel._get_config`` (one block table each)."""
+
+PREP_KV_BLOCK = 128
+"""``eva_prep_kv_kernel``'s fixed key block (``BLOCK = 128``); a chunk must divide it."""
+
+
+class KernelInterfaceError(TargetLoadError):
+    """EvaByte's remote kernel code no longer has the interface compat wraps (one line)."""
+
+
+class KernelBlockError(UserError, ValueError):
+    """The EVA window / chunk sizes and the kernels' blocks give wrong attention (one line)."""
+
+
+def kernel_capability() -> tuple[int, int]:
+    """The compute capability the interpreter mode picks blocks for
+    (:data:`INTERPRETER_CAPABILITY`, or ``MTPC_TRITON_CAPABILITY=<major>.<minor>``).
+
+    Raises:
+        AttentionImplError: ``MTPC_TRITON_CAPABILITY`` is not ``<major>.<minor>``.
+    """
+    value = os.environ.get(CAPABILITY_ENV, "").strip()
+    if not value:
+        return INTERPRETER_CAPABILITY
+    major, dot, minor = value.partition(".")
+    if not (major.isdigit() and (not dot or minor.isdigit())):
+        raise AttentionImplError(
+            f"{CAPABILITY_ENV}={value!r} is not a CUDA compute capability; allowed: "
+            "<major>.<minor>, e.g. 9.0 (H100) or 8.0 (A100)"
+        )
+    return int(major), int(minor or 0)
+
+
+_host_depth = 0
+
+
+@contextlib.contextmanager
+def _kernels_see_gpu(capability: tuple[int, int] | None, cpu_tensors: bool) -> Iterator[None]:
+    """Inside the block, ``torch.cuda.get_device_capability()`` returns ``capability`` (unless
+    ``None``) and, with ``cpu_tensors``, every tensor answers ``is_cuda`` with ``True``: the
+    remote host wrappers' CUDA-only asserts and block lookup, for triton's interpreter. Both are
+    restored on leaving the outermost block."""
+    global _host_depth
+    saved = torch.cuda.get_device_capability
+    if _host_depth == 0:
+        if capability is not None:
+            torch.cuda.get_device_capability = lambda device=None: capability
+        if cpu_tensors:
+            torch.Tensor.is_cuda = property(lambda self: True)  # type: ignore[assignment]
+    _host_depth += 1
+    try:
+        yield
+    finally:
+        _host_depth -= 1
+        if _host_depth == 0:
+            torch.cuda.get_device_capability = saved
+            if cpu_tensors:
+                del torch.Tensor.is_cuda
+
+
+def _kernel_modules(package: str) -> dict[str, ModuleType]:
+    """The remote package's kernel modules named in :data:`KERNEL_INTERFACE`.
+
+    Raises:
+        KernelInterfaceError: one is missing or a wrapper's parameters changed.
+    """
+    found = {}
+    for short, functions in KERNEL_INTERFACE.items():
+        module = sys.modules.get(f"{package}.{short}")
+        if module is None or getattr(module, "__mtpc_unavailable__", None):
+            raise KernelInterfaceError(
+                f"EvaByte's remote code has no importable {short}.py (package {package}); "
+                "compat wraps the kernels of OpenEvaByte/evabyte @ 432331a (docs/BACKBONES.md)"
+            )
+        for name, params in functions.items():
+            function = getattr(module, name, None)
+            function = getattr(function, "__mtpc_original__", function)
+            got = tuple(inspect.signature(function).parameters) if callable(function) else None
+            if got != params:
+                raise KernelInterfaceError(
+                    f"EvaByte's remote {short}.{name} has parameters {got}, not {params}: the "
+                    "remote kernel interface changed; compat wraps the one of OpenEvaByte/evabyte "
+                    "@ 432331a (docs/BACKBONES.md)"
+                )
+        found[short] = module
+    code = inspect.unwrap(found["eva_agg_kernel"]._get_config).__code__
+    if not {"cuda", "get_device_capability"} <= set(code.co_names):
+        raise KernelInterfaceError(
+            "EvaByte's remote eva_agg_kernel._get_config no longer picks its blocks by "
+            "torch.cuda.get_device_capability(); compat cannot choose them (docs/BACKBONES.md)"
+        )
+    return found
+
+
+def kernel_blocks(
+    agg_kernel: ModuleType, dtype: torch.dtype, head_dim: int, capability: tuple[int, int]
+) -> dict[str, tuple[int, int]]:
+    """``{mode: (BLOCK_M, BLOCK_N)}`` as the remote ``_get_config`` picks them on a GPU of
+    ``capability`` (every mode of :data:`KERNEL_MODES`)."""
+    with _kernels_see_gpu(capability, cpu_tensors=False):
+        return {m: tuple(agg_kernel._get_config(dtype, head_dim, m)[:2]) for m in KERNEL_MODES}
+
+
+def check_kernel_blocks(
+    window: int,
+    chunk: int,
+    blocks: dict[str, tuple[int, int]],
+    capability: tuple[int, int],
+    dtype: torch.dtype,
+    head_dim: int,
+) -> None:
+    """Refuses an EVA window / chunk size whose blocks the kernels compute wrongly or assert on.
+
+    Each program of the aggregation kernels handles rows (or keys) of one window only
+    (``offs_w = start_m * BLOCK_M // WINDOW_SIZE``), so ``BLOCK_M`` (and ``bwd_dkdv``'s key
+    block ``BLOCK_N``) must divide the window: a ``BLOCK_M`` larger than the window gives wrong
+    attention and nothing asserts it. The chunk loops need ``chunks_per_window`` a multiple of
+    ``BLOCK_N`` (the remote code asserts it, but only mid-run);
+    ``eva_prep_kv_kernel`` needs the chunk to divide its block of :data:`PREP_KV_BLOCK`.
+
+    Raises:
+        KernelBlockError: one line naming the sizes, the blocks and the GPU capability.
+    """
+    problems = []
+    per_window = window // chunk if chunk else 0
+    for mode, (block_m, block_n) in blocks.items():
+        if window % block_m:
+            problems.append(f"{mode} BLOCK_M={block_m} does not divide window_size={window}")
+        if mode == "bwd_dkdv":  # key tiles, one window each
+            if window % block_n:
+                problems.append(f"{mode} BLOCK_N={block_n} does not divide window_size={window}")
+        elif per_window < block_n or per_window % block_n:  # chunk tiles
+            problems.append(
+                f"{mode} BLOCK_N={block_n} does not divide chunks_per_window={per_window}"
+            )
+    if not chunk or PREP_KV_BLOCK % chunk or chunk >= PREP_KV_BLOCK:
+        problems.append(f"chunk_size={chunk} does not divide eva_prep_kv's block {PREP_KV_BLOCK}")
+    if problems:
+        major, minor = capability
+        raise KernelBlockError(
+            f"model=evabyte with model.attention_impl=triton: EVA window_size={window}, "
+            f"chunk_size={chunk} do not fit the kernels' blocks on a GPU of capability "
+            f"{major}.{minor} ({dtype}, head_dim {head_dim}): {'; '.join(problems)}; allowed: "
+            "a window that every block divides, e.g. window_size=128 with chunk_size=4 "
+            "(or model.attention_impl=torch)"
+        )
+
+
+def _empty_rfa_backward(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``triton_eva_agg_bwd`` that takes ``rfa_k = rfa_v = None`` (no compressed chunk yet: a
+    row no longer than one window): the remote asserts on ``rfa_k.stride(-1)`` even then, so
+    zero-length RFA tensors are passed instead (its kernels skip them: ``empty_rfa_kv=1``)."""
+
+    @functools.wraps(original)
+    def backward(
+        do: Any, q: Any, k: Any, v: Any, rfa_k: Any, rfa_v: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        if rfa_k is None and rfa_v is None:
+            rfa_k = rfa_v = q.new_empty(q.shape[0], q.shape[1], 0, q.shape[-1])  # (B, h, 0, hd)
+        return original(do, q, k, v, rfa_k, rfa_v, *args, **kwargs)
+
+    return backward
+
+
+def _on_interpreter(
+    original: Callable[..., Any], capability: tuple[int, int]
+) -> Callable[..., Any]:
+    """A host wrapper run with :func:`_kernels_see_gpu` for the duration of the call."""
+
+    @functools.wraps(original)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with _kernels_see_gpu(capability, cpu_tensors=True):
+            return original(*args, **kwargs)
+
+    return call
+
+
+def prepare_eva_kernels(
+    model_module: ModuleType,
+    config: Any,
+    dtype: torch.dtype,
+    run_device: str | torch.device,
+) -> dict[str, Any]:
+    """Readies EvaByte's remote kernels for a triton-path model (in place, idempotent).
+
+    1. Checks the kernels' interface (:data:`KERNEL_INTERFACE`; :class:`KernelInterfaceError`).
+    2. Refuses an EVA window / chunk the blocks of the run device's GPU (the interpreter: of
+       :func:`kernel_capability`) compute wrongly (:func:`check_kernel_blocks`).
+    3. Wraps ``triton_eva_agg_bwd`` so that a row no longer than one window (no RFA yet) has
+       a backward (:func:`_empty_rfa_backward`; on GPUs too).
+    4. On a CPU (triton's interpreter): every host wrapper runs with
+       :func:`_kernels_see_gpu` for the duration of its call.
+
+    Every module of the remote package holding a wrapper gets the wrapped one.
+
+    Returns:
+        ``{"interpreter": bool, "capability": (major, minor) | None, "blocks": {mode: (M, N)}}``
+        (also stored as the model module's ``__mtpc_kernels__``).
+    """
+    package = model_module.__name__.rpartition(".")[0]
+    modules = _kernel_modules(package)
+    interpreter = torch.device(run_device).type != "cuda"
+    capability: tuple[int, int] | None
+    if interpreter:
+        capability = kernel_capability()
+    elif torch.cuda.is_available():
+        capability = tuple(torch.cuda.get_device_capability(torch.device(run_device)))  # type: ignore[assignment]
+    else:  # a GPU run prepared on a machine without one: its blocks are checked where it runs
+        capability = None
+    head_dim = int(config.hidden_size) // int(config.num_attention_heads)
+    blocks = {}
+    if capability is not None:
+        blocks = kernel_blocks(modules["eva_agg_kernel"], dtype, head_dim, capability)
+        check_kernel_blocks(
+            int(config.window_size), int(config.chunk_size), blocks, capability, dtype, head_dim
+        )
+    wrapped: dict[int, Callable[..., Any]] = {}
+    for short, functions in KERNEL_INTERFACE.items():
+        module = modules[short]
+        for name in functions:
+            if name == "_get_config":
+                continue
+            current = getattr(module, name)
+            original = getattr(current, "__mtpc_original__", current)
+            new = _empty_rfa_backward(original) if name == "triton_eva_agg_bwd" else original
+            if interpreter:
+                assert capability is not None
+                new = _on_interpreter(new, capability)
+            if new is not original:
+                setattr(new, "__mtpc_original__", original)  # noqa: B010
+            wrapped[id(current)] = wrapped[id(original)] = new
+    for name in [n for n in sys.modules if n.startswith(package + ".")]:
+        module = sys.modules[name]
+        for attr, value in list(vars(module).items()):
+            if callable(value) and id(value) in wrapped:
+                setattr(module, attr, wrapped[id(value)])
+    info = {"interpreter": interpreter, "capability": capability, "blocks": blocks}
+    model_module.__mtpc_kernels__ = info  # type: ignore[attr-defined]
+    return info
+
+
+def kernels_interpreted(model_module: ModuleType) -> bool | None:
+    """Whether the remote kernels were imported under triton's interpreter (``None``: unknown:
+    the package has no kernel module with a triton function)."""
+    package = model_module.__name__.rpartition(".")[0]
+    module = sys.modules.get(f"{package}.eva_agg_kernel")
+    for value in vars(module).values() if module is not None else ():
+        fn = value
+        while fn is not None and hasattr(fn, "fn") and type(fn).__name__ != "InterpretedFunction":
+            fn = fn.fn
+        if type(fn).__name__ == "InterpretedFunction":
+            return True
+        if type(fn).__name__ == "JITFunction":
+            return False
+    return None
+
+
 # ------------------------------------------------------------------------ loader ----
 def load_remote_causal_lm(
     name: str,
@@ -524,13 +861,14 @@ def load_remote_causal_lm(
     install_removed_module_shims()
     optional = OPTIONAL_PACKAGES.get(name, frozenset())
     runs_on = run_device or device
-    impl = resolve_attention_impl(attention_impl, runs_on) if name == "evabyte" else None
+    impl = resolve_attention_impl(attention_impl, runs_on, dtype) if name == "evabyte" else None
     blocked = frozenset({"triton"}) if impl == "torch" else frozenset()
     if impl is not None:
+        on_cpu = impl == "triton" and torch.device(runs_on).type != "cuda"
         log.info(
-            "%s: EVA attention path %r (model.attention_impl=%s, device=%s, triton %s%s)",
-            label, impl, attention_impl, runs_on,
-            "installed" if triton_available() else "not installed",
+            "%s: EVA attention path %r%s (model.attention_impl=%s, device=%s, triton %s%s)",
+            label, impl, " on triton's CPU interpreter (TRITON_INTERPRET=1)" if on_cpu else "",
+            attention_impl, runs_on, "installed" if triton_available() else "not installed",
             f"; loaded on {device}" if str(runs_on) != str(device) else "",
         )  # fmt: skip
     try:
@@ -544,9 +882,11 @@ def load_remote_causal_lm(
                 )
             model_cls = get_class_from_dynamic_module(class_ref, path, revision=revision)
             module = sys.modules[model_cls.__module__]
-            if impl is not None and bool(getattr(module, "USE_TRITON_IMPL", False)) != (
-                impl == "triton"
-            ):  # imported earlier with the other path: import it again
+            interpret = impl == "triton" and torch.device(runs_on).type != "cuda"
+            if impl is not None and (
+                bool(getattr(module, "USE_TRITON_IMPL", False)) != (impl == "triton")
+                or (impl == "triton" and kernels_interpreted(module) not in (None, interpret))
+            ):  # imported earlier with the other path (or interpreter mode): import it again
                 _forget_remote_package(model_cls.__module__, keep=type(config).__module__)
                 model_cls = get_class_from_dynamic_module(class_ref, path, revision=revision)
                 module = sys.modules[model_cls.__module__]
@@ -556,6 +896,17 @@ def load_remote_causal_lm(
         raise TargetLoadError(f"{label}: its remote modelling code {what}") from error
     patch_remote_config(config, name)
     patch_remote_module(module)
+    if impl == "triton":
+        kernels = prepare_eva_kernels(module, config, dtype, runs_on)
+        log.info(
+            "%s: EVA triton kernels %s, blocks %s",
+            label,
+            "under triton's CPU interpreter (the blocks of a GPU of capability "
+            f"{kernels['capability']})"
+            if kernels["interpreter"]
+            else "on the GPU",
+            kernels["blocks"] or "checked on the GPU",
+        )
     model: Any = model_cls.from_pretrained(path, config=config, revision=revision, dtype=dtype)  # type: ignore[attr-defined]
     replaced = restore_non_persistent_buffers(model, dtype)
     log.info("%s: rebuilt non-persistent buffers %s", label, replaced)

@@ -219,6 +219,16 @@ class EvaByteBackbone(Backbone):
         super().__init__(hf_model, "evabyte", "evabyte", source)
         self.remote = sys.modules[type(self.inner).__module__]
         self.use_triton = bool(getattr(self.remote, "USE_TRITON_IMPL", False))
+        kernels = getattr(self.remote, "__mtpc_kernels__", None) or {}
+        self.attention_path = (
+            "torch (eva_pt_ref.py)"
+            if not self.use_triton
+            else "triton (CPU interpreter, the blocks of a GPU of capability "
+            f"{'.'.join(map(str, kernels['capability']))})"
+            if kernels.get("interpreter")
+            else "triton"
+        )
+        """The EVA attention path the layers run (reported by scripts/check_gpu.py)."""
         self.num_pred_heads = int(getattr(config, "num_pred_heads", 1) or 1)
         self.cache_batch_size = cache_batch_size
         self.window_size = int(config.window_size)
