@@ -228,7 +228,8 @@ def build_prompt_sets(
         or longest_prompt(q, codec, max_new_tokens) <= max_prompt_length
     ]
     if len(fit) < len(questions):
-        left = [q.id for q in questions if q not in fit]
+        kept = {q.id for q in fit}
+        left = [q.id for q in questions if q.id not in kept]
         logger.warning(
             "prompts=spec_bench: %d of %d questions left out, a turn's prompt could exceed "
             "%s ids (the target's context - max_new_tokens - window, or max_prompt_length): "
@@ -242,12 +243,12 @@ def build_prompt_sets(
         )
     if per_category is not None:
         count: dict[str, int] = {}
-        kept = []
+        chosen = []
         for q in fit:
             count[q.category] = count.get(q.category, 0) + 1
             if count[q.category] <= per_category:
-                kept.append(q)
-        fit = kept
+                chosen.append(q)
+        fit = chosen
     if num_prompts is not None:
         if num_prompts > len(fit):
             raise SpecBenchError(

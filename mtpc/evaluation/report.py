@@ -378,7 +378,9 @@ def title_of(manifest: Mapping[str, Any], rows: Sequence[Mapping[str, Any]] = ()
     s = manifest["settings"]
     prompts, unit = s.get("num_prompts"), "prompts"
     if (manifest.get("data") or {}).get("prompts") == "spec_bench":
-        prompts = prompts or manifest["data"].get("questions")
+        sets = max(1, int(s.get("num_prompt_sets") or 1))
+        decoded = max((r.get("prompts", 0) for r in rows), default=0) // sets
+        prompts = f"{decoded} of {manifest['data'].get('questions')}"
         unit = "Spec-Bench questions (every turn)"
     title = (
         f"{'greedy' if s.get('greedy', True) else 'sampling'} | policy={s.get('policy')} | "
@@ -394,12 +396,14 @@ def title_of(manifest: Mapping[str, Any], rows: Sequence[Mapping[str, Any]] = ()
     return title + " | mu_acc counts the kept correction/bonus token"
 
 
-def spec_bench_title(manifest: Mapping[str, Any]) -> str:
-    """The Spec-Bench table's title: the file, its fingerprint and the selection."""
+def spec_bench_title(manifest: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> str:
+    """The Spec-Bench table's title: the file, its fingerprint, the selection and how many
+    questions were decoded (fewer: left out as too long for the context, or num_prompts)."""
     data, s = manifest["data"], manifest["settings"]
+    decoded = max((r["questions"] for r in rows if r["task"] == "overall"), default=0)
     title = (
         f"Spec-Bench {data.get('file')} (sha256 {str(data.get('sha256'))[:12]}): "
-        f"{data.get('questions')} questions selected"
+        f"{decoded} of {data.get('questions')} selected questions decoded"
     )
     for key in ("categories", "per_category", "turns"):
         if data.get(key) is not None:
@@ -458,7 +462,7 @@ def report_folders(
         source_rows, "per source (cycles of every set pooled)", SOURCE_COLUMNS
     )
     spec_table = (
-        format_table(spec_rows, spec_bench_title(first), SPEC_BENCH_COLUMNS)
+        format_table(spec_rows, spec_bench_title(first, spec_rows), SPEC_BENCH_COLUMNS)
         + "\n"
         + SPEC_BENCH_NOTE
         if spec_rows
