@@ -248,6 +248,20 @@ class EvaByteBackbone(Backbone):
         logits = super().stp_logits(features)
         return logits.float() if getattr(self.hf_model.config, "fp32_logits", False) else logits
 
+    @torch.no_grad()
+    def reference_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """STP logits of the remote model's own forward (B, T) -> (B, T, V), run in eval mode:
+        in training mode its cache-free path is taken, and ``eva_pt_ref.py`` (4d019e0 and
+        later) raises ``UnboundLocalError`` there (``prev_causal_mask``); our training runs the
+        cached path (:meth:`_run_remote`) and never reaches it."""
+        modes = [(module, module.training) for module in self.hf_model.modules()]
+        self.hf_model.eval()
+        try:
+            return super().reference_logits(ids)
+        finally:
+            for module, training in modes:
+                module.training = training
+
     def one_pass_span(self, length: int, count: int) -> int:
         """New positions after ``length`` cached ones that one pass verifies exactly: up to the
         end of the current EVA window (``multi_byte_generate``'s trim)."""
