@@ -188,7 +188,7 @@ def _checkpoint_file(folder: Path, step: int | None) -> tuple[Path, int]:
     return found[step], step
 
 
-def _load_state(file: Path) -> tuple[dict[str, Any], int | None]:
+def _load_state(file: Path) -> dict[str, Any]:
     try:
         ckpt = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as err:  # a truncated or foreign file: torch's error names no fix
@@ -202,8 +202,7 @@ def _load_state(file: Path) -> tuple[dict[str, Any], int | None]:
         for prefix in STRIPPED_PREFIXES:
             key = key.removeprefix(prefix)
         state[key] = value
-    step = ckpt.get("global_step")
-    return state, step if isinstance(step, int) else None
+    return state
 
 
 def _check_head_config(config: Mapping[str, Any]) -> None:
@@ -382,7 +381,7 @@ def read_paper_draft(folder: str | Path, step: int | None = None) -> PaperDraft:
     kind, n, r = _family(config)
     _check_head_config(config)
     file, step = _checkpoint_file(folder, step)
-    state, _ = _load_state(file)
+    state = _load_state(file)
 
     sums: dict[int, Tensor] = {}
     categorical: Tensor | None = None

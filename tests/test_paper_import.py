@@ -240,6 +240,7 @@ def test_cli_refuses_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 
 # -------------------------------------------------------------------------- end to end ----
+@pytest.mark.slow  # 5 s: the bundled target, one evaluation
 def test_eval_runs_on_an_imported_draft_of_the_bundled_tiny_target(tmp_path: Path) -> None:
     """The embedded default: a draft of the bundled target in their format, imported by the
     CLI, evaluated by eval's evaluate(): greedy output equals AR's."""
