@@ -408,6 +408,11 @@ def read_paper_draft(folder: str | Path, step: int | None = None) -> PaperDraft:
                 categorical = value
             elif m:
                 sums[int(m.group(1))] = value
+            elif key == "mt_head._norm.weight":
+                raise PaperImportError(
+                    f"checkpoint key {key}: this version of their head normalises the features "
+                    "again (an RMSNorm before the projections), which our head does not"
+                )
             elif kind == "hmm":
                 raise PaperImportError(
                     f"checkpoint key {key}: an HMM draft with keys beyond the linear "

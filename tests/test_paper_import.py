@@ -187,8 +187,10 @@ def _refused(tmp_path: Path, match: str, *args: object, **kwargs: object) -> Non
 
 
 def test_unknown_head_key_is_refused(tmp_path: Path) -> None:
-    _refused(tmp_path, r"mt_head\._norm\.weight", "cp", 8, 2, V, D,
+    _refused(tmp_path, r"mt_head\._norm\.weight.*RMSNorm", "cp", 8, 2, V, D,
              state_over={"mt_head._norm.weight": torch.ones(D)})  # fmt: skip
+    _refused(tmp_path, r"mt_head\._sum_weights_heads\.0\.head\.mlp", "cp", 8, 2, V, D,
+             state_over={"mt_head._sum_weights_heads.0.head.mlp.0.weight": torch.ones(1)})  # fmt: skip
 
 
 def test_hmm_with_a_bias_key_is_refused(tmp_path: Path) -> None:
