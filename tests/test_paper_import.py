@@ -260,3 +260,39 @@ def test_eval_runs_on_an_imported_draft_of_the_bundled_tiny_target(tmp_path: Pat
     res = evaluate(eval_cfg(tmp_path, draft=[str(out)], num_prompts=2, num_prompt_sets=1))
     rows = res["rows"]
     assert len(rows) == 2 and rows[1]["mu_acc"] >= 1.0
+
+
+def test_the_last_checkpoint_is_read_unless_a_step_is_given(tmp_path: Path) -> None:
+    folder = write_paper_draft(tmp_path / "paper", "cp", 8, 2, V, D, step=100, seed=1)
+    write_paper_draft(folder, "cp", 8, 2, V, D, step=1200, seed=2)
+    last, first = read_paper_draft(folder), read_paper_draft(folder, step=100)
+    assert (last.step, first.step) == (1200, 100)
+    assert not torch.equal(last.categorical, first.categorical)
+    with pytest.raises(
+        PaperImportError, match=r"step=5 has no model@5\.pt .*allowed: \[100, 1200\]"
+    ):
+        read_paper_draft(folder, step=5)
+
+
+def test_compiled_model_keys_read_as_plain_ones(tmp_path: Path) -> None:
+    folder = write_paper_draft(tmp_path / "paper", "btree", 8, 2, V, D)
+    ckpt = torch.load(folder / "model@1200.pt", weights_only=True)
+    plain = read_paper_draft(folder)
+    ckpt["model_state_dict"] = {f"_orig_mod.{k}": v for k, v in ckpt["model_state_dict"].items()}
+    torch.save(ckpt, folder / "model@1200.pt")
+    compiled = read_paper_draft(folder)
+    assert torch.equal(plain.categorical, compiled.categorical)
+    assert compiled.sum_scopes == plain.sum_scopes
+
+
+def test_a_draft_that_does_not_fit_the_target_is_refused_in_one_line(tmp_path: Path) -> None:
+    hf = tiny_llama(4).eval()
+    folder = write_paper_draft(tmp_path / "a", "cp", 8, 2, 320, D)  # d = 6, the target's 32
+    with pytest.raises(PaperImportError, match=r"V=320, d=6 but the target has V=320, d=32"):
+        import_paper_draft(folder, tmp_path / "out", target=hf)
+    folder = write_paper_draft(
+        tmp_path / "b", "cp", 8, 2, 320, 32, hf_model=hf, lora_layers=[1, 2]
+    )  # not the last k layers of 4
+    with pytest.raises(PaperImportError, match=r"LoRA on layers \[1, 2\].*\[2, 3\]") as err:
+        import_paper_draft(folder, tmp_path / "out", target=hf)
+    assert "\n" not in str(err.value)
