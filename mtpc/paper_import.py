@@ -27,8 +27,9 @@ the paper's alpha, and writes our draft format (``mtpc.export.save_draft``) with
 weights fingerprint and where the draft came from (``config.json`` field ``imported``).
 
 What cannot be mapped exactly is refused in one line (:class:`PaperImportError`), before
-the LM loads: an unknown ``mt_head`` key (an MLP or transformer expander, a norm, the HMM's
-bias of paper App. E, whose form the released head code does not show), ``n_repetition > 1``,
+the LM loads: an unknown ``mt_head`` key (an MLP or transformer expander, a norm), an
+identity-initialised HMM (``init_hmm_identity=true`` or any extra key: the bias of paper App. E,
+whose form the released head code does not show), ``n_repetition > 1``,
 a BTree whose halves differ from ours (their split is ``round(len / 2)``, half to even; ours
 gives the left half the extra position: they differ at lengths 5, 9, 13, ...; BTree imports
 need n a power of two), the random
@@ -380,6 +381,13 @@ def read_paper_draft(folder: str | Path, step: int | None = None) -> PaperDraft:
     config = _read_config(folder)
     kind, n, r = _family(config)
     _check_head_config(config)
+    if kind == "hmm" and _field(config, "mt_head.hyperparameters.init_hmm_identity", False):
+        raise PaperImportError(
+            f"{CONFIG_FILE}: mt_head.hyperparameters.init_hmm_identity=true: their "
+            "identity-initialised HMM adds a bias term (paper App. E) whose form (learned or "
+            "fixed, where it is added) the released head code does not show, so it cannot be "
+            "imported exactly; allowed: false"
+        )
     file, step = _checkpoint_file(folder, step)
     state = _load_state(file)
 

@@ -79,7 +79,7 @@ def _their_config(kind: str, n: int, r: int) -> dict[str, Any]:
         "mt_head": {"name": "linear-evabyte", "hyperparameters": {
             "type": "evabyte", "n_embd": D, "transformer_n_head": 1, "transformer_n_layer": 0,
             "expander_type": "linear", "expander_n_layer": 1, "freeze_vocab_unembedding": False,
-            "share_sum_weights": False, "contextual_hmm_weights": True, "init_hmm_identity": True,
+            "share_sum_weights": False, "contextual_hmm_weights": True, "init_hmm_identity": False,
         }},
         "adaptor": {"name": "none", "hyperparameters": {}},
         "lm": {"name": "check", "n_embd": D, "model": {"from_huggingface": "check/none"}},

@@ -167,7 +167,8 @@ def paper_config(
                 "type": "evabyte", "n_embd": d, "transformer_n_head": 4,
                 "transformer_n_layer": 0, "expander_type": "linear", "expander_n_layer": 1,
                 "freeze_vocab_unembedding": False, "share_sum_weights": False,
-                "contextual_hmm_weights": True, "init_hmm_identity": True,
+                "contextual_hmm_weights": True,
+                "init_hmm_identity": False,  # true: an HMM bias of unknown form (refused)
             },
         },
         "adaptor": adaptor,

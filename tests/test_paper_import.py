@@ -198,6 +198,11 @@ def test_hmm_with_a_bias_key_is_refused(tmp_path: Path) -> None:
              state_over={"mt_head._sum_weights_heads.0.head.bias": torch.zeros(1, 2, 2)})  # fmt: skip
 
 
+def test_identity_initialised_hmm_is_refused(tmp_path: Path) -> None:
+    _refused(tmp_path, r"init_hmm_identity=true", "hmm", 8, 2, V, D,
+             config_over={"mt_head.hyperparameters.init_hmm_identity": True})  # fmt: skip
+
+
 def test_repetitions_are_refused(tmp_path: Path) -> None:
     _refused(tmp_path, r"circuit\.n_repetition=2", "btree", 8, 2, V, D,
              config_over={"circuit.n_repetition": 2})  # fmt: skip
