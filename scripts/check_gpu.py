@@ -568,7 +568,8 @@ def check_train_two_process(
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line, with ``dtype`` defaulted for the device."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     parser.add_argument(
@@ -590,6 +591,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.evabyte_code is not None:
         args.evabyte_code = Path(args.evabyte_code)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
     if interpreter_mode(args):  # before triton (and the remote kernels) are imported
         os.environ["TRITON_INTERPRET"] = "1"
     report = Report()
