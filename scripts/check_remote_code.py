@@ -36,6 +36,14 @@ view of ``mtpc.backbones.compat`` (rope_scaling, missing keys), which it therefo
     python scripts/check_remote_code.py llama3_byte <dir with tokenkit/hf/*.py> --rope default
 
 Exit status 0 when every check passes; the report is printed as JSON.
+
+``--save DIR`` only writes the tiny random checkpoint to ``DIR`` (no checks), with EVA sizes
+from ``--window-size`` / ``--chunk-size`` (EvaByte): a ``model.path=DIR`` for ``train.py`` /
+``eval.py``, e.g. EvaByte's triton kernels on a CPU (docs/TRAINING.md, "EvaByte's kernels
+on a CPU"):
+
+    python scripts/check_remote_code.py evabyte <dir with evabyte_hf/*.py> --save /tmp/eva-tiny \
+        --window-size 128 --chunk-size 4
 """
 
 from __future__ import annotations
@@ -371,9 +379,33 @@ def main() -> int:
         "evabyte -> default (null), llama3_byte -> llama3)",
     )
     parser.add_argument("--steps", type=int, default=24, help="new ids per greedy comparison")
+    parser.add_argument(
+        "--save",
+        type=Path,
+        default=None,
+        help="only write the tiny checkpoint to this directory (no checks)",
+    )
+    parser.add_argument("--window-size", type=int, default=None, help="EvaByte's EVA window")
+    parser.add_argument("--chunk-size", type=int, default=None, help="EvaByte's EVA chunk")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rope = args.rope or ("default" if args.kind == "evabyte" else "llama3")
+    if args.save is not None:
+        sizes = {"window_size": args.window_size, "chunk_size": args.chunk_size}
+        overrides = {k: v for k, v in sizes.items() if v is not None}
+        if overrides and args.kind != "evabyte":
+            parser.error("--window-size / --chunk-size are EvaByte's (kind evabyte)")
+        if args.kind == "evabyte":  # room for rows past a window of the largest size asked
+            overrides["max_position_embeddings"] = 4 * max(overrides.get("window_size", 16), 128)
+        if args.save.exists():
+            parser.error(f"--save {args.save} exists; allowed: a path that does not exist yet")
+        with tempfile.TemporaryDirectory() as tmp:
+            folder, _ = write_checkpoint(
+                args.kind, args.code.resolve(), rope, Path(tmp), **overrides
+            )
+            shutil.copytree(folder, args.save)
+        print(f"wrote {args.save}")
+        return 0
     report = check(args.kind, args.code.resolve(), rope, args.steps)
     print(json.dumps(report, indent=1))
     return 0 if report["ok"] else 1

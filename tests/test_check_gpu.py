@@ -1,8 +1,10 @@
 """scripts/check_gpu.py in its CPU mode: every check prints its line, a broken one FAILs.
 
-The script runs the GPU self-check's checks on the bundled tiny target (and the tiny
-EvaByte of the real remote code when ``MTPC_EVABYTE_CODE`` names it); on CPU the triton
-check and the two-process training (no second GPU) are SKIPs.
+The script runs the GPU self-check's checks on the bundled tiny target and, when
+``MTPC_EVABYTE_CODE`` names EvaByte's real remote code, on a tiny EvaByte of it through
+triton's CPU interpreter (its kernels, float32); without it the EvaByte lines and the
+two-process training (no second GPU) are SKIPs. No check can abort the script: a crash is
+a FAIL line.
 """
 
 from __future__ import annotations
@@ -35,14 +37,17 @@ def _lines(output: str) -> dict[str, str]:
 @pytest.mark.slow
 def test_cpu_mode_passes_every_check_it_can_run(tmp_path: Path) -> None:
     env = {**os.environ, "PROJECT_ROOT": str(tmp_path), "MTPC_CACHE": str(tmp_path / "c")}
+    env.pop("MTPC_EVABYTE_CODE", None)
     result = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu"], env=env,
                             cwd=tmp_path, capture_output=True, text=True)  # fmt: skip
     lines = _lines(result.stdout)
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
-    for name in ("device", "one_pass_verify[tiny]", "greedy_spec_equals_ar[tiny]",
+    for name in ("device", "load[tiny]", "one_pass_verify[tiny]", "greedy_spec_equals_ar[tiny]",
                  "ar_vs_hf_generate[tiny]", "train[single]"):  # fmt: skip
         assert lines.get(name) == "PASS", (name, result.stdout)
-    assert lines["eva_triton_vs_torch"] == "SKIP" and lines["train[ddp]"] == "SKIP"
+    for name in ("load[evabyte-tiny]", "eva_triton_vs_torch", "eva_train_triton_vs_torch",
+                 "train[ddp]"):  # fmt: skip
+        assert lines[name] == "SKIP", (name, result.stdout)
     train = next(line for line in result.stdout.splitlines() if "train[single]" in line)
     for word in ("attention", "['float32']", "every trainable tensor moved", "peak", "step ms",
                  "trained weights only"):  # fmt: skip
@@ -72,6 +77,7 @@ def test_broken_conditions_fail_and_exit_non_zero(
             result.tokens[-1] = (result.tokens[-1] + 1) % 256
         return result
 
+    monkeypatch.delenv("MTPC_EVABYTE_CODE", raising=False)
     monkeypatch.setattr(mtpc, "generate", lossy)
     monkeypatch.setattr(module, "upcast_trainable", lambda model: [])
     monkeypatch.setenv("MTPC_CACHE", str(tmp_path / "c"))
@@ -84,3 +90,59 @@ def test_broken_conditions_fail_and_exit_non_zero(
     assert lines["ar_vs_hf_generate[tiny]"] == "FAIL", output
     assert lines["train[single]"] == "FAIL", output  # bf16 LoRA weights
     assert lines["one_pass_verify[tiny]"] == "PASS", output
+
+
+@pytest.mark.slow
+def test_a_check_that_crashes_is_a_fail_line_and_the_rest_still_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Building a target ran outside the reporter: one crash stopped the script."""
+    script = _script()
+
+    def broken(*_: Any, **__: Any) -> Any:
+        raise RuntimeError("the target cannot be built")
+
+    monkeypatch.delenv("MTPC_EVABYTE_CODE", raising=False)
+    monkeypatch.setattr(script, "draft_model", broken)
+    monkeypatch.setenv("MTPC_CACHE", str(tmp_path / "c"))
+    monkeypatch.chdir(tmp_path)
+    code = script.main(["--device", "cpu"])
+    output = capsys.readouterr().out
+    lines = _lines(output)
+    assert code == 1, output
+    assert lines["load[tiny]"] == "FAIL" and "the target cannot be built" in output
+    assert lines["train[single]"] == "PASS", output  # later checks still ran
+    assert "one_pass_verify[tiny]" not in lines  # nothing to verify without the target
+
+
+EVABYTE_CODE = os.environ.get("MTPC_EVABYTE_CODE")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not EVABYTE_CODE or importlib.util.find_spec("triton") is None,
+    reason="set MTPC_EVABYTE_CODE=<dir with evabyte_hf/*.py> (EvaByte's real remote code, "
+    "never committed) and install triton to run its kernels through the interpreter",
+)
+def test_cpu_mode_runs_evabytes_kernels_through_the_interpreter_and_a_broken_one_fails(
+    tmp_path: Path,
+) -> None:
+    env = {**os.environ, "PROJECT_ROOT": str(tmp_path), "MTPC_CACHE": str(tmp_path / "c")}
+    env.pop("TRITON_INTERPRET", None)  # the script sets it itself
+    command = [sys.executable, str(SCRIPT), "--device", "cpu", "--evabyte-code", str(EVABYTE_CODE)]
+    good = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True)
+    lines = _lines(good.stdout)
+    assert good.returncode == 0, good.stdout + good.stderr[-2000:]
+    for name in ("load[evabyte-tiny]", "eva_triton_vs_torch", "eva_train_triton_vs_torch",
+                 "one_pass_verify[evabyte-tiny]", "greedy_spec_equals_ar[evabyte-tiny]"):  # fmt: skip
+        assert lines.get(name) == "PASS", (name, good.stdout)
+    load = next(line for line in good.stdout.splitlines() if "load[evabyte-tiny]" in line)
+    assert "triton (CPU interpreter" in load  # the attention path actually used
+
+    broken = subprocess.run([*command, "--break-kernel"], env=env, cwd=tmp_path,
+                            capture_output=True, text=True)  # fmt: skip
+    lines = _lines(broken.stdout)
+    assert broken.returncode == 1, broken.stdout
+    assert "Traceback" not in broken.stdout + broken.stderr
+    assert lines["eva_triton_vs_torch"] == "FAIL" and lines["eva_train_triton_vs_torch"] == "FAIL"
+    assert "fwd BLOCK_M=256 does not divide window_size=128" in broken.stdout

@@ -902,7 +902,7 @@ def load_remote_causal_lm(
             "%s: EVA triton kernels %s, blocks %s",
             label,
             "under triton's CPU interpreter (the blocks of a GPU of capability "
-            f"{kernels['capability']})"
+            f"{'.'.join(map(str, kernels['capability'] or ()))})"
             if kernels["interpreter"]
             else "on the GPU",
             kernels["blocks"] or "checked on the GPU",
