@@ -68,8 +68,8 @@ def check_eval_fields(cfg: Any) -> None:
             )
 
     for field in ("suppress_eos", "max_throughput", "english_only", "plots", "progress",
-                  "warmup_window"):  # fmt: skip
-        choice(field, (True, False), optional=field in ("progress", "warmup_window"))
+                  "warmup_window", "interleave"):  # fmt: skip
+        choice(field, (True, False), optional=field in ("progress", "warmup_window", "interleave"))
     choice("resume", RESUME, optional=True)
     greedy = get_field(cfg, "greedy", True)
     try:

@@ -22,6 +22,7 @@ from mtpc.evaluation.records import (
     RecordsError,
     RecordStore,
 )
+from mtpc.evaluation.statistics import training_config
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,8 @@ def build_manifest(cfg: Any, drafts: Sequence[Path], baselines: Sequence[Path]) 
     )
     if get_field(cfg, "drafter") is not None:  # drafter=hetero: another drafter, another folder
         settings["drafter"] = plain(get_field(cfg, "drafter"))
+    if get_field(cfg, "interleave", False):  # another timing protocol, another folder
+        settings["interleave"] = True
     if isinstance(settings["sources"], str):  # sources=a is sources=[a]
         settings["sources"] = [settings["sources"]]
     manifest = {
@@ -94,6 +97,9 @@ def build_manifest(cfg: Any, drafts: Sequence[Path], baselines: Sequence[Path]) 
         "device_name": device_name(device),
         "sessions": [provenance(device, root_dir(cfg))],
     }
+    # each draft's training config (its model card's; outside the identity): report= merges
+    # drafts that differ only in their seed (mtpc.evaluation.statistics.seed_rows)
+    manifest["training"] = {str(p): training_config(p) for p in [*drafts, *baselines]}
     spec = spec_bench_questions(cfg)
     if spec is not None:  # the prompts are the file's (its content, not its path, is the key)
         categories = plain(get_field(cfg, "prompts.categories"))

@@ -24,7 +24,10 @@ Record lines (``type`` first):
   (speculative), and the measurements of :func:`mtpc.evaluation.metrics.prompt_record`;
   a question of several turns (``prompts=spec_bench``) also ``turns``: each turn's
   ``tokens_sha1``, ``prompt_tokens``, ``equal_reference`` and scalar measurements, the
-  record's own measurements pooling them (``mtpc.evaluation.run.decode_prompt``).
+  record's own measurements pooling them (``mtpc.evaluation.run.decode_prompt``);
+  ``interleave=true`` adds ``slot`` (the record's place among its prompt's lanes) and, for a
+  greedy drafting pass decoded before AR on that prompt, ``check_pending`` (its
+  ``equal_reference`` is null; the report compares ``tokens_sha1`` with AR's record).
 * ``pass``: a finished pass of one draft over every prompt: ``draft_path``, ``pass``,
   ``peak_memory_mb``.
 
@@ -228,6 +231,12 @@ def read_manifest(folder: Path) -> dict[str, Any]:
 def record_key(record: Mapping[str, Any]) -> tuple[Any, ...]:
     """What a prompt record measured: (draft path, pass, set, index)."""
     return (record.get("draft_path"), record["pass"], record["set"], record["index"])
+
+
+def turn_hashes(record: Mapping[str, Any]) -> list[str]:
+    """``tokens_sha1`` of each turn of a prompt record (one for a single-turn prompt)."""
+    turns = record.get("turns")
+    return [t["tokens_sha1"] for t in turns] if turns else [record["tokens_sha1"]]
 
 
 class MemoryRecords:

@@ -25,7 +25,18 @@ from mtpc.evaluation.records import (
     hetero_draft_path,
     read_manifest,
     read_records,
+    turn_hashes,
     write_json,
+)
+from mtpc.evaluation.statistics import (
+    PAIRED_COLUMNS,
+    PAIRED_NOTE,
+    SEED_COLUMNS,
+    SEED_NOTE,
+    interval_cell,
+    paired_rows,
+    seed_rows,
+    training_config,
 )
 
 COLUMNS = (
@@ -91,6 +102,8 @@ TIMING = ("mu_lat", "tok_s", "wall_tok_s", "max_tok_s", "speedup_ar", "speedup_b
 
 
 def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
+    if f"{key}_low" in row:  # a paired statistic: its interval
+        return interval_cell(row, key, fmt)
     value = row.get(key)
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
@@ -140,6 +153,32 @@ def _ratios(a: dict[int, dict[str, Any]], b: dict[int, dict[str, Any]], key: str
     return [a[k][key] / b[k]["tok_s"] for k in a if k in b and b[k]["tok_s"] > 0]
 
 
+def resolve_checks(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """``records`` with the greedy check done where decoding left it to the report: a record
+    marked ``check_pending`` (``interleave=true``: its draft ran before AR on that prompt)
+    gets ``equal_reference`` (and its turns') from AR's record of the same prompt; it stays
+    null while AR's is missing."""
+    if not any(r.get("check_pending") for r in records):
+        return list(records)
+    ar = {
+        (r["set"], r["index"]): turn_hashes(r)
+        for r in records
+        if r.get("type") == "prompt" and r["pass"] == "ar" and r.get("draft_path") is None
+    }
+    out: list[Mapping[str, Any]] = []
+    for r in records:
+        ref = ar.get((r["set"], r["index"])) if r.get("check_pending") else None
+        if ref is not None:
+            equal = [j < len(ref) and ref[j] == h for j, h in enumerate(turn_hashes(r))]
+            r = {**r, "equal_reference": all(equal)}
+            if r.get("turns"):
+                r["turns"] = [
+                    {**t, "equal_reference": e} for t, e in zip(r["turns"], equal, strict=True)
+                ]
+        out.append(r)
+    return out
+
+
 def build_report(
     manifest: Mapping[str, Any], records: Sequence[Mapping[str, Any]]
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -159,7 +198,7 @@ def build_report(
     """
     groups: dict[tuple[Any, str], list[Mapping[str, Any]]] = defaultdict(list)
     peaks: dict[Any, float] = {}
-    for r in records:
+    for r in resolve_checks(records):
         if r.get("type") == "prompt":
             groups[(r.get("draft_path"), r["pass"])].append(r)
         elif r.get("type") == "pass" and r.get("peak_memory_mb") is not None:
@@ -184,7 +223,8 @@ def build_report(
                 r["equal_reference"] for r in sd_recs if r.get("equal_reference") is not None
             ]
             row = _row(
-                name, sd, path=d["path"], kind=d["kind"], window=d["window"], rank=d["rank"],
+                name, sd, path=d["path"], **{"pass": pass_name}, kind=d["kind"],
+                window=d["window"], rank=d["rank"],
                 lora_layers=d["lora_layers"], policy=settings.get("policy"),
                 draft_mode=next((r.get("draft_mode") for r in sd_recs), None),
                 baseline=bool(d.get("baseline")) and pass_name == "speculative",
@@ -224,7 +264,7 @@ def spec_bench_report(
 
     if (manifest.get("data") or {}).get("prompts") != "spec_bench":
         return []
-    prompts = [r for r in records if r.get("type") == "prompt"]
+    prompts = [r for r in resolve_checks(records) if r.get("type") == "prompt"]
     categories = list(dict.fromkeys(r["source"] for r in prompts))
     tasks = [(c, {c}) for c in categories]
     mt = [c for c in categories if c in MT_BENCH_CATEGORIES]
@@ -373,6 +413,24 @@ def _baseline_speedups(rows: list[dict[str, Any]]) -> None:
         row["speedup_baseline"], row["speedup_baseline_std"] = mean_std(_ratios(per, ref, "tok_s"))
 
 
+def paired_title(paired: Sequence[Mapping[str, Any]]) -> str:
+    """The paired table's title: ``paired vs <reference>`` (each row's ``vs`` when several)."""
+    refs = sorted({str(p["vs"]) for p in paired})
+    return f"paired vs {refs[0]}" if len(refs) == 1 else "paired vs each row's reference (vs)"
+
+
+def trainings(manifests: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Each draft's training config: the one its evaluation recorded in the manifest
+    (``training``), else its model card's if the folder is still there, else None."""
+    out: dict[str, Any] = {}
+    for manifest in manifests:
+        recorded = manifest.get("training") or {}
+        for d in manifest["drafts"]:
+            path = str(d["path"])
+            out[path] = recorded[path] if path in recorded else training_config(path)
+    return out
+
+
 def title_of(manifest: Mapping[str, Any], rows: Sequence[Mapping[str, Any]] = ()) -> str:
     """The table's title line: decoding mode, prompt sets, device (and what is missing)."""
     s = manifest["settings"]
@@ -445,14 +503,30 @@ def report_folders(
     rows: list[dict[str, Any]] = []
     source_rows: list[dict[str, Any]] = []
     spec_rows: list[dict[str, Any]] = []
+    placed: list[tuple[dict[str, Any], int]] = []  # (row, its folder's index)
+    prompts_of: list[dict[tuple[Any, str], list[dict[str, Any]]]] = []  # per folder
     for index, (folder, manifest) in enumerate(zip(folders, manifests, strict=True)):
         records = read_records(folder)
         folder_rows, folder_sources = build_report(manifest, records)
-        rows += [r for r in folder_rows if index == 0 or r["kind"] != "ar"]
+        placed += [(r, index) for r in folder_rows if index == 0 or r["kind"] != "ar"]
         source_rows += folder_sources
         spec_rows += spec_bench_report(manifest, records, with_ar=index == 0)
-    rows.sort(key=lambda r: bool(r.get("baseline")))  # baselines last (stable)
+        groups: dict[tuple[Any, str], list[dict[str, Any]]] = defaultdict(list)
+        for r in records:
+            if r.get("type") == "prompt":
+                groups[(r.get("draft_path"), r["pass"])].append(r)
+        prompts_of.append(groups)
+    placed.sort(key=lambda p: bool(p[0].get("baseline")))  # baselines last (stable)
+    rows = [r for r, _ in placed]
     _baseline_speedups(rows)
+    where = [i for _, i in placed]
+    paired = paired_rows(
+        rows,
+        [prompts_of[i].get((r.get("path"), str(r.get("pass"))), []) for r, i in placed],
+        [prompts_of[i].get((None, "ar"), []) for i in where],
+        where,
+    )
+    seeds = seed_rows(rows, trainings(manifests), paired)
     first = manifests[0]
     title = title_of(first, rows) + (
         f" | {len(folders)} folders merged" if len(folders) > 1 else ""
@@ -468,12 +542,28 @@ def report_folders(
         if spec_rows
         else ""
     )
+    paired_table = (
+        format_table(paired, paired_title(paired), PAIRED_COLUMNS) + "\n" + PAIRED_NOTE
+        if paired
+        else ""
+    )
+    seed_table = (
+        format_table(seeds, f"over seeds ({len(seeds)} configurations)", SEED_COLUMNS)
+        + "\n"
+        + SEED_NOTE
+        if seeds
+        else ""
+    )
     if echo:
         print(table)
         if source_rows:
             print(source_table)
         if spec_rows:
             print(spec_table)
+        if paired:
+            print(paired_table)
+        if seeds:
+            print(seed_table)
     results: dict[str, Any] = {
         **{k: first.get(k) for k in ("settings", "target", "data", "device_name")},
         "drafts": [d for m in manifests for d in m["drafts"]],
@@ -486,6 +576,10 @@ def report_folders(
     }
     if spec_rows:
         results.update(spec_bench=spec_rows, spec_bench_table=spec_table)
+    if paired:
+        results.update(paired=paired, paired_table=paired_table)
+    if seeds:
+        results.update(seeds=seeds, seeds_table=seed_table)
     results["files"] = write_outputs(results, out_dir, plots=plots)
     return results
 
@@ -510,6 +604,10 @@ def write_outputs(results: dict[str, Any], out_dir: Path, plots: bool = True) ->
     rows = results["rows"]
     _write_csv(Path(files["csv"]), rows)
     _write_csv(Path(files["by_source_csv"]), results.get("by_source", []))
+    for key in ("paired", "seeds"):
+        if results.get(key):
+            files[f"{key}_csv"] = str(out_dir / f"{key}.csv")
+            _write_csv(Path(files[f"{key}_csv"]), results[key])
     if results.get("spec_bench"):
         files["spec_bench_csv"] = str(out_dir / "spec_bench.csv")
         files["spec_bench_md"] = str(out_dir / "spec_bench.md")

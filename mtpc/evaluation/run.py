@@ -56,6 +56,7 @@ from mtpc.evaluation.records import (
     MANIFEST,
     RecordStore,
     expand_folders,
+    turn_hashes,
 )
 from mtpc.evaluation.report import build_report, report_folders
 
@@ -154,12 +155,6 @@ def tokens_sha1(tokens: Sequence[int]) -> str:
     return hashlib.sha1(json.dumps(list(tokens)).encode()).hexdigest()
 
 
-def turn_hashes(record: Mapping[str, Any]) -> list[str]:
-    """``tokens_sha1`` of each turn of a prompt record (one for a single-turn prompt)."""
-    turns = record.get("turns")
-    return [t["tokens_sha1"] for t in turns] if turns else [record["tokens_sha1"]]
-
-
 def decode_prompt(
     model: Any,
     prompt: Any,
@@ -229,6 +224,85 @@ def decode_prompt(
     }  # fmt: skip
 
 
+class Lane:
+    """One draft's decoding pass (or AR's), decoded prompt by prompt into the records.
+
+    :func:`run_pass` runs one lane over every prompt; :func:`run_interleaved` runs several
+    lanes prompt by prompt. Both warm a lane up before its first timed prompt and close it
+    with a ``pass`` record once every prompt is recorded.
+
+    Attributes:
+        model: the loaded draft (its backbone is the target for the ``ar`` pass).
+        draft: the draft's manifest entry; None for the ``ar`` pass.
+        pass_name: a key of :data:`PASSES` or ``tree<B>``.
+        path: the records' ``draft_path`` (None for AR).
+        name: the records' ``draft`` (the row name).
+    """
+
+    def __init__(
+        self, model: Any, cfg: Any, draft: Mapping[str, Any] | None, pass_name: str
+    ) -> None:
+        self.model = model
+        self.draft = draft
+        self.pass_name = pass_name
+        self.path = None if draft is None else draft["path"]
+        self.name = "AR (target)" if draft is None else draft["name"]
+        self.kwargs = {**decode_kwargs(cfg), **pass_overrides(pass_name, cfg)}
+        self.seed = int(get_field(cfg, "seed", 0))
+        self.drafting = pass_name == "speculative" or pass_name.startswith("tree")
+        self.check = self.drafting and bool(self.kwargs["greedy"])  # output == AR's
+        self.codec = get_codec(model.backbone.codec)
+
+    def warm_up(self, prompt_sets: Sequence[Sequence[Any]], cfg: Any) -> None:
+        """``warmup`` untimed runs on each of :func:`warmup_prompts`, with this lane's method."""
+        for w in range(int(get_field(cfg, "warmup", 1))):
+            for ids in warmup_prompts(self.model, prompt_sets, cfg):
+                generate(self.model, ids, seed=self.seed + w, **self.kwargs)
+
+    def decode(
+        self, k: int, i: int, prompt: Any, reference: Sequence[str] | None
+    ) -> dict[str, Any]:
+        """The record of prompt ``i`` of set ``k``, decoded.
+
+        Args:
+            k: the prompt set.
+            i: the prompt's index in it.
+            prompt: the prompt.
+            reference: AR's ``tokens_sha1`` per turn for the greedy check; None when AR has
+                not decoded this prompt yet (interleaved, AR later on this prompt): the
+                record is marked ``check_pending`` and the report checks it against AR's
+                record (``mtpc.evaluation.report.resolve_checks``).
+        """
+        s = self.seed + i + getattr(prompt, "seed_offset", 0)
+        pending = self.check and reference is None
+        fields = decode_prompt(
+            self.model, prompt, self.codec, s, self.kwargs, self.drafting,
+            reference if self.check and not pending else None,
+        )  # fmt: skip
+        return {
+            "type": "prompt", "draft": self.name, "draft_path": self.path,
+            "pass": self.pass_name, "set": k, "index": i, "prompt_id": prompt.id,
+            "source": prompt.source, "seed": s, **fields,
+            **({"check_pending": True} if pending else {}),
+        }  # fmt: skip
+
+    def close(self, store: RecordStore, peak_mb: float | None) -> None:
+        """The ``pass`` record: every prompt of this lane is recorded."""
+        store.append(
+            {"type": "pass", "draft_path": self.path, "pass": self.pass_name,
+             "peak_memory_mb": peak_mb}
+        )  # fmt: skip
+
+
+def ar_references(store: RecordStore) -> dict[tuple[int, int], list[str]]:
+    """AR's ``tokens_sha1`` per turn, by (set, index): the greedy check's reference."""
+    return {
+        (r["set"], r["index"]): turn_hashes(r)
+        for r in store.records
+        if r.get("type") == "prompt" and r["pass"] == "ar"
+    }
+
+
 def run_pass(
     store: RecordStore,
     model: Any,
@@ -251,58 +325,98 @@ def run_pass(
         draft: the draft's manifest entry; None for the ``ar`` pass.
         pass_name: a key of :data:`PASSES`.
     """
-    path = None if draft is None else draft["path"]
-    name = "AR (target)" if draft is None else draft["name"]
-    todo = store.pending(prompt_sets, path, pass_name)
+    lane = Lane(model, cfg, draft, pass_name)
+    todo = store.pending(prompt_sets, lane.path, pass_name)
     if not todo:  # killed between the last prompt and the pass record
-        store.append(
-            {"type": "pass", "draft_path": path, "pass": pass_name, "peak_memory_mb": None}
-        )
+        lane.close(store, None)
         return 0
-    kwargs = {**decode_kwargs(cfg), **pass_overrides(pass_name, cfg)}
-    seed = int(get_field(cfg, "seed", 0))
     device = str(get_field(cfg, "device", "cpu"))
-    reference = {
-        (r["set"], r["index"]): turn_hashes(r)
-        for r in store.records
-        if r.get("type") == "prompt" and r["pass"] == "ar"
-    }
-    drafting = pass_name == "speculative" or pass_name.startswith("tree")
-    check = drafting and kwargs["greedy"]
-    codec = get_codec(model.backbone.codec)
+    reference = ar_references(store)
     sync_memory_reset(device)
-    for w in range(int(get_field(cfg, "warmup", 1))):
-        for ids in warmup_prompts(model, prompt_sets, cfg):
-            generate(model, ids, seed=seed + w, **kwargs)
+    lane.warm_up(prompt_sets, cfg)
     total = sum(len(p) for p in prompt_sets)
     bar = _Progress(
-        bool(get_field(cfg, "progress", True)), total, total - len(todo), f"{name} [{pass_name}]"
-    )
+        bool(get_field(cfg, "progress", True)), total, total - len(todo),
+        f"{lane.name} [{pass_name}]",
+    )  # fmt: skip
     try:
         for k, i, p in todo:
-            s = seed + i + getattr(p, "seed_offset", 0)
-            fields = decode_prompt(
-                model, p, codec, s, kwargs, drafting, reference.get((k, i), []) if check else None
-            )
-            store.append(
-                {"type": "prompt", "draft": name, "draft_path": path, "pass": pass_name,
-                 "set": k, "index": i, "prompt_id": p.id, "source": p.source, "seed": s,
-                 **fields}
-            )  # fmt: skip
+            store.append(lane.decode(k, i, p, reference.get((k, i), [])))
             bar.step(f"set {k + 1}/{len(prompt_sets)}")
     finally:
         bar.close()
-    store.append(
-        {"type": "pass", "draft_path": path, "pass": pass_name,
-         "peak_memory_mb": peak_memory_mb(device)}
-    )  # fmt: skip
+    lane.close(store, peak_memory_mb(device))
     return len(todo)
+
+
+def interleaved_order(lanes: Sequence[Any], position: int) -> list[Any]:
+    """The order of ``lanes`` on the prompt at ``position`` (counted over every set):
+    as given on even positions, reversed on odd ones, so that each lane's mean position in
+    time is the same and a drift of the machine's speed cancels in the ratios."""
+    return list(lanes) if position % 2 == 0 else list(reversed(lanes))
+
+
+def run_interleaved(
+    store: RecordStore, lanes: Sequence[Lane], prompt_sets: Sequence[Sequence[Any]], cfg: Any
+) -> dict[Lane, int]:
+    """Decodes every lane's unrecorded prompts prompt by prompt (``interleave=true``).
+
+    On each prompt the lanes run in :func:`interleaved_order` (AR, d1, d2, ... then the
+    reverse on the next prompt; a record's ``slot`` is its place); each record is appended
+    as soon as it is decoded, so a killed run resumes exactly: what is recorded is never
+    decoded again, a kill loses at most the lane in flight. A greedy drafting lane that runs
+    before AR on a prompt is recorded with ``check_pending`` (the report compares its output
+    with AR's record). Each lane with prompts left is warmed up first (again on resume); the
+    ``pass`` records close the lanes at the end, with the peak memory of the whole run
+    (every lane's model is loaded at once).
+
+    Returns:
+        The number of prompts decoded per lane.
+    """
+    device = str(get_field(cfg, "device", "cpu"))
+    todo = {lane: store.pending(prompt_sets, lane.path, lane.pass_name) for lane in lanes}
+    busy = [lane for lane in lanes if todo[lane]]
+    decoded = {lane: 0 for lane in lanes}
+    if busy:
+        sync_memory_reset(device)
+        for lane in busy:
+            lane.warm_up(prompt_sets, cfg)
+    reference = ar_references(store)
+    missing = {lane: {(k, i) for k, i, _ in todo[lane]} for lane in lanes}
+    total = sum(len(p) for p in prompt_sets) * len(lanes)
+    bar = _Progress(
+        bool(get_field(cfg, "progress", True)), total,
+        total - sum(len(t) for t in todo.values()), "interleaved",
+    )  # fmt: skip
+    position = 0
+    try:
+        for k, prompts in enumerate(prompt_sets):
+            for i, p in enumerate(prompts):
+                for slot, lane in enumerate(interleaved_order(lanes, position)):
+                    if (k, i) not in missing[lane]:
+                        continue
+                    record = lane.decode(k, i, p, reference.get((k, i)))
+                    record["slot"] = slot  # its place among this prompt's lanes
+                    store.append(record)
+                    decoded[lane] += 1
+                    bar.step(f"set {k + 1}/{len(prompt_sets)}")
+                    if lane.pass_name == "ar":
+                        reference[(k, i)] = turn_hashes(record)
+                position += 1
+    finally:
+        bar.close()
+    peak = peak_memory_mb(device) if busy else None
+    for lane in lanes:
+        lane.close(store, peak)
+    return decoded
 
 
 def decode_all(
     cfg: Any, store: RecordStore, drafts: Sequence[Path], baselines: Sequence[Path]
 ) -> list[list[Any]] | None:
-    """Decodes what ``store`` lacks: AR (with the first draft's target), then every draft.
+    """Decodes what ``store`` lacks: AR (with the first draft's target), then every draft,
+    one after the other; with ``interleave=true`` every draft at once, prompt by prompt
+    (:func:`run_interleaved`).
 
     Returns:
         The prompt sets when a model was loaded (None when every record was there).
@@ -319,26 +433,22 @@ def decode_all(
         ["max_throughput"] if get_field(cfg, "max_throughput", True) else []
     )
     passes += [f"tree{b}" for b in tree_budgets(cfg)]
-    prompt_sets: list[list[Any]] | None = None
+    finished = {(r["draft_path"], r["pass"]) for r in store.records if r.get("type") == "pass"}
+    plan = []  # (index, path, entry, the passes it lacks)
     for index, (path, draft) in enumerate(zip([*drafts, *baselines], entries, strict=True)):
         wanted = (["ar"] if index == 0 else []) + passes
-
-        def missing(pass_name: str, draft: Mapping[str, Any] = draft) -> bool:
-            key = None if pass_name == "ar" else draft["path"]
-            return not any(
-                r.get("type") == "pass" and r["pass"] == pass_name and r["draft_path"] == key
-                for r in store.records
-            )
-
-        todo = [p for p in wanted if missing(p)]
+        todo = [p for p in wanted if (None if p == "ar" else draft["path"], p) not in finished]
         if not todo:
             logger.info(
                 "[%d/%d] %s: already recorded in %s (resume=never measures it again in a new "
                 "folder)", index + 1, len(entries), draft["name"], store.folder,
             )  # fmt: skip
-            continue
-        start = time.perf_counter()
-        model = load_for_eval(path, cfg)
+        else:
+            plan.append((index, path, draft, todo))
+    prompt_sets: list[list[Any]] | None = None
+
+    def prompts_for(model: Any) -> list[list[Any]]:
+        nonlocal prompt_sets
         if prompt_sets is None:  # the target's context bounds the prompts
             context = getattr(model.backbone.config, "max_position_embeddings", None)
             limit = get_field(cfg, "max_prompt_length")
@@ -347,17 +457,42 @@ def decode_all(
                 limit = fit if limit is None else min(int(limit), fit)
             prompt_sets = load_prompts(cfg, codec, limit)
             check_prompts(store, prompt_sets)
-        decoded = sum(
-            run_pass(store, model, prompt_sets, cfg, None if p == "ar" else draft, p) for p in todo
-        )
+        return prompt_sets
+
+    def log(index: int, draft: Mapping[str, Any], decoded: int, seconds: float) -> None:
         mine = [r for r in store.records if r.get("draft_path") in (None, draft["path"])]
         rows, _ = build_report({**store.manifest, "drafts": [draft]}, mine)
         row = next(r for r in rows if r["name"] == draft["name"])  # the chain, not a tree row
         logger.info(
             "[%d/%d] %s: %.2f tokens/cycle, %.2fx AR (%d prompts decoded in %.1f s)",
             index + 1, len(entries), draft["name"], row.get("mu_acc", math.nan),
-            row.get("speedup_ar", math.nan), decoded, time.perf_counter() - start,
+            row.get("speedup_ar", math.nan), decoded, seconds,
         )  # fmt: skip
+
+    if get_field(cfg, "interleave", False) and plan:
+        start = time.perf_counter()
+        models = {index: load_for_eval(path, cfg) for index, path, _, _ in plan}
+        lanes = [
+            Lane(models[index], cfg, None if p == "ar" else draft, p)
+            for index, _, draft, todo in plan
+            for p in todo
+        ]
+        decoded = run_interleaved(store, lanes, prompts_for(next(iter(models.values()))), cfg)
+        seconds = time.perf_counter() - start
+        for index, _, draft, _ in plan:
+            mine = [lane for lane in lanes if lane.model is models[index]]
+            log(index, draft, sum(decoded[lane] for lane in mine), seconds)
+        del models, lanes
+        gc.collect()
+        return prompt_sets
+    for index, path, draft, todo in plan:
+        start = time.perf_counter()
+        model = load_for_eval(path, cfg)
+        decoded = sum(
+            run_pass(store, model, prompts_for(model), cfg, None if p == "ar" else draft, p)
+            for p in todo
+        )
+        log(index, draft, decoded, time.perf_counter() - start)
         del model
         gc.collect()
     return prompt_sets

@@ -1,0 +1,437 @@
+"""Uncertainty of comparisons: paired bootstrap intervals over prompts, and merging over seeds.
+
+Every number is a function of the per-prompt records (``mtpc.evaluation.records``), so
+``report=<folder>`` rebuilds it without decoding.
+
+**Paired comparisons** (:func:`paired_rows`). Two drafts evaluated on the same prompts are
+compared prompt by prompt (paired by the record's set, index and prompt id). The statistics
+are the main table's, computed on the prompts both decoded:
+
+* ``delta_mu_acc``: tokens per cycle of the draft minus the reference's, per prompt set
+  (cycles pooled over the set's prompts: Σ new tokens / Σ cycles), averaged over the sets;
+* ``ratio_tok_s``: tok/s of the draft over the reference's, per set (Σ new tokens /
+  Σ cycle seconds, the prefill excluded), averaged over the sets (the table's ``x baseline``);
+* ``speedup_ar``: the same ratio against the AR records of the draft's own folder (the
+  table's ``x AR``).
+
+Their 95 % intervals are percentile intervals of a paired bootstrap: :data:`RESAMPLES`
+resamples, each drawing every set's prompts with replacement (the same draws for both
+sides of a comparison: paired; sets are kept apart: stratified), the statistic recomputed on
+each, the 2.5th and 97.5th percentiles reported. The generator is numpy's PCG64 seeded with
+:data:`SEED` afresh for every comparison, so the intervals are deterministic and every
+comparison uses the same draws (common random numbers). A draft compared with an identical
+one under greedy decoding gives exactly 0 and [0, 0].
+
+**Seeds** (:func:`seed_rows`). Drafts whose training config (recorded in the draft's model
+card; :func:`training_config`) differs only in ``seed`` form one configuration; each
+configuration with several seeds gets one row: the mean ± std over seeds (sample std) of
+each seed's table value (itself the mean over prompt sets) and of its paired difference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mtpc.evaluation.metrics import mean_std
+
+logger = logging.getLogger(__name__)
+
+RESAMPLES = 10_000
+"""Bootstrap resamples of every paired interval."""
+SEED = 0
+"""Seed of the bootstrap's generator (numpy PCG64), the same for every comparison."""
+LEVEL = 0.95
+"""Coverage of the percentile intervals."""
+
+PAIRED_COLUMNS = (
+    ("name", "draft", "{}"),
+    ("vs", "vs", "{}"),
+    ("prompts", "paired prompts", "{}"),
+    ("delta_mu_acc", "Δ tok/cyc [95% CI]", "2f"),
+    ("ratio_tok_s", "x vs tok/s [95% CI]", "3f"),
+    ("speedup_ar", "x AR [95% CI]", "2f"),
+)
+SEED_COLUMNS = (
+    ("name", "configuration", "{}"),
+    ("seeds", "seeds", "{}"),
+    ("drafts", "drafts", "{}"),
+    ("mu_acc", "mu_acc tok/cyc", "2f"),
+    ("mu_acc_drafts", "acc drafts", "2f"),
+    ("tok_s", "tok/s", "1f"),
+    ("speedup_ar", "x AR", "2f"),
+    ("vs", "vs", "{}"),
+    ("delta_mu_acc", "Δ tok/cyc", "2f"),
+    ("ratio_tok_s", "x vs tok/s", "3f"),
+)
+PAIRED_NOTE = (
+    "Paired by prompt (set, index): draft minus / over the reference on the prompts both "
+    "decoded; per set, cycles pooled (Σ tokens / Σ cycles; tok/s: Σ tokens / Σ cycle "
+    f"seconds), mean over sets; [95% CI]: percentile interval of {RESAMPLES} bootstrap "
+    f"resamples of the prompts within each set, the same draws for both sides (seed {SEED})."
+)
+SEED_NOTE = (
+    "Drafts whose training config differs only in seed, merged: mean ± std over seeds (sample "
+    "std) of each seed's value (itself the mean over prompt sets); Δ and x vs: each seed's "
+    "paired comparison with its reference."
+)
+
+SEED_FREE = (
+    "seed",
+    "data.num_workers",
+    "data.cache_dir",
+    "data.pin_memory",
+    "model.device",
+    "trainer.accelerator",
+    "trainer.devices",
+    "trainer.num_nodes",
+    "trainer.strategy",
+    "trainer.enable_progress_bar",
+    "trainer.log_every_n_steps",
+    "trainer.val_check_interval",
+    "trainer.check_val_every_n_epoch",
+    "trainer.limit_val_batches",
+    "trainer.num_sanity_val_steps",
+)
+"""Training fields that may differ between drafts merged over seeds: the seed, and the
+hardware, logging and validation fields that do not shape the trained draft (the budget,
+``trainer.max_steps``, does)."""
+
+
+# ------------------------------------------------------------------------- bootstrap ----
+Pairs = Mapping[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
+"""Per prompt set: (numerator a, denominator a, numerator b, denominator b), one entry per
+paired prompt, in index order."""
+
+
+def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(den > 0, num / np.where(den > 0, den, 1.0), np.nan)
+
+
+def paired_bootstrap(
+    pairs: Pairs,
+    combine: Callable[[np.ndarray, np.ndarray], np.ndarray],
+    resamples: int = RESAMPLES,
+    seed: int = SEED,
+    level: float = LEVEL,
+) -> tuple[float, float, float]:
+    """A statistic of two paired samples and its bootstrap percentile interval.
+
+    Per set k: ``combine(Σ num_a / Σ den_a, Σ num_b / Σ den_b)`` over the set's prompts; the
+    statistic is its mean over sets. Each resample draws every set's prompts with
+    replacement (indices shared by a and b: paired).
+
+    Args:
+        pairs: per set, the four per-prompt arrays (:data:`Pairs`).
+        combine: ``np.subtract`` (a difference) or ``np.divide`` (a ratio).
+        resamples: bootstrap resamples.
+        seed: the generator's seed (a fresh PCG64 per call: deterministic).
+        level: the interval's coverage.
+
+    Returns:
+        ``(estimate, low, high)``; NaN when there is nothing to pair.
+    """
+    sets = [k for k in sorted(pairs) if len(pairs[k][0])]
+    if not sets:
+        return math.nan, math.nan, math.nan
+    rng = np.random.Generator(np.random.PCG64(seed))
+    estimate = np.zeros(())
+    boot = np.zeros(resamples)
+    for k in sets:
+        num_a, den_a, num_b, den_b = pairs[k]
+        m = len(num_a)
+        estimate = estimate + combine(
+            _ratio(num_a.sum(), den_a.sum()), _ratio(num_b.sum(), den_b.sum())
+        )
+        idx = rng.integers(0, m, size=(resamples, m))  # (B, m): prompts drawn per resample
+        boot += combine(
+            _ratio(num_a[idx].sum(1), den_a[idx].sum(1)),
+            _ratio(num_b[idx].sum(1), den_b[idx].sum(1)),
+        )  # (B,)
+    boot /= len(sets)
+    tail = (1.0 - level) / 2 * 100
+    low, high = (
+        np.nanpercentile(boot, [tail, 100 - tail])
+        if np.isfinite(boot).any()
+        else (
+            math.nan,
+            math.nan,
+        )
+    )
+    return float(estimate) / len(sets), float(low), float(high)
+
+
+def _prompt_key(record: Mapping[str, Any]) -> tuple[Any, ...]:
+    return (record["set"], record["index"], record.get("prompt_id"))
+
+
+def pair_records(
+    a: Sequence[Mapping[str, Any]],
+    b: Sequence[Mapping[str, Any]],
+    numerator: str,
+    denominator: str,
+) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """The :data:`Pairs` of two drafts' prompt records: the prompts both decoded, per set."""
+    by_key = {_prompt_key(r): r for r in b}
+    out: dict[int, list[list[float]]] = defaultdict(lambda: [[], [], [], []])
+    for r in sorted(a, key=_prompt_key):
+        other = by_key.get(_prompt_key(r))
+        if other is None:
+            continue
+        cols = out[r["set"]]
+        for j, value in enumerate(
+            (r[numerator], r[denominator], other[numerator], other[denominator])
+        ):
+            cols[j].append(float(value))
+    return {
+        k: (np.array(v[0]), np.array(v[1]), np.array(v[2]), np.array(v[3])) for k, v in out.items()
+    }
+
+
+def compare(
+    a: Sequence[Mapping[str, Any]],
+    b: Sequence[Mapping[str, Any]],
+    ar: Sequence[Mapping[str, Any]] = (),
+) -> dict[str, Any]:
+    """The paired statistics of draft records ``a`` against reference records ``b``.
+
+    Args:
+        a: the draft's prompt records (one pass).
+        b: the reference draft's prompt records.
+        ar: the AR records of ``a``'s folder (``speedup_ar``); none: left out.
+
+    Returns:
+        ``prompts`` (paired), ``delta_mu_acc``, ``ratio_tok_s`` and, with ``ar``,
+        ``speedup_ar``, each with ``*_low`` and ``*_high`` (the interval).
+    """
+    tokens = pair_records(a, b, "new_tokens", "cycles")
+    out: dict[str, Any] = {"prompts": sum(len(v[0]) for v in tokens.values())}
+    stats = [
+        ("delta_mu_acc", tokens, np.subtract),
+        ("ratio_tok_s", pair_records(a, b, "new_tokens", "cycle_seconds"), np.divide),
+    ]
+    if ar:
+        stats.append(("speedup_ar", pair_records(a, ar, "new_tokens", "cycle_seconds"), np.divide))
+    for key, pairs, combine in stats:
+        out[key], out[f"{key}_low"], out[f"{key}_high"] = paired_bootstrap(pairs, combine)
+    return out
+
+
+# ---------------------------------------------------------------------- paired table ----
+def reference_of(rows: Sequence[Mapping[str, Any]], folders: Sequence[int]) -> list[int | None]:
+    """The index of each row's reference: its folder's baseline draft, else the one baseline
+    among all folders, else the first draft row; None for AR, drafter=hetero and the
+    reference itself.
+
+    Args:
+        rows: the report's rows.
+        folders: the folder index of each row.
+    """
+    drafts = [i for i, r in enumerate(rows) if r.get("kind") != "ar" and r.get("pass") is not None]
+    base = [i for i in drafts if rows[i].get("baseline")]
+    own = {folders[i]: i for i in base}
+    if len({folders[i] for i in base}) != len(base):  # two baselines in one folder: none
+        own = {}
+    fallback = base[0] if len(base) == 1 else (drafts[0] if drafts and not base else None)
+    out: list[int | None] = []
+    for i, _ in enumerate(rows):
+        ref = own.get(folders[i], fallback)
+        out.append(ref if i in drafts and ref is not None and ref != i else None)
+    return out
+
+
+def paired_rows(
+    rows: Sequence[Mapping[str, Any]],
+    records: Sequence[Sequence[Mapping[str, Any]]],
+    ar_records: Sequence[Sequence[Mapping[str, Any]]],
+    folders: Sequence[int],
+) -> list[dict[str, Any]]:
+    """One paired comparison per draft row against its reference (:func:`reference_of`).
+
+    Args:
+        rows: the report's rows.
+        records: each row's prompt records (its draft and pass).
+        ar_records: the AR prompt records of each row's folder.
+        folders: the folder index of each row.
+    """
+    out = []
+    for i, ref in enumerate(reference_of(rows, folders)):
+        if ref is None:
+            continue
+        stats = compare(records[i], records[ref], ar_records[i])
+        out.append(
+            {"name": rows[i]["name"], "path": rows[i].get("path"), "pass": rows[i].get("pass"),
+             "vs": rows[ref]["name"], "vs_path": rows[ref].get("path"), **stats,
+             "resamples": RESAMPLES, "seed": SEED, "level": LEVEL}
+        )  # fmt: skip
+    return out
+
+
+def interval_cell(row: Mapping[str, Any], key: str, fmt: str) -> str:
+    """``estimate [low, high]`` of a paired statistic (``-`` when undefined)."""
+    value = row.get(key)
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    spec = f".{fmt}"
+    low, high = row.get(f"{key}_low"), row.get(f"{key}_high")
+    text = format(value, "+" + spec if key.startswith("delta") else spec)
+    if low is not None and high is not None and not (math.isnan(low) or math.isnan(high)):
+        text += f" [{format(low, spec)}, {format(high, spec)}]"
+    return text
+
+
+# ------------------------------------------------------------------------------ seeds ----
+def training_config(path: str | Path) -> dict[str, Any] | None:
+    """The training config an exported draft's model card records (``python train.py``
+    writes it), or None (no card, no such section, or unreadable)."""
+    card = Path(path) / "README.md"
+    try:
+        text = card.read_text(encoding="utf-8")
+    except OSError:
+        return None
+    start = text.find("## Training config")
+    if start < 0:
+        return None
+    begin = text.find("```json\n", start)
+    end = text.find("\n```", begin + 8)
+    if begin < 0 or end < 0:
+        return None
+    try:
+        config = json.loads(text[begin + 8 : end])
+    except json.JSONDecodeError:
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
+    if isinstance(value, Mapping) and value:
+        for k, v in value.items():
+            _flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
+    else:
+        out[prefix] = value
+
+
+def configuration(
+    training: Mapping[str, Any] | None, trainings: Mapping[str, Any] | None = None, depth: int = 0
+) -> dict[str, Any] | None:
+    """The settings that shape a trained draft but its seed, flattened (``{field: value}``),
+    or None without a recorded ``seed``.
+
+    The top-level keys of ``mtpc.training.resume.MATTERS`` (model, circuit, LoRA, loss,
+    optimizer, data, stage, trainer, ...), less :data:`SEED_FREE`. ``init_from`` (a LoRA
+    stage started from a heads draft) is replaced by that draft's own configuration when
+    its card is readable, so the seeds of a two-stage recipe group too.
+    """
+    from mtpc.training.resume import MATTERS
+
+    if not training or "seed" not in training:
+        return None
+    flat: dict[str, Any] = {}
+    for key in MATTERS:
+        if key in training:
+            _flatten(training[key], key, flat)
+    flat = {
+        k: v for k, v in flat.items() if not any(k == f or k.startswith(f + ".") for f in SEED_FREE)
+    }
+    init = flat.get("init_from")
+    if isinstance(init, str) and depth < 4:
+        parent = (trainings or {}).get(init) or training_config(init)
+        inner = configuration(parent, trainings, depth + 1)
+        if inner is not None:
+            flat["init_from"] = {"configuration": inner}
+    return flat
+
+
+def _key(config: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def seed_rows(
+    rows: Sequence[Mapping[str, Any]],
+    trainings: Mapping[str, Any],
+    paired: Sequence[Mapping[str, Any]] = (),
+) -> list[dict[str, Any]]:
+    """Draft rows merged over seeds: one row per configuration with two or more drafts.
+
+    Args:
+        rows: the report's rows (one per draft and pass).
+        trainings: each draft path's recorded training config (None: not recorded).
+        paired: :func:`paired_rows`' comparisons (their Δ and ratio are merged too).
+
+    Returns:
+        Per configuration: ``name`` (circuit, n, r, k and, where two configurations share
+        that, the fields that tell them apart), ``seeds``, ``drafts``, ``members`` and, for
+        mu_acc, mu_acc_drafts, tok_s, speedup_ar, speedup_baseline, delta_mu_acc and
+        ratio_tok_s, the mean and ``*_std`` over seeds, ``*_values`` the seeds' values.
+    """
+    groups: dict[tuple[str, Any], list[Mapping[str, Any]]] = defaultdict(list)
+    configs: dict[tuple[str, Any], dict[str, Any]] = {}
+    for row in rows:
+        if row.get("kind") == "ar" or row.get("pass") is None:
+            continue
+        training = trainings.get(str(row.get("path")))
+        config = configuration(training, trainings)
+        if config is None:
+            continue
+        key = (_key(config), row.get("pass"))
+        groups[key].append({**row, "seed": training["seed"] if training else None})
+        configs[key] = config
+    merged = {k: v for k, v in groups.items() if len(v) > 1}
+    by_paired = {(p["path"], p["pass"]): p for p in paired}
+    labels = {k: _label(v[0], k[1]) for k, v in merged.items()}
+    for label in set(labels.values()):
+        same = [k for k in merged if labels[k] == label]
+        if len(same) > 1:  # name the fields that tell these configurations apart
+            fields = sorted(
+                {f for k in same for f in configs[k]}
+                - {
+                    f
+                    for f in configs[same[0]]
+                    if all(configs[k].get(f, ...) == configs[same[0]][f] for k in same)
+                }
+            )
+            for k in same:
+                shown = ", ".join(f"{f}={configs[k].get(f)}" for f in fields[:3])
+                labels[k] = f"{label} [{shown}{', ...' if len(fields) > 3 else ''}]"
+    group_of = {  # a reference draft's configuration label (speculative rows)
+        str(m.get("path")): labels[k] for k, v in merged.items() for m in v if k[1] == "speculative"
+    }
+    out = []
+    for key, members in merged.items():
+        members = sorted(members, key=lambda r: (str(r["seed"]), str(r.get("path"))))
+        row: dict[str, Any] = {
+            "name": labels[key], "pass": key[1], "configuration": key[0][:12],
+            "seeds": ",".join(str(m["seed"]) for m in members), "drafts": len(members),
+            "members": [m["name"] for m in members], "paths": [m.get("path") for m in members],
+        }  # fmt: skip
+        for stat in ("mu_acc", "mu_acc_drafts", "tok_s", "speedup_ar", "speedup_baseline"):
+            values = [float(m[stat]) for m in members if m.get(stat) is not None]
+            if values:
+                row[stat], row[f"{stat}_std"] = mean_std(values)
+                row[f"{stat}_values"] = values
+        comparisons = [by_paired.get((m.get("path"), m.get("pass"))) for m in members]
+        if all(c is not None for c in comparisons):
+            refs = sorted({group_of.get(str(c["vs_path"]), str(c["vs"])) for c in comparisons if c})
+            row["vs"] = ", ".join(refs) if len(refs) <= 2 else f"{len(refs)} references"
+            for stat in ("delta_mu_acc", "ratio_tok_s"):
+                values = [float(c[stat]) for c in comparisons if c]
+                row[stat], row[f"{stat}_std"] = mean_std(values)
+                row[f"{stat}_values"] = values
+        out.append(row)
+    return out
+
+
+def _label(row: Mapping[str, Any], pass_name: Any) -> str:
+    label = (
+        f"{row.get('kind')} n={row.get('window')} r={row.get('rank')} k={row.get('lora_layers')}"
+    )
+    return label if pass_name == "speculative" else f"{label} {pass_name}"
