@@ -29,7 +29,7 @@ fixes (see ``docs/BACKBONES.md``, "Loading real checkpoints"):
    copies every non-persistent buffer (and plain tensor attributes such as
    ``original_inv_freq``) into the loaded model.
 
-:func:`load_remote_causal_lm` applies all five (and 6 below) and is the only loader of
+:func:`load_remote_causal_lm` applies all five (and 6 and 8 below) and is the only loader of
 remote code.
 
 Two more places follow transformers' renames instead of pinning a release:
@@ -44,6 +44,17 @@ Two more places follow transformers' renames instead of pinning a release:
    that names none of them is refused with :class:`CacheInterfaceError`. A keyword the layer
    accepts but ignores is caught by the per-pass cache guard (``Backbone.run_layers``), which
    raises the same error before any token is returned.
+
+And one place wraps EvaByte's triton kernels (``docs/BACKBONES.md``, "The kernels on a CPU"):
+
+8. **EvaByte's kernel host wrappers** (:func:`prepare_eva_kernels`, every triton-path load):
+   their interface is checked at load time (:data:`KERNEL_INTERFACE`,
+   :class:`KernelInterfaceError`); a window / chunk size the blocks of the run GPU compute
+   wrongly is refused (:func:`check_kernel_blocks`, :class:`KernelBlockError`); the backward
+   of a row no longer than one window gets zero-length RFAs instead of ``None``, which the
+   remote code cannot take; and under triton's CPU interpreter (``TRITON_INTERPRET=1``,
+   float32, :func:`resolve_attention_impl`) each wrapper's call sees CUDA tensors and the
+   capability :func:`kernel_capability` (an H100's by default), for that call only.
 """
 
 from __future__ import annotations
@@ -708,12 +719,15 @@ def check_kernel_blocks(
         problems.append(f"chunk_size={chunk} does not divide eva_prep_kv's block {PREP_KV_BLOCK}")
     if problems:
         major, minor = capability
+        rows = max(max(m, n if mode == "bwd_dkdv" else 1) for mode, (m, n) in blocks.items())
+        chunks = max((n for mode, (_, n) in blocks.items() if mode != "bwd_dkdv"), default=1)
         raise KernelBlockError(
             f"model=evabyte with model.attention_impl=triton: EVA window_size={window}, "
             f"chunk_size={chunk} do not fit the kernels' blocks on a GPU of capability "
             f"{major}.{minor} ({dtype}, head_dim {head_dim}): {'; '.join(problems)}; allowed: "
-            "a window that every block divides, e.g. window_size=128 with chunk_size=4 "
-            "(or model.attention_impl=torch)"
+            f"window_size a multiple of {rows} and window_size / chunk_size a multiple of "
+            f"{chunks}, chunk_size dividing {PREP_KV_BLOCK} (e.g. window_size="
+            f"{max(rows, chunks * 4)}, chunk_size=4), or model.attention_impl=torch"
         )
 
 
