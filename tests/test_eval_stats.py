@@ -422,3 +422,50 @@ def test_a_copy_gives_zero_and_a_smaller_window_an_interval_below_zero(tmp_path:
     assert (copy["delta_mu_acc"], copy["delta_mu_acc_low"], copy["delta_mu_acc_high"]) == (0, 0, 0)
     assert degraded["delta_mu_acc_high"] < 0
     assert "paired vs good" in res["paired_table"]
+
+
+@pytest.mark.slow
+def test_a_killed_interleaved_evaluation_resumes_to_the_uninterrupted_table(
+    tmp_path: Path, drafts: dict[str, Path]
+) -> None:
+    """SIGKILL of a subprocess mid-interleave (and a torn last line): the rerun decodes only
+    the missing records, and the untimed table equals an uninterrupted interleaved run's."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    root = Path(__file__).resolve().parents[1]
+    over = {"draft": [str(drafts["btree"])], "baseline": str(drafts["ff"]), "plots": False,
+            "interleave": True, "num_prompts": 4}  # fmt: skip
+    killed = eval_cfg(tmp_path, **over, output_dir=str(tmp_path / "killed"))
+    (tmp_path / "cfg.json").write_text(json.dumps(killed))
+    code = "import json,sys; from mtpc.evaluation.run import evaluate; evaluate(json.load(open(sys.argv[1])))"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(root)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path / "cfg.json")], cwd=root, env=env
+    )
+    records = tmp_path / "killed" / "records.jsonl"
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline:
+        if records.is_file() and records.read_text().count('"type":"prompt"') >= 13:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.01)
+    assert proc.wait() == -signal.SIGKILL, "the evaluation ended before it could be killed"
+    before = [r for r in read_records(tmp_path / "killed") if r["type"] == "prompt"]
+    total = 2 * 4 * 5  # 2 sets x 4 prompts x (AR + btree sd/max + ff sd/max)
+    assert 13 <= len(before) < total
+    with open(records, "ab") as f:
+        f.write(b'{"type":"prompt","draft":"btr')
+    resumed = evaluate(killed)
+    after = [r for r in read_records(tmp_path / "killed") if r["type"] == "prompt"]
+    keys = [(r["draft_path"], r["pass"], r["set"], r["index"]) for r in after]
+    assert len(after) == total == len(set(keys)) and after[: len(before)] == before
+    whole = evaluate(eval_cfg(tmp_path, **over, output_dir=str(tmp_path / "whole")))
+    untimed = [[{k: r.get(k) for k in UNTIMED} for r in res["rows"]] for res in (resumed, whole)]
+    assert json.dumps(untimed[0]) == json.dumps(untimed[1])
+    assert [p["delta_mu_acc"] for p in resumed["paired"]] == [
+        p["delta_mu_acc"] for p in whole["paired"]
+    ]
