@@ -447,7 +447,15 @@ def llama_checkpoint(
 
 
 def stand_in_triton(tmp_path: Path, monkeypatch: Any) -> None:
-    """Makes ``import triton`` find a stand-in package (``jit`` a no-op; no kernel runs)."""
+    """Makes ``import triton`` find a stand-in package (``jit`` a no-op; no kernel runs).
+
+    A real triton already imported is taken out of ``sys.modules`` for the test and put back
+    at its teardown: importing triton's extension (``triton._C.libtriton``) a second time in
+    one process aborts it, so the real modules must never be dropped for good."""
+    import sys
+
+    for name in [n for n in sys.modules if n == "triton" or n.startswith("triton.")]:
+        monkeypatch.delitem(sys.modules, name)
     site = tmp_path / "site"
     (site / "triton").mkdir(parents=True)
     (site / "triton" / "__init__.py").write_text("def jit(fn=None, **kw):\n    return fn\n")
