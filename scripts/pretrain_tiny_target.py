@@ -1,8 +1,17 @@
-"""Pretrains the bundled tiny target and writes ``assets/tiny_target/``.
+"""Pretrains a bundled tiny target: ``assets/tiny_target/`` (synthetic chat) or
+``assets/tiny_code/`` (Python source code).
 
-Exact command (repository root, inside the virtualenv)::
+Exact commands (repository root, inside the virtualenv)::
 
     python scripts/pretrain_tiny_target.py
+    python scripts/pretrain_tiny_target.py --data python_code   # + the sizes in assets/tiny_code/metadata.json
+
+``--data python_code`` trains on the rows of ``mtpc.data.python_code`` (the running
+interpreter's standard library: function bodies, docstrings, continuations), split by file;
+held-out files are scored (bits per byte over ``--eval-windows`` packed windows of held-out
+rows), a few held-out functions are completed greedily (samples and the share whose
+completion parses land in ``metadata.json``), and the weights are stored in
+``--store-dtype`` (bfloat16 by default for this target, to keep ``assets/`` small).
 
 A ``LlamaForCausalLM`` with EvaByte's vocabulary layout (320 ids) is trained on the
 synthetic chat data (``mtpc.data.synthetic``, 20k rows, seed 0) rendered with EvaByte's
@@ -38,6 +47,7 @@ from mtpc.backbones.tiny import (
     NUM_MTP_HEADS,
     REBUILD_COMMAND,
     REPO_ROOT,
+    TINY_CODE_DIR,
     TINY_TARGET_DIR,
     build_tiny_config,
     encode_chats,
@@ -47,12 +57,50 @@ from mtpc.backbones.tiny import (
 )
 from mtpc.data.synthetic import DEFAULT_NUM_ROWS, MULTI_ANSWER_QUESTIONS, load_synthetic
 
+DATA_CHOICES = ("synthetic", "python_code")
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--out", type=Path, default=TINY_TARGET_DIR, help="asset folder to write")
+    p.add_argument("--data", choices=DATA_CHOICES, default="synthetic", help="training rows")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="asset folder to write (default: assets/tiny_target, or assets/tiny_code with "
+        "--data python_code)",
+    )
     p.add_argument("--cache-dir", type=Path, default=None, help="synthetic data cache")
-    p.add_argument("--num-rows", type=int, default=DEFAULT_NUM_ROWS)
+    p.add_argument(
+        "--num-rows",
+        type=int,
+        default=None,
+        help=f"synthetic: rows to generate (default {DEFAULT_NUM_ROWS}); python_code: the first "
+        "N rows (default: every row)",
+    )
+    p.add_argument(
+        "--code-root",
+        type=Path,
+        default=None,
+        help="python_code: a folder of .py files instead of the standard library",
+    )
+    p.add_argument(
+        "--validation-fraction", type=float, default=0.1, help="python_code: held-out files"
+    )
+    p.add_argument("--max-position-embeddings", type=int, default=1024)
+    p.add_argument(
+        "--store-dtype",
+        choices=("float32", "bfloat16"),
+        default=None,
+        help="dtype of the stored weights (default: float32 for synthetic, bfloat16 for "
+        "python_code)",
+    )
+    p.add_argument(
+        "--eval-windows",
+        type=int,
+        default=256,
+        help="python_code: packed held-out windows of --seq-len scored (evenly spaced)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--batch-size", type=int, default=4)
@@ -67,12 +115,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-heads", type=int, default=4)
     p.add_argument("--intermediate-size", type=int, default=352)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--time-budget-s",
+        type=float,
+        default=None,
+        help="stop training after this many seconds; the cosine schedule then runs on time "
+        "(ends at the budget or at --steps, whichever comes first), so the steps depend on "
+        "the machine's speed",
+    )
     p.add_argument("--eval-generations", type=int, default=200, help="greedy answers scored")
     p.add_argument("--log-every", type=int, default=50)
     args = p.parse_args(argv)
-    for name in ("num_rows", "steps", "batch_size", "seq_len", "threads", "hidden_size"):
+    for name in ("steps", "batch_size", "seq_len", "threads", "hidden_size", "eval_windows"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.num_rows is not None and args.num_rows <= 0:
+        p.error(f"--num-rows must be positive, got {args.num_rows}")
+    if args.seq_len > args.max_position_embeddings:
+        p.error(
+            f"--seq-len {args.seq_len} exceeds --max-position-embeddings "
+            f"{args.max_position_embeddings}"
+        )
+    code = args.data == "python_code"
+    if args.out is None:
+        args.out = TINY_CODE_DIR if code else TINY_TARGET_DIR
+    if args.store_dtype is None:
+        args.store_dtype = "bfloat16" if code else "float32"
+    if args.num_rows is None and not code:
+        args.num_rows = DEFAULT_NUM_ROWS
     return args
 
 
@@ -140,6 +210,100 @@ def greedy_accuracy(model: LlamaForCausalLM, rows: list[dict], limit: int) -> di
     return acc
 
 
+@torch.no_grad()
+def packed_validation(
+    model: LlamaForCausalLM,
+    encoded: list[tuple[list[int], list[bool]]],
+    seq_len: int,
+    max_windows: int,
+    mtp_unembeddings: torch.Tensor,
+    batch_size: int = 8,
+) -> dict[str, float]:
+    """Held-out loss over packed windows, as the model was trained (rows back to back).
+
+    The held-out rows are concatenated in their order and cut into windows of ``seq_len``;
+    ``max_windows`` evenly spaced windows are scored.
+
+    Returns:
+        ``loss`` / ``bits_per_byte`` over every target id, ``assistant_loss`` /
+        ``assistant_bits_per_byte`` over assistant ids, ``mtp_loss_k`` (k = 1..7) for the
+        extra MTP heads, and ``windows`` / ``scored_ids``.
+    """
+    model.eval()
+    ids = torch.tensor([i for e in encoded for i in e[0]])
+    mask = torch.tensor([m for e in encoded for m in e[1]])
+    n = len(ids) // seq_len
+    picked = torch.linspace(0, n - 1, min(n, max_windows)).round().long().unique()
+    ids = ids[: n * seq_len].view(n, seq_len)[picked]  # (W, T)
+    mask = mask[: n * seq_len].view(n, seq_len)[picked]  # (W, T)
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    for start in range(0, len(ids), batch_size):
+        x, m = ids[start : start + batch_size], mask[start : start + batch_size]  # (B, T)
+        hidden = model.model(input_ids=x).last_hidden_state.float()  # (B, T, d)
+        logits = (hidden @ mtp_unembeddings.float().T).unflatten(-1, (NUM_MTP_HEADS, -1))
+        for k in range(NUM_MTP_HEADS):  # logits: (B, T, K, V)
+            nll = F.cross_entropy(
+                logits[:, : -1 - k, k].flatten(0, 1), x[:, 1 + k :].flatten(), reduction="none"
+            )  # (B * (T-1-k),)
+            parts = {f"mtp_loss_{k}" if k else "loss": torch.ones_like(nll)}
+            if k == 0:
+                parts["assistant_loss"] = m[:, 1:].flatten().float()
+            for key, w in parts.items():
+                sums[key] = sums.get(key, 0.0) + float((nll * w).sum())
+                counts[key] = counts.get(key, 0.0) + float(w.sum())
+    metrics = {key: sums[key] / max(counts[key], 1.0) for key in sums}
+    metrics["bits_per_byte"] = metrics["loss"] / math.log(2)
+    metrics["assistant_bits_per_byte"] = metrics["assistant_loss"] / math.log(2)
+    metrics["windows"] = float(len(ids))
+    metrics["scored_ids"] = counts["loss"]
+    return metrics
+
+
+@torch.no_grad()
+def code_samples(
+    model: LlamaForCausalLM, rows: list[dict], limit: int, max_prompt_ids: int = 600
+) -> tuple[dict[str, float], list[dict[str, str]]]:
+    """Greedy bodies of held-out ``python/function_body`` prompts: how many parse, and samples.
+
+    A completion parses when the signature and docstring followed by the greedy body is
+    valid Python (an answer cut at ``max_new_tokens`` usually is not).
+    """
+    import ast
+
+    codec = get_codec("tiny")
+    generation_config = tiny_generation_config()
+    generation_config.max_new_tokens = 256
+    prompts = [
+        r for r in rows
+        if r["source"] == "python/function_body"
+        and len(codec.generation_prompt(r["messages"][:-1])) <= max_prompt_ids
+    ][:limit]  # fmt: skip
+    parsed, exact, samples = 0, 0, []
+    for row in prompts:
+        messages = row["messages"]
+        prompt = codec.generation_prompt(messages[:-1])
+        out = model.generate(torch.tensor([prompt]), generation_config=generation_config)
+        answer = codec.decode(out[0, len(prompt) :])
+        header = messages[0]["content"].split("\n\n", 1)[1]
+        try:
+            ast.parse(header + answer)
+            parsed += int(bool(answer.strip()))  # an empty body would parse too
+        except (SyntaxError, ValueError):
+            pass
+        exact += int(answer == messages[1]["content"])
+        if len(samples) < 3:
+            samples.append({"id": row["id"], "prompt": messages[0]["content"],
+                            "reference": messages[1]["content"], "greedy": answer})  # fmt: skip
+    n = max(1, len(prompts))
+    metrics = {
+        "greedy_function_body/prompts": float(len(prompts)),
+        "greedy_function_body/parses": parsed / n,
+        "greedy_function_body/exact": exact / n,
+    }
+    return metrics, samples
+
+
 def _portable(value: object) -> object:
     """Paths inside the repository are recorded relative to it (no machine paths)."""
     if not isinstance(value, Path):
@@ -156,12 +320,27 @@ def main(argv: list[str] | None = None) -> dict:
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     command = " ".join(
-        ["python", "scripts/pretrain_tiny_target.py", *map(shlex.quote, sys.argv[1:])]
+        [
+            "python",
+            "scripts/pretrain_tiny_target.py",
+            *map(shlex.quote, sys.argv[1:] if argv is None else argv),
+        ]
     )
     print(f"command: {command}", flush=True)
 
-    data = load_synthetic(args.cache_dir, num_rows=args.num_rows, seed=args.seed)
-    train_rows, val_rows = list(data["train"]), list(data["validation"])
+    data_report: dict = {}
+    if args.data == "python_code":
+        from mtpc.data.python_code import python_code_source
+
+        source = python_code_source(args.code_root, args.num_rows, args.validation_fraction)
+        rows, held_out = list(source), list(source.split_mask())  # type: ignore[misc]
+        train_rows = [r for r, v in zip(rows, held_out, strict=True) if not v]
+        val_rows = [r for r, v in zip(rows, held_out, strict=True) if v]
+        data_report = {"fingerprint": source.fingerprint, **source.report()}  # type: ignore[misc]
+        data_report["root"] = "stdlib" if args.code_root is None else _portable(args.code_root)
+    else:
+        data = load_synthetic(args.cache_dir, num_rows=args.num_rows, seed=args.seed)
+        train_rows, val_rows = list(data["train"]), list(data["validation"])
     encoded = encode_chats(train_rows)
     print(f"train rows {len(train_rows)} ({sum(len(i) for i, _ in encoded)} ids), "
           f"validation rows {len(val_rows)}", flush=True)  # fmt: skip
@@ -171,6 +350,7 @@ def main(argv: list[str] | None = None) -> dict:
         num_layers=args.num_layers,
         num_heads=args.num_heads,
         intermediate_size=args.intermediate_size,
+        max_position_embeddings=args.max_position_embeddings,
     )
     model = LlamaForCausalLM(config)
     vocab, d = config.vocab_size, config.hidden_size
@@ -188,10 +368,13 @@ def main(argv: list[str] | None = None) -> dict:
         betas=(0.9, 0.95),
     )
 
-    def lr_at(step: int) -> float:
+    def lr_at(step: int, elapsed: float = 0.0) -> float:
         if step < args.warmup:
             return args.lr * (step + 1) / args.warmup
         progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+        if args.time_budget_s is not None:  # the cosine ends at the budget or at --steps
+            progress = max(progress, elapsed / args.time_budget_s)
+        progress = min(progress, 1.0)
         return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
     generator = torch.Generator().manual_seed(args.seed)
@@ -199,7 +382,15 @@ def main(argv: list[str] | None = None) -> dict:
     ids_all, mask_all = packed_epoch(encoded, args.seq_len, generator)
     model.train()
     start = time.perf_counter()
+    steps_done = 0
     for step in range(args.steps):
+        elapsed = time.perf_counter() - start
+        if args.time_budget_s is not None and elapsed >= args.time_budget_s:
+            print(
+                f"time budget of {args.time_budget_s:.0f}s reached after {step} steps", flush=True
+            )
+            break
+        steps_done = step + 1
         if cursor + args.batch_size > len(ids_all):
             epoch, cursor = epoch + 1, 0
             ids_all, mask_all = packed_epoch(encoded, args.seq_len, generator)
@@ -210,7 +401,7 @@ def main(argv: list[str] | None = None) -> dict:
             mask.float() if args.loss_on == "assistant" else torch.ones_like(ids, dtype=torch.float)
         )
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step)
+            group["lr"] = lr_at(step, elapsed)
         hidden = model.model(input_ids=ids).last_hidden_state  # (B, T, d)
         unembeddings = torch.cat([model.lm_head.weight, extra])  # (K * V, d)
         losses = mtp_loss(hidden, unembeddings, ids, weights)
@@ -222,30 +413,50 @@ def main(argv: list[str] | None = None) -> dict:
         if step % args.log_every == 0 or step == args.steps - 1:
             elapsed = time.perf_counter() - start
             print(f"step {step:5d} epoch {epoch} loss {loss.item():.4f} next-byte "
-                  f"{losses[0].item():.4f} head7 {losses[-1].item():.4f} lr {lr_at(step):.2e} "
+                  f"{losses[0].item():.4f} head7 {losses[-1].item():.4f} lr {lr_at(step, elapsed):.2e} "
                   f"{elapsed:.0f}s", flush=True)  # fmt: skip
     train_seconds = time.perf_counter() - start
 
     model.eval()
     mtp_unembeddings = torch.cat([model.lm_head.weight, extra]).detach().clone()  # (8 * V, d)
-    metrics = validation_metrics(model, val_rows, mtp_unembeddings)
-    metrics.update(greedy_accuracy(model, val_rows, args.eval_generations))
+    samples: list[dict[str, str]] = []
+    if args.data == "python_code":
+        metrics = packed_validation(
+            model, encode_chats(val_rows), args.seq_len, args.eval_windows, mtp_unembeddings
+        )
+        greedy, samples = code_samples(model, val_rows, args.eval_generations)
+        metrics.update(greedy)
+    else:
+        metrics = validation_metrics(model, val_rows, mtp_unembeddings)
+        metrics.update(greedy_accuracy(model, val_rows, args.eval_generations))
     for key, value in metrics.items():
         print(f"{key}: {value:.4f}", flush=True)
+    for sample in samples:
+        print(
+            f"--- {sample['id']}\n{sample['prompt']}\n>>> greedy:\n{sample['greedy']}", flush=True
+        )
     num_params = sum(p.numel() for p in model.parameters())
     metadata = {
         "command": command,
-        "rebuild_command": REBUILD_COMMAND,
+        "rebuild_command": REBUILD_COMMAND if args.data == "synthetic" else command,
         "args": {k: _portable(v) for k, v in vars(args).items()},
-        "steps": args.steps,
+        "steps": steps_done,
         "epochs_seen": epoch + cursor / len(ids_all),
-        "tokens_seen": args.steps * args.batch_size * args.seq_len,
+        "tokens_seen": steps_done * args.batch_size * args.seq_len,
         "train_wall_seconds": round(train_seconds, 1),
         "num_parameters": num_params,
         "num_parameters_with_mtp": num_params + extra.numel(),
         "validation": {"num_rows": len(val_rows), **metrics},
         "torch_version": torch.__version__,
+        "python_version": sys.version.split()[0],
+        "stored_dtype": args.store_dtype,
     }
+    if data_report:
+        metadata["data"] = {"train_rows": len(train_rows), **data_report}
+        metadata["greedy_samples"] = samples
+    if args.store_dtype == "bfloat16":
+        model = model.to(torch.bfloat16)
+        mtp_unembeddings = torch.cat([model.lm_head.weight, extra.to(torch.bfloat16)]).detach()
     out = save_tiny_target(model, mtp_unembeddings, args.out, metadata)
     print(f"wrote {out} in {time.perf_counter() - start:.0f}s total", flush=True)
     return metadata

@@ -1,10 +1,14 @@
-"""The bundled tiny target: an EvaByte-like byte LM shipped in ``assets/tiny_target``.
+"""The bundled tiny targets: EvaByte-like byte LMs shipped in ``assets/<name>/``.
 
-It stands in for EvaByte-SFT wherever a test or the quickstart needs a model: a
-``transformers.LlamaForCausalLM`` with EvaByte's vocabulary layout (320 ids, byte ``b`` is
-id ``b + 64``) and chat template (``get_codec("tiny")``), plus 8 fully factorised MTP
-unembeddings in EvaByte's layout, pretrained jointly with the trunk by
-``scripts/pretrain_tiny_target.py`` on the synthetic chat data.
+``assets/tiny_target`` (``model=tiny``, the default) stands in for EvaByte-SFT wherever a
+test or the quickstart needs a model: a ``transformers.LlamaForCausalLM`` with EvaByte's
+vocabulary layout (320 ids, byte ``b`` is id ``b + 64``) and chat template
+(``get_codec("tiny")``), plus 8 fully factorised MTP unembeddings in EvaByte's layout,
+pretrained jointly with the trunk by ``scripts/pretrain_tiny_target.py`` on the synthetic
+chat data. ``assets/tiny_code`` (``model=tiny_code``) has the same layout, larger, trained by
+the same script on Python source code (``--data python_code``) and stored in bfloat16. Both
+load with :func:`load_tiny_target` (``path``: the asset folder); ``BUNDLED_TARGETS`` names
+them.
 
 Special ids: pad 0, bos 1, eos 2 (``config.eos_token_id``, as in EvaByte's tokenizer); the
 end of an assistant turn is ``<|eot_id|>`` = 11, so ``generation_config.eos_token_id`` is
@@ -14,7 +18,7 @@ Asset layout (``TINY_TARGET_DIR``)::
 
     config.json              LlamaConfig (LlamaForCausalLM.from_pretrained loads the folder)
     generation_config.json   eos [11, 2], pad 0, bos 1
-    model.safetensors        trunk + lm_head (fp32)
+    model.safetensors        trunk + lm_head (fp32, or bf16: loading casts to ``dtype``)
     mtp_heads.safetensors    "mtp_unembeddings": (8 * 320, d); rows k*320..(k+1)*320-1
                              predict byte t+1+k from the final (normed) hidden state at t;
                              block 0 equals lm_head.weight
@@ -41,9 +45,14 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 from mtpc.backbones.codecs import ByteCodec, get_codec
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-TINY_TARGET_DIR = REPO_ROOT / "assets" / "tiny_target"
+ASSETS_DIR = REPO_ROOT / "assets"
+TINY_TARGET_DIR = ASSETS_DIR / "tiny_target"
+TINY_CODE_DIR = ASSETS_DIR / "tiny_code"
 REBUILD_COMMAND = "python scripts/pretrain_tiny_target.py"
 """Run from the repository root (inside the virtualenv) to rebuild ``TINY_TARGET_DIR``."""
+
+BUNDLED_TARGETS = {"tiny_target": TINY_TARGET_DIR, "tiny_code": TINY_CODE_DIR}
+"""Asset folder name -> folder; each folder's ``metadata.json`` holds its ``rebuild_command``."""
 
 NUM_MTP_HEADS = 8
 MTP_KEY = "mtp_unembeddings"
@@ -170,10 +179,21 @@ def save_tiny_target(
     return path
 
 
+def rebuild_command(folder: Path) -> str:
+    """The command that rebuilds an asset folder: its ``metadata.json``'s ``rebuild_command``
+    (the default target's command when that file cannot be read)."""
+    try:
+        command = json.loads((folder / "metadata.json").read_text(encoding="utf-8"))
+        return str(command["rebuild_command"])
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
+        return REBUILD_COMMAND
+
+
 def _asset_error(file: Path, problem: str) -> TinyTargetAssetError:
     return TinyTargetAssetError(
         f"tiny target asset {file} {problem}. Rebuild the assets from the repository root "
-        f"with: {REBUILD_COMMAND} (or restore them with: git checkout -- {_repo_relative(file.parent)})"
+        f"with: {rebuild_command(file.parent)} (or restore them with: git checkout -- "
+        f"{_repo_relative(file.parent)})"
     )
 
 
@@ -192,7 +212,8 @@ def load_tiny_target(
     """Loads the tiny target offline in one call.
 
     Args:
-        path: asset folder; ``TINY_TARGET_DIR`` when None.
+        path: asset folder (``TINY_TARGET_DIR`` when None), or the name of a bundled one
+            (``BUNDLED_TARGETS``: ``tiny_code``) when no such folder exists here.
         dtype: dtype of the model and the MTP unembeddings.
         verify: check every weight file against the sha256 in ``metadata.json``.
 
@@ -201,6 +222,8 @@ def load_tiny_target(
             the command that rebuilds it.
     """
     folder = TINY_TARGET_DIR if path is None else Path(path)
+    if path is not None and not folder.exists() and str(path) in BUNDLED_TARGETS:
+        folder = BUNDLED_TARGETS[str(path)]
     for name in (*WEIGHT_FILES, "metadata.json"):
         if not (folder / name).is_file():
             raise _asset_error(folder / name, "is missing")

@@ -36,6 +36,7 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -269,7 +270,10 @@ def prepare(
                 f"dataset {source.name!r} has no usable rows: {stats.rows_seen} rows read, "
                 f"dropped by reason { ({k: v for k, v in stats.dropped.items() if v}) }"
             )
-        train, val = split_indices(docs.num_docs, seed, validation_fraction)
+        if source.split_mask is None:
+            train, val = split_indices(docs.num_docs, seed, validation_fraction)
+        else:
+            train, val = split_by_mask(docs.row_positions, source.split_mask(), seed)
         np.save(tmp / "offsets.npy", docs.offsets)
         np.save(tmp / "doc_source.npy", docs.source_ids)
         np.save(tmp / "doc_row.npy", docs.row_positions)
@@ -290,6 +294,8 @@ def prepare(
             "val_docs": len(val),
             "seconds": round(seconds, 3),
         }
+        if source.report is not None:
+            summary["source_report"] = source.report()
         meta = {
             **parts,
             "name": source.name,
@@ -319,6 +325,21 @@ def prepare(
         folder,
     )
     return folder
+
+
+def split_by_mask(
+    row_positions: np.ndarray, validation: Sequence[bool], seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """(train, validation) document indices, as the source's mask says, each shuffled by ``seed``.
+
+    Args:
+        row_positions: (D,) source position of each document.
+        validation: one bool per source row (True: validation).
+        seed: shuffle seed of both index arrays.
+    """
+    mask = np.asarray(validation, dtype=np.bool_)[row_positions]  # (D,)
+    perm = np.random.default_rng(seed).permutation(len(row_positions)).astype(np.int64)
+    return perm[~mask[perm]], perm[mask[perm]]
 
 
 def load_prepared(folder: str | os.PathLike[str], verify: bool = True) -> PreparedData:

@@ -299,7 +299,7 @@ class MTPCDataModule(L.LightningDataModule):
         """Flat arguments (also the Hydra ``_target_`` as ``build_datamodule``).
 
         Args:
-            source: ``synthetic``, ``tulu3`` or ``local``.
+            source: ``synthetic``, ``tulu3``, ``local`` or ``python_code``.
             path: a local dataset of the Tülu 3 schema (jsonl | json | parquet | arrow dir |
                 save_to_disk dir), or a list of them read one after another; used instead of
                 the hub for any ``source``.
@@ -372,6 +372,7 @@ class MTPCDataModule(L.LightningDataModule):
                 streaming=self.streaming,
                 revision=self.revision,
                 hf_name=self.hf_name,
+                validation_fraction=self.validation_fraction,
             )
         return self._row_source
 

@@ -1,5 +1,5 @@
-"""Where chat rows come from: the Tülu 3 SFT mixture, a local dataset of the same schema, or
-the synthetic generator.
+"""Where chat rows come from: the Tülu 3 SFT mixture, a local dataset of the same schema, the
+synthetic generator, or Python source code (``mtpc.data.python_code``).
 
 Every source yields rows of the Tülu 3 schema, ``{"id": str, "messages": [{"role",
 "content"}, ...], "source": str}``, in a fixed order, and has a fingerprint that changes
@@ -43,7 +43,7 @@ TULU3_DATASET = "allenai/tulu-3-sft-mixture"
 ERROR_KEY = "__mtpc_error__"
 """Key of the placeholder row for a row that could not be read; its value is the reason."""
 
-SOURCES = ("synthetic", "tulu3", "local")
+SOURCES = ("synthetic", "tulu3", "local", "python_code")
 
 
 @dataclass
@@ -59,6 +59,11 @@ class RowSource:
             iterates once more over the source.
         row_limit: the user's ``num_rows`` when it cut a local or hub dataset to its first
             rows (reported as a limit in the log and ``summary.json``); None: every row.
+        split_mask: optional; returns one bool per row (True: validation), and the data
+            cache splits by it instead of its seeded fraction (``python_code`` splits by
+            file this way).
+        report: optional; returns what the source itself counted (e.g. malformed files),
+            written to the cache's ``summary.json`` as ``source_report``.
     """
 
     name: str
@@ -67,6 +72,8 @@ class RowSource:
     num_rows: int | None = None
     take_rows: Callable[[Sequence[int]], list[Row]] | None = None
     row_limit: int | None = None
+    split_mask: Callable[[], Sequence[bool]] | None = None
+    report: Callable[[], dict[str, Any]] | None = None
 
     def __iter__(self) -> Iterator[Row]:
         return self.iter_rows()
@@ -95,12 +102,15 @@ def load_source(
     revision: str | None = None,
     hf_name: str = TULU3_DATASET,
     hf_split: str = "train",
+    validation_fraction: float = 0.05,
 ) -> RowSource:
     """Opens a row source.
 
     Args:
         source: ``synthetic`` (``mtpc.data.synthetic``), ``tulu3`` (the hub dataset, or a
-            local copy when ``path`` is given) or ``local`` (needs ``path``).
+            local copy when ``path`` is given), ``local`` (needs ``path``) or
+            ``python_code`` (``mtpc.data.python_code``; ``path``: a folder of ``.py`` files
+            instead of the standard library).
         path: a local dataset (see the module docstring for formats), or a list of them read
             one after another; overrides the hub.
         num_rows: keep only the first ``num_rows`` rows, reported as a limit (synthetic: how
@@ -111,6 +121,7 @@ def load_source(
         revision: hub revision (branch, tag or commit); pin a commit for reproducible caches.
         hf_name: hub dataset id (a Tülu-format mirror or subset can be named here).
         hf_split: hub split to read.
+        validation_fraction: ``python_code`` only: share of held-out files.
 
     Raises:
         ValueError: unknown ``source``, ``local`` without ``path``, or a path whose format is
@@ -119,6 +130,12 @@ def load_source(
     """
     if source not in SOURCES:
         raise DataError(f"data source is {source!r}; allowed: {SOURCES}")
+    if source == "python_code":
+        from mtpc.data.python_code import python_code_source
+
+        if path is not None and not isinstance(path, str | os.PathLike):
+            raise DataError(f"data.path={path!r}; allowed for python_code: one folder or null")
+        return python_code_source(path, num_rows, validation_fraction)
     if path is not None:
         if not isinstance(path, str | os.PathLike):  # a list of paths (Hydra: ListConfig)
             return _limit(concat_sources([local_source(p) for p in path]), num_rows)
@@ -271,8 +288,16 @@ def _limit(src: RowSource, num_rows: int | None) -> RowSource:
             yield row
 
     known = None if src.num_rows is None else min(n, src.num_rows)
+    mask = src.split_mask
     return RowSource(
-        f"{src.name}[:{n}]", f"{src.fingerprint}:first{n}", rows, known, src.take_rows, row_limit=n
+        f"{src.name}[:{n}]",
+        f"{src.fingerprint}:first{n}",
+        rows,
+        known,
+        src.take_rows,
+        row_limit=n,
+        split_mask=None if mask is None else lambda: list(mask())[:n],
+        report=src.report,
     )
 
 

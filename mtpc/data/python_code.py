@@ -1,0 +1,388 @@
+"""Real text every machine has offline: the running interpreter's Python standard library.
+
+Rows of the Tülu 3 schema (``{"id", "messages", "source", "file"}``) are cut from the
+``.py`` files under a root folder (default: ``sysconfig.get_paths()["stdlib"]``), so the
+whole pipeline (chat template, filter, packing, cache, prompt sets) applies. Kinds, each
+its own ``source`` (per-source tables, ``eval.py sources=[python/function_body]``):
+
+* ``python/function_body``: every function or method with a docstring and at least one
+  statement after it. The user turn gives its decorators, signature and docstring; the
+  assistant writes the body.
+* ``python/docstring``: the same functions; the user turn gives the function without its
+  docstring, the assistant writes the docstring (its exact source literal).
+* ``python/continuation``: plain code. Each file is cut into blocks of
+  ``CONTINUATION_LINES`` lines; block 2k is the prompt, block 2k+1 the answer.
+
+Source text is kept exactly: a function is the slice of its file's lines from its first
+decorator to its last statement, with its common indentation (the ``def`` line's column)
+removed when every non-blank line starts with it (otherwise kept as is); trailing
+whitespace and comments inside are kept.
+
+Files read: every ``*.py`` under the root, in the order of a hash of the relative path,
+except under folders named in ``EXCLUDED_DIRS`` (tests, site-packages, IDLE, lib2to3,
+generated tables: see there). Malformed files (not UTF-8, a syntax error under the running
+interpreter's grammar, more than ``MAX_FILE_BYTES`` bytes) give no rows; they are counted
+by reason with their first paths, logged, and written to the data cache's ``summary.json``
+(``source_report``).
+
+Split by file: a file is a validation file when a hash of its relative path (no seed) falls
+below ``validation_fraction``, so every row of a file lands on one side, the held-out files
+are the same for every training seed (prompt sets of seeds are comparable), and adding or
+removing files never moves another file. The data cache splits documents by this mask
+(``RowSource.split_mask``) instead of its seeded fraction.
+
+Fingerprint (the cache key): the format version, the Python version, the root's kind
+(stdlib or a path), the kinds, ``validation_fraction``, ``num_rows`` and a sha256 over
+(relative path, content) of every file read, malformed ones included, so two machines with
+different standard libraries never share a cache and any edit makes a new one.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import logging
+import os
+import sys
+import sysconfig
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from mtpc.data.sources import Row, RowSource
+from mtpc.errors import DataError, MissingFileError
+
+logger = logging.getLogger(__name__)
+
+PYTHON_CODE_VERSION = 1
+"""Bump when the rows change for the same files, so that stale caches are not reused."""
+
+KINDS = ("function_body", "docstring", "continuation")
+SOURCE_PREFIX = "python/"
+
+EXCLUDED_DIRS = frozenset(
+    {
+        "test",  # CPython's regression tests (17 MB on 3.11), also unittest/test, ctypes/test ...
+        "tests",  # distutils/tests and other packages' tests
+        "idle_test",
+        "idlelib",  # the IDLE application
+        "lib2to3",  # deprecated, with its own test data of deliberately odd code
+        "turtledemo",
+        "pydoc_data",  # one generated 750 kB string table
+        "encodings",  # generated codec tables (charmap dicts)
+        "site-packages",  # third-party packages installed into the interpreter
+        "dist-packages",
+        "__pycache__",
+    }
+)
+"""Folder names whose files are never read (at any depth below the root)."""
+
+MAX_FILE_BYTES = 256 * 1024
+"""Files larger than this are counted as ``too_large`` and give no rows."""
+
+CONTINUATION_LINES = 16
+"""Lines per block of the ``continuation`` kind (prompt block, then answer block)."""
+
+MALFORMED_REASONS = ("undecodable", "syntax_error", "too_large")
+
+
+def stdlib_root() -> Path:
+    """The running interpreter's standard library folder."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def python_version() -> str:
+    """``major.minor.micro`` of the running interpreter (part of the fingerprint)."""
+    return ".".join(map(str, sys.version_info[:3]))
+
+
+def is_validation_file(relpath: str, validation_fraction: float) -> bool:
+    """Whether the file at ``relpath`` (POSIX, relative to the root) is held out."""
+    digest = hashlib.sha256(f"mtpc-python-split:{relpath}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < validation_fraction
+
+
+def _order_key(relpath: str) -> bytes:
+    """Files are read in this (hash) order, so the first rows come from many folders."""
+    return hashlib.sha256(f"mtpc-python-order:{relpath}".encode()).digest()
+
+
+def list_files(root: Path) -> list[str]:
+    """Relative POSIX paths of the ``.py`` files read under ``root``, in reading order."""
+    out: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in EXCLUDED_DIRS)
+        rel_dir = Path(dirpath).relative_to(root)
+        out.extend((rel_dir / f).as_posix() for f in filenames if f.endswith(".py"))
+    return sorted(out, key=_order_key)
+
+
+@dataclass
+class FileReport:
+    """What happened to the files of one source (``summary.json``'s ``source_report``)."""
+
+    root: str
+    python_version: str
+    excluded_dirs: list[str]
+    files_seen: int = 0
+    files_used: int = 0
+    train_files: int = 0
+    validation_files: int = 0
+    malformed: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MALFORMED_REASONS, 0))
+    malformed_examples: dict[str, list[str]] = field(default_factory=dict)
+    rows: dict[str, int] = field(default_factory=dict)
+    functions_without_body: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "root": self.root,
+            "python_version": self.python_version,
+            "excluded_dirs": self.excluded_dirs,
+            "files_seen": self.files_seen,
+            "files_used": self.files_used,
+            "train_files": self.train_files,
+            "validation_files": self.validation_files,
+            "malformed_files": dict(self.malformed),
+            "malformed_examples": {k: list(v) for k, v in self.malformed_examples.items()},
+            "rows": dict(self.rows),
+            "functions_without_body": self.functions_without_body,
+        }
+
+
+def _dedent(lines: list[str], column: int) -> list[str]:
+    """``lines`` without their first ``column`` characters when all non-blank ones are spaces."""
+    prefix = " " * column
+    if column and all(line.startswith(prefix) or not line.strip() for line in lines):
+        return [line[column:] if line.strip() else line.lstrip(" ") for line in lines]
+    return lines
+
+
+def _function_rows(
+    tree: ast.AST, lines: list[str], relpath: str, kinds: Sequence[str], report: FileReport
+) -> Iterator[Row]:
+    """``function_body`` and ``docstring`` rows of every documented function in ``tree``."""
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        if ast.get_docstring(node, clean=False) is None:
+            continue
+        doc = node.body[0]
+        assert doc.end_lineno is not None and node.end_lineno is not None
+        if len(node.body) < 2 or node.body[1].lineno <= doc.end_lineno:
+            report.functions_without_body += 1  # only a docstring, or code on its last line
+            continue
+        first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+        text = _dedent(lines[first - 1 : node.end_lineno], node.col_offset)
+        header = text[: doc.end_lineno - first + 1]  # decorators, signature, docstring
+        body = text[doc.end_lineno - first + 1 :]
+        docstring = text[doc.lineno - first : doc.end_lineno - first + 1]
+        signature = text[: doc.lineno - first]
+        row_id = f"{relpath}:{node.lineno}:{node.name}"
+        name = f"`{relpath}`"
+        if "function_body" in kinds:
+            yield _row(
+                f"function_body:{row_id}",
+                "function_body",
+                relpath,
+                f"Write the body of this Python function from {name}.\n\n" + "".join(header),
+                "".join(body),
+            )
+        if "docstring" in kinds and doc.lineno > node.lineno:
+            without = signature + body
+            yield _row(
+                f"docstring:{row_id}",
+                "docstring",
+                relpath,
+                f"Write the docstring of this Python function from {name}.\n\n" + "".join(without),
+                "".join(docstring),
+            )
+
+
+def _continuation_rows(lines: list[str], relpath: str) -> Iterator[Row]:
+    """Blocks 2k (prompt) and 2k+1 (answer) of ``CONTINUATION_LINES`` lines each."""
+    step = 2 * CONTINUATION_LINES
+    for start in range(0, len(lines), step):
+        prompt = "".join(lines[start : start + CONTINUATION_LINES])
+        answer = "".join(lines[start + CONTINUATION_LINES : start + step])
+        if not prompt.strip() or not answer.strip():
+            continue
+        yield _row(
+            f"continuation:{relpath}:{start + 1}",
+            "continuation",
+            relpath,
+            f"Continue this Python code from `{relpath}`.\n\n{prompt}",
+            answer,
+        )
+
+
+def _row(row_id: str, kind: str, relpath: str, user: str, assistant: str) -> Row:
+    return {
+        "id": row_id,
+        "messages": [
+            {"role": "user", "content": user},
+            {"role": "assistant", "content": assistant},
+        ],
+        "source": SOURCE_PREFIX + kind,
+        "file": relpath,
+    }
+
+
+def file_rows(
+    source: bytes, relpath: str, kinds: Sequence[str], report: FileReport
+) -> list[Row] | None:
+    """The rows of one file, or None when it is malformed (counted in ``report``)."""
+    reason = None
+    if len(source) > MAX_FILE_BYTES:
+        reason = "too_large"
+    else:
+        try:
+            text = source.decode("utf-8")
+        except UnicodeDecodeError:
+            reason = "undecodable"
+        else:
+            try:
+                tree = ast.parse(text, filename=relpath)
+            except (SyntaxError, ValueError):  # ValueError: null bytes
+                reason = "syntax_error"
+    if reason is not None:
+        report.malformed[reason] += 1
+        examples = report.malformed_examples.setdefault(reason, [])
+        if len(examples) < 5:
+            examples.append(relpath)
+        return None
+    lines = text.splitlines(keepends=True)
+    rows = list(_function_rows(tree, lines, relpath, kinds, report))
+    if "continuation" in kinds:
+        rows.extend(_continuation_rows(lines, relpath))
+    return rows
+
+
+@dataclass
+class _Built:
+    rows: list[Row]
+    validation: list[bool]
+    report: FileReport
+
+
+def python_code_source(
+    root: str | os.PathLike[str] | None = None,
+    num_rows: int | None = None,
+    validation_fraction: float = 0.05,
+    kinds: Sequence[str] = KINDS,
+) -> RowSource:
+    """Rows cut from the ``.py`` files under ``root`` (module docstring).
+
+    The files are hashed up front (the fingerprint); they are parsed into rows on first use,
+    once (a cache hit never parses); with ``num_rows``, only until both splits have their
+    rows (``source_report``'s ``files_seen`` counts the files parsed).
+
+    Args:
+        root: folder to read; the running interpreter's standard library when None.
+        num_rows: None: every row. N: the first ``N - V`` training rows and the first
+            ``V = max(1, round(validation_fraction * N))`` validation rows in reading order
+            (both splits present, still split by file), reported as a limit.
+        validation_fraction: expected share of held-out files, in [0, 1).
+        kinds: a subset of ``KINDS``.
+
+    Raises:
+        DataError: an unknown kind, a fraction outside [0, 1), ``num_rows`` < 1, or a root
+            with no ``.py`` file.
+        MissingFileError: ``root`` is not a folder.
+    """
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown or not kinds:
+        raise DataError(f"python_code kinds={list(kinds)}; allowed: a non-empty subset of {KINDS}")
+    if not 0.0 <= validation_fraction < 1.0:
+        raise DataError(
+            f"data.validation_fraction={validation_fraction}; allowed: a number in [0, 1)"
+        )
+    if num_rows is not None and int(num_rows) < 1:
+        raise DataError(f"data.num_rows={num_rows}; allowed: null (every row) or a positive count")
+    is_stdlib = root is None
+    folder = stdlib_root() if root is None else Path(root).expanduser()
+    if not folder.is_dir():
+        raise MissingFileError(
+            f"data.path={str(folder)!r} is not a folder; allowed: a folder of .py files, or "
+            "null for the running interpreter's standard library"
+        )
+    files = list_files(folder)
+    if not files:
+        raise DataError(f"data.path={str(folder)!r} holds no .py file outside {EXCLUDED_DIRS}")
+    content = hashlib.sha256()
+    for relpath in files:
+        data = (folder / relpath).read_bytes()
+        content.update(f"{relpath}\0{len(data)}\0".encode())
+        content.update(data)
+    where = "stdlib" if is_stdlib else f"path={folder.resolve()}"
+    label = f"python{python_version()}-{'stdlib' if is_stdlib else folder.name}"
+    fingerprint = (
+        f"python_code:v{PYTHON_CODE_VERSION}:py{python_version()}:{where}:"
+        f"kinds={','.join(kinds)}:val{validation_fraction:g}:n{num_rows}:"
+        f"{content.hexdigest()[:32]}"
+    )
+
+    @cache
+    def build() -> _Built:
+        report = FileReport(str(folder), python_version(), sorted(EXCLUDED_DIRS))
+        rows: list[Row] = []
+        validation: list[bool] = []
+        limit = None if num_rows is None else int(num_rows)
+        n_val = 0
+        if limit is not None and validation_fraction > 0:
+            n_val = min(max(1, round(validation_fraction * limit)), limit - 1)
+        held = 0  # validation rows so far
+        for relpath in files:
+            if limit is not None and held >= n_val and len(rows) - held >= limit - n_val:
+                break  # enough rows on both sides: read no further
+            report.files_seen += 1
+            got = file_rows((folder / relpath).read_bytes(), relpath, kinds, report)
+            if got is None:
+                continue
+            report.files_used += 1
+            held_out = is_validation_file(relpath, validation_fraction)
+            report.validation_files += held_out
+            report.train_files += not held_out
+            rows.extend(got)
+            validation.extend([held_out] * len(got))
+            held += len(got) if held_out else 0
+        if limit is not None:
+            keep_val = [i for i, v in enumerate(validation) if v][:n_val]
+            keep_train = [i for i, v in enumerate(validation) if not v][: limit - n_val]
+            keep = sorted(keep_val + keep_train)
+            rows = [rows[i] for i in keep]
+            validation = [validation[i] for i in keep]
+        for row in rows:
+            report.rows[row["source"]] = report.rows.get(row["source"], 0) + 1
+        bad = {k: v for k, v in report.malformed.items() if v}
+        if bad:
+            logger.warning(
+                "%s: %d of %d files are malformed and give no rows: %s (first: %s)",
+                label,
+                sum(bad.values()),
+                report.files_seen,
+                bad,
+                report.malformed_examples,
+            )
+        logger.info(
+            "%s: %d rows from %d files (%d train / %d validation files) %s",
+            label,
+            len(rows),
+            report.files_used,
+            report.train_files,
+            report.validation_files,
+            report.rows,
+        )
+        return _Built(rows, validation, report)
+
+    return RowSource(
+        name=label if num_rows is None else f"{label}[:{num_rows}]",
+        fingerprint=fingerprint,
+        iter_rows=lambda: iter(build().rows),
+        num_rows=None,
+        take_rows=lambda positions: [build().rows[int(p)] for p in positions],
+        row_limit=None if num_rows is None else int(num_rows),
+        split_mask=lambda: build().validation,
+        report=lambda: build().report.as_dict(),
+    )
