@@ -468,7 +468,7 @@ def check_train_single(args: argparse.Namespace, root: Path) -> tuple[bool | Non
     from mtpc.training.run import build_model, build_trainer
 
     trainer_name = "gpu" if args.device.startswith("cuda") else "cpu"
-    extra = [f"model.dtype={args.dtype}"] if args.dtype != "float32" else []
+    extra = [f"model.dtype={args.dtype}"]  # the script's dtype, whatever the model= default
     cfg = _compose([f"trainer={trainer_name}", *TRAIN_OVERRIDES, *extra, *args.overrides], root)
     L.seed_everything(0)
     model = build_model(cfg)
@@ -545,7 +545,7 @@ def check_train_two_process(
     folder = root / strategy
     env = {**os.environ, "PROJECT_ROOT": str(root), "MTPC_CACHE": str(root / "cache")}
     devices = ["trainer.devices=2"] if args.device.startswith("cuda") else []
-    extra = [f"model.dtype={args.dtype}"] if args.dtype != "float32" else []
+    extra = [f"model.dtype={args.dtype}"]  # the script's dtype, whatever the model= default
     command = [sys.executable, str(REPO / "train.py"), f"trainer={trainer}", *devices,
                f"hydra.run.dir={folder}", *TRAIN_OVERRIDES, *extra, *args.overrides]  # fmt: skip
     start = time.perf_counter()
