@@ -447,6 +447,8 @@ def title_of(manifest: Mapping[str, Any], rows: Sequence[Mapping[str, Any]] = ()
     )
     if s.get("sources"):
         title += f" | sources={','.join(s['sources'])}"
+    if s.get("interleave"):
+        title += " | interleaved"
     expected = max((r.get("prompts", 0) for r in rows), default=0)
     partial = [r["name"] for r in rows if "prompts" in r and r["prompts"] < expected]
     if partial:

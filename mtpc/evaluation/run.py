@@ -477,11 +477,11 @@ def decode_all(
             for index, _, draft, todo in plan
             for p in todo
         ]
-        decoded = run_interleaved(store, lanes, prompts_for(next(iter(models.values()))), cfg)
+        counts = run_interleaved(store, lanes, prompts_for(next(iter(models.values()))), cfg)
         seconds = time.perf_counter() - start
         for index, _, draft, _ in plan:
             mine = [lane for lane in lanes if lane.model is models[index]]
-            log(index, draft, sum(decoded[lane] for lane in mine), seconds)
+            log(index, draft, sum(counts[lane] for lane in mine), seconds)
         del models, lanes
         gc.collect()
         return prompt_sets

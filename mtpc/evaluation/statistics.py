@@ -228,9 +228,9 @@ def compare(
 
 # ---------------------------------------------------------------------- paired table ----
 def reference_of(rows: Sequence[Mapping[str, Any]], folders: Sequence[int]) -> list[int | None]:
-    """The index of each row's reference: its folder's baseline draft, else the one baseline
-    among all folders, else the first draft row; None for AR, drafter=hetero and the
-    reference itself.
+    """The index of each row's reference: its folder's (first) baseline draft, else the
+    first baseline of all folders, else the first draft row; None for AR, drafter=hetero
+    and the reference itself.
 
     Args:
         rows: the report's rows.
@@ -238,10 +238,10 @@ def reference_of(rows: Sequence[Mapping[str, Any]], folders: Sequence[int]) -> l
     """
     drafts = [i for i, r in enumerate(rows) if r.get("kind") != "ar" and r.get("pass") is not None]
     base = [i for i in drafts if rows[i].get("baseline")]
-    own = {folders[i]: i for i in base}
-    if len({folders[i] for i in base}) != len(base):  # two baselines in one folder: none
-        own = {}
-    fallback = base[0] if len(base) == 1 else (drafts[0] if drafts and not base else None)
+    own: dict[int, int] = {}
+    for i in base:
+        own.setdefault(folders[i], i)
+    fallback = base[0] if base else (drafts[0] if drafts else None)
     out: list[int | None] = []
     for i, _ in enumerate(rows):
         ref = own.get(folders[i], fallback)
@@ -373,17 +373,17 @@ def seed_rows(
         mu_acc, mu_acc_drafts, tok_s, speedup_ar, speedup_baseline, delta_mu_acc and
         ratio_tok_s, the mean and ``*_std`` over seeds, ``*_values`` the seeds' values.
     """
-    groups: dict[tuple[str, Any], list[Mapping[str, Any]]] = defaultdict(list)
+    groups: dict[tuple[str, Any], list[dict[str, Any]]] = defaultdict(list)
     configs: dict[tuple[str, Any], dict[str, Any]] = {}
-    for row in rows:
-        if row.get("kind") == "ar" or row.get("pass") is None:
+    for draft_row in rows:
+        if draft_row.get("kind") == "ar" or draft_row.get("pass") is None:
             continue
-        training = trainings.get(str(row.get("path")))
+        training = trainings.get(str(draft_row.get("path")))
         config = configuration(training, trainings)
         if config is None:
             continue
-        key = (_key(config), row.get("pass"))
-        groups[key].append({**row, "seed": training["seed"] if training else None})
+        key = (_key(config), draft_row.get("pass"))
+        groups[key].append({**draft_row, "seed": training["seed"] if training else None})
         configs[key] = config
     merged = {k: v for k, v in groups.items() if len(v) > 1}
     by_paired = {(p["path"], p["pass"]): p for p in paired}
