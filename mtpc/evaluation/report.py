@@ -6,6 +6,9 @@ prompt sets) and per-source rows, :func:`report_folders` does that for one folde
 several merged and writes the outputs, with no decoding. ``evaluate`` calls the same
 function after decoding, so a rebuilt report equals the one printed at the end of a run.
 
+Comparisons (``mtpc.evaluation.statistics``): each draft against its reference with paired
+bootstrap intervals over prompts, and drafts merged over training seeds.
+
 Plots: accepted tokens per cycle vs latency with iso-throughput lines across every draft
 (paper Fig. 1), and acceptance per window position.
 """
@@ -495,7 +498,10 @@ def report_folders(
 
     Returns:
         ``{"settings", "target", "data", "device_name", "drafts", "folders", "provenance",
-        "rows", "by_source", "table", "source_table", "files"}``.
+        "rows", "by_source", "table", "source_table", "files"}``; with two drafts or more
+        also ``paired`` and ``paired_table`` (each draft against its reference, 95 %
+        intervals), with drafts that differ only in their training seed ``seeds`` and
+        ``seeds_table`` (``mtpc.evaluation.statistics``); ``spec_bench`` for Spec-Bench.
 
     Raises:
         RecordsError: the folders cannot be merged.
@@ -550,7 +556,11 @@ def report_folders(
         else ""
     )
     seed_table = (
-        format_table(seeds, f"over seeds ({len(seeds)} configurations)", SEED_COLUMNS)
+        format_table(
+            seeds,
+            f"over seeds ({len(seeds)} configuration{'s' if len(seeds) > 1 else ''})",
+            SEED_COLUMNS,
+        )
         + "\n"
         + SEED_NOTE
         if seeds

@@ -6,7 +6,9 @@ target is refused before any decoding), decode every prompt of every prompt set 
 self-speculative decoding (and, with ``max_throughput``, once more accepting every draft),
 after ``warmup`` untimed runs. Autoregressive decoding of the same target runs on the same
 prompts in the same call; the speed-up is the ratio of throughputs per prompt set. Metrics
-are defined in ``mtpc.evaluation.metrics``.
+are defined in ``mtpc.evaluation.metrics``. With ``interleave=true`` every draft is loaded
+at once and the prompts are decoded one by one by every pass in alternating order
+(:func:`run_interleaved`), so that a drift of the machine cancels in the ratios.
 
 Each decoded prompt is appended to the evaluation folder's ``records.jsonl`` as it finishes
 (``mtpc.evaluation.records``); the tables are then built from those records
