@@ -11,7 +11,13 @@
 #   bash scripts/lock.sh --upgrade-package triton       # only the named packages move
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON="${PYTHON:-python3.11}" bash scripts/setup.sh
+bash scripts/setup.sh
+# shellcheck source=scripts/python.sh
+. scripts/python.sh
+if [ "$(pyver .venv/bin/python)" != 3.11 ]; then  # elsewhere torch==2.13.0 resolves to a CUDA build
+  echo "lock.sh: the lock is resolved on Python 3.11 (torch's local CPU wheel); .venv is Python $(pyver .venv/bin/python)" >&2
+  exit 1
+fi
 CUSTOM_COMPILE_COMMAND="bash scripts/lock.sh" .venv/bin/pip-compile --quiet --generate-hashes --allow-unsafe --strip-extras \
   --no-emit-index-url --no-emit-find-links --extra dev --extra slurm --extra sweep --extra triton \
   "${@:---upgrade}" --output-file requirements.lock pyproject.toml
