@@ -11,7 +11,7 @@
 # from elsewhere, resolved by pip with its own dependencies (not hash-pinned), and every other
 # package from the lock, same pins and hashes:
 #   PYTHON=python3.12 bash scripts/setup.sh            # torch 2.13.0 from the default index
-#                                                      # (PyPI: the CUDA 13.0 build, ~3 GB)
+#                                                      # (PyPI: the CUDA 13.0 build; .venv 5.7 GB)
 #   MTPC_TORCH_INDEX=https://download.pytorch.org/whl/cu128 bash scripts/setup.sh   # a GPU
 #   MTPC_TORCH_INDEX=https://download.pytorch.org/whl/cpu bash scripts/setup.sh     # CPU build
 # A CUDA torch pins its own triton (2.13.0: triton==3.7.1); then the lock's triton (3.9.0, for
