@@ -624,6 +624,7 @@ def _kernels_see_gpu(capability: tuple[int, int] | None, cpu_tensors: bool) -> I
     restored on leaving the outermost block."""
     global _host_depth
     saved = torch.cuda.get_device_capability
+    own = vars(torch.Tensor).get("is_cuda")  # None: TensorBase's, which the property shadows
     if _host_depth == 0:
         if capability is not None:
             torch.cuda.get_device_capability = lambda device=None: capability
@@ -636,8 +637,10 @@ def _kernels_see_gpu(capability: tuple[int, int] | None, cpu_tensors: bool) -> I
         _host_depth -= 1
         if _host_depth == 0:
             torch.cuda.get_device_capability = saved
-            if cpu_tensors:
+            if cpu_tensors and own is None:
                 del torch.Tensor.is_cuda
+            elif cpu_tensors:
+                torch.Tensor.is_cuda = own  # type: ignore[assignment]
 
 
 def _kernel_modules(package: str) -> dict[str, ModuleType]:
@@ -785,6 +788,14 @@ def prepare_eva_kernels(
     package = model_module.__name__.rpartition(".")[0]
     modules = _kernel_modules(package)
     interpreter = torch.device(run_device).type != "cuda"
+    if interpreter and not (
+        "is_cuda" in vars(torch._C.TensorBase)
+        and callable(getattr(torch.cuda, "get_device_capability", None))
+    ):  # what the interpreter's host shim shadows for the duration of a call
+        raise KernelInterfaceError(
+            f"torch {torch.__version__} has no TensorBase.is_cuda or "
+            "torch.cuda.get_device_capability(): the interpreter's host shim cannot run"
+        )
     capability: tuple[int, int] | None
     if interpreter:
         capability = kernel_capability()
