@@ -194,9 +194,12 @@ def triton_interpreter() -> bool:
     itself; ``False`` without triton). Kernels decorated while it is on run on CPU tensors."""
     if not triton_available():
         return False
-    from triton import knobs
+    try:
+        from triton import knobs
 
-    return bool(knobs.runtime.interpret)
+        return bool(knobs.runtime.interpret)
+    except (ImportError, AttributeError):  # a triton without knobs (before 3.4): the variable
+        return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 def resolve_attention_impl(
