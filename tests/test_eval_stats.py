@@ -12,13 +12,12 @@ import json
 import random
 import shutil
 import statistics
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
 from mtpc.evaluation import run as run_module
 from mtpc.evaluation.records import read_records
@@ -36,11 +35,7 @@ from tests.helpers import eval_cfg, make_drafts
 UNTIMED = ("name", "mu_acc", "mu_acc_drafts", "acceptance", "prompts", "exact")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -14,13 +14,11 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
 import pytest
-import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
@@ -65,11 +63,7 @@ def spec_cfg(tmp_path: Path, path: Path, **over: Any) -> dict[str, Any]:
     return eval_cfg(tmp_path, **{**base, **over})
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

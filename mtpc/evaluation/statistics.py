@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from mtpc.evaluation.metrics import mean_std
+from mtpc.training.resume import FREE_TO_CHANGE, MATTERS
 
 logger = logging.getLogger(__name__)
 
@@ -84,26 +85,13 @@ SEED_NOTE = (
     "paired comparison with its reference."
 )
 
-SEED_FREE = (
-    "seed",
-    "data.num_workers",
-    "data.cache_dir",
-    "data.pin_memory",
-    "model.device",
-    "trainer.accelerator",
-    "trainer.devices",
-    "trainer.num_nodes",
-    "trainer.strategy",
-    "trainer.enable_progress_bar",
-    "trainer.log_every_n_steps",
-    "trainer.val_check_interval",
-    "trainer.check_val_every_n_epoch",
-    "trainer.limit_val_batches",
-    "trainer.num_sanity_val_steps",
-)
+BUDGET = ("trainer.max_steps", "trainer.max_epochs", "trainer.max_time", "trainer.fast_dev_run")
+"""Fields that a resumed run may change but that shape the trained draft (its step budget)."""
+
+SEED_FREE = ("seed", *(f for f in FREE_TO_CHANGE if f not in BUDGET))
 """Training fields that may differ between drafts merged over seeds: the seed, and the
-hardware, logging and validation fields that do not shape the trained draft (the budget,
-``trainer.max_steps``, does)."""
+hardware, logging and validation fields a resumed run may change too
+(``mtpc.training.resume.FREE_TO_CHANGE``), less the budget (:data:`BUDGET`)."""
 
 
 # ------------------------------------------------------------------------- bootstrap ----
@@ -331,8 +319,6 @@ def configuration(
     stage started from a heads draft) is replaced by that draft's own configuration when
     its card is readable, so the seeds of a two-stage recipe group too.
     """
-    from mtpc.training.resume import MATTERS
-
     if not training or "seed" not in training:
         return None
     flat: dict[str, Any] = {}
