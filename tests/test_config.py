@@ -24,8 +24,8 @@ def _group_options() -> list[tuple[str, str]]:
     options = []
     for path in sorted(CONFIG_DIR.rglob("*.yaml")):
         rel = path.relative_to(CONFIG_DIR)
-        if len(rel.parts) == 1 or rel.parts[0] in ("hydra", "drafter"):
-            continue  # hydra/: launchers (below); drafter/: an eval.yaml group (below)
+        if len(rel.parts) == 1 or rel.parts[0] in ("hydra", "drafter", "prompts"):
+            continue  # hydra/: launchers (below); drafter/, prompts/: eval.yaml groups (below)
         options.append(("/".join(rel.parts[:-1]), rel.stem))
     return options
 
@@ -52,6 +52,15 @@ def test_eval_drafter_configs_compose(drafter: str) -> None:
     cfg = _compose("eval", [f"drafter={drafter}"])
     validate_eval_config(cfg)
     assert cfg.drafter.algorithm in ("slem", "tli", "slrs", "union", "standard")
+
+
+@pytest.mark.parametrize("prompts", sorted(p.stem for p in (CONFIG_DIR / "prompts").glob("*.yaml")))
+def test_eval_prompts_configs_compose(prompts: str, tmp_path: Path) -> None:
+    questions = tmp_path / "question.jsonl"
+    questions.write_text('{"question_id": 1, "category": "writing", "turns": ["Hi."]}\n')
+    cfg = _compose("eval", [f"prompts={prompts}", f"prompts.path={questions}"])
+    validate_eval_config(cfg)
+    assert cfg.prompts.name == prompts
 
 
 @pytest.mark.parametrize("launcher", ["local", "slurm"])
