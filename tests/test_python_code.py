@@ -238,3 +238,19 @@ def test_pretrain_script_on_a_fake_tree(tree: Path, tmp_path: Path) -> None:
     target = load_tiny_target(out)
     assert target.model.dtype == torch.float32 and target.metadata["num_parameters"] > 0
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_bundled_code_target_loads_by_name_within_the_asset_budget() -> None:
+    """assets/tiny_code: bf16 on disk, float32 after loading, its metadata complete."""
+    from mtpc.backbones.tiny import ASSETS_DIR, TINY_CODE_DIR, load_tiny_target
+
+    target = load_tiny_target("tiny_code")  # a bundled name resolves to assets/tiny_code
+    assert target.path == TINY_CODE_DIR and target.model.dtype == torch.float32
+    assert json.loads((TINY_CODE_DIR / "config.json").read_text())["dtype"] == "bfloat16"
+    meta = target.metadata
+    assert meta["command"].startswith("python scripts/pretrain_tiny_target.py --data python_code")
+    assert meta["num_parameters_with_mtp"] > meta["num_parameters"] > 1_000_000
+    assert 0 < meta["validation"]["bits_per_byte"] < 3 and meta["train_wall_seconds"] > 0
+    assert meta["greedy_samples"] and meta["data"]["validation_files"] > 0
+    total = sum(f.stat().st_size for f in ASSETS_DIR.rglob("*") if f.is_file())
+    assert total <= 12 * 1024 * 1024
