@@ -42,7 +42,7 @@ from ``--window-size`` / ``--chunk-size`` (EvaByte): a ``model.path=DIR`` for ``
 ``eval.py``, e.g. EvaByte's triton kernels on a CPU (docs/TRAINING.md, "EvaByte's kernels
 on a CPU"):
 
-    python scripts/check_remote_code.py evabyte <dir with evabyte_hf/*.py> --save /tmp/eva-tiny \
+    python scripts/check_remote_code.py evabyte <dir with evabyte_hf/*.py> --save outputs/eva-tiny \
         --window-size 128 --chunk-size 4
 """
 
