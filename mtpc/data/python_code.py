@@ -180,24 +180,20 @@ def _function_rows(
         docstring = text[doc.lineno - first : doc.end_lineno - first + 1]
         signature = text[: doc.lineno - first]
         row_id = f"{relpath}:{node.lineno}:{node.name}"
-        name = f"`{relpath}`"
         if "function_body" in kinds:
-            yield _row(
-                f"function_body:{row_id}",
-                "function_body",
-                relpath,
-                f"Write the body of this Python function from {name}.\n\n" + "".join(header),
-                "".join(body),
-            )
+            yield _function_row("function_body", "body", row_id, relpath, header, body)
         if "docstring" in kinds and doc.lineno > node.lineno:
-            without = signature + body
-            yield _row(
-                f"docstring:{row_id}",
-                "docstring",
-                relpath,
-                f"Write the docstring of this Python function from {name}.\n\n" + "".join(without),
-                "".join(docstring),
+            yield _function_row(
+                "docstring", "docstring", row_id, relpath, signature + body, docstring
             )
+
+
+def _function_row(
+    kind: str, part: str, row_id: str, relpath: str, shown: list[str], answer: list[str]
+) -> Row:
+    """A row asking for the ``part`` of a function: the user turn shows ``shown`` (lines)."""
+    user = f"Write the {part} of this Python function from `{relpath}`.\n\n" + "".join(shown)
+    return _row(f"{kind}:{row_id}", kind, relpath, user, "".join(answer))
 
 
 def _continuation_rows(lines: list[str], relpath: str) -> Iterator[Row]:
@@ -266,6 +262,67 @@ class _Built:
     report: FileReport
 
 
+def _build(
+    folder: Path,
+    files: Sequence[str],
+    kinds: Sequence[str],
+    num_rows: int | None,
+    validation_fraction: float,
+    label: str,
+) -> _Built:
+    """Parses ``files`` (under ``folder``) into rows and their split (``python_code_source``)."""
+    report = FileReport(str(folder), python_version(), sorted(EXCLUDED_DIRS))
+    rows: list[Row] = []
+    validation: list[bool] = []
+    limit = None if num_rows is None else int(num_rows)
+    n_val = 0
+    if limit is not None and validation_fraction > 0:
+        n_val = min(max(1, round(validation_fraction * limit)), limit - 1)
+    held = 0  # validation rows so far
+    for relpath in files:
+        if limit is not None and held >= n_val and len(rows) - held >= limit - n_val:
+            break  # enough rows on both sides: read no further
+        report.files_seen += 1
+        got = file_rows((folder / relpath).read_bytes(), relpath, kinds, report)
+        if got is None:
+            continue
+        report.files_used += 1
+        held_out = is_validation_file(relpath, validation_fraction)
+        report.validation_files += held_out
+        report.train_files += not held_out
+        rows.extend(got)
+        validation.extend([held_out] * len(got))
+        held += len(got) if held_out else 0
+    if limit is not None:
+        keep_val = [i for i, v in enumerate(validation) if v][:n_val]
+        keep_train = [i for i, v in enumerate(validation) if not v][: limit - n_val]
+        keep = sorted(keep_val + keep_train)
+        rows = [rows[i] for i in keep]
+        validation = [validation[i] for i in keep]
+    for row in rows:
+        report.rows[row["source"]] = report.rows.get(row["source"], 0) + 1
+    bad = {k: v for k, v in report.malformed.items() if v}
+    if bad:
+        logger.warning(
+            "%s: %d of %d files are malformed and give no rows: %s (first: %s)",
+            label,
+            sum(bad.values()),
+            report.files_seen,
+            bad,
+            report.malformed_examples,
+        )
+    logger.info(
+        "%s: %d rows from %d files (%d train / %d validation files) %s",
+        label,
+        len(rows),
+        report.files_used,
+        report.train_files,
+        report.validation_files,
+        report.rows,
+    )
+    return _Built(rows, validation, report)
+
+
 def python_code_source(
     root: str | os.PathLike[str] | None = None,
     num_rows: int | None = None,
@@ -323,58 +380,7 @@ def python_code_source(
         f"{content.hexdigest()[:32]}"
     )
 
-    @cache
-    def build() -> _Built:
-        report = FileReport(str(folder), python_version(), sorted(EXCLUDED_DIRS))
-        rows: list[Row] = []
-        validation: list[bool] = []
-        limit = None if num_rows is None else int(num_rows)
-        n_val = 0
-        if limit is not None and validation_fraction > 0:
-            n_val = min(max(1, round(validation_fraction * limit)), limit - 1)
-        held = 0  # validation rows so far
-        for relpath in files:
-            if limit is not None and held >= n_val and len(rows) - held >= limit - n_val:
-                break  # enough rows on both sides: read no further
-            report.files_seen += 1
-            got = file_rows((folder / relpath).read_bytes(), relpath, kinds, report)
-            if got is None:
-                continue
-            report.files_used += 1
-            held_out = is_validation_file(relpath, validation_fraction)
-            report.validation_files += held_out
-            report.train_files += not held_out
-            rows.extend(got)
-            validation.extend([held_out] * len(got))
-            held += len(got) if held_out else 0
-        if limit is not None:
-            keep_val = [i for i, v in enumerate(validation) if v][:n_val]
-            keep_train = [i for i, v in enumerate(validation) if not v][: limit - n_val]
-            keep = sorted(keep_val + keep_train)
-            rows = [rows[i] for i in keep]
-            validation = [validation[i] for i in keep]
-        for row in rows:
-            report.rows[row["source"]] = report.rows.get(row["source"], 0) + 1
-        bad = {k: v for k, v in report.malformed.items() if v}
-        if bad:
-            logger.warning(
-                "%s: %d of %d files are malformed and give no rows: %s (first: %s)",
-                label,
-                sum(bad.values()),
-                report.files_seen,
-                bad,
-                report.malformed_examples,
-            )
-        logger.info(
-            "%s: %d rows from %d files (%d train / %d validation files) %s",
-            label,
-            len(rows),
-            report.files_used,
-            report.train_files,
-            report.validation_files,
-            report.rows,
-        )
-        return _Built(rows, validation, report)
+    build = cache(lambda: _build(folder, files, kinds, num_rows, validation_fraction, label))
 
     return RowSource(
         name=label if num_rows is None else f"{label}[:{num_rows}]",
