@@ -288,16 +288,8 @@ def _limit(src: RowSource, num_rows: int | None) -> RowSource:
             yield row
 
     known = None if src.num_rows is None else min(n, src.num_rows)
-    mask = src.split_mask
     return RowSource(
-        f"{src.name}[:{n}]",
-        f"{src.fingerprint}:first{n}",
-        rows,
-        known,
-        src.take_rows,
-        row_limit=n,
-        split_mask=None if mask is None else lambda: list(mask())[:n],
-        report=src.report,
+        f"{src.name}[:{n}]", f"{src.fingerprint}:first{n}", rows, known, src.take_rows, row_limit=n
     )
 
 
