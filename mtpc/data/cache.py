@@ -49,6 +49,7 @@ from mtpc.data.preprocess import (
     DEFAULT_MAX_BYTES,
     DEFAULT_VALIDATION_FRACTION,
     DropStats,
+    TokenizedDocs,
     split_indices,
     tokenize_rows,
 )
@@ -246,67 +247,9 @@ def prepare(
     tmp.mkdir()
     start = time.perf_counter()
     try:
-        with (
-            (tmp / "ids.u16").open("wb") as ids_file,
-            (tmp / "assistant.u8").open("wb") as mask_file,
-        ):
-            docs, stats = tokenize_rows(
-                source, get_codec(codec), max_bytes, None, ids_file, mask_file
-            )
-        stats.log(source.name)
-        if source.row_limit is not None:
-            logger.warning(
-                "%s: limited to its first %d rows by data.num_rows=%d (data.num_rows=null reads "
-                "every row)",
-                source.name,
-                source.row_limit,
-                source.row_limit,
-            )
-        if docs.num_docs == 0:
-            _write_json(
-                summary_path(folder), {"dataset": source.name, "codec": codec, **stats.as_dict()}
-            )
-            raise DataError(
-                f"dataset {source.name!r} has no usable rows: {stats.rows_seen} rows read, "
-                f"dropped by reason { ({k: v for k, v in stats.dropped.items() if v}) }"
-            )
-        if source.split_mask is None:
-            train, val = split_indices(docs.num_docs, seed, validation_fraction)
-        else:
-            train, val = split_by_mask(docs.row_positions, source.split_mask(), seed)
-        np.save(tmp / "offsets.npy", docs.offsets)
-        np.save(tmp / "doc_source.npy", docs.source_ids)
-        np.save(tmp / "doc_row.npy", docs.row_positions)
-        np.save(tmp / "train.npy", train)
-        np.save(tmp / "val.npy", val)
-        val_rows = source.take(docs.row_positions[val].tolist())
-        with (tmp / "val_rows.jsonl").open("w", encoding="utf-8") as f:
-            for row in val_rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        seconds = time.perf_counter() - start
-        summary = {
-            "dataset": source.name,
-            "codec": codec,
-            "max_bytes": max_bytes,
-            "row_limit": source.row_limit,
-            **stats.as_dict(),
-            "train_docs": len(train),
-            "val_docs": len(val),
-            "seconds": round(seconds, 3),
-        }
-        if source.report is not None:
-            summary["source_report"] = source.report()
-        meta = {
-            **parts,
-            "name": source.name,
-            "num_docs": docs.num_docs,
-            "num_ids": int(docs.offsets[-1]),
-            "source_names": docs.source_names,
-        }
-        _write_json(tmp / "summary.json", summary)
-        _write_json(summary_path(folder), summary)
-        meta["files"] = _file_records(tmp)
-        _write_json(tmp / "meta.json", meta)
+        summary, meta = _build_cache(
+            tmp, folder, parts, source, codec, max_bytes, seed, validation_fraction, start
+        )
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -317,14 +260,106 @@ def prepare(
     logger.info(
         "prepared %s: %d documents (%d train / %d val), %d ids in %.1fs -> %s",
         source.name,
-        docs.num_docs,
-        len(train),
-        len(val),
-        int(docs.offsets[-1]),
-        seconds,
+        meta["num_docs"],
+        summary["train_docs"],
+        summary["val_docs"],
+        meta["num_ids"],
+        summary["seconds"],
         folder,
     )
     return folder
+
+
+def _build_cache(
+    tmp: Path,
+    folder: Path,
+    parts: dict[str, Any],
+    source: RowSource,
+    codec: str,
+    max_bytes: int,
+    seed: int,
+    validation_fraction: float,
+    start: float,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Writes ``prepare``'s files into ``tmp`` (renamed to ``folder`` once complete).
+
+    Returns:
+        The ``summary.json`` and ``meta.json`` written.
+    """
+    docs, stats = _tokenize_into(tmp, source, codec, max_bytes)
+    if docs.num_docs == 0:
+        _write_json(
+            summary_path(folder), {"dataset": source.name, "codec": codec, **stats.as_dict()}
+        )
+        raise DataError(
+            f"dataset {source.name!r} has no usable rows: {stats.rows_seen} rows read, "
+            f"dropped by reason { ({k: v for k, v in stats.dropped.items() if v}) }"
+        )
+    if source.split_mask is None:
+        train, val = split_indices(docs.num_docs, seed, validation_fraction)
+    else:
+        train, val = split_by_mask(docs.row_positions, source.split_mask(), seed)
+    _write_documents(tmp, source, docs, train, val)
+    summary = {
+        "dataset": source.name,
+        "codec": codec,
+        "max_bytes": max_bytes,
+        "row_limit": source.row_limit,
+        **stats.as_dict(),
+        "train_docs": len(train),
+        "val_docs": len(val),
+        "seconds": round(time.perf_counter() - start, 3),
+    }
+    if source.report is not None:
+        summary["source_report"] = source.report()
+    meta = {
+        **parts,
+        "name": source.name,
+        "num_docs": docs.num_docs,
+        "num_ids": int(docs.offsets[-1]),
+        "source_names": docs.source_names,
+    }
+    _write_json(tmp / "summary.json", summary)
+    _write_json(summary_path(folder), summary)
+    meta["files"] = _file_records(tmp)
+    _write_json(tmp / "meta.json", meta)
+    return summary, meta
+
+
+def _tokenize_into(
+    tmp: Path, source: RowSource, codec: str, max_bytes: int
+) -> tuple[TokenizedDocs, DropStats]:
+    """Tokenises ``source`` into ``tmp``'s ``ids.u16`` and ``assistant.u8``; logs the counts."""
+    with (
+        (tmp / "ids.u16").open("wb") as ids_file,
+        (tmp / "assistant.u8").open("wb") as mask_file,
+    ):
+        docs, stats = tokenize_rows(source, get_codec(codec), max_bytes, None, ids_file, mask_file)
+    stats.log(source.name)
+    if source.row_limit is not None:
+        logger.warning(
+            "%s: limited to its first %d rows by data.num_rows=%d (data.num_rows=null reads "
+            "every row)",
+            source.name,
+            source.row_limit,
+            source.row_limit,
+        )
+    return docs, stats
+
+
+def _write_documents(
+    tmp: Path, source: RowSource, docs: TokenizedDocs, train: np.ndarray, val: np.ndarray
+) -> None:
+    """The document index arrays, the split and the validation rows (for prompt sets)."""
+    np.save(tmp / "offsets.npy", docs.offsets)
+    np.save(tmp / "doc_source.npy", docs.source_ids)
+    np.save(tmp / "doc_row.npy", docs.row_positions)
+    np.save(tmp / "train.npy", train)
+    np.save(tmp / "val.npy", val)
+    val_rows = source.take(docs.row_positions[val].tolist())
+    with (tmp / "val_rows.jsonl").open("w", encoding="utf-8") as f:
+        for row in val_rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
 def split_by_mask(
