@@ -7,6 +7,10 @@ drafts of random tiny targets, saved as ``eval.py`` loads them.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -83,3 +87,19 @@ def eval_cfg(tmp_path: Path, **over: Any) -> dict[str, Any]:
     }  # fmt: skip
     cfg.update(over)
     return cfg
+
+
+def interpreter_scenarios(script: str, *args: str, timeout: int) -> dict[str, Any]:
+    """Runs ``script`` (which prints ``SCENARIOS <json>``) in a subprocess under triton's CPU
+    interpreter (``TRITON_INTERPRET`` must be set before triton is imported) and returns the
+    JSON; the default GPU capability (no ``MTPC_TRITON_CAPABILITY``)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1"}
+    env.pop("MTPC_TRITON_CAPABILITY", None)
+    result = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    line = next((x for x in result.stdout.splitlines() if x.startswith("SCENARIOS ")), None)
+    assert line is not None, result.stdout[-2000:] + result.stderr[-3000:]
+    found: dict[str, Any] = json.loads(line.removeprefix("SCENARIOS "))
+    return found

@@ -13,12 +13,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.helpers import interpreter_scenarios
 
 REPO = Path(__file__).resolve().parents[1]
 CODE = os.environ.get("MTPC_EVABYTE_CODE")
@@ -141,15 +141,7 @@ print("SCENARIOS " + json.dumps(found))
 @pytest.fixture(scope="module")
 def scenarios(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("evabyte_triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1"}
-    env.pop("MTPC_TRITON_CAPABILITY", None)
-    result = subprocess.run(
-        [sys.executable, "-c", SCENARIOS, str(CODE), str(root)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=1200,
-    )  # fmt: skip
-    line = next((x for x in result.stdout.splitlines() if x.startswith("SCENARIOS ")), None)
-    assert line is not None, result.stdout[-2000:] + result.stderr[-3000:]
-    found = json.loads(line.removeprefix("SCENARIOS "))
+    found = interpreter_scenarios(SCENARIOS, str(CODE), str(root), timeout=1200)
     print(json.dumps(found, indent=1))  # the numbers (pytest -s), for docs/BACKBONES.md
     return found
 

@@ -15,7 +15,6 @@ process never sets it. The real kernels: ``tests/test_evabyte_triton.py``.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -24,6 +23,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from tests.helpers import interpreter_scenarios
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -174,15 +175,7 @@ print("SCENARIOS " + json.dumps(found))
 def scenarios(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Every scenario, run once in a subprocess with ``TRITON_INTERPRET=1``."""
     root = tmp_path_factory.mktemp("interpreter")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1"}
-    env.pop("MTPC_TRITON_CAPABILITY", None)
-    result = subprocess.run(
-        [sys.executable, "-c", SCENARIOS, str(root)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    line = next((x for x in result.stdout.splitlines() if x.startswith("SCENARIOS ")), None)
-    assert line is not None, result.stdout[-2000:] + result.stderr[-3000:]
-    return json.loads(line.removeprefix("SCENARIOS "))
+    return interpreter_scenarios(SCENARIOS, str(root), timeout=600)
 
 
 def _ok(found: dict[str, Any]) -> dict[str, Any]:

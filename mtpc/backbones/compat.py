@@ -855,6 +855,16 @@ def kernels_interpreted(model_module: ModuleType) -> bool | None:
 
 
 # ------------------------------------------------------------------------ loader ----
+def _log_kernels(label: str, kernels: dict[str, Any]) -> None:
+    """Logs where EvaByte's kernels run and their blocks (:func:`prepare_eva_kernels`'s result)."""
+    where = "on the GPU"
+    if kernels["interpreter"]:
+        capability = ".".join(map(str, kernels["capability"] or ()))
+        where = f"under triton's CPU interpreter (the blocks of a GPU of capability {capability})"
+    log.info("%s: EVA triton kernels %s, blocks %s", label, where,
+             kernels["blocks"] or "checked on the GPU")  # fmt: skip
+
+
 def load_remote_causal_lm(
     name: str,
     path: str,
@@ -891,11 +901,11 @@ def load_remote_causal_lm(
     runs_on = run_device or device
     impl = resolve_attention_impl(attention_impl, runs_on, dtype) if name == "evabyte" else None
     blocked = frozenset({"triton"}) if impl == "torch" else frozenset()
+    interpret = impl == "triton" and torch.device(runs_on).type != "cuda"
     if impl is not None:
-        on_cpu = impl == "triton" and torch.device(runs_on).type != "cuda"
         log.info(
             "%s: EVA attention path %r%s (model.attention_impl=%s, device=%s, triton %s%s)",
-            label, impl, " on triton's CPU interpreter (TRITON_INTERPRET=1)" if on_cpu else "",
+            label, impl, " on triton's CPU interpreter (TRITON_INTERPRET=1)" if interpret else "",
             attention_impl, runs_on, "installed" if triton_available() else "not installed",
             f"; loaded on {device}" if str(runs_on) != str(device) else "",
         )  # fmt: skip
@@ -910,7 +920,6 @@ def load_remote_causal_lm(
                 )
             model_cls = get_class_from_dynamic_module(class_ref, path, revision=revision)
             module = sys.modules[model_cls.__module__]
-            interpret = impl == "triton" and torch.device(runs_on).type != "cuda"
             if impl is not None and (
                 bool(getattr(module, "USE_TRITON_IMPL", False)) != (impl == "triton")
                 or (impl == "triton" and kernels_interpreted(module) not in (None, interpret))
@@ -925,16 +934,7 @@ def load_remote_causal_lm(
     patch_remote_config(config, name)
     patch_remote_module(module)
     if impl == "triton":
-        kernels = prepare_eva_kernels(module, config, dtype, runs_on)
-        log.info(
-            "%s: EVA triton kernels %s, blocks %s",
-            label,
-            "under triton's CPU interpreter (the blocks of a GPU of capability "
-            f"{'.'.join(map(str, kernels['capability'] or ()))})"
-            if kernels["interpreter"]
-            else "on the GPU",
-            kernels["blocks"] or "checked on the GPU",
-        )
+        _log_kernels(label, prepare_eva_kernels(module, config, dtype, runs_on))
     model: Any = model_cls.from_pretrained(path, config=config, revision=revision, dtype=dtype)  # type: ignore[attr-defined]
     replaced = restore_non_persistent_buffers(model, dtype)
     log.info("%s: rebuilt non-persistent buffers %s", label, replaced)
