@@ -44,7 +44,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor
@@ -56,7 +56,6 @@ __all__ = [
     "PaperImportError",
     "head_state",
     "import_paper_draft",
-    "lora_state",
     "read_paper_draft",
 ]
 
@@ -326,7 +325,7 @@ def _chain_scopes(
 
 
 def _sum_scopes(
-    kind: str, n: int, sums: list[Tensor], scope_idx: Tensor, state: Mapping[str, Any]
+    kind: str, n: int, scope_idx: Tensor, state: Mapping[str, Any]
 ) -> list[list[frozenset[int]]]:
     if kind == "ff":
         return []
@@ -390,7 +389,28 @@ def read_paper_draft(folder: str | Path, step: int | None = None) -> PaperDraft:
         )
     file, step = _checkpoint_file(folder, step)
     state = _load_state(file)
+    categorical, sums, scope_keys, lora = _split_state(state, kind)
+    categorical, scope, sum_list = _check_tensors(file, n, r, categorical, sums, scope_keys, state)
+    scopes = _sum_scopes(kind, n, scope, state)
+    _check_scopes(kind, n, r, sum_list, scopes)
+    settings, layers = _lora_config(config, lora)
+    lm_id = _field(config, "lm.model.from_huggingface", None)
+    V, d = categorical.shape[2:]
+    return PaperDraft(
+        folder=folder, checkpoint=file, step=step, config=config, kind=kind, window=n,
+        rank=r, vocab_size=int(V), hidden_size=int(d), dtype=categorical.dtype,
+        categorical=categorical, scope_idx=scope, sums=sum_list, sum_scopes=scopes,
+        lora=lora, lora_layers=layers, lora_settings=settings,
+        lm_id=lm_id if isinstance(lm_id, str) else None,
+    )  # fmt: skip
 
+
+def _split_state(
+    state: Mapping[str, Any], kind: str
+) -> tuple[Tensor | None, dict[int, Tensor], list[str], dict[str, Tensor]]:
+    """Sorts a checkpoint's keys: input projections, sum projections by k, the circuit's
+    ``_scope_idx`` keys, LoRA weights by our names; refuses every key that cannot be mapped.
+    """
     sums: dict[int, Tensor] = {}
     categorical: Tensor | None = None
     scope_keys: list[str] = []
@@ -416,22 +436,8 @@ def read_paper_draft(folder: str | Path, step: int | None = None) -> PaperDraft:
                 categorical = value
             elif m:
                 sums[int(m.group(1))] = value
-            elif key == "mt_head._norm.weight":
-                raise PaperImportError(
-                    f"checkpoint key {key}: this version of their head normalises the features "
-                    "again (an RMSNorm before the projections), which our head does not"
-                )
-            elif kind == "hmm":
-                raise PaperImportError(
-                    f"checkpoint key {key}: an HMM draft with keys beyond the linear "
-                    "projections (the HMM bias of paper App. E?) cannot be imported: its form "
-                    "is not established from the released code"
-                )
             else:
-                raise PaperImportError(
-                    f"checkpoint key {key} is not a linear expander projection; only "
-                    f"{CAT_KEY} and mt_head._sum_weights_heads.<k>.head.proj map exactly"
-                )
+                _refuse_head_key(key, kind)
         elif key.startswith("circuit."):
             if key.endswith("._scope_idx"):
                 scope_keys.append(key)
@@ -442,7 +448,43 @@ def read_paper_draft(folder: str | Path, step: int | None = None) -> PaperDraft:
                 )
         else:
             raise PaperImportError(f"checkpoint key {key} is neither lm.*, mt_head.* nor circuit.*")
+    return categorical, sums, scope_keys, lora
 
+
+def _refuse_head_key(key: str, kind: str) -> NoReturn:
+    """Raises the one-line refusal of an ``mt_head`` key that is not a linear projection."""
+    if key == "mt_head._norm.weight":
+        raise PaperImportError(
+            f"checkpoint key {key}: this version of their head normalises the features "
+            "again (an RMSNorm before the projections), which our head does not"
+        )
+    if kind == "hmm":
+        raise PaperImportError(
+            f"checkpoint key {key}: an HMM draft with keys beyond the linear "
+            "projections (the HMM bias of paper App. E?) cannot be imported: its form "
+            "is not established from the released code"
+        )
+    raise PaperImportError(
+        f"checkpoint key {key} is not a linear expander projection; only "
+        f"{CAT_KEY} and mt_head._sum_weights_heads.<k>.head.proj map exactly"
+    )
+
+
+def _check_tensors(
+    file: Path,
+    n: int,
+    r: int,
+    categorical: Tensor | None,
+    sums: Mapping[int, Tensor],
+    scope_keys: list[str],
+    state: Mapping[str, Any],
+) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """Checks the head's tensors against the config's n, r and one another.
+
+    Returns:
+        The ``(n, r, V, d)`` input projections, the ``(n,)`` window position of each input
+        fold, and the sum projections in topological order.
+    """
     if categorical is None:
         raise PaperImportError(f"{file}: key {CAT_KEY} is missing")
     if categorical.dim() != 4 or categorical.shape[:2] != (n, r):
@@ -462,30 +504,19 @@ def read_paper_draft(folder: str | Path, step: int | None = None) -> PaperDraft:
     if sorted(sums) != list(range(len(sums))):
         raise PaperImportError(f"sum heads {sorted(sums)} are not numbered 0..{len(sums) - 1}")
     sum_list = [sums[k] for k in range(len(sums))]
-    V, d = categorical.shape[2:]
+    d = categorical.shape[3]
     for k, w in enumerate(sum_list):
         if w.dim() != 4 or w.shape[3] != d or w.dtype != categorical.dtype:
             raise PaperImportError(
                 f"mt_head._sum_weights_heads.{k}.head.proj has shape {tuple(w.shape)} "
                 f"{w.dtype}; expected (F, K_out, K_in, d={d}) {categorical.dtype}"
             )
-    scopes = _sum_scopes(kind, n, sum_list, scope, state)
-    _check_scopes(kind, n, r, sum_list, scopes)
     for name, t in [(CAT_KEY, categorical)] + [
         (f"mt_head._sum_weights_heads.{k}.head.proj", w) for k, w in enumerate(sum_list)
     ]:
         if not bool(torch.isfinite(t).all()):
             raise PaperImportError(f"{file}: {name} holds NaN or inf values")
-
-    settings, layers = _lora_config(config, lora)
-    lm_id = _field(config, "lm.model.from_huggingface", None)
-    return PaperDraft(
-        folder=folder, checkpoint=file, step=step, config=config, kind=kind, window=n,
-        rank=r, vocab_size=int(V), hidden_size=int(d), dtype=categorical.dtype,
-        categorical=categorical, scope_idx=scope, sums=sum_list, sum_scopes=scopes,
-        lora=lora, lora_layers=layers, lora_settings=settings,
-        lm_id=lm_id if isinstance(lm_id, str) else None,
-    )  # fmt: skip
+    return categorical, scope, sum_list
 
 
 def _lora_config(
@@ -572,11 +603,6 @@ def head_state(draft: PaperDraft, structure: Any) -> dict[str, Tensor]:
     }
 
 
-def lora_state(draft: PaperDraft) -> dict[str, Tensor]:
-    """The LoRA weights under our (the HF model's peft) names."""
-    return dict(draft.lora)
-
-
 # ------------------------------------------------------------------------------- import ----
 def _target_name(
     draft: PaperDraft, model: str | None, model_path: str | None
@@ -626,40 +652,19 @@ def import_paper_draft(
         MissingFileError, PaperImportError: before the target loads (module docstring);
             PaperImportError after it loads when V, d or the LoRA layers do not fit it.
     """
-    from mtpc.backbones import backbone_from_hf, load_backbone
     from mtpc.export import CONFIG_NAME, save_draft
     from mtpc.model import MTPCModel
 
     draft = read_paper_draft(folder, step)
-    if target is None:
-        name, path = _target_name(draft, model, model_path)
-        kwargs: dict[str, Any] = {"path": path, "revision": revision, "device": device}
-        if dtype is not None:
-            kwargs["dtype"] = dtype
-        elif name != "tiny":
-            kwargs["dtype"] = "bfloat16"
-        backbone = load_backbone(name, **kwargs)
-    else:
-        backbone = backbone_from_hf(target)
-    if (backbone.vocab_size, backbone.hidden_size) != (draft.vocab_size, draft.hidden_size):
-        raise PaperImportError(
-            f"the draft's head has V={draft.vocab_size}, d={draft.hidden_size} but the target "
-            f"has V={backbone.vocab_size}, d={backbone.hidden_size}; give the target it was "
-            "trained on (--model / --model-path)"
-        )
-    k, L = len(draft.lora_layers), backbone.num_layers
-    if k and draft.lora_layers != list(range(L - k, L)):
-        raise PaperImportError(
-            f"{CONFIG_FILE}: LoRA on layers {draft.lora_layers}; the target has {L} layers, so "
-            f"only the last k ({list(range(L - k, L))}) map onto our draft tail"
-        )
+    backbone = _load_target(draft, model, model_path, revision, target, device, dtype)
+    _check_target_fits(draft, backbone)
     options: dict[str, Any] = {}
     if draft.kind in ("hmm", "btree"):
         options["identity_init"] = False
     lora = draft.lora_settings
     try:
         model_ = MTPCModel.from_backbone(
-            backbone, draft.kind, draft.window, draft.rank, lora_layers=k,
+            backbone, draft.kind, draft.window, draft.rank, lora_layers=len(draft.lora_layers),
             lora_rank=lora.get("rank", 16), lora_alpha=lora.get("alpha", 16.0),
             lora_dropout=lora.get("dropout", 0.0),
             lora_target_modules=lora.get("target_modules"), head_init="random",
@@ -672,21 +677,58 @@ def import_paper_draft(
         model_.head.load_state_dict(
             {n: t.to(model_.head.unembedding.device) for n, t in state.items()}
         )
-    if k:
+    if draft.lora:
         assert backbone.lora is not None
         try:
-            backbone.lora.load_state_dict(
-                {n: t.to(backbone.device) for n, t in lora_state(draft).items()}
-            )
+            backbone.lora.load_state_dict({n: t.to(backbone.device) for n, t in draft.lora.items()})
         except ValueError as err:
             raise PaperImportError(f"LoRA weights do not fit the target: {err}") from err
     provenance = draft.provenance()
     outdir = save_draft(model_, out, training_config=provenance)
-    file = outdir / CONFIG_NAME
+    file = outdir / CONFIG_NAME  # save_draft's config.json, plus where the draft came from
     config = json.loads(file.read_text(encoding="utf-8"))
     config["imported"] = provenance
     file.write_text(json.dumps(config, indent=2, default=str) + "\n", encoding="utf-8")
     return outdir
+
+
+def _load_target(
+    draft: PaperDraft,
+    model: str | None,
+    model_path: str | None,
+    revision: str | None,
+    target: Any,
+    device: str,
+    dtype: str | None,
+) -> Any:
+    """The target ``Backbone``: ``target`` wrapped, or loaded (``import_paper_draft``'s args)."""
+    from mtpc.backbones import backbone_from_hf, load_backbone
+
+    if target is not None:
+        return backbone_from_hf(target)
+    name, path = _target_name(draft, model, model_path)
+    kwargs: dict[str, Any] = {"path": path, "revision": revision, "device": device}
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    elif name != "tiny":
+        kwargs["dtype"] = "bfloat16"
+    return load_backbone(name, **kwargs)
+
+
+def _check_target_fits(draft: PaperDraft, backbone: Any) -> None:
+    """Refuses a target whose V, d or layer count does not fit the draft (one line)."""
+    if (backbone.vocab_size, backbone.hidden_size) != (draft.vocab_size, draft.hidden_size):
+        raise PaperImportError(
+            f"the draft's head has V={draft.vocab_size}, d={draft.hidden_size} but the target "
+            f"has V={backbone.vocab_size}, d={backbone.hidden_size}; give the target it was "
+            "trained on (--model / --model-path)"
+        )
+    k, L = len(draft.lora_layers), backbone.num_layers
+    if k and draft.lora_layers != list(range(L - k, L)):
+        raise PaperImportError(
+            f"{CONFIG_FILE}: LoRA on layers {draft.lora_layers}; the target has {L} layers, so "
+            f"only the last k ({list(range(L - k, L))}) map onto our draft tail"
+        )
 
 
 # ---------------------------------------------------------------------------------- CLI ----
