@@ -239,6 +239,20 @@ def turn_hashes(record: Mapping[str, Any]) -> list[str]:
     return [t["tokens_sha1"] for t in turns] if turns else [record["tokens_sha1"]]
 
 
+def ar_turn_hashes(records: Sequence[Mapping[str, Any]]) -> dict[tuple[int, int], list[str]]:
+    """AR's :func:`turn_hashes` by (set, index): the greedy check's reference."""
+    return {
+        (r["set"], r["index"]): turn_hashes(r)
+        for r in records
+        if r.get("type") == "prompt" and r["pass"] == "ar" and r.get("draft_path") is None
+    }
+
+
+def equal_turns(hashes: Sequence[str], reference: Sequence[str]) -> list[bool]:
+    """Per turn: whether its ``tokens_sha1`` equals the reference's (AR's) same turn."""
+    return [j < len(reference) and reference[j] == h for j, h in enumerate(hashes)]
+
+
 class MemoryRecords:
     """Prompt records held in memory: what was measured, and what is still to decode
     (``evaluate_hetero`` uses it as it is; :class:`RecordStore` adds the folder).

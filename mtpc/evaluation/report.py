@@ -24,7 +24,9 @@ from typing import Any
 
 from mtpc.evaluation.metrics import aggregate, mean_std, set_metrics
 from mtpc.evaluation.records import (
+    ar_turn_hashes,
     check_mergeable,
+    equal_turns,
     hetero_draft_path,
     read_manifest,
     read_records,
@@ -124,8 +126,10 @@ def format_table(
     rows: Sequence[dict[str, Any]],
     title: str = "",
     columns: Sequence[tuple[str, str, str]] = COLUMNS,
+    note: str = "",
 ) -> str:
-    """A markdown table (mean ± std over prompt sets where a ``*_std`` field exists)."""
+    """A markdown table (mean ± std over prompt sets where a ``*_std`` field exists), with
+    ``note`` (what its numbers are) on the lines below it."""
     header = [label for _, label, _ in columns]
     body = [[_cell(r, key, fmt) for key, _, fmt in columns] for r in rows]
     widths = [max([len(h), *(len(b[i]) for b in body)]) for i, h in enumerate(header)]
@@ -134,6 +138,8 @@ def format_table(
     lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for b in body:
         lines.append("| " + " | ".join(c.ljust(w) for c, w in zip(b, widths, strict=True)) + " |")
+    if note:
+        lines.append(note)
     return "\n".join(lines)
 
 
@@ -163,16 +169,12 @@ def resolve_checks(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, An
     null while AR's is missing."""
     if not any(r.get("check_pending") for r in records):
         return list(records)
-    ar = {
-        (r["set"], r["index"]): turn_hashes(r)
-        for r in records
-        if r.get("type") == "prompt" and r["pass"] == "ar" and r.get("draft_path") is None
-    }
+    ar = ar_turn_hashes(records)
     out: list[Mapping[str, Any]] = []
     for r in records:
         ref = ar.get((r["set"], r["index"])) if r.get("check_pending") else None
         if ref is not None:
-            equal = [j < len(ref) and ref[j] == h for j, h in enumerate(turn_hashes(r))]
+            equal = equal_turns(turn_hashes(r), ref)
             r = {**r, "equal_reference": all(equal)}
             if r.get("turns"):
                 r["turns"] = [
@@ -508,22 +510,7 @@ def report_folders(
     """
     manifests = [read_manifest(f) for f in folders]
     check_mergeable(manifests, folders)
-    rows: list[dict[str, Any]] = []
-    source_rows: list[dict[str, Any]] = []
-    spec_rows: list[dict[str, Any]] = []
-    placed: list[tuple[dict[str, Any], int]] = []  # (row, its folder's index)
-    prompts_of: list[dict[tuple[Any, str], list[dict[str, Any]]]] = []  # per folder
-    for index, (folder, manifest) in enumerate(zip(folders, manifests, strict=True)):
-        records = read_records(folder)
-        folder_rows, folder_sources = build_report(manifest, records)
-        placed += [(r, index) for r in folder_rows if index == 0 or r["kind"] != "ar"]
-        source_rows += folder_sources
-        spec_rows += spec_bench_report(manifest, records, with_ar=index == 0)
-        groups: dict[tuple[Any, str], list[dict[str, Any]]] = defaultdict(list)
-        for r in records:
-            if r.get("type") == "prompt":
-                groups[(r.get("draft_path"), r["pass"])].append(r)
-        prompts_of.append(groups)
+    placed, source_rows, spec_rows, prompts_of = _read_folders(folders, manifests)
     placed.sort(key=lambda p: bool(p[0].get("baseline")))  # baselines last (stable)
     rows = [r for r, _ in placed]
     _baseline_speedups(rows)
@@ -543,39 +530,21 @@ def report_folders(
     source_table = format_table(
         source_rows, "per source (cycles of every set pooled)", SOURCE_COLUMNS
     )
-    spec_table = (
-        format_table(spec_rows, spec_bench_title(first, spec_rows), SPEC_BENCH_COLUMNS)
-        + "\n"
-        + SPEC_BENCH_NOTE
-        if spec_rows
-        else ""
-    )
-    paired_table = (
-        format_table(paired, paired_title(paired), PAIRED_COLUMNS) + "\n" + PAIRED_NOTE
-        if paired
-        else ""
-    )
-    seed_table = (
-        format_table(
-            seeds,
-            f"over seeds ({len(seeds)} configuration{'s' if len(seeds) > 1 else ''})",
-            SEED_COLUMNS,
-        )
-        + "\n"
-        + SEED_NOTE
-        if seeds
-        else ""
-    )
+    seeds_title = f"over seeds ({len(seeds)} configuration{'s' if len(seeds) > 1 else ''})"
+    extra = {  # the tables only some reports have, in print order: {key: (rows, table)}
+        "spec_bench": (spec_rows, format_table(
+            spec_rows, spec_bench_title(first, spec_rows), SPEC_BENCH_COLUMNS, SPEC_BENCH_NOTE
+        )),
+        "paired": (paired, format_table(paired, paired_title(paired), PAIRED_COLUMNS, PAIRED_NOTE)),
+        "seeds": (seeds, format_table(seeds, seeds_title, SEED_COLUMNS, SEED_NOTE)),
+    }  # fmt: skip
     if echo:
         print(table)
         if source_rows:
             print(source_table)
-        if spec_rows:
-            print(spec_table)
-        if paired:
-            print(paired_table)
-        if seeds:
-            print(seed_table)
+        for extra_rows, extra_table in extra.values():
+            if extra_rows:
+                print(extra_table)
     results: dict[str, Any] = {
         **{k: first.get(k) for k in ("settings", "target", "data", "device_name")},
         "drafts": [d for m in manifests for d in m["drafts"]],
@@ -586,14 +555,45 @@ def report_folders(
         "table": table,
         "source_table": source_table,
     }
-    if spec_rows:
-        results.update(spec_bench=spec_rows, spec_bench_table=spec_table)
-    if paired:
-        results.update(paired=paired, paired_table=paired_table)
-    if seeds:
-        results.update(seeds=seeds, seeds_table=seed_table)
+    for key, (extra_rows, extra_table) in extra.items():
+        if extra_rows:
+            results.update({key: extra_rows, f"{key}_table": extra_table})
     results["files"] = write_outputs(results, out_dir, plots=plots)
     return results
+
+
+def _read_folders(
+    folders: Sequence[Path], manifests: Sequence[Mapping[str, Any]]
+) -> tuple[
+    list[tuple[dict[str, Any], int]],
+    list[dict[str, Any]],
+    list[dict[str, Any]],
+    list[dict[tuple[Any, str], list[dict[str, Any]]]],
+]:
+    """Each folder's report rows (:func:`build_report`, :func:`spec_bench_report`; the AR
+    row of the first folder only) and prompt records.
+
+    Returns:
+        ``(placed, source_rows, spec_rows, prompts_of)``: the rows, each with its folder's
+        index; the per-source rows; the Spec-Bench rows; per folder, the prompt records by
+        (draft path, pass).
+    """
+    source_rows: list[dict[str, Any]] = []
+    spec_rows: list[dict[str, Any]] = []
+    placed: list[tuple[dict[str, Any], int]] = []  # (row, its folder's index)
+    prompts_of: list[dict[tuple[Any, str], list[dict[str, Any]]]] = []  # per folder
+    for index, (folder, manifest) in enumerate(zip(folders, manifests, strict=True)):
+        records = read_records(folder)
+        folder_rows, folder_sources = build_report(manifest, records)
+        placed += [(r, index) for r in folder_rows if index == 0 or r["kind"] != "ar"]
+        source_rows += folder_sources
+        spec_rows += spec_bench_report(manifest, records, with_ar=index == 0)
+        groups: dict[tuple[Any, str], list[dict[str, Any]]] = defaultdict(list)
+        for r in records:
+            if r.get("type") == "prompt":
+                groups[(r.get("draft_path"), r["pass"])].append(r)
+        prompts_of.append(groups)
+    return placed, source_rows, spec_rows, prompts_of
 
 
 def _write_csv(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:

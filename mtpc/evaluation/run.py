@@ -57,6 +57,8 @@ from mtpc.evaluation.metrics import pool_turns, prompt_record
 from mtpc.evaluation.records import (
     MANIFEST,
     RecordStore,
+    ar_turn_hashes,
+    equal_turns,
     expand_folders,
     turn_hashes,
 )
@@ -201,11 +203,7 @@ def decode_prompt(
         lengths.append(len(ids))
         results.append(generate(model, ids, seed=seed, **kwargs))
     hashes = [tokens_sha1(r.tokens) for r in results]
-    equal = (
-        None
-        if reference is None
-        else [j < len(reference) and reference[j] == h for j, h in enumerate(hashes)]
-    )
+    equal = None if reference is None else equal_turns(hashes, reference)
     draft_mode = {"draft_mode": results[0].draft_mode} if per_cycle else {}
     if not later:  # one turn: the record of every single-turn evaluation
         return {
@@ -296,15 +294,6 @@ class Lane:
         )  # fmt: skip
 
 
-def ar_references(store: RecordStore) -> dict[tuple[int, int], list[str]]:
-    """AR's ``tokens_sha1`` per turn, by (set, index): the greedy check's reference."""
-    return {
-        (r["set"], r["index"]): turn_hashes(r)
-        for r in store.records
-        if r.get("type") == "prompt" and r["pass"] == "ar"
-    }
-
-
 def run_pass(
     store: RecordStore,
     model: Any,
@@ -333,7 +322,7 @@ def run_pass(
         lane.close(store, None)
         return 0
     device = str(get_field(cfg, "device", "cpu"))
-    reference = ar_references(store)
+    reference = ar_turn_hashes(store.records)
     sync_memory_reset(device)
     lane.warm_up(prompt_sets, cfg)
     total = sum(len(p) for p in prompt_sets)
@@ -383,7 +372,7 @@ def run_interleaved(
         sync_memory_reset(device)
         for lane in busy:
             lane.warm_up(prompt_sets, cfg)
-    reference = ar_references(store)
+    reference = ar_turn_hashes(store.records)
     missing = {lane: {(k, i) for k, i, _ in todo[lane]} for lane in lanes}
     total = sum(len(p) for p in prompt_sets) * len(lanes)
     bar = _Progress(
