@@ -224,6 +224,51 @@ def test_stored_lm_weights_are_refused(tmp_path: Path) -> None:
              state_over={"lm._lm.model.norm.weight": torch.ones(D)})  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    ("kind", "config_over", "match"),
+    [
+        ("cp", {"mt_head.hyperparameters.share_sum_weights": True}, r"share_sum_weights=true"),
+        ("hmm", {"mt_head.hyperparameters.contextual_hmm_weights": False}, r"contextual_hmm"),
+        ("cp", {"mt_head.hyperparameters.transformer_n_layer": 1}, r"transformer_n_layer=1"),
+        ("btree", {"circuit.model.kind": "random-btree"}, r"kind='random-btree'"),
+    ],
+)
+def test_other_head_and_circuit_settings_are_refused(
+    tmp_path: Path, kind: str, config_over: dict, match: str
+) -> None:
+    _refused(tmp_path, match, kind, 8, 2, V, D, config_over=config_over)
+
+
+def test_a_btree_whose_fold_wiring_is_not_stored_is_refused(tmp_path: Path) -> None:
+    # n = 8: 6 inner layers, the output entry is 7
+    output = "circuit._circuit._address_book._in_fold_idx_7_0"
+    _refused(tmp_path, r"address book .* does not describe a BTree", "btree", 8, 2, V, D,
+             state_over={output: None})  # fmt: skip
+
+
+def test_non_finite_weights_are_refused(tmp_path: Path) -> None:
+    proj = torch.zeros(8, 2, V, D, dtype=torch.float64)
+    proj[3, 1, 0, 0] = float("nan")
+    _refused(tmp_path, r"_categorical_log_probs_heads\.0\.head\.proj holds NaN", "cp", 8, 2,
+             V, D, state_over={"mt_head._categorical_log_probs_heads.0.head.proj": proj})  # fmt: skip
+
+
+def test_the_target_is_named_by_the_configs_hub_id(tmp_path: Path) -> None:
+    from mtpc.paper_import import _target_name
+
+    def named(lm_id: str, **kwargs: str) -> tuple[str, str | None]:
+        folder = write_paper_draft(tmp_path / lm_id.replace("/", "_"), "cp", 8, 2, V, D,
+                                   lm_id=lm_id)  # fmt: skip
+        return _target_name(read_paper_draft(folder), kwargs.get("model"), kwargs.get("path"))
+
+    assert named("EvaByte/EvaByte-SFT") == ("evabyte", "EvaByte/EvaByte-SFT")
+    assert named("x/Llama3-2-3B-IT-Byte") == ("llama3_byte", "x/Llama3-2-3B-IT-Byte")
+    assert named("EvaByte/EvaByte-SFT", path="/ckpt") == ("evabyte", "/ckpt")
+    assert named("org/other", model="tiny") == ("tiny", None)
+    with pytest.raises(PaperImportError, match=r"'org/other' is not a known target; give --model"):
+        import_paper_draft(tmp_path / "org_other", tmp_path / "out")  # before any target loads
+
+
 def test_missing_folder_and_checkpoint_are_one_line(tmp_path: Path) -> None:
     with pytest.raises(MissingFileError, match="does not exist"):
         read_paper_draft(tmp_path / "nowhere")
