@@ -125,7 +125,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--eval-generations", type=int, default=200, help="greedy answers scored")
     p.add_argument("--log-every", type=int, default=50)
-    args = p.parse_args(argv)
+    return _checked(p, p.parse_args(argv))
+
+
+def _checked(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` checked (``p.error`` exits with one line) and the ``--data`` defaults filled."""
     for name in ("steps", "batch_size", "seq_len", "threads", "hidden_size", "eval_windows"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
@@ -279,7 +283,8 @@ def code_samples(
         if r["source"] == "python/function_body"
         and len(codec.generation_prompt(r["messages"][:-1])) <= max_prompt_ids
     ][:limit]  # fmt: skip
-    parsed, exact, samples = 0, 0, []
+    parsed, exact = 0, 0
+    samples: list[dict[str, str]] = []
     for row in prompts:
         messages = row["messages"]
         prompt = codec.generation_prompt(messages[:-1])
@@ -314,49 +319,33 @@ def _portable(value: object) -> object:
         return str(value)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    command = " ".join(
-        [
-            "python",
-            "scripts/pretrain_tiny_target.py",
-            *map(shlex.quote, sys.argv[1:] if argv is None else argv),
-        ]
-    )
-    print(f"command: {command}", flush=True)
-
-    data_report: dict = {}
-    if args.data == "python_code":
-        from mtpc.data.python_code import python_code_source
-
-        source = python_code_source(args.code_root, args.num_rows, args.validation_fraction)
-        rows, held_out = list(source), list(source.split_mask())  # type: ignore[misc]
-        train_rows = [r for r, v in zip(rows, held_out, strict=True) if not v]
-        val_rows = [r for r, v in zip(rows, held_out, strict=True) if v]
-        data_report = {"fingerprint": source.fingerprint, **source.report()}  # type: ignore[misc]
-        data_report["root"] = "stdlib" if args.code_root is None else _portable(args.code_root)
-    else:
+def load_rows(args: argparse.Namespace) -> tuple[list[dict], list[dict], dict]:
+    """(train rows, validation rows, the data report for ``metadata.json``: {} for synthetic)."""
+    if args.data == "synthetic":
         data = load_synthetic(args.cache_dir, num_rows=args.num_rows, seed=args.seed)
-        train_rows, val_rows = list(data["train"]), list(data["validation"])
-    encoded = encode_chats(train_rows)
-    print(f"train rows {len(train_rows)} ({sum(len(i) for i, _ in encoded)} ids), "
-          f"validation rows {len(val_rows)}", flush=True)  # fmt: skip
+        return list(data["train"]), list(data["validation"]), {}
+    from mtpc.data.python_code import python_code_source
 
-    config = build_tiny_config(
-        hidden_size=args.hidden_size,
-        num_layers=args.num_layers,
-        num_heads=args.num_heads,
-        intermediate_size=args.intermediate_size,
-        max_position_embeddings=args.max_position_embeddings,
-    )
-    model = LlamaForCausalLM(config)
-    vocab, d = config.vocab_size, config.hidden_size
-    extra = torch.nn.Parameter(
-        torch.randn(((NUM_MTP_HEADS - 1) * vocab, d)) * config.initializer_range
-    )
+    source = python_code_source(args.code_root, args.num_rows, args.validation_fraction)
+    rows, held_out = list(source), list(source.split_mask())  # type: ignore[misc]
+    train_rows = [r for r, v in zip(rows, held_out, strict=True) if not v]
+    val_rows = [r for r, v in zip(rows, held_out, strict=True) if v]
+    data_report = {"fingerprint": source.fingerprint, **source.report()}  # type: ignore[misc]
+    data_report["root"] = "stdlib" if args.code_root is None else _portable(args.code_root)
+    return train_rows, val_rows, data_report
+
+
+def train(
+    args: argparse.Namespace,
+    model: LlamaForCausalLM,
+    extra: torch.nn.Parameter,
+    encoded: list[tuple[list[int], list[bool]]],
+) -> tuple[int, float, float]:
+    """Trains the trunk and the extra MTP unembeddings ``extra`` in place.
+
+    Returns:
+        (steps done, epochs seen, training seconds).
+    """
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2] + [extra]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW(
@@ -416,19 +405,65 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{losses[0].item():.4f} head7 {losses[-1].item():.4f} lr {lr_at(step, elapsed):.2e} "
                   f"{elapsed:.0f}s", flush=True)  # fmt: skip
     train_seconds = time.perf_counter() - start
+    return steps_done, epoch + cursor / len(ids_all), train_seconds
+
+
+def evaluate(
+    args: argparse.Namespace,
+    model: LlamaForCausalLM,
+    val_rows: list[dict],
+    mtp_unembeddings: torch.Tensor,
+) -> tuple[dict[str, float], list[dict[str, str]]]:
+    """Held-out metrics, and greedy samples (python_code only)."""
+    if args.data == "synthetic":
+        metrics = validation_metrics(model, val_rows, mtp_unembeddings)
+        metrics.update(greedy_accuracy(model, val_rows, args.eval_generations))
+        return metrics, []
+    metrics = packed_validation(
+        model, encode_chats(val_rows), args.seq_len, args.eval_windows, mtp_unembeddings
+    )
+    greedy, samples = code_samples(model, val_rows, args.eval_generations)
+    metrics.update(greedy)
+    return metrics, samples
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    command = " ".join(
+        [
+            "python",
+            "scripts/pretrain_tiny_target.py",
+            *map(shlex.quote, sys.argv[1:] if argv is None else argv),
+        ]
+    )
+    print(f"command: {command}", flush=True)
+
+    train_rows, val_rows, data_report = load_rows(args)
+    encoded = encode_chats(train_rows)
+    print(f"train rows {len(train_rows)} ({sum(len(i) for i, _ in encoded)} ids), "
+          f"validation rows {len(val_rows)}", flush=True)  # fmt: skip
+
+    config = build_tiny_config(
+        hidden_size=args.hidden_size,
+        num_layers=args.num_layers,
+        num_heads=args.num_heads,
+        intermediate_size=args.intermediate_size,
+        max_position_embeddings=args.max_position_embeddings,
+    )
+    model = LlamaForCausalLM(config)
+    vocab, d = config.vocab_size, config.hidden_size
+    extra = torch.nn.Parameter(
+        torch.randn(((NUM_MTP_HEADS - 1) * vocab, d)) * config.initializer_range
+    )
+    start = time.perf_counter()
+    steps_done, epochs_seen, train_seconds = train(args, model, extra, encoded)
 
     model.eval()
     mtp_unembeddings = torch.cat([model.lm_head.weight, extra]).detach().clone()  # (8 * V, d)
-    samples: list[dict[str, str]] = []
-    if args.data == "python_code":
-        metrics = packed_validation(
-            model, encode_chats(val_rows), args.seq_len, args.eval_windows, mtp_unembeddings
-        )
-        greedy, samples = code_samples(model, val_rows, args.eval_generations)
-        metrics.update(greedy)
-    else:
-        metrics = validation_metrics(model, val_rows, mtp_unembeddings)
-        metrics.update(greedy_accuracy(model, val_rows, args.eval_generations))
+    metrics, samples = evaluate(args, model, val_rows, mtp_unembeddings)
     for key, value in metrics.items():
         print(f"{key}: {value:.4f}", flush=True)
     for sample in samples:
@@ -441,7 +476,7 @@ def main(argv: list[str] | None = None) -> dict:
         "rebuild_command": REBUILD_COMMAND if args.data == "synthetic" else command,
         "args": {k: _portable(v) for k, v in vars(args).items()},
         "steps": steps_done,
-        "epochs_seen": epoch + cursor / len(ids_all),
+        "epochs_seen": epochs_seen,
         "tokens_seen": steps_done * args.batch_size * args.seq_len,
         "train_wall_seconds": round(train_seconds, 1),
         "num_parameters": num_params,
