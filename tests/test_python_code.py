@@ -254,3 +254,38 @@ def test_bundled_code_target_loads_by_name_within_the_asset_budget() -> None:
     assert meta["greedy_samples"] and meta["data"]["validation_files"] > 0
     total = sum(f.stat().st_size for f in ASSETS_DIR.rglob("*") if f.is_file())
     assert total <= 12 * 1024 * 1024
+
+
+def test_data_config_passes_path_and_fraction_to_the_source(tree: Path, tmp_path: Path) -> None:
+    """data=python_code composes with model=tiny_code; its fraction reaches the source."""
+    from hydra.utils import instantiate
+
+    from tests.helpers import compose_train_cfg
+
+    cfg = compose_train_cfg(
+        tmp_path,
+        [
+            "model=tiny_code",
+            "data=python_code",
+            f"data.path={tree}",
+            "data.validation_fraction=0.3",
+        ],
+    )
+    assert cfg.run_name.startswith("tiny_code-")  # model.run_label names the run folders
+    assert compose_train_cfg(tmp_path, []).run_name.startswith("tiny-")
+    src = instantiate(cfg.data).row_source()
+    assert src.fingerprint == python_code_source(tree, validation_fraction=0.3).fingerprint
+
+
+def test_python_code_path_must_be_one_folder(tree: Path) -> None:
+    with pytest.raises(DataError, match=r"data\.path=.*one folder or null"):
+        load_source("python_code", [str(tree), str(tree)])
+
+
+def test_asset_error_names_the_folders_own_rebuild_command(tmp_path: Path) -> None:
+    from mtpc.backbones.tiny import TinyTargetAssetError, load_tiny_target
+
+    command = "python scripts/pretrain_tiny_target.py --data python_code --steps 9"
+    (tmp_path / "metadata.json").write_text(json.dumps({"rebuild_command": command}))
+    with pytest.raises(TinyTargetAssetError, match="--data python_code --steps 9"):
+        load_tiny_target(tmp_path)
