@@ -269,8 +269,3 @@ def build_prompt_sets(
             )  # fmt: skip
         sets.append(prompts)
     return sets
-
-
-def task_of(category: str) -> str:
-    """Spec-Bench's task of a category: ``mt_bench`` for MT-bench's, else the category."""
-    return MT_BENCH if category in MT_BENCH_CATEGORIES else category

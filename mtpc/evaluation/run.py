@@ -402,6 +402,20 @@ def run_interleaved(
     return decoded
 
 
+def log_draft(
+    store: RecordStore, index: int, draft: Mapping[str, Any], decoded: int, seconds: float
+) -> None:
+    """Logs a decoded draft's tokens per cycle and speed-up over AR (its chain row)."""
+    mine = [r for r in store.records if r.get("draft_path") in (None, draft["path"])]
+    rows, _ = build_report({**store.manifest, "drafts": [draft]}, mine)
+    row = next(r for r in rows if r["name"] == draft["name"])  # the chain, not a tree row
+    logger.info(
+        "[%d/%d] %s: %.2f tokens/cycle, %.2fx AR (%d prompts decoded in %.1f s)",
+        index + 1, len(store.manifest["drafts"]), draft["name"], row.get("mu_acc", math.nan),
+        row.get("speedup_ar", math.nan), decoded, seconds,
+    )  # fmt: skip
+
+
 def decode_all(
     cfg: Any, store: RecordStore, drafts: Sequence[Path], baselines: Sequence[Path]
 ) -> list[list[Any]] | None:
@@ -450,16 +464,6 @@ def decode_all(
             check_prompts(store, prompt_sets)
         return prompt_sets
 
-    def log(index: int, draft: Mapping[str, Any], decoded: int, seconds: float) -> None:
-        mine = [r for r in store.records if r.get("draft_path") in (None, draft["path"])]
-        rows, _ = build_report({**store.manifest, "drafts": [draft]}, mine)
-        row = next(r for r in rows if r["name"] == draft["name"])  # the chain, not a tree row
-        logger.info(
-            "[%d/%d] %s: %.2f tokens/cycle, %.2fx AR (%d prompts decoded in %.1f s)",
-            index + 1, len(entries), draft["name"], row.get("mu_acc", math.nan),
-            row.get("speedup_ar", math.nan), decoded, seconds,
-        )  # fmt: skip
-
     if get_field(cfg, "interleave", False) and plan:
         start = time.perf_counter()
         models = {index: load_for_eval(path, cfg) for index, path, _, _ in plan}
@@ -472,7 +476,7 @@ def decode_all(
         seconds = time.perf_counter() - start
         for index, _, draft, _ in plan:
             mine = [lane for lane in lanes if lane.model is models[index]]
-            log(index, draft, sum(counts[lane] for lane in mine), seconds)
+            log_draft(store, index, draft, sum(counts[lane] for lane in mine), seconds)
         del models, lanes
         gc.collect()
         return prompt_sets
@@ -483,10 +487,27 @@ def decode_all(
             run_pass(store, model, prompts_for(model), cfg, None if p == "ar" else draft, p)
             for p in todo
         )
-        log(index, draft, decoded, time.perf_counter() - start)
+        log_draft(store, index, draft, decoded, time.perf_counter() - start)
         del model
         gc.collect()
     return prompt_sets
+
+
+def rebuild_report(cfg: Any, report: str | Sequence[str], plots: bool) -> dict[str, Any]:
+    """``report=<folder>`` (or a list, globs allowed): the report of the folders' records,
+    merged, into ``output_dir`` (needed for several folders; else the folder itself)."""
+    folders = expand_folders([report] if isinstance(report, str) else report, root_dir(cfg))
+    try:
+        out = get_field(cfg, "output_dir")
+    except Exception:
+        out = None
+    if out is None and len(folders) > 1:
+        raise EvalConfigError(
+            "report= with several folders needs output_dir=<where the merged report goes>"
+        )
+    result = report_folders(folders, Path(out) if out else folders[0], plots=plots)
+    print(f"results: {result['files']['json']}")
+    return result
 
 
 def evaluate(
@@ -523,18 +544,7 @@ def evaluate(
     plots = bool(get_field(cfg, "plots", True))
     report = plain(get_field(cfg, "report"))
     if report:
-        folders = expand_folders([report] if isinstance(report, str) else report, root_dir(cfg))
-        try:
-            out = get_field(cfg, "output_dir")
-        except Exception:
-            out = None
-        if out is None and len(folders) > 1:
-            raise EvalConfigError(
-                "report= with several folders needs output_dir=<where the merged report goes>"
-            )
-        result = report_folders(folders, Path(out) if out else folders[0], plots=plots)
-        print(f"results: {result['files']['json']}")
-        return result
+        return rebuild_report(cfg, report, plots)
 
     drafter = get_field(cfg, "drafter")
     # drafter=hetero alone evaluates only the other-vocabulary drafter; with draft= both
