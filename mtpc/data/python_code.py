@@ -46,10 +46,9 @@ import os
 import sys
 import sysconfig
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import Any
 
 from mtpc.data.sources import Row, RowSource
 from mtpc.errors import DataError, MissingFileError
@@ -130,25 +129,12 @@ class FileReport:
     files_used: int = 0
     train_files: int = 0
     validation_files: int = 0
-    malformed: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MALFORMED_REASONS, 0))
+    malformed_files: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(MALFORMED_REASONS, 0)
+    )
     malformed_examples: dict[str, list[str]] = field(default_factory=dict)
     rows: dict[str, int] = field(default_factory=dict)
     functions_without_body: int = 0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "root": self.root,
-            "python_version": self.python_version,
-            "excluded_dirs": self.excluded_dirs,
-            "files_seen": self.files_seen,
-            "files_used": self.files_used,
-            "train_files": self.train_files,
-            "validation_files": self.validation_files,
-            "malformed_files": dict(self.malformed),
-            "malformed_examples": {k: list(v) for k, v in self.malformed_examples.items()},
-            "rows": dict(self.rows),
-            "functions_without_body": self.functions_without_body,
-        }
 
 
 def _dedent(lines: list[str], column: int) -> list[str]:
@@ -243,7 +229,7 @@ def file_rows(
             except (SyntaxError, ValueError):  # ValueError: null bytes
                 reason = "syntax_error"
     if reason is not None:
-        report.malformed[reason] += 1
+        report.malformed_files[reason] += 1
         examples = report.malformed_examples.setdefault(reason, [])
         if len(examples) < 5:
             examples.append(relpath)
@@ -301,7 +287,7 @@ def _build(
         validation = [validation[i] for i in keep]
     for row in rows:
         report.rows[row["source"]] = report.rows.get(row["source"], 0) + 1
-    bad = {k: v for k, v in report.malformed.items() if v}
+    bad = {k: v for k, v in report.malformed_files.items() if v}
     if bad:
         logger.warning(
             "%s: %d of %d files are malformed and give no rows: %s (first: %s)",
@@ -390,5 +376,5 @@ def python_code_source(
         take_rows=lambda positions: [build().rows[int(p)] for p in positions],
         row_limit=None if num_rows is None else int(num_rows),
         split_mask=lambda: build().validation,
-        report=lambda: build().report.as_dict(),
+        report=lambda: asdict(build().report),
     )
