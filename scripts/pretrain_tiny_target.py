@@ -135,6 +135,8 @@ def _checked(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.N
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.num_rows is not None and args.num_rows <= 0:
         p.error(f"--num-rows must be positive, got {args.num_rows}")
+    if args.time_budget_s is not None and args.time_budget_s <= 0:
+        p.error(f"--time-budget-s must be positive, got {args.time_budget_s}")
     if args.seq_len > args.max_position_embeddings:
         p.error(
             f"--seq-len {args.seq_len} exceeds --max-position-embeddings "

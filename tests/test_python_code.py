@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -215,14 +216,20 @@ def test_real_stdlib_first_rows() -> None:
     assert not any(part in python_code.EXCLUDED_DIRS for r in rows for part in r["file"].split("/"))
 
 
+def _pretrain_script() -> Any:
+    """``scripts/pretrain_tiny_target.py`` as a module."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    try:
+        import pretrain_tiny_target
+    finally:
+        sys.path.pop(0)
+    return pretrain_tiny_target
+
+
 @pytest.mark.slow
 def test_pretrain_script_on_a_fake_tree(tree: Path, tmp_path: Path) -> None:
     """--data python_code trains, scores held-out files and stores bf16 weights that load."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    try:
-        import pretrain_tiny_target as pretrain
-    finally:
-        sys.path.pop(0)
+    pretrain = _pretrain_script()
     from mtpc.backbones.tiny import load_tiny_target
 
     out = tmp_path / "asset"
@@ -289,3 +296,18 @@ def test_asset_error_names_the_folders_own_rebuild_command(tmp_path: Path) -> No
     (tmp_path / "metadata.json").write_text(json.dumps({"rebuild_command": command}))
     with pytest.raises(TinyTargetAssetError, match="--data python_code --steps 9"):
         load_tiny_target(tmp_path)
+
+
+def test_pretrain_time_budget_stops_training(tree: Path, tmp_path: Path) -> None:
+    """--time-budget-s ends training before --steps; a budget <= 0 is refused up front."""
+    pretrain = _pretrain_script()
+    args = [
+        "--data", "python_code", "--code-root", str(tree), "--out", str(tmp_path / "asset"),
+        "--validation-fraction", "0.3", "--steps", "5", "--warmup", "1", "--hidden-size", "32",
+        "--num-layers", "1", "--num-heads", "2", "--intermediate-size", "64", "--seq-len", "128",
+        "--batch-size", "2", "--eval-windows", "1", "--eval-generations", "0", "--threads", "1",
+    ]  # fmt: skip
+    with pytest.raises(SystemExit):
+        pretrain.parse_args([*args, "--time-budget-s", "0"])
+    meta = pretrain.main([*args, "--time-budget-s", "1e-9"])
+    assert meta["steps"] <= 1 and meta["args"]["time_budget_s"] == 1e-9
