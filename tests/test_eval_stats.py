@@ -21,9 +21,11 @@ import pytest
 
 from mtpc.evaluation import run as run_module
 from mtpc.evaluation.records import read_records
-from mtpc.evaluation.report import report_folders, resolve_checks
+from mtpc.evaluation.report import report_folders, resolve_checks, title_of
 from mtpc.evaluation.run import EvalConfigError, evaluate, interleaved_order
 from mtpc.evaluation.statistics import (
+    PAIRED_NOTE,
+    SEED_NOTE,
     compare,
     configuration,
     paired_bootstrap,
@@ -196,6 +198,20 @@ def test_without_a_baseline_the_first_draft_is_the_reference(tmp_path: Path) -> 
     assert res["paired"][0]["delta_mu_acc_high"] < 0
 
 
+def test_the_paired_table_states_its_statistics_and_the_title_an_interleaved_run(
+    tmp_path: Path,
+) -> None:
+    records = [prompt(p, "speculative", 0, i, 30, c, 0.1) for i in range(2)
+               for p, c in (("/d/a", 10), ("/d/b", 12))]  # fmt: skip
+    folder = write_folder(tmp_path / "f", [entry("/d/a"), entry("/d/b")], records)
+    res = report_folders([folder], folder, plots=False, echo=False)
+    assert res["paired_table"].endswith("\n" + PAIRED_NOTE)
+    assert "interleaved" not in res["table"]
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["settings"]["interleave"] = True
+    assert " | interleaved | " in title_of(manifest)
+
+
 # -------------------------------------------------------------------------- seeds ----
 def train_cfg(seed: int, rank: int = 8, source: str = "synthetic") -> dict[str, Any]:
     """A training config as a draft's model card records it (``python train.py``)."""
@@ -270,6 +286,7 @@ def test_seed_merging_matches_a_hand_computation(tmp_path: Path) -> None:
     assert btree["delta_mu_acc"] == pytest.approx(statistics.mean(hand["delta"]))
     assert btree["delta_mu_acc_std"] == pytest.approx(statistics.stdev(hand["delta"]))
     assert "over seeds (3 configurations)" in res["seeds_table"]
+    assert res["seeds_table"].endswith("\n" + SEED_NOTE)
     assert Path(res["files"]["seeds_csv"]).is_file()
 
 

@@ -33,7 +33,7 @@ from mtpc.errors import UserError
 from mtpc.evaluation.checks import EvalConfigError, check_eval_fields
 from mtpc.evaluation.folders import build_manifest
 from mtpc.evaluation.records import RecordsError, folder_name, identity, read_records
-from mtpc.evaluation.report import spec_bench_report
+from mtpc.evaluation.report import SPEC_BENCH_NOTE, spec_bench_report, title_of
 from mtpc.evaluation.run import evaluate
 from tests.helpers import CONFIG_DIR, REPO, eval_cfg, make_drafts
 
@@ -243,6 +243,13 @@ def test_the_table_states_spec_bench_metrics_beside_ours() -> None:
     assert spec_bench_report({**manifest, "data": {"source": "synthetic"}}, records) == []
 
 
+def test_the_main_title_counts_the_questions_decoded_per_run() -> None:
+    manifest = {"data": {"prompts": "spec_bench", "questions": 5},
+                "settings": {"num_prompt_sets": 2, "num_prompts": None, "max_new_tokens": 16}}  # fmt: skip
+    title = title_of(manifest, [{"name": "AR (target)", "prompts": 8}])
+    assert "2 set(s) x 4 of 5 Spec-Bench questions (every turn) x 16 bytes" in title
+
+
 # ---------------------------------------------------------------------- end to end ----
 def test_two_turn_questions_end_to_end(
     tmp_path: Path, drafts: dict[str, Path], capsys: pytest.CaptureFixture[str]
@@ -306,6 +313,7 @@ def test_two_turn_questions_end_to_end(
     assert "x AR (SB)" in printed and "mean accepted (SB)" in printed and "mt_bench" in printed
     assert Path(res["files"]["spec_bench_md"]).read_text().startswith("Spec-Bench question.jsonl")
     assert Path(res["files"]["spec_bench_csv"]).is_file()
+    assert res["spec_bench_table"].endswith("\n" + SPEC_BENCH_NOTE)
 
     calls.clear()
     with mock.patch.object(run, "generate", spy):
