@@ -127,6 +127,12 @@ def test_an_unknown_category_names_the_allowed_ones(tmp_path: Path) -> None:
         evaluate(cfg)
 
 
+def test_one_category_given_as_a_word_selects_that_category(tmp_path: Path) -> None:
+    path = write_questions(tmp_path / "q.jsonl")
+    data = build_manifest(spec_cfg(tmp_path, path, prompts={"categories": "writing"}), [], [])
+    assert data["data"]["categories"] == ["writing"] and data["data"]["questions"] == 2
+
+
 @pytest.mark.parametrize(
     ("over", "message"),
     [

@@ -14,6 +14,7 @@ from mtpc.evaluation.drafting import asked
 from mtpc.evaluation.loading import (
     check_target_name,
     root_dir,
+    spec_bench_categories,
     spec_bench_path,
     spec_bench_questions,
 )
@@ -102,10 +103,9 @@ def build_manifest(cfg: Any, drafts: Sequence[Path], baselines: Sequence[Path]) 
     manifest["training"] = {str(p): training_config(p) for p in [*drafts, *baselines]}
     spec = spec_bench_questions(cfg)
     if spec is not None:  # the prompts are the file's (its content, not its path, is the key)
-        categories = plain(get_field(cfg, "prompts.categories"))
         manifest["data"] = {
             "prompts": "spec_bench", "file": spec_bench_path(cfg).name, "sha256": spec[1],
-            "categories": [categories] if isinstance(categories, str) else categories,
+            "categories": spec_bench_categories(cfg),
             "per_category": get_field(cfg, "prompts.per_category"),
             "turns": get_field(cfg, "prompts.turns"), "questions": len(spec[0]),
         }  # fmt: skip

@@ -222,6 +222,13 @@ def spec_bench_path(cfg: Any) -> Path:
     return path if path.is_absolute() else root_dir(cfg) / path
 
 
+def spec_bench_categories(cfg: Any) -> list[str] | None:
+    """``prompts.categories`` as a list (``prompts.categories=writing`` is ``[writing]``);
+    None: every category."""
+    categories = plain(get_field(cfg, "prompts.categories"))
+    return [categories] if isinstance(categories, str) else categories
+
+
 def spec_bench_questions(cfg: Any) -> tuple[list[Any], str] | None:
     """``prompts=spec_bench``: the selected questions (``prompts.categories``,
     ``prompts.turns``) and the file's sha256; None for the data group's prompts.
@@ -235,12 +242,8 @@ def spec_bench_questions(cfg: Any) -> tuple[list[Any], str] | None:
 
     path = spec_bench_path(cfg)
     questions, sha256 = read_questions(path)
-    categories = plain(get_field(cfg, "prompts.categories"))
     return select_questions(
-        questions,
-        path,
-        [categories] if isinstance(categories, str) else categories,
-        get_field(cfg, "prompts.turns"),
+        questions, path, spec_bench_categories(cfg), get_field(cfg, "prompts.turns")
     ), sha256
 
 
