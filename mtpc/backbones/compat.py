@@ -855,14 +855,13 @@ def kernels_interpreted(model_module: ModuleType) -> bool | None:
 
 
 # ------------------------------------------------------------------------ loader ----
-def _log_kernels(label: str, kernels: dict[str, Any]) -> None:
-    """Logs where EvaByte's kernels run and their blocks (:func:`prepare_eva_kernels`'s result)."""
-    where = "on the GPU"
-    if kernels["interpreter"]:
-        capability = ".".join(map(str, kernels["capability"] or ()))
-        where = f"under triton's CPU interpreter (the blocks of a GPU of capability {capability})"
-    log.info("%s: EVA triton kernels %s, blocks %s", label, where,
-             kernels["blocks"] or "checked on the GPU")  # fmt: skip
+def kernels_path(kernels: dict[str, Any] | None) -> str:
+    """The triton attention path in words, from :func:`prepare_eva_kernels`'s result:
+    ``triton``, or ``triton (CPU interpreter, the blocks of a GPU of capability 9.0)``."""
+    if not (kernels and kernels["interpreter"]):
+        return "triton"
+    capability = ".".join(map(str, kernels["capability"] or ()))
+    return f"triton (CPU interpreter, the blocks of a GPU of capability {capability})"
 
 
 def load_remote_causal_lm(
@@ -934,7 +933,9 @@ def load_remote_causal_lm(
     patch_remote_config(config, name)
     patch_remote_module(module)
     if impl == "triton":
-        _log_kernels(label, prepare_eva_kernels(module, config, dtype, runs_on))
+        kernels = prepare_eva_kernels(module, config, dtype, runs_on)
+        log.info("%s: EVA kernels %s, blocks %s", label, kernels_path(kernels),
+                 kernels["blocks"] or "checked on the GPU")  # fmt: skip
     model: Any = model_cls.from_pretrained(path, config=config, revision=revision, dtype=dtype)  # type: ignore[attr-defined]
     replaced = restore_non_persistent_buffers(model, dtype)
     log.info("%s: rebuilt non-persistent buffers %s", label, replaced)

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from mtpc.backbones.base import Backbone
+from mtpc.backbones.compat import kernels_path, load_remote_causal_lm
 
 HUB_ID = "EvaByte/EvaByte-SFT"
 MASK_MIN = -10e10  # eva_pt_ref.MASK_MIN_VALUE
@@ -219,14 +220,10 @@ class EvaByteBackbone(Backbone):
         super().__init__(hf_model, "evabyte", "evabyte", source)
         self.remote = sys.modules[type(self.inner).__module__]
         self.use_triton = bool(getattr(self.remote, "USE_TRITON_IMPL", False))
-        kernels = getattr(self.remote, "__mtpc_kernels__", None) or {}
         self.attention_path = (
-            "torch (eva_pt_ref.py)"
-            if not self.use_triton
-            else "triton (CPU interpreter, the blocks of a GPU of capability "
-            f"{'.'.join(map(str, kernels['capability']))})"
-            if kernels.get("interpreter")
-            else "triton"
+            kernels_path(getattr(self.remote, "__mtpc_kernels__", None))
+            if self.use_triton
+            else "torch (eva_pt_ref.py)"
         )
         """The EVA attention path the layers run (reported by scripts/check_gpu.py)."""
         self.num_pred_heads = int(getattr(config, "num_pred_heads", 1) or 1)
@@ -533,7 +530,6 @@ def load_evabyte(
     Raises:
         TargetLoadError: the checkpoint cannot be loaded or fails the load-time check.
     """
-    from mtpc.backbones.compat import load_remote_causal_lm
     from mtpc.backbones.sanity import check_target
 
     path = path or HUB_ID
