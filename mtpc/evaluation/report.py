@@ -184,6 +184,17 @@ def resolve_checks(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, An
     return out
 
 
+def prompt_groups(
+    records: Sequence[Mapping[str, Any]],
+) -> defaultdict[tuple[Any, str], list[Mapping[str, Any]]]:
+    """The prompt records by (draft path, pass), in record order."""
+    groups: defaultdict[tuple[Any, str], list[Mapping[str, Any]]] = defaultdict(list)
+    for r in records:
+        if r.get("type") == "prompt":
+            groups[(r.get("draft_path"), r["pass"])].append(r)
+    return groups
+
+
 def build_report(
     manifest: Mapping[str, Any], records: Sequence[Mapping[str, Any]]
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -201,12 +212,10 @@ def build_report(
         peak_memory_mb and per_set. ``source_rows``: per draft and ``source``, the cycles
         of every set pooled: prompts, mu_acc, mu_acc_drafts, tok_s, speedup_ar.
     """
-    groups: dict[tuple[Any, str], list[Mapping[str, Any]]] = defaultdict(list)
+    groups = prompt_groups(resolve_checks(records))
     peaks: dict[Any, float] = {}
-    for r in resolve_checks(records):
-        if r.get("type") == "prompt":
-            groups[(r.get("draft_path"), r["pass"])].append(r)
-        elif r.get("type") == "pass" and r.get("peak_memory_mb") is not None:
+    for r in records:
+        if r.get("type") == "pass" and r.get("peak_memory_mb") is not None:
             key = r.get("draft_path")
             peaks[key] = max(peaks.get(key, 0.0), float(r["peak_memory_mb"]))
     settings = manifest["settings"]
@@ -568,7 +577,7 @@ def _read_folders(
     list[tuple[dict[str, Any], int]],
     list[dict[str, Any]],
     list[dict[str, Any]],
-    list[dict[tuple[Any, str], list[dict[str, Any]]]],
+    list[defaultdict[tuple[Any, str], list[Mapping[str, Any]]]],
 ]:
     """Each folder's report rows (:func:`build_report`, :func:`spec_bench_report`; the AR
     row of the first folder only) and prompt records.
@@ -581,18 +590,14 @@ def _read_folders(
     source_rows: list[dict[str, Any]] = []
     spec_rows: list[dict[str, Any]] = []
     placed: list[tuple[dict[str, Any], int]] = []  # (row, its folder's index)
-    prompts_of: list[dict[tuple[Any, str], list[dict[str, Any]]]] = []  # per folder
+    prompts_of: list[defaultdict[tuple[Any, str], list[Mapping[str, Any]]]] = []  # per folder
     for index, (folder, manifest) in enumerate(zip(folders, manifests, strict=True)):
         records = read_records(folder)
         folder_rows, folder_sources = build_report(manifest, records)
         placed += [(r, index) for r in folder_rows if index == 0 or r["kind"] != "ar"]
         source_rows += folder_sources
         spec_rows += spec_bench_report(manifest, records, with_ar=index == 0)
-        groups: dict[tuple[Any, str], list[dict[str, Any]]] = defaultdict(list)
-        for r in records:
-            if r.get("type") == "prompt":
-                groups[(r.get("draft_path"), r["pass"])].append(r)
-        prompts_of.append(groups)
+        prompts_of.append(prompt_groups(records))
     return placed, source_rows, spec_rows, prompts_of
 
 

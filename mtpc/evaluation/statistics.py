@@ -146,15 +146,10 @@ def paired_bootstrap(
             _ratio(num_b[idx].sum(1), den_b[idx].sum(1)),
         )  # (B,)
     boot /= len(sets)
+    if not np.isfinite(boot).any():
+        return float(estimate) / len(sets), math.nan, math.nan
     tail = (1.0 - level) / 2 * 100
-    low, high = (
-        np.nanpercentile(boot, [tail, 100 - tail])
-        if np.isfinite(boot).any()
-        else (
-            math.nan,
-            math.nan,
-        )
-    )
+    low, high = np.nanpercentile(boot, [tail, 100 - tail])
     return float(estimate) / len(sets), float(low), float(high)
 
 
