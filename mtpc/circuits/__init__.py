@@ -10,10 +10,9 @@ See ``docs/CIRCUITS.md``.
 
 from mtpc.circuits.engine import Circuit
 from mtpc.circuits.params import CircuitParams
-from mtpc.circuits.structure import KINDS, STRUCTURES, Structure, StructureBuilder, build_structure
+from mtpc.circuits.structure import STRUCTURES, Structure, StructureBuilder, build_structure
 
 __all__ = [
-    "KINDS",
     "STRUCTURES",
     "Circuit",
     "CircuitParams",

@@ -15,21 +15,20 @@ Index tensors are computed once, here, at build time.
 
 A family is a builder: a function that creates nodes with :class:`StructureBuilder` and
 returns the root. ``build_structure`` dispatches on the family name; ``STRUCTURES`` is the
-registry a new region graph is added to (see ``docs/CIRCUITS.md``).
+registry a new region graph is added to, keyed by the public kinds ``choices.CIRCUIT_KINDS``
+(see ``docs/CIRCUITS.md``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 from torch import Tensor
 
 from mtpc.choices import CIRCUIT_KINDS
-
-KINDS = CIRCUIT_KINDS
 
 LayerKind = Literal["input", "product", "sum"]
 
@@ -195,8 +194,44 @@ class StructureBuilder:
 
     def finish(self, root: int) -> Structure:
         """Check the circuit and fold its nodes into layers (grouped by height and kind)."""
-        nodes, n = self.nodes, self.window
-        if self.nodes[root].scope != tuple(range(n)):
+        n = self.window
+        seen = self._check_tree(root)
+        where: dict[int, tuple[int, int]] = {i: (0, i) for i in range(n)}  # node -> (layer, fold)
+        layers = [Layer("input", n, self.rank, (), None, 0, tuple((i,) for i in range(n)))]
+        rows = _SumRows()
+        for (_, kind, arity, units), members in self._groups(seen):
+            lid = len(layers)
+            for f, v in enumerate(members):
+                where[v] = (lid, f)
+            children = [self.nodes[v].children for v in members]
+            slots = tuple(
+                _make_slot([where[ch[a]] for ch in children], layers) for a in range(arity)
+            )
+            view_start = None
+            if kind == "product":
+                view_start = _view_start([[where[c] for c in ch] for ch in children])
+            offset = rows.add(self, members, units) if kind == "sum" else 0
+            scopes = tuple(self.nodes[v].scope for v in members)
+            layers.append(Layer(kind, len(members), units, slots, view_start, offset, scopes))  # type: ignore[arg-type]
+        if where[root] != (len(layers) - 1, 0) or layers[-1].num_folds != 1:
+            raise ValueError("the root must be alone in the last layer")
+        return Structure(
+            kind=self.kind,
+            window=n,
+            rank=self.rank,
+            layers=tuple(layers),
+            num_sum_rows=rows.count,
+            sum_tie=torch.tensor(rows.tie, dtype=torch.long),
+            num_param_rows=len(rows.unit),
+            param_unit=torch.tensor(rows.unit, dtype=torch.long),
+            param_identity=torch.tensor(rows.identity, dtype=torch.bool),
+            param_contextual=torch.tensor(rows.contextual, dtype=torch.bool),
+        )
+
+    def _check_tree(self, root: int) -> set[int]:
+        """Check the root, the tree shape and the children's units; the nodes under ``root``."""
+        nodes = self.nodes
+        if nodes[root].scope != tuple(range(self.window)):
             raise ValueError("the root must depend on every window position")
         if nodes[root].units != 1:
             raise ValueError("the root must have exactly one unit")
@@ -219,7 +254,12 @@ class StructureBuilder:
                 raise ValueError("product children must all have r units")
             if nd.kind == "sum" and nodes[nd.children[0]].units != self.rank:
                 raise ValueError("sum children must have r units")
+        return seen
 
+    def _groups(self, seen: set[int]) -> list[tuple[tuple[int, str, int, int], list[int]]]:
+        """The inner nodes grouped into layers: ``((height, kind, arity, units), members)`` in
+        layer order (by height, products first), members ordered by their first position."""
+        nodes = self.nodes
         height = [0] * len(nodes)
         for v in range(len(nodes)):  # children are always created before parents
             if nodes[v].children:
@@ -230,59 +270,43 @@ class StructureBuilder:
                 nd = nodes[v]
                 groups.setdefault((height[v], nd.kind, len(nd.children), nd.units), []).append(v)
         keys = sorted(groups, key=lambda k: (k[0], k[1] != "product", k[2], k[3]))
+        return [(k, sorted(groups[k], key=lambda v: nodes[v].scope[0])) for k in keys]
 
-        where: dict[int, tuple[int, int]] = {i: (0, i) for i in range(n)}  # node -> (layer, fold)
-        layers = [Layer("input", n, self.rank, (), None, 0, tuple((i,) for i in range(n)))]
-        sum_rows = 0
-        tie_rows: dict[Hashable, int] = {}
-        sum_tie: list[int] = []
-        p_unit: list[int] = []
-        p_identity: list[bool] = []
-        p_ctx: list[bool] = []
-        for key in keys:
-            _, kind, arity, units = key
-            members = sorted(groups[key], key=lambda v: nodes[v].scope[0])
-            lid = len(layers)
-            for f, v in enumerate(members):
-                where[v] = (lid, f)
-            slots = tuple(
-                _make_slot([where[nodes[v].children[a]] for v in members], layers)
-                for a in range(arity)
-            )
-            view_start = None
-            if kind == "product":
-                view_start = _view_start([[where[c] for c in nodes[v].children] for v in members])
-            offset = 0
-            if kind == "sum":
-                offset = sum_rows
-                for v in members:
-                    nd = nodes[v]
-                    if nd.identity and units != self.rank:
-                        raise ValueError("identity-initialised sums need r output units")
-                    key_t = ("node", v) if nd.tie is None else ("tie", nd.tie)
-                    if key_t not in tie_rows:
-                        tie_rows[key_t] = len(p_unit)
-                        p_unit.extend(range(units))
-                        p_identity.extend([nd.identity] * units)
-                        p_ctx.extend([nd.contextual] * units)
-                    sum_tie.extend(range(tie_rows[key_t], tie_rows[key_t] + units))
-                sum_rows += len(members) * units
-            scopes = tuple(nodes[v].scope for v in members)
-            layers.append(Layer(kind, len(members), units, slots, view_start, offset, scopes))  # type: ignore[arg-type]
-        if where[root] != (len(layers) - 1, 0) or layers[-1].num_folds != 1:
-            raise ValueError("the root must be alone in the last layer")
-        return Structure(
-            kind=self.kind,
-            window=n,
-            rank=self.rank,
-            layers=tuple(layers),
-            num_sum_rows=sum_rows,
-            sum_tie=torch.tensor(sum_tie, dtype=torch.long),
-            num_param_rows=len(p_unit),
-            param_unit=torch.tensor(p_unit, dtype=torch.long),
-            param_identity=torch.tensor(p_identity, dtype=torch.bool),
-            param_contextual=torch.tensor(p_ctx, dtype=torch.bool),
-        )
+
+@dataclass
+class _SumRows:
+    """The sum units' rows as :meth:`StructureBuilder.finish` lays them out, layer by layer.
+
+    Attributes:
+        count: Sum units so far (U).
+        tie: Parameter row of each sum unit (``Structure.sum_tie``).
+        unit, identity, contextual: Per parameter row (``Structure.param_*``).
+        rows: First parameter row of each tie key (a node alone, or a shared ``tie``).
+    """
+
+    count: int = 0
+    tie: list[int] = field(default_factory=list)
+    unit: list[int] = field(default_factory=list)
+    identity: list[bool] = field(default_factory=list)
+    contextual: list[bool] = field(default_factory=list)
+    rows: dict[Hashable, int] = field(default_factory=dict)
+
+    def add(self, b: StructureBuilder, members: list[int], units: int) -> int:
+        """Lay out one sum layer's rows; its ``sum_offset``."""
+        offset = self.count
+        for v in members:
+            nd = b.nodes[v]
+            if nd.identity and units != b.rank:
+                raise ValueError("identity-initialised sums need r output units")
+            key = ("node", v) if nd.tie is None else ("tie", nd.tie)
+            if key not in self.rows:
+                self.rows[key] = len(self.unit)
+                self.unit.extend(range(units))
+                self.identity.extend([nd.identity] * units)
+                self.contextual.extend([nd.contextual] * units)
+            self.tie.extend(range(self.rows[key], self.rows[key] + units))
+        self.count += len(members) * units
+        return offset
 
 
 def _make_slot(children: list[tuple[int, int]], layers: list[Layer]) -> Slot:
@@ -391,6 +415,12 @@ STRUCTURES: dict[str, Callable[..., int]] = {
     "hmm": build_hmm,
     "btree": build_btree,
 }
+"""The builder of each family: the public kinds are ``choices.CIRCUIT_KINDS`` (checked here, at
+import); a builder registered later is reachable through :func:`build_structure` only."""
+if tuple(STRUCTURES) != CIRCUIT_KINDS:
+    raise ImportError(
+        f"STRUCTURES {tuple(STRUCTURES)} differ from choices.CIRCUIT_KINDS {CIRCUIT_KINDS}"
+    )
 
 
 def check_kind_window_rank(kind: str, window: int, rank: int) -> None:
