@@ -14,7 +14,6 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "MTPCHead": "mtpc.heads",
-    "build_head": "mtpc.heads",
     "MTPCModel": "mtpc.model",
     "generate": "mtpc.decoding",
     "generate_hetero": "mtpc.decoding.hetero",

@@ -20,7 +20,7 @@ from mtpc.choices import EXTRA_POSITIONS
 from mtpc.circuits import Circuit, CircuitParams, build_structure
 from mtpc.circuits.structure import check_kind_window_rank
 
-__all__ = ["EXTRA_POSITIONS", "MTPCHead", "build_head", "chunked_log_likelihood"]
+__all__ = ["EXTRA_POSITIONS", "MTPCHead", "chunked_log_likelihood"]
 
 
 class MTPCHead(nn.Module):
@@ -438,6 +438,3 @@ def _rows(w: Tensor, index: Tensor | list[int]) -> Tensor:
         return w[idx[0] : idx[0] + len(idx)]
     return w[index]
 
-
-# The flat builder a Hydra ``_target_`` names: the class itself takes flat arguments.
-build_head = MTPCHead

@@ -344,7 +344,7 @@ def test_params_select_and_cast() -> None:
     torch.testing.assert_close(c.log_prob(params[1:3], x[1:3]), full[1:3])
     torch.testing.assert_close(c.log_prob(params[2], x[2:3]), full[2:3])
     idx = torch.tensor([4, 0])
-    torch.testing.assert_close(c.log_prob(params.select(idx), x[idx]), full[idx])
+    torch.testing.assert_close(c.log_prob(params[idx], x[idx]), full[idx])
     assert params.to(torch.float32).dtype == torch.float32
     both = CircuitParams.cat([params[:2], params[2:]])
     torch.testing.assert_close(c.log_prob(both, x), full)

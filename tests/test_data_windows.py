@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mtpc.data.packing import build_sequence, plan_packing
-from mtpc.data.windows import document_valid_counts, make_windows, valid_counts
+from mtpc.data.windows import make_windows, valid_counts
 
 PAD = 0
 
@@ -49,8 +49,6 @@ def test_windows_on_a_packed_sequence_with_a_boundary() -> None:
     assert torch.equal(targets, expected_t) and torch.equal(mask, expected_m)
     # V_{i,j}: j=1 -> t in {1, 2, 4, 5}; j=2 -> {0, 1, 4}; j=3 -> {0}
     assert valid_counts(mask).tolist() == [[4.0, 3.0, 1.0]]
-    per_doc = document_valid_counts(docs, mask)
-    assert per_doc.tolist() == [[[2.0, 2.0, 1.0], [2.0, 1.0, 0.0]]]
 
 
 @pytest.mark.parametrize("window", [1, 4, 9])
@@ -68,7 +66,6 @@ def test_windows_match_brute_force(window: int) -> None:
     assert torch.equal(targets, expected_t) and torch.equal(mask, expected_m)
     assert torch.equal(in_doc, expected_t != PAD)
     assert torch.equal(valid_counts(mask), expected_m.sum(1).float())
-    assert torch.equal(document_valid_counts(docs, mask).sum(1), valid_counts(mask))
 
 
 def test_packing_covers_every_id_once_and_is_deterministic() -> None:

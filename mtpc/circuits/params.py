@@ -67,10 +67,6 @@ class CircuitParams:
         lw = None if self.sum_logw is None else self.sum_logw[index]
         return CircuitParams(self.input_logp[index], lw)
 
-    def select(self, index: int | slice | Tensor) -> CircuitParams:
-        """Same as ``params[index]``."""
-        return self[index]
-
     def to(self, *args: object, **kwargs: object) -> CircuitParams:
         """``Tensor.to`` applied to every tensor (dtype and/or device)."""
         lw = None if self.sum_logw is None else self.sum_logw.to(*args, **kwargs)  # type: ignore[call-overload]

@@ -463,15 +463,3 @@ def summary_path(folder: str | os.PathLike[str]) -> Path:
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
-def stats_from_summary(summary: dict[str, Any]) -> DropStats:
-    """The ``DropStats`` recorded in a ``summary.json``."""
-    return DropStats(
-        rows_seen=summary["rows_seen"],
-        rows_used=summary["rows_used"],
-        dropped=dict(summary["dropped"]),
-        examples={k: list(v) for k, v in summary.get("dropped_examples", {}).items()},
-        used_bytes=summary["used_bytes"],
-        sources=dict(summary["sources"]),
-    )

@@ -23,8 +23,7 @@ index          (B,)        int64   which packed sequence of the split
 
 ``valid_counts`` are per *packed sequence* (the paper's i is a training sequence and it
 trains on packed sequences); they can be 0 for a row (e.g. a piece of a long document cut
-inside a user turn), so a loss must clamp the divisor (``mtpc.training.loss`` does). Per
-document counts: ``mtpc.data.windows.document_valid_counts``.
+inside a user turn), so a loss must clamp the divisor (``mtpc.training.loss`` does).
 
 Resuming: the training dataloader is a ``ResumableDataLoader`` with ``state_dict`` /
 ``load_state_dict``; Lightning stores its state in checkpoints (``loops.fit_loop

@@ -17,8 +17,7 @@ the document's end are targets padding (and marginalised by the circuit).
 normaliser of Eq. 4. With packing, i indexes *packed* sequences: the paper trains on "the
 packed train split" and Eq. 4's N is the number of training sequences, so normalising per
 packed row is the direct reading (each packed row weighs the same, its documents weigh by
-their assistant bytes). ``document_valid_counts`` gives the per-document alternative for
-anyone who wants every conversation to weigh the same.
+their assistant bytes).
 """
 
 from __future__ import annotations
@@ -71,25 +70,3 @@ def valid_counts(target_mask: Tensor) -> Tensor:
     """V_{i,j}: valid targets per sequence and window offset; (B, L, n) -> (B, n) float32."""
     return target_mask.sum(dim=1).to(torch.float32)
 
-
-def document_valid_counts(
-    document_ids: Tensor, target_mask: Tensor, num_documents: int | None = None
-) -> Tensor:
-    """Valid targets per (sequence, document, offset): the per-document V alternative.
-
-    Args:
-        document_ids: (B, L); negative on padding (not counted).
-        target_mask: (B, L, n).
-        num_documents: D; the largest document id + 1 when None.
-
-    Returns:
-        (B, D, n) float32 counts.
-    """
-    batch, _, n = target_mask.shape
-    docs = document_ids.long()
-    if num_documents is None:
-        num_documents = int(docs.max().item()) + 1 if docs.numel() else 0
-    out = torch.zeros(batch, max(num_documents, 0) + 1, n, dtype=torch.float32)
-    index = torch.where(docs >= 0, docs, num_documents)  # padding -> an extra bin, dropped
-    out.scatter_add_(1, index.unsqueeze(-1).expand(-1, -1, n), target_mask.to(torch.float32))
-    return out[:, :num_documents]
