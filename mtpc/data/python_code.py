@@ -50,7 +50,7 @@ from dataclasses import asdict, dataclass, field
 from functools import cache
 from pathlib import Path
 
-from mtpc.data.sources import Row, RowSource
+from mtpc.data.rows import Row, RowSource
 from mtpc.errors import DataError, MissingFileError
 
 logger = logging.getLogger(__name__)

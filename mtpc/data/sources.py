@@ -25,17 +25,15 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+from mtpc.data.rows import Row, RowSource
 from mtpc.errors import DataError, MissingFileError
 
 logger = logging.getLogger(__name__)
-
-Row = dict[str, Any]
 
 TULU3_DATASET = "allenai/tulu-3-sft-mixture"
 """The Hugging Face hub id of the Tülu 3 SFT mixture (939,344 rows, 18 sources)."""
@@ -44,53 +42,6 @@ ERROR_KEY = "__mtpc_error__"
 """Key of the placeholder row for a row that could not be read; its value is the reason."""
 
 SOURCES = ("synthetic", "tulu3", "local", "python_code")
-
-
-@dataclass
-class RowSource:
-    """A re-iterable, ordered collection of chat rows.
-
-    Attributes:
-        name: what error messages and the summary call the dataset.
-        fingerprint: changes whenever the rows may have changed (part of the cache key).
-        iter_rows: returns a fresh iterator over all rows, in the same order every time.
-        num_rows: number of rows when known up front (None for streaming sources).
-        take_rows: optional fast random access ``positions -> rows``; without it ``take``
-            iterates once more over the source.
-        row_limit: the user's ``num_rows`` when it cut a local or hub dataset to its first
-            rows (reported as a limit in the log and ``summary.json``); None: every row.
-        split_mask: optional; returns one bool per row (True: validation), and the data
-            cache splits by it instead of its seeded fraction (``python_code`` splits by
-            file this way).
-        report: optional; returns what the source itself counted (e.g. malformed files),
-            written to the cache's ``summary.json`` as ``source_report``.
-    """
-
-    name: str
-    fingerprint: str
-    iter_rows: Callable[[], Iterator[Row]]
-    num_rows: int | None = None
-    take_rows: Callable[[Sequence[int]], list[Row]] | None = None
-    row_limit: int | None = None
-    split_mask: Callable[[], Sequence[bool]] | None = None
-    report: Callable[[], dict[str, Any]] | None = None
-
-    def __iter__(self) -> Iterator[Row]:
-        return self.iter_rows()
-
-    def take(self, positions: Sequence[int]) -> list[Row]:
-        """The rows at ``positions`` (0-based order of ``iter_rows``), in the given order."""
-        if self.take_rows is not None:
-            return self.take_rows(positions)
-        wanted = {int(p): i for i, p in enumerate(positions)}
-        out: list[Row | None] = [None] * len(positions)
-        for position, row in enumerate(self.iter_rows()):
-            if position in wanted:
-                out[wanted[position]] = row
-        missing = [p for p, i in wanted.items() if out[i] is None]
-        if missing:
-            raise IndexError(f"{self.name}: positions {missing[:5]} are past the end")
-        return [row for row in out if row is not None]
 
 
 def load_source(
