@@ -267,7 +267,36 @@ class MTPCDataModule(L.LightningDataModule):
 
     ``prepare_data`` (local rank 0) tokenises into the cache; ``setup`` (every rank) reads
     it back and builds the packing plans. Without Lightning: call ``setup()`` and then
-    ``train_dataloader()``.
+    ``train_dataloader()``. Flat arguments (also the Hydra ``_target_`` as
+    ``build_datamodule``).
+
+    Args:
+        source: ``synthetic``, ``tulu3``, ``local`` or ``python_code``.
+        path: a local dataset of the Tülu 3 schema (jsonl | json | parquet | arrow dir |
+            save_to_disk dir), or a list of them read one after another; used instead of
+            the hub for any ``source``.
+        codec: the target model's codec (``tiny``, ``evabyte``, ``llama3_byte``).
+        seq_len: length L of packed sequences.
+        window: n, future bytes per position.
+        batch_size: packed sequences per batch and rank.
+        seed: split shuffle, sampler shuffle and synthetic generator seed.
+        num_workers: dataloader worker processes.
+        cache_dir: root of the data cache; ``$MTPC_CACHE`` or ``<repo>/.cache/mtpc`` when None.
+        max_bytes: context limit in ids; longer conversations are dropped (paper: 8192).
+        validation_fraction: validation share (paper: 0.01).
+        num_rows: use only the first rows (synthetic: rows to generate).
+        streaming: stream the hub dataset.
+        revision: hub revision of the dataset.
+        hf_name: hub dataset id.
+        val_batch_size: validation batch size (``batch_size`` when None).
+        shuffle: shuffle training sequences each epoch.
+        drop_last: cut the epoch to a multiple of the world size instead of padding.
+        pin_memory: pin host memory in the dataloaders.
+        num_replicas: world size override (default: the initialised process group).
+        rank: this process's rank override (default: the process group's).
+        pack_documents: pack several documents per sequence (best-fit); False: one
+            document per sequence, for targets whose attention crosses packed
+            documents (EvaByte's EVA attention builds its own masks).
     """
 
     def __init__(
@@ -295,36 +324,6 @@ class MTPCDataModule(L.LightningDataModule):
         rank: int | None = None,
         pack_documents: bool = True,
     ) -> None:
-        """Flat arguments (also the Hydra ``_target_`` as ``build_datamodule``).
-
-        Args:
-            source: ``synthetic``, ``tulu3``, ``local`` or ``python_code``.
-            path: a local dataset of the Tülu 3 schema (jsonl | json | parquet | arrow dir |
-                save_to_disk dir), or a list of them read one after another; used instead of
-                the hub for any ``source``.
-            codec: the target model's codec (``tiny``, ``evabyte``, ``llama3_byte``).
-            seq_len: length L of packed sequences.
-            window: n, future bytes per position.
-            batch_size: packed sequences per batch and rank.
-            seed: split shuffle, sampler shuffle and synthetic generator seed.
-            num_workers: dataloader worker processes.
-            cache_dir: root of the data cache; ``$MTPC_CACHE`` or ``<repo>/.cache/mtpc`` when None.
-            max_bytes: context limit in ids; longer conversations are dropped (paper: 8192).
-            validation_fraction: validation share (paper: 0.01).
-            num_rows: use only the first rows (synthetic: rows to generate).
-            streaming: stream the hub dataset.
-            revision: hub revision of the dataset.
-            hf_name: hub dataset id.
-            val_batch_size: validation batch size (``batch_size`` when None).
-            shuffle: shuffle training sequences each epoch.
-            drop_last: cut the epoch to a multiple of the world size instead of padding.
-            pin_memory: pin host memory in the dataloaders.
-            num_replicas: world size override (default: the initialised process group).
-            rank: this process's rank override (default: the process group's).
-            pack_documents: pack several documents per sequence (best-fit); False: one
-                document per sequence, for targets whose attention crosses packed
-                documents (EvaByte's EVA attention builds its own masks).
-        """
         super().__init__()
         if seq_len < 2 or window < 1 or batch_size < 1:
             raise ValueError(

@@ -30,7 +30,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from mtpc.backbones.codecs import ROLES, ByteCodec
+from mtpc.backbones.codecs import ROLES, ByteCodec, ChatEncoding
 from mtpc.data.sources import ERROR_KEY
 
 logger = logging.getLogger(__name__)
@@ -204,18 +204,9 @@ def tokenize_rows(
     positions: list[int] = []
     for position, row in enumerate(rows):
         stats.rows_seen += 1
-        row_id = _row_id(row, position)
-        reason = check_row(row)
-        if reason is None:
-            try:
-                enc = codec.apply_chat_template(row["messages"])
-            except (ValueError, UnicodeError):
-                reason = "template_error"
-            else:
-                if len(enc.ids) > max_bytes:
-                    reason = "too_long"
-        if reason is not None:
-            stats.drop(reason, row_id)
+        enc, reason = _render(row, codec, max_bytes)
+        if enc is None:
+            stats.drop(str(reason), _row_id(row, position))
             continue
         ids = np.asarray(enc.ids, dtype=np.uint16)
         mask = np.asarray(enc.assistant_mask, dtype=np.bool_)
@@ -230,6 +221,30 @@ def tokenize_rows(
         lengths.append(len(ids))
         source_of.append(source)
         positions.append(position)
+    return _documents(stats, lengths, source_of, positions, id_chunks, mask_chunks), stats
+
+
+def _render(row: Any, codec: ByteCodec, max_bytes: int) -> tuple[ChatEncoding | None, str | None]:
+    """The row in ``codec``'s chat template, or None and why it is dropped."""
+    reason = check_row(row)
+    if reason is not None:
+        return None, reason
+    try:
+        enc = codec.apply_chat_template(row["messages"])
+    except (ValueError, UnicodeError):
+        return None, "template_error"
+    return (None, "too_long") if len(enc.ids) > max_bytes else (enc, None)
+
+
+def _documents(
+    stats: DropStats,
+    lengths: list[int],
+    source_of: list[str],
+    positions: list[int],
+    id_chunks: list[np.ndarray],
+    mask_chunks: list[np.ndarray],
+) -> TokenizedDocs:
+    """The kept rows as documents (counted into ``stats``); empty ids when they were streamed."""
     stats.rows_used += len(lengths)
     stats.used_bytes += int(sum(lengths))
     counts = Counter(source_of)
@@ -239,7 +254,7 @@ def tokenize_rows(
     index = {name: i for i, name in enumerate(names)}
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(np.asarray(lengths, dtype=np.int64), out=offsets[1:])
-    docs = TokenizedDocs(
+    return TokenizedDocs(
         ids=np.concatenate(id_chunks) if id_chunks else np.zeros(0, dtype=np.uint16),
         assistant=np.concatenate(mask_chunks) if mask_chunks else np.zeros(0, dtype=np.bool_),
         offsets=offsets,
@@ -247,7 +262,6 @@ def tokenize_rows(
         source_names=names,
         row_positions=np.asarray(positions, dtype=np.int64),
     )
-    return docs, stats
 
 
 def split_indices(
