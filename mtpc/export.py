@@ -9,10 +9,12 @@ An exported draft is a folder::
     adapter.safetensors   LoRA weights under peft's names (only when k > 0)
     README.md             model card: the settings above, training config and metrics
 
-``load_draft`` rebuilds the target from the recorded identity (or attaches to a given
-``target``), refuses a target whose fingerprint differs (the error names both) or whose
-codec differs from the recorded one (the codec is the target's, never the draft's), and
-checks the circuit and LoRA tensors against the config before loading them: an unreadable
+This module reads and writes those files and checks them; ``MTPCModel.from_pretrained``
+builds the model from them: it rebuilds the target from the recorded identity (or attaches
+to a given ``target``), refuses a target whose fingerprint differs (:func:`check_target`
+names both) or whose codec differs from the recorded one (:func:`check_codec`: the codec is
+the target's, never the draft's), and loads the circuit and LoRA tensors only after
+:func:`read_head` / :func:`read_adapter` checked them against the config: an unreadable
 file, a shape that does not match the circuit, or a NaN / inf weight is a
 :class:`~mtpc.errors.DraftError` naming the file.
 """
@@ -21,16 +23,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from mtpc.choices import MODEL_NAMES
 from mtpc.errors import DraftError, UserError
-
-if TYPE_CHECKING:
-    from mtpc.model import MTPCModel
 
 FORMAT = "mtpc-draft"
 FORMAT_VERSION = 1
@@ -44,8 +42,8 @@ class TargetMismatchError(UserError, ValueError):
     """The draft was exported for another target."""
 
 
-def draft_config(model: MTPCModel) -> dict[str, Any]:
-    """The ``config.json`` contents of ``model``."""
+def draft_config(model: Any) -> dict[str, Any]:
+    """The ``config.json`` contents of ``model`` (an ``MTPCModel``)."""
     import mtpc
 
     head, backbone = model.head, model.backbone
@@ -135,7 +133,7 @@ def model_card(
 
 
 def save_draft(
-    model: MTPCModel,
+    model: Any,
     path: str | Path,
     training_config: dict[str, Any] | None = None,
     metrics: dict[str, Any] | None = None,
@@ -143,7 +141,7 @@ def save_draft(
     """Writes the draft of ``model`` to ``path`` (created if needed).
 
     Args:
-        model: the trained model.
+        model: the trained ``MTPCModel``.
         path: output folder.
         training_config: recorded in the model card (e.g. the resolved Hydra config).
         metrics: recorded in the model card (e.g. validation loss, acceptance).
@@ -264,94 +262,41 @@ def check_head_state(
             )
 
 
-def load_draft(
-    path: str | Path, target: Any = None, device: str | None = None, dtype: str | None = None
-) -> MTPCModel:
-    """Rebuilds an exported draft.
-
-    Args:
-        path: the exported folder.
-        target: an already loaded target (HF model, ``TinyTarget`` or ``Backbone``) to attach
-            to; ``None`` rebuilds it from the recorded identity (``load_backbone``).
-        device: where to load the target when rebuilding it (default ``cpu``).
-        dtype: the target's dtype when rebuilding it (default: the recorded one).
+def check_codec(config: dict[str, Any], backbone: Any, folder: Path) -> None:
+    """Refuses a draft whose recorded codec is not its target's (the codec is the target's).
 
     Raises:
-        DraftError: bad folder, unreadable or non-finite tensors, circuit/LoRA tensors that
-            do not match the config, a codec that is not the target's.
-        TargetMismatchError: ``target`` (or the rebuilt one) is not the recorded target.
+        DraftError: naming both codecs and the fix.
     """
-    from mtpc.backbones import backbone_from_hf, load_backbone
-    from mtpc.model import MTPCModel
-
-    folder = Path(path)
-    config = read_config(folder)
-    t, c, lora = config["target"], config["circuit"], config["lora"]
-    if target is None and t.get("model") == "hf":
-        if not t.get("path"):
-            raise ValueError(
-                "config.json target.path is empty (the target was built in memory); "
-                "pass target=<the loaded model> to from_pretrained"
-            )
-        from transformers import AutoModelForCausalLM
-
-        from mtpc.backbones import resolve_dtype
-
-        torch_dtype = resolve_dtype(dtype or t.get("dtype", "float32"), device or "cpu")
-        hf = AutoModelForCausalLM.from_pretrained(
-            t["path"], revision=t.get("revision"), dtype=torch_dtype
-        )
-        hf.to(device or "cpu")  # type: ignore[arg-type]
-        backbone = backbone_from_hf(hf.eval())
-    elif target is None:
-        if t.get("model") not in MODEL_NAMES:
-            raise ValueError(
-                f"config.json target.model is {t.get('model')!r}; allowed: tiny, evabyte, llama3_byte, hf "
-                "(or pass target=<the loaded model>)"
-            )
-        backbone = load_backbone(
-            t["model"],
-            path=t.get("path"),
-            revision=t.get("revision"),
-            dtype=dtype or t.get("dtype", "float32"),
-            device=device or "cpu",
-        )
-    else:
-        backbone = backbone_from_hf(target)
-    fingerprint = check_target(t, backbone)  # identity first: nothing attached to a wrong target
-    from mtpc.model import assign_codec
-
-    assign_codec(backbone)
     if config["codec"] != backbone.codec:
         raise DraftError(
             f"{folder / CONFIG_NAME} names codec {config['codec']!r} but its target "
-            f"{_target_label(t)} uses codec {backbone.codec!r}; the codec comes from the "
-            "target: re-export the draft (or fix the codec field)"
+            f"{_target_label(config['target'])} uses codec {backbone.codec!r}; the codec comes "
+            "from the target: re-export the draft (or fix the codec field)"
         )
-    model = MTPCModel.from_backbone(
-        backbone,
-        c["kind"],
-        c["window"],
-        c["rank"],
-        lora_layers=lora["layers"],
-        lora_rank=lora["rank"],
-        lora_alpha=lora["alpha"],
-        lora_dropout=lora["dropout"],
-        lora_target_modules=lora["target_modules"],
-        head_init="random",
-        head_dtype=c.get("dtype", "float32"),
-        homogeneous=bool(c.get("homogeneous", False)),
-        contextual_transitions=bool(c.get("contextual_transitions", True)),
-    )
-    model.head_init = config.get("head_init", "pretrained")
-    model._fingerprint = fingerprint
-    state = read_tensors(folder / HEAD_NAME, device=str(backbone.device))
-    check_head_state(config, state, model.head)
-    model.head.load_state_dict(state)
-    if lora["layers"] > 0:
-        file = folder / ADAPTER_NAME
-        if not file.is_file():
-            raise DraftError(f"{file} is missing but config.json lora.layers is {lora['layers']}")
-        assert backbone.lora is not None
-        backbone.lora.load_state_dict(read_tensors(file, device=str(backbone.device)))
-    return model
+
+
+def read_head(
+    folder: Path, config: dict[str, Any], head: torch.nn.Module, device: Any
+) -> dict[str, torch.Tensor]:
+    """The head tensors of a draft on ``device``, checked against ``head`` (built from
+    ``config``).
+
+    Raises:
+        DraftError: unreadable or non-finite tensors, or tensors that do not match the circuit.
+    """
+    state = read_tensors(folder / HEAD_NAME, device=str(device))
+    check_head_state(config, state, head)
+    return state
+
+
+def read_adapter(folder: Path, layers: int, device: Any) -> dict[str, torch.Tensor]:
+    """The LoRA tensors of a draft with ``lora.layers = layers`` (> 0).
+
+    Raises:
+        DraftError: the adapter file is missing, unreadable or holds non-finite tensors.
+    """
+    file = folder / ADAPTER_NAME
+    if not file.is_file():
+        raise DraftError(f"{file} is missing but config.json lora.layers is {layers}")
+    return read_tensors(file, device=str(device))

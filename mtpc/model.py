@@ -23,7 +23,15 @@ from torch import nn
 
 from mtpc.backbones import Backbone, LayerCache, backbone_from_hf, load_backbone, resolve_dtype
 from mtpc.backbones.lora import LoraSettings, as_settings, attach_lora, validate_lora
-from mtpc.choices import HEAD_INITS
+from mtpc.choices import HEAD_INITS, MODEL_NAMES
+from mtpc.export import (
+    check_codec,
+    check_target,
+    read_adapter,
+    read_config,
+    read_head,
+    save_draft,
+)
 
 if TYPE_CHECKING:
     from mtpc.heads import MTPCHead
@@ -223,6 +231,12 @@ class MTPCModel(nn.Module):
         return cls.from_backbone(backbone, kind, window, rank, lora_layers, **kwargs)
 
     @classmethod
+    def target_only(cls, target: Any) -> MTPCModel:
+        """The target alone (an HF causal LM, ``TinyTarget`` or ``Backbone``) as an
+        ``MTPCModel`` for autoregressive decoding: a one-position FF head it never reads."""
+        return cls.from_backbone(backbone_from_hf(target), "ff", 1, 1, head_init="stp")
+
+    @classmethod
     def from_config(
         cls,
         model: str = "tiny",
@@ -403,8 +417,6 @@ class MTPCModel(nn.Module):
     # --- export ----------------------------------------------------------------------------
     def save_pretrained(self, path: str | Path, **card: Any) -> Path:
         """Writes head + LoRA safetensors, config.json and README.md (see ``mtpc.export``)."""
-        from mtpc.export import save_draft
-
         return save_draft(self, path, **card)
 
     @classmethod
@@ -415,7 +427,75 @@ class MTPCModel(nn.Module):
         device: str | None = None,
         dtype: str | None = None,
     ) -> MTPCModel:
-        """Rebuilds an exported draft against its target (see ``mtpc.export.load_draft``)."""
-        from mtpc.export import load_draft
+        """Rebuilds an exported draft against its target (the files: ``mtpc.export``).
 
-        return load_draft(path, target=target, device=device, dtype=dtype)
+        Args:
+            path: the exported folder.
+            target: an already loaded target (HF model, ``TinyTarget`` or ``Backbone``) to
+                attach to; ``None`` rebuilds it from the recorded identity (``load_backbone``).
+            device: where to load the target when rebuilding it (default ``cpu``).
+            dtype: the target's dtype when rebuilding it (default: the recorded one).
+
+        Raises:
+            DraftError: bad folder, unreadable or non-finite tensors, circuit/LoRA tensors that
+                do not match the config, a codec that is not the target's.
+            TargetMismatchError: ``target`` (or the rebuilt one) is not the recorded target.
+        """
+        folder = Path(path)
+        config = read_config(folder)
+        t, c, lora = config["target"], config["circuit"], config["lora"]
+        backbone = (
+            backbone_from_hf(target) if target is not None else _recorded_target(t, device, dtype)
+        )
+        fingerprint = check_target(t, backbone)  # first: nothing attached to a wrong one
+        assign_codec(backbone)
+        check_codec(config, backbone, folder)
+        model = cls.from_backbone(
+            backbone, c["kind"], c["window"], c["rank"], lora_layers=lora["layers"],
+            lora_rank=lora["rank"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
+            lora_target_modules=lora["target_modules"], head_init="random",
+            head_dtype=c.get("dtype", "float32"),
+            homogeneous=bool(c.get("homogeneous", False)),
+            contextual_transitions=bool(c.get("contextual_transitions", True)),
+        )  # fmt: skip
+        model.head_init = config.get("head_init", "pretrained")
+        model._fingerprint = fingerprint
+        model.head.load_state_dict(read_head(folder, config, model.head, backbone.device))
+        if lora["layers"] > 0:
+            assert backbone.lora is not None
+            backbone.lora.load_state_dict(read_adapter(folder, lora["layers"], backbone.device))
+        return model
+
+
+def _recorded_target(t: dict[str, Any], device: str | None, dtype: str | None) -> Backbone:
+    """The target a draft's ``config.json`` records (``target``), loaded again.
+
+    Raises:
+        ValueError: an in-memory HF target (no path) or an unknown target model.
+    """
+    if t.get("model") == "hf":
+        if not t.get("path"):
+            raise ValueError(
+                "config.json target.path is empty (the target was built in memory); "
+                "pass target=<the loaded model> to from_pretrained"
+            )
+        from transformers import AutoModelForCausalLM
+
+        torch_dtype = resolve_dtype(dtype or t.get("dtype", "float32"), device or "cpu")
+        hf = AutoModelForCausalLM.from_pretrained(
+            t["path"], revision=t.get("revision"), dtype=torch_dtype
+        )
+        hf.to(device or "cpu")  # type: ignore[arg-type]
+        return backbone_from_hf(hf.eval())
+    if t.get("model") not in MODEL_NAMES:
+        raise ValueError(
+            f"config.json target.model is {t.get('model')!r}; allowed: tiny, evabyte, llama3_byte, hf "
+            "(or pass target=<the loaded model>)"
+        )
+    return load_backbone(
+        t["model"],
+        path=t.get("path"),
+        revision=t.get("revision"),
+        dtype=dtype or t.get("dtype", "float32"),
+        device=device or "cpu",
+    )
