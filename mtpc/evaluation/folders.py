@@ -48,8 +48,9 @@ def _draft_name(path: Path) -> str:
 
 def build_manifest(cfg: Any, drafts: Sequence[Path], baselines: Sequence[Path]) -> dict[str, Any]:
     """What an evaluation measures (settings, target, data, drafts, device) and its provenance."""
-    from mtpc.evaluation.records import FORMAT_VERSION, device_name, draft_fingerprint, provenance
+    from mtpc.evaluation.records import FORMAT_VERSION, draft_fingerprint
     from mtpc.export import read_config
+    from mtpc.store import device_name, provenance
 
     entries = []
     greedy = bool(get_field(cfg, "greedy", True))

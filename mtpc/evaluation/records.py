@@ -37,20 +37,16 @@ partial last line before appending.
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import json
-import math
-import os
-import platform
 import re
-import subprocess
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from mtpc.errors import UserError
-from mtpc.files import BadJsonLine, FolderBusy, FolderLock, read_json_lines, trim_torn_line
+from mtpc.files import BadJsonLine, read_json_lines
+from mtpc.store import AppendStore, changed, dumps, write_json
 
 RECORDS = "records.jsonl"
 MANIFEST = "manifest.json"
@@ -62,31 +58,6 @@ IDENTITY = ("settings", "target", "data", "drafts", "device_name")
 
 class RecordsError(UserError, ValueError):
     """A folder that cannot be resumed or merged; the message names the fields and the fix."""
-
-
-def strict_json(value: Any) -> Any:
-    """``value`` with every NaN / inf float replaced by None (JSON has no NaN)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, Mapping):
-        return {str(k): strict_json(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [strict_json(v) for v in value]
-    if isinstance(value, str | int | bool) or value is None:
-        return value
-    return str(value)
-
-
-def dumps(value: Any, **kwargs: Any) -> str:
-    """Strict JSON text (NaN -> null, non-JSON objects -> their ``str``)."""
-    return json.dumps(strict_json(value), allow_nan=False, **kwargs)
-
-
-def write_json(path: Path, value: Any) -> None:
-    """Writes strict, indented JSON atomically (temporary file + rename)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(dumps(value, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def draft_fingerprint(path: Path) -> str:
@@ -103,63 +74,6 @@ def draft_fingerprint(path: Path) -> str:
             f.seek(max(0, size - (1 << 20)))
             h.update(f.read(1 << 20))
     return h.hexdigest()[:16]
-
-
-def device_name(device: str) -> str:
-    """The accelerator's name for ``cuda*``, else the CPU model."""
-    if device.startswith("cuda"):
-        import torch
-
-        return str(torch.cuda.get_device_name(torch.device(device)))
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def git_commit(root: Path) -> str | None:
-    """The project's git commit (``+dirty`` with local changes), or None outside a checkout."""
-    try:
-        commit = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "HEAD"],
-            capture_output=True, text=True, timeout=10, check=True,
-        ).stdout.strip()  # fmt: skip
-        dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True, text=True, timeout=10, check=True,
-        ).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return commit + ("+dirty" if dirty else "") if commit else None
-
-
-def provenance(device: str, root: Path) -> dict[str, Any]:
-    """Where and with what a measurement ran: device, versions, commit, threads, date."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    import torch
-    import transformers
-
-    try:
-        mtpc_version: str | None = version("mtpc")
-    except PackageNotFoundError:
-        mtpc_version = None
-    return {
-        "device": device,
-        "device_name": device_name(device),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "transformers": transformers.__version__,
-        "mtpc": mtpc_version,
-        "python": platform.python_version(),
-        "git_commit": git_commit(root),
-        "num_threads": torch.get_num_threads(),
-        "host": platform.node(),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    }
 
 
 def identity(manifest: Mapping[str, Any]) -> dict[str, Any]:
@@ -182,24 +96,6 @@ def folder_name(manifest: Mapping[str, Any]) -> str:
         prompts = prompts or data.get("questions")
     shape = f"{s.get('num_prompt_sets')}x{prompts}x{s.get('max_new_tokens')}"
     return f"{label}-{mode}-{shape}-{key}"
-
-
-def differences(old: Any, new: Any, prefix: str = "") -> list[str]:
-    """Human-readable differences between two JSON-like values, one per changed field."""
-    if isinstance(old, Mapping) and isinstance(new, Mapping):
-        out: list[str] = []
-        for k in sorted(set(old) | set(new), key=str):
-            out += differences(old.get(k), new.get(k), f"{prefix}.{k}" if prefix else str(k))
-        return out
-    if prefix == "drafts" and isinstance(old, list) and isinstance(new, list):
-        before = {d["path"]: d for d in old}
-        after = {d["path"]: d for d in new}
-        out = [f"drafts: {p} removed" for p in before if p not in after]
-        out += [f"drafts: {p} added" for p in after if p not in before]
-        for p in before.keys() & after.keys():
-            out += differences(before[p], after[p], f"drafts[{p}]")
-        return out
-    return [] if strict_json(old) == strict_json(new) else [f"{prefix}: {old!r} -> {new!r}"]
 
 
 def read_records(folder: Path) -> list[dict[str, Any]]:
@@ -284,7 +180,7 @@ class MemoryRecords:
         ]
 
 
-class RecordStore(MemoryRecords):
+class RecordStore(MemoryRecords, AppendStore):
     """An evaluation folder open for appending records (see the module docstring).
 
     Attributes:
@@ -294,13 +190,10 @@ class RecordStore(MemoryRecords):
         done: keys (:func:`record_key`) of the prompt records held.
     """
 
-    def __init__(self, folder: Path, manifest: dict[str, Any], lock: FolderLock) -> None:
-        super().__init__(read_records(folder))
+    def __init__(self, folder: Path, manifest: dict[str, Any]) -> None:
+        AppendStore.__init__(self)
         self.folder = folder
         self.manifest = manifest
-        self._lock = lock
-        trim_torn_line(folder / RECORDS)
-        self._file = open(folder / RECORDS, "a", encoding="utf-8")  # noqa: SIM115
 
     @classmethod
     def open(cls, folder: Path, manifest: dict[str, Any], force: bool = False) -> RecordStore:
@@ -315,48 +208,38 @@ class RecordStore(MemoryRecords):
             RecordsError: another evaluation holds the folder, or its records were measured
                 with other settings, drafts, target, data or device (the message lists them).
         """
-        folder.mkdir(parents=True, exist_ok=True)
-        lock = FolderLock(folder / LOCK)
-        try:
-            lock.acquire()
-        except FolderBusy as busy:
-            raise RecordsError(
+        store = cls(folder, manifest)
+        store.lock(
+            folder / LOCK,
+            lambda busy: RecordsError(
                 f"another evaluation is writing to {folder} ({busy.holder}); wait for it or "
                 "use another output_dir"
-            ) from None
+            ),
+        )
         if (folder / MANIFEST).is_file():
             old = read_manifest(folder)
-            changed = differences(identity(old), identity(manifest))
-            if changed and not force:
-                lock.release()
+            diff = changed(old, manifest, IDENTITY)
+            if diff and not force:
+                store.close()
                 raise RecordsError(
                     f"{folder} holds records of another evaluation; changed: "
-                    + "; ".join(changed)
+                    + "; ".join(diff)
                     + ". Use another output_dir (or none: each evaluation gets its own folder),"
                     " or resume=force to add to these records anyway."
                 )
-            manifest = {**manifest, "sessions": old.get("sessions", []) + manifest["sessions"]}
-        write_json(folder / MANIFEST, manifest)
-        return cls(folder, manifest, lock)
+            store.manifest = {
+                **manifest,
+                "sessions": old.get("sessions", []) + manifest["sessions"],
+            }
+        write_json(folder / MANIFEST, store.manifest)
+        store.open_lines(folder / RECORDS)
+        MemoryRecords.__init__(store, read_records(folder))
+        return store
 
     def append(self, record: dict[str, Any]) -> None:
         """Appends one record and flushes it to the OS (it survives a kill of this process)."""
-        self._file.write(dumps(record, separators=(",", ":")) + "\n")
-        self._file.flush()
+        self.write_line(self.folder / RECORDS, record)
         super().append(record)
-
-    def close(self) -> None:
-        """Syncs the records to disk and releases the folder."""
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        self._lock.release()
-
-    def __enter__(self) -> RecordStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def hetero_draft_path(drafter: Mapping[str, Any]) -> str:
@@ -371,14 +254,13 @@ def check_mergeable(manifests: Sequence[Mapping[str, Any]], folders: Sequence[Pa
     Raises:
         RecordsError: names the folders and the fields that differ, or a draft in two folders.
     """
-    first = {k: v for k, v in identity(manifests[0]).items() if k != "drafts"}
+    keys = [k for k in IDENTITY if k != "drafts"]
     seen: dict[str, Path] = {}
     for manifest, folder in zip(manifests, folders, strict=True):
-        changed = differences(first, {k: v for k, v in identity(manifest).items() if k != "drafts"})
-        if changed:
+        diff = changed(manifests[0], manifest, keys)
+        if diff:
             raise RecordsError(
-                f"cannot merge {folders[0]} and {folder}: measured differently; "
-                + "; ".join(changed)
+                f"cannot merge {folders[0]} and {folder}: measured differently; " + "; ".join(diff)
             )
         drafter = manifest["settings"].get("drafter")  # drafter=hetero: its rows, once
         paths = [d["path"] for d in manifest["drafts"]]

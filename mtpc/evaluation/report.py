@@ -31,7 +31,6 @@ from mtpc.evaluation.records import (
     read_manifest,
     read_records,
     turn_hashes,
-    write_json,
 )
 from mtpc.evaluation.statistics import (
     PAIRED_COLUMNS,
@@ -43,6 +42,7 @@ from mtpc.evaluation.statistics import (
     seed_rows,
     training_config,
 )
+from mtpc.store import write_json
 
 COLUMNS = (
     ("name", "draft", "{}"),
