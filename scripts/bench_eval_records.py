@@ -36,9 +36,10 @@ def _in_memory(self: Any, record: dict[str, Any]) -> None:
 
 
 def _write_at_close(self: Any) -> None:
-    from mtpc.evaluation.records import dumps
+    from mtpc.evaluation.records import RECORDS, dumps
 
-    self._file.write("".join(dumps(r, separators=(",", ":")) + "\n" for r in self.records))
+    file = self._lines[self.folder / RECORDS]  # the store's open records.jsonl
+    file.write("".join(dumps(r, separators=(",", ":")) + "\n" for r in self.records))
     CLOSE(self)
 
 
