@@ -1,4 +1,4 @@
-"""Sequence-level self-distillation (``scripts/regenerate.py``, ``mtpc.data.regenerate``).
+"""Sequence-level self-distillation (``scripts/regenerate.py``, ``mtpc.evaluation.regenerate``).
 
 A regenerated assistant turn is the target's own greedy continuation of the regenerated
 history (checked against a plain argmax loop over the HF model, autoregressive and
@@ -27,7 +27,8 @@ from hydra import compose, initialize_config_dir
 
 from mtpc.backbones.codecs import ByteCodec, get_codec
 from mtpc.config import ConfigError
-from mtpc.data.regenerate import (
+from mtpc.data.sources import load_source
+from mtpc.evaluation.regenerate import (
     RegenerateMismatchError,
     Settings,
     read_folder,
@@ -35,7 +36,6 @@ from mtpc.data.regenerate import (
     regenerate_row,
     shard_indices,
 )
-from mtpc.data.sources import load_source
 from mtpc.model import MTPCModel
 from tests.fakes import chi2_pvalue, exact_distribution, make_target
 

@@ -21,7 +21,9 @@ appended and flushed as rows finish; a rerun of the same command drops a torn la
 (a kill mid-write), skips the indices already written or skipped and goes on. Every turn
 draws from its own seed (``turn_seed(seed, index, turn)``), so a resumed row equals an
 uninterrupted one. A rerun with another target, other settings or other data is refused
-(:class:`RegenerateMismatchError`) instead of mixing rows.
+(:class:`RegenerateMismatchError`) instead of mixing rows. The folder is an append-only
+store (``mtpc.store.AppendStore``: lock, torn-line trim, flush per line), as an evaluation
+folder is.
 """
 
 from __future__ import annotations
@@ -29,16 +31,20 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from mtpc.backbones.codecs import ByteCodec
 from mtpc.data.preprocess import check_row
 from mtpc.errors import UserError
-from mtpc.files import BadJsonLine, FolderBusy, FolderLock, read_json_lines, trim_torn_line
+from mtpc.evaluation.checks import get_field, plain
+from mtpc.evaluation.loading import load_target
+from mtpc.files import BadJsonLine, read_json_lines
+from mtpc.store import AppendStore, changed, provenance, write_json
 
 FORMAT_VERSION = 1
 SKIP_REASONS = ("prompt_too_long",)
@@ -72,7 +78,6 @@ class Settings:
         drafting: speculative decoding's draft (docs/DECODING.md, "Drafting"; None: the
             family default).
         proposal: speculative sampling's proposal (None: the family default).
-        draft_mode: the old name of ``drafting`` + ``proposal`` (one release).
     """
 
     method: str = "autoregressive"
@@ -86,7 +91,6 @@ class Settings:
     policy: str = "condition"
     drafting: str | None = None
     proposal: str | None = None
-    draft_mode: str | None = None
 
     def output_law(self) -> dict[str, Any]:
         """The settings that decide what is written (not how fast): the manifest's identity.
@@ -111,7 +115,6 @@ class Settings:
                 "policy": self.policy,
                 "drafting": self.drafting,
                 "proposal": self.proposal,
-                "draft_mode": self.draft_mode,
             }
         return law
 
@@ -205,7 +208,6 @@ def regenerate_row(
             policy=settings.policy,
             draft=settings.drafting,
             proposal=settings.proposal,
-            draft_mode=settings.draft_mode,
             temperature=settings.temperature,
             top_k=settings.top_k,
             top_p=settings.top_p,
@@ -294,32 +296,32 @@ def refuse_other_regeneration(
     Raises:
         RegenerateMismatchError: naming the first changed fields.
     """
-    from mtpc.evaluation.records import differences
-
-    mine = {k: manifest.get(k) for k in keys}
     for other in sorted(folder.glob("manifest-*.json")):
-        theirs = json.loads(other.read_text(encoding="utf-8"))
-        changed = differences({k: theirs.get(k) for k in keys}, mine)
-        if changed:
+        diff = changed(json.loads(other.read_text(encoding="utf-8")), manifest, keys)
+        if diff:
             raise RegenerateMismatchError(
                 f"{folder} holds rows of another regeneration ({other.name}); changed: "
-                + "; ".join(changed[:3])
+                + "; ".join(diff[:3])
                 + ". Use another output_dir, or the same settings to resume"
             )
 
 
-class ShardStore:
+class ShardStore(AppendStore):
     """One shard's output files, locked, read back for resume (see the module docstring).
 
     Attributes:
         folder: ``output_dir``.
+        shard: this shard's number ``i``.
+        num_shards: ``N``.
         stem: ``shard-<i>-of-<N>``.
         done: source indices already written or skipped.
         counts: what the shard holds.
     """
 
     def __init__(self, folder: Path, shard: int, num_shards: int) -> None:
+        super().__init__()
         self.folder = folder
+        self.shard, self.num_shards = shard, num_shards
         self.stem = shard_stem(shard, num_shards)
         self.rows_path = folder / f"{self.stem}.jsonl"
         self.skipped_path = folder / f"{self.stem}.skipped.log"
@@ -327,9 +329,6 @@ class ShardStore:
         self.done: set[int] = set()
         self.counts = Counts()
         self.manifest: dict[str, Any] = {}
-        self._lock: FolderLock | None = None
-        self._rows: IO[str] | None = None
-        self._skipped: IO[str] | None = None
 
     def open(self, manifest: dict[str, Any]) -> ShardStore:
         """Locks the shard, refuses a folder of another regeneration, reads back what is done.
@@ -339,41 +338,35 @@ class ShardStore:
             RegenerateMismatchError: a manifest in the folder differs in target, settings,
                 data or sharding (the message names the first changed fields).
         """
-        from mtpc.evaluation.records import write_json
-
-        self.folder.mkdir(parents=True, exist_ok=True)
-        lock = FolderLock(self.folder / f".{self.stem}.lock")
-        try:
-            lock.acquire()
-        except FolderBusy:
-            raise RegenerateBusyError(
+        self.lock(
+            self.folder / f".{self.stem}.lock",
+            lambda _: RegenerateBusyError(
                 f"another process is writing {self.folder / self.stem}.jsonl; wait for it"
-            ) from None
-        self._lock = lock
+            ),
+        )
         try:
             refuse_other_regeneration(self.folder, manifest)
         except RegenerateMismatchError:
             self.close()
             raise
-        for path in (self.rows_path, self.skipped_path):
-            trim_torn_line(path)
-        for row in _read_lines(self.rows_path):
-            result = RowResult(int(row["regenerated"]["index"]), row=row)
+        self.open_lines(self.rows_path, self.skipped_path)
+        done = [
+            RowResult(int(r["regenerated"]["index"]), row=r) for r in _read_lines(self.rows_path)
+        ]
+        done += [
+            RowResult(int(line["index"]), reason=str(line["reason"]))
+            for line in _read_lines(self.skipped_path)
+        ]
+        for result in done:
             if result.index not in self.done:
                 self.done.add(result.index)
                 self.counts.add(result)
-        for line in _read_lines(self.skipped_path):
-            if int(line["index"]) not in self.done:
-                self.done.add(int(line["index"]))
-                self.counts.add(RowResult(int(line["index"]), reason=str(line["reason"])))
         previous = (
             json.loads(self.manifest_path.read_text(encoding="utf-8"))
             if self.manifest_path.is_file()
             else {}
         )
         self.manifest = {**manifest, "sessions": previous.get("sessions", [])}
-        self._rows = open(self.rows_path, "a", encoding="utf-8")  # noqa: SIM115
-        self._skipped = open(self.skipped_path, "a", encoding="utf-8")  # noqa: SIM115
         write_json(self.manifest_path, self._full_manifest())
         return self
 
@@ -382,44 +375,20 @@ class ShardStore:
 
     def append(self, result: RowResult, row_id: str | None = None) -> None:
         """Appends one finished row (or its skip line) and flushes it to the OS."""
-        from mtpc.evaluation.records import dumps
-
-        assert self._rows is not None and self._skipped is not None, "open() first"
         if result.row is not None:
-            self._rows.write(dumps(result.row, ensure_ascii=False, separators=(",", ":")) + "\n")
-            self._rows.flush()
+            self.write_line(self.rows_path, result.row, ensure_ascii=False)
         else:
             line = {"index": result.index, "id": row_id, "reason": result.reason}
-            self._skipped.write(dumps(line, separators=(",", ":")) + "\n")
-            self._skipped.flush()
+            self.write_line(self.skipped_path, line)
         self.done.add(result.index)
         self.counts.add(result)
 
     def write_manifest(self, **extra: Any) -> dict[str, Any]:
         """Rewrites the manifest (atomically) with the current counts and ``extra`` fields."""
-        from mtpc.evaluation.records import write_json
-
         self.manifest |= extra
         full = self._full_manifest()
         write_json(self.manifest_path, full)
         return full
-
-    def close(self) -> None:
-        for f in (self._rows, self._skipped):
-            if f is not None:
-                f.flush()
-                os.fsync(f.fileno())
-                f.close()
-        self._rows = self._skipped = None
-        if self._lock is not None:
-            self._lock.release()
-            self._lock = None
-
-    def __enter__(self) -> ShardStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def shard_indices(num_rows: int, shard: int, num_shards: int) -> list[int]:
@@ -436,10 +405,8 @@ def read_folder(folder: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 
 def _get(cfg: Any, dotted: str, default: Any = None) -> Any:
-    from omegaconf import OmegaConf
-
-    value = OmegaConf.select(cfg, dotted, default=default)
-    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+    """``cfg``'s field ``dotted`` as plain Python (``mtpc.evaluation.checks.get_field``)."""
+    return plain(get_field(cfg, dotted, default))
 
 
 def default_output_dir(cfg: Any) -> Path:
@@ -465,57 +432,26 @@ def settings_from(cfg: Any) -> Settings:
         policy=str(_get(cfg, "policy", "condition")),
         drafting=_get(cfg, "drafting"),
         proposal=_get(cfg, "proposal"),
-        draft_mode=_get(cfg, "draft_mode"),
     )
 
 
 def load_model(cfg: Any, settings: Settings) -> Any:
     """The target (``model=``) as an ``MTPCModel``: with the exported draft for speculative
-    decoding (refused when it was trained for another target), else with a one-position head
-    that autoregressive decoding never reads."""
-    from mtpc.backbones import load_backbone
+    decoding (refused when it was trained for another target), else alone
+    (``MTPCModel.target_only``)."""
     from mtpc.model import MTPCModel
 
-    backbone = load_backbone(
-        str(_get(cfg, "model.name")),
-        path=_get(cfg, "model.path"),
-        revision=_get(cfg, "model.revision"),
-        dtype=_get(cfg, "model.dtype", "float32"),
-        device=str(_get(cfg, "device", "cpu")),
-        attention_impl=str(_get(cfg, "model.attention_impl", "auto")),
-    )
+    backbone = load_target(cfg)
     if settings.draft is not None:
         return MTPCModel.from_pretrained(settings.draft, target=backbone)
-    return MTPCModel.from_backbone(backbone, "ff", 1, 1, head_init="stp")
+    return MTPCModel.target_only(backbone)
 
 
-def regenerate(cfg: Any) -> dict[str, Any]:
-    """The whole job of ``scripts/regenerate.py`` (see the module docstring).
-
-    Returns:
-        The shard's manifest (counts, throughput).
-
-    Raises:
-        ConfigError: a wrong setting, before anything is loaded.
-        RegenerateMismatchError: ``output_dir`` holds rows of another regeneration.
-    """
-    import time
-
-    import torch
-    from tqdm.auto import tqdm
-
-    from mtpc.backbones.codecs import get_codec
-    from mtpc.config import validate_regenerate_config
+def open_source(cfg: Any) -> tuple[Any, dict[str, Any]]:
+    """The ``data`` group's rows (``mtpc.data.sources.load_source``) and the manifest's
+    ``data`` entry (the group's fields, the source's fingerprint and name)."""
     from mtpc.data.sources import load_source
-    from mtpc.decoding.common import context_length
-    from mtpc.evaluation.records import provenance
 
-    validate_regenerate_config(cfg)
-    settings = settings_from(cfg)
-    shard, num_shards = int(_get(cfg, "shard", 0)), int(_get(cfg, "num_shards", 1))
-    out = Path(_get(cfg, "output_dir") or default_output_dir(cfg)).expanduser()
-    if _get(cfg, "num_threads") is not None:
-        torch.set_num_threads(int(_get(cfg, "num_threads")))
     data = {
         k: _get(cfg, f"data.{k}")
         for k in ("source", "path", "num_rows", "seed", "streaming", "revision", "hf_name")
@@ -529,19 +465,43 @@ def regenerate(cfg: Any) -> dict[str, Any]:
         revision=data["revision"],
         **({"hf_name": data["hf_name"]} if data["hf_name"] else {}),
     )
+    return source, {**data, "fingerprint": source.fingerprint, "name": source.name}
+
+
+def regenerate(cfg: Any) -> dict[str, Any]:
+    """The whole job of ``scripts/regenerate.py`` (see the module docstring).
+
+    Returns:
+        The shard's manifest (counts, throughput).
+
+    Raises:
+        ConfigError: a wrong setting, before anything is loaded.
+        RegenerateMismatchError: ``output_dir`` holds rows of another regeneration.
+    """
+    import torch
+
+    from mtpc.backbones.codecs import get_codec
+    from mtpc.config import validate_regenerate_config
+    from mtpc.decoding.common import context_length
+
+    validate_regenerate_config(cfg)
+    settings = settings_from(cfg)
+    shard, num_shards = int(_get(cfg, "shard", 0)), int(_get(cfg, "num_shards", 1))
+    out = Path(_get(cfg, "output_dir") or default_output_dir(cfg)).expanduser()
+    if _get(cfg, "num_threads") is not None:
+        torch.set_num_threads(int(_get(cfg, "num_threads")))
+    source, data = open_source(cfg)
     manifest: dict[str, Any] = {
         "format": FORMAT_VERSION,
         "settings": settings.output_law(),
-        "data": {**data, "fingerprint": source.fingerprint, "name": source.name},
+        "data": data,
         "num_shards": num_shards,
     }
     # settings, data and sharding are refused before the target loads; its weights after
     refuse_other_regeneration(out, manifest, [k for k in IDENTITY if k != "target"])
     model = load_model(cfg, settings)
     codec = get_codec(str(_get(cfg, "model.codec")))
-    context = context_length(model)
-    manifest = {
-        **manifest,
+    manifest |= {
         "target": {
             "model": _get(cfg, "model.name"),
             "path": _get(cfg, "model.path"),
@@ -551,32 +511,14 @@ def regenerate(cfg: Any) -> dict[str, Any]:
         "shard": shard,
         "decoder": asdict(settings),
     }
-    device = str(_get(cfg, "device", "cpu"))
     with ShardStore(out, shard, num_shards).open(manifest) as store:
-        total = None
-        if source.num_rows is not None:
-            total = len(shard_indices(source.num_rows, shard, num_shards))
         resumed = len(store.done)
-        bar = tqdm(
-            total=total, initial=resumed, unit="row", desc=f"regenerate {store.stem}",
-            dynamic_ncols=True, disable=not _get(cfg, "progress", True),
+        rows, tokens, seconds = regenerate_shard(
+            store, source, model, codec, settings, context_length(model),
+            progress=bool(_get(cfg, "progress", True)),
         )  # fmt: skip
-        start, rows, tokens = time.perf_counter(), 0, 0
-        model.eval()
-        with torch.inference_mode():
-            for index, row in enumerate(source):
-                if index % num_shards != shard or index in store.done:
-                    continue
-                result = regenerate_row(model, codec, row, index, settings, context)
-                row_id = row.get("id") if isinstance(row, Mapping) else None
-                store.append(result, None if row_id is None else str(row_id))
-                rows += 1
-                tokens += sum(result.row["regenerated"]["new_tokens"]) if result.row else 0
-                bar.update()
-        bar.close()
-        seconds = time.perf_counter() - start
         session = {
-            **provenance(device, Path(_get(cfg, "paths.root_dir") or ".")),
+            **provenance(str(_get(cfg, "device", "cpu")), Path(_get(cfg, "paths.root_dir") or ".")),
             "rows": rows,
             "resumed_after": resumed,
             "seconds": round(seconds, 3),
@@ -585,9 +527,58 @@ def regenerate(cfg: Any) -> dict[str, Any]:
             "method": settings.method,
         }
         full = store.write_manifest(sessions=[*store.manifest["sessions"], session])
-    c = store.counts
+    print_summary(out / f"{store.stem}.jsonl", store.counts, settings, rows, seconds)
+    return full
+
+
+def regenerate_shard(
+    store: ShardStore,
+    source: Any,
+    model: Any,
+    codec: ByteCodec,
+    settings: Settings,
+    context: int | None,
+    progress: bool = True,
+) -> tuple[int, int, float]:
+    """Regenerates the rows of ``store``'s shard it holds no line of, appending each as it
+    finishes.
+
+    Returns:
+        (rows decoded, new tokens, seconds) of this session.
+    """
+    import torch
+    from tqdm.auto import tqdm
+
+    shard, num_shards = store.shard, store.num_shards
+    total = None
+    if source.num_rows is not None:
+        total = len(shard_indices(source.num_rows, shard, num_shards))
+    bar = tqdm(
+        total=total, initial=len(store.done), unit="row", desc=f"regenerate {store.stem}",
+        dynamic_ncols=True, disable=not progress,
+    )  # fmt: skip
+    start, rows, tokens = time.perf_counter(), 0, 0
+    model.eval()
+    with torch.inference_mode():
+        for index, row in enumerate(source):
+            if index % num_shards != shard or index in store.done:
+                continue
+            result = regenerate_row(model, codec, row, index, settings, context)
+            row_id = row.get("id") if isinstance(row, Mapping) else None
+            store.append(result, None if row_id is None else str(row_id))
+            rows += 1
+            tokens += sum(result.row["regenerated"]["new_tokens"]) if result.row else 0
+            bar.update()
+    bar.close()
+    return rows, tokens, time.perf_counter() - start
+
+
+def print_summary(
+    rows_file: Path, c: Counts, settings: Settings, rows: int, seconds: float
+) -> None:
+    """The shard's counts and this session's throughput, on stdout."""
     print(
-        f"{out / store.stem}.jsonl: {c.written} rows written, {sum(c.skipped.values())} skipped"
+        f"{rows_file}: {c.written} rows written, {sum(c.skipped.values())} skipped"
         + (
             f" ({', '.join(f'{k}: {v}' for k, v in sorted(c.skipped.items()))})"
             if c.skipped
@@ -602,4 +593,3 @@ def regenerate(cfg: Any) -> dict[str, Any]:
             f"note: {c.not_byte_exact_turns} turns held special ids or invalid UTF-8 (written as "
             f"text), {c.empty_turns} turns are empty (train.py drops such rows)"
         )
-    return full
