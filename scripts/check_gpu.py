@@ -465,13 +465,13 @@ def check_train_single(args: argparse.Namespace, root: Path) -> tuple[bool | Non
     from hydra.utils import instantiate
 
     from mtpc.training.module import MTPCLightningModule
-    from mtpc.training.run import build_model, build_trainer
+    from mtpc.training.run import build_model, build_trainer, model_arguments
 
     trainer_name = "gpu" if args.device.startswith("cuda") else "cpu"
     extra = [f"model.dtype={args.dtype}"]  # the script's dtype, whatever the model= default
     cfg = _compose([f"trainer={trainer_name}", *TRAIN_OVERRIDES, *extra, *args.overrides], root)
     L.seed_everything(0)
-    model = build_model(cfg)
+    model = build_model(**model_arguments(cfg))
     module = MTPCLightningModule(
         model, loss=cfg.loss.name, chunk_size=int(cfg.loss.chunk_size),
         optimizer=instantiate(cfg.optimizer),

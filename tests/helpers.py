@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, open_dict
@@ -25,6 +26,18 @@ from mtpc.model import MTPCModel
 REPO = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO / "configs"
 TINY_VOCAB = 320  # the tiny codec's vocabulary (eval prompts come from the data pipeline)
+EXTRA_PLUGINS = {
+    "slurm": "hydra_plugins.hydra_submitit_launcher",
+    "sweep": "hydra_plugins.hydra_optuna_sweeper",
+}
+"""The Hydra plugin each optional extra of pyproject.toml (not in ``dev``) installs."""
+
+
+def require_extra(extra: str) -> None:
+    """Skips the calling test, with the install command, when ``extra`` is not installed."""
+    pytest.importorskip(
+        EXTRA_PLUGINS[extra], reason=f"needs the {extra} extra: pip install -e '.[{extra}]'"
+    )
 
 
 # ---------------------------------------------------------------------------- training ----
@@ -81,7 +94,7 @@ def eval_cfg(tmp_path: Path, **over: Any) -> dict[str, Any]:
         "seed": 0, "draft": None, "baseline": None, "device": "cpu", "num_threads": 1,
         "num_prompts": 2, "num_prompt_sets": 2, "english_only": True, "max_prompt_length": None,
         "max_new_tokens": 16, "warmup": 1, "greedy": True, "policy": "condition",
-        "draft_mode": None, "temperature": 1.0, "top_k": None, "top_p": None,
+        "temperature": 1.0, "top_k": None, "top_p": None,
         "suppress_eos": True, "max_throughput": True, "plots": True,
         "output_dir": str(tmp_path / "out"),
     }  # fmt: skip

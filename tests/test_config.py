@@ -10,6 +10,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig, OmegaConf
 
 from mtpc.config import ConfigError, validate_eval_config, validate_train_config
+from tests.helpers import require_extra
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
@@ -40,6 +41,8 @@ def test_defaults_compose_and_validate() -> None:
 @pytest.mark.parametrize(("group", "option"), _group_options())
 @pytest.mark.slow
 def test_every_config_file_composes(group: str, option: str) -> None:
+    if (group, option) == ("hparams_search", "optuna"):
+        require_extra("sweep")
     overrides = [f"{group}={option}"]
     cfg = _compose("train", overrides)
     OmegaConf.to_container(cfg.model)  # the node resolves
@@ -65,6 +68,8 @@ def test_eval_prompts_configs_compose(prompts: str, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("launcher", ["local", "slurm"])
 def test_launchers_compose(launcher: str) -> None:
+    if launcher == "slurm":
+        require_extra("slurm")
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose(
             config_name="train",

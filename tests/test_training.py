@@ -26,8 +26,8 @@ from mtpc.config import ConfigError
 from mtpc.data.datamodule import build_datamodule
 from mtpc.model import MTPCModel
 from mtpc.training.module import MTPCLightningModule, NonFiniteLossError
-from mtpc.training.run import build_model, train
-from tests.helpers import compose_train_cfg
+from mtpc.training.run import build_model, model_arguments, train
+from tests.helpers import compose_train_cfg, require_extra
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO / "configs"
@@ -263,7 +263,7 @@ def _assert_same_training(tmp_path: Path, runs: dict[str, Path]) -> None:
     """Each run's head and LoRA weights equal 1 process x 4 sequences, 3 steps."""
     single_cfg = _compose(tmp_path, [*DDP_RUN, "data.batch_size=4"], "single", fast=[])
     L.seed_everything(0)  # train() seeds, then builds the draft: the weights every run starts from
-    start = MTPCLightningModule(build_model(single_cfg)).trainable_state_dict()
+    start = MTPCLightningModule(build_model(**model_arguments(single_cfg))).trainable_state_dict()
     train(single_cfg)
     single = _trainable(tmp_path / "single")
     assert any("lora_A" in k for k in single) and any(".head." in k for k in single)
@@ -377,6 +377,7 @@ def test_the_slurm_launcher_config_composes_and_writes_the_expected_submission(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """hydra/launcher=slurm: the sbatch script submitit would submit, captured before sbatch."""
+    require_extra("slurm")
     from submitit.slurm.slurm import SlurmExecutor
 
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):

@@ -45,57 +45,104 @@ log = logging.getLogger(__name__)
 LAST_CHECKPOINT = "last.ckpt"
 
 
-def build_model(cfg: DictConfig) -> MTPCModel:
-    """The draft model of ``cfg.model`` / ``cfg.circuit`` / ``cfg.lora`` (flat builder).
+def model_arguments(cfg: DictConfig) -> dict[str, Any]:
+    """The flat arguments of :func:`build_model`: ``cfg.model``, ``cfg.circuit`` (its other keys
+    are the head's options), ``cfg.lora``, ``loss.chunk_size`` and ``trainer.accelerator``."""
+    circuit = OmegaConf.to_container(cfg.circuit, resolve=True)
+    assert isinstance(circuit, dict)
+    lora = cfg.lora
+    return {
+        "name": cfg.model.name,
+        "path": cfg.model.path,
+        "revision": cfg.model.get("revision"),
+        "dtype": cfg.model.dtype,
+        "attention_impl": cfg.model.get("attention_impl", "auto"),
+        "accelerator": cfg.trainer.get("accelerator"),
+        "chunk_size": int(cfg.loss.get("chunk_size") or 1024),
+        **{str(key): value for key, value in circuit.items()},
+        "lora_layers": lora.layers,
+        "lora_rank": lora.rank,
+        "lora_alpha": float(lora.alpha),
+        "lora_dropout": float(lora.dropout),
+        "lora_target_modules": list(lora.target_modules),
+    }
 
-    The target is loaded first; the head's memory is checked against the training
-    device's free memory (:func:`check_head_memory`) before the head is allocated.
+
+def build_model(
+    name: str,
+    kind: str,
+    window: int,
+    rank: int,
+    *,
+    path: str | None,
+    revision: str | None,
+    dtype: str,
+    attention_impl: str,
+    accelerator: str | None,
+    chunk_size: int,
+    lora_layers: int,
+    lora_rank: int,
+    lora_alpha: float,
+    lora_dropout: float,
+    lora_target_modules: list[str],
+    **head_options: Any,
+) -> MTPCModel:
+    """The draft model to train (flat builder; :func:`model_arguments` reads them from a config).
+
+    The target is loaded first (on the CPU; EvaByte's attention path for the device
+    ``accelerator`` runs on); the head's memory is checked against that device's free memory
+    (:func:`check_head_memory`, with the loss's ``chunk_size``) and the LoRA settings against
+    the target (:func:`check_lora_fits`) before the head is allocated. The arguments are
+    ``load_backbone``'s and ``MTPCModel.from_backbone``'s.
     """
     from mtpc.backbones import load_backbone, run_device_for
 
-    circuit = OmegaConf.to_container(cfg.circuit, resolve=True)
-    assert isinstance(circuit, dict)
-    head_options = {str(k): v for k, v in circuit.items() if k not in ("kind", "window", "rank")}
-    lora = cfg.lora
     backbone = load_backbone(
-        cfg.model.name,
-        path=cfg.model.path,
-        revision=cfg.model.get("revision"),
-        dtype=cfg.model.dtype,
+        name,
+        path=path,
+        revision=revision,
+        dtype=dtype,
         device="cpu",
-        attention_impl=cfg.model.get("attention_impl", "auto"),
-        run_device=run_device_for(cfg.trainer.get("accelerator")),  # the EVA path: its device
+        attention_impl=attention_impl,
+        run_device=run_device_for(accelerator),
     )
-    check_head_memory(cfg, backbone.vocab_size, backbone.hidden_size)
-    check_lora_fits(cfg, backbone)
+    check_head_memory(
+        window, rank, chunk_size, accelerator, backbone.vocab_size, backbone.hidden_size
+    )
+    lora = (lora_layers, lora_rank, lora_alpha, lora_dropout, lora_target_modules)
+    check_lora_fits(*lora, backbone, name)
     return MTPCModel.from_backbone(
         backbone,
-        circuit["kind"],
-        circuit["window"],
-        circuit["rank"],
-        lora_layers=lora.layers,
-        lora_rank=lora.rank,
-        lora_alpha=float(lora.alpha),
-        lora_dropout=float(lora.dropout),
-        lora_target_modules=list(lora.target_modules),
+        kind,
+        window,
+        rank,
+        lora_layers=lora_layers,
+        lora_rank=lora_rank,
+        lora_alpha=lora_alpha,
+        lora_dropout=lora_dropout,
+        lora_target_modules=lora_target_modules,
         **head_options,
     )
 
 
-def check_lora_fits(cfg: DictConfig, backbone: Any) -> None:
+def check_lora_fits(
+    layers: int,
+    rank: int,
+    alpha: float,
+    dropout: float,
+    target_modules: list[str],
+    backbone: Any,
+    model: str,
+) -> None:
     """Refuses ``lora.*`` settings the loaded target cannot take (k past its layer count,
     target modules it lacks), as a :class:`ConfigError` naming the field.
     """
     from mtpc.backbones.lora import as_settings, validate_lora
 
-    lora = cfg.lora
-    settings = as_settings(
-        lora.layers, lora.rank, float(lora.alpha), float(lora.dropout), list(lora.target_modules)
-    )
     try:
-        validate_lora(settings, backbone.layers)
+        validate_lora(as_settings(layers, rank, alpha, dropout, target_modules), backbone.layers)
     except ValueError as err:  # validate_lora's errors are all about the settings
-        raise ConfigError(f"{err} (model={cfg.model.name})") from None
+        raise ConfigError(f"{err} (model={model})") from None
 
 
 GIB = 1024**3
@@ -116,9 +163,10 @@ def head_memory_bytes(
     return {"parameters": params, "optimizer": 3 * params, "logits": logits}
 
 
-def available_memory(cfg: DictConfig) -> tuple[str, int | None]:
-    """The training device's name and free memory in bytes (None when unknown)."""
-    accelerator = str(cfg.trainer.get("accelerator") or "cpu")
+def available_memory(accelerator: str | None) -> tuple[str, int | None]:
+    """The name and free memory in bytes (None when unknown) of the device ``trainer.accelerator``
+    trains on."""
+    accelerator = str(accelerator or "cpu")
     if accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available():
         free, _ = torch.cuda.mem_get_info()
         return "cuda", int(free)
@@ -132,16 +180,17 @@ def available_memory(cfg: DictConfig) -> tuple[str, int | None]:
     return "cpu", None
 
 
-def check_head_memory(cfg: DictConfig, vocab_size: int, hidden_size: int) -> None:
-    """Refuses a head whose estimated training memory exceeds the device's free memory.
+def check_head_memory(
+    n: int, r: int, chunk: int, accelerator: str | None, vocab_size: int, hidden_size: int
+) -> None:
+    """Refuses a head (``circuit.window`` n, ``circuit.rank`` r, ``loss.chunk_size``) whose
+    estimated training memory exceeds the free memory of the device ``accelerator`` names.
 
     Raises:
         ConfigError: with the estimate, its parts and the free memory.
     """
-    n, r = int(cfg.circuit.window), int(cfg.circuit.rank)
-    chunk = int(cfg.loss.get("chunk_size") or 1024)
     need = head_memory_bytes(n, r, vocab_size, hidden_size, chunk)
-    device, free = available_memory(cfg)
+    device, free = available_memory(accelerator)
     total = sum(need.values())
     if free is None or total <= free:
         return
@@ -304,6 +353,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         CheckpointUnreadableError: no checkpoint of the folder can be read.
     """
     validate_train_config(cfg)
+    model_args = model_arguments(cfg)
     # the frozen target stays in eval mode on purpose (no dropout in the verifier's states)
     warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
     run_dir = _run_dir(cfg)
@@ -315,7 +365,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         restore_hydra(run_dir)  # Hydra wrote this command's .hydra/ over the owner's
         raise
     try:
-        return _train_locked(cfg, run_dir)
+        return _train_locked(cfg, run_dir, model_args)
     finally:
         lock.release()
 
@@ -406,31 +456,14 @@ def check_steps_left(state: Mapping[str, Any], cfg: DictConfig, run_dir: Path) -
         )
 
 
-def _train_locked(cfg: DictConfig, run_dir: Path) -> dict[str, float]:
+def _train_locked(cfg: DictConfig, run_dir: Path, model_args: dict[str, Any]) -> dict[str, float]:
     checkpoint_dir = run_dir / "checkpoints"
     for folder in (checkpoint_dir, run_dir, run_dir / "draft"):  # interrupted writes
         remove_stale_tmp(folder)
     fast = bool(cfg.trainer.get("fast_dev_run"))
     settings = comparable_config(_plain(cfg))
     resume = None if fast else find_resume_checkpoint(checkpoint_dir, LAST_CHECKPOINT)
-    init_metrics: dict[str, float] = {}
-    new_lr = None
-    if resume is not None:
-        try:
-            changes = check_resume_config(
-                resume[0],
-                resume[1].get(CONFIG_KEY),
-                settings,
-                str(cfg.get("run_name")),
-                bool(cfg.get("allow_resume_changes", False)),
-            )
-        except Exception:
-            restore_hydra(run_dir)
-            raise
-        check_steps_left(resume[1], cfg, run_dir)
-        if any(c.startswith("optimizer.lr:") for c in changes):
-            new_lr = float(cfg.optimizer.lr)
-        init_metrics.update(resume[1].get("mtpc_init_metrics") or {})
+    init_metrics, new_lr = _check_resume(cfg, run_dir, settings, resume)
     snapshot_hydra(run_dir)
     # the trainer first: Lightning's refusals (devices, precision, accelerator) in seconds
     trainer = build_trainer(
@@ -441,7 +474,7 @@ def _train_locked(cfg: DictConfig, run_dir: Path) -> dict[str, float]:
     L.seed_everything(int(cfg.seed), workers=True)
 
     datamodule = instantiate(cfg.data)
-    model = build_model(cfg)
+    model = build_model(**model_args)
     if cfg.get("init_from"):
         load_initial_weights(model, cfg.init_from)
     module = MTPCLightningModule(
@@ -449,28 +482,12 @@ def _train_locked(cfg: DictConfig, run_dir: Path) -> dict[str, float]:
         loss=cfg.loss.name,
         gamma=cfg.loss.get("gamma"),
         normalise_discount=bool(cfg.loss.get("normalise_discount", False)),
-        chunk_size=int(cfg.loss.get("chunk_size") or 1024),
+        chunk_size=model_args["chunk_size"],
         optimizer=instantiate(cfg.optimizer),
         scheduler=instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
     )
-
     ckpt_path = None if resume is None else str(resume[0])
-    metrics: dict[str, float] = {}
-    if ckpt_path is None and cfg.get("validate_before_training", True) and not fast:
-        initial = trainer.validate(module, datamodule=datamodule, verbose=False)
-        init_metrics.update(
-            {f"init/{k}": v for k, v in _scalars(initial[0]).items()} if initial else {}
-        )
-    elif ckpt_path is not None:
-        log.info("resuming from %s", ckpt_path)
-    metrics.update(init_metrics)  # a resumed run reports its start's, kept in the checkpoint
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    metrics.update(_scalars(trainer.callback_metrics))
-    if not fast and trainer.limit_val_batches != 0:  # the final draft, whatever the schedule
-        final = trainer.validate(module, datamodule=datamodule, verbose=False)
-        metrics.update(_scalars(final[0]) if final else {})
-    metrics["train/steps"] = float(trainer.global_step)
-
+    metrics = _fit(cfg, trainer, module, datamodule, ckpt_path, init_metrics)
     if trainer.global_step == 0 and not fast:
         raise UserError(
             f"the run in {run_dir} took no optimizer step (trainer.max_steps="
@@ -479,7 +496,7 @@ def _train_locked(cfg: DictConfig, run_dir: Path) -> dict[str, float]:
         )
     export = cfg.get("export", True) and not fast
     if export and _sharded(module):  # every rank takes part in gathering the weights
-        model = unsharded_copy(cfg, module)
+        model = unsharded_copy(model_args, module)
     if trainer.is_global_zero:
         (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
         if export:
@@ -493,6 +510,72 @@ def _train_locked(cfg: DictConfig, run_dir: Path) -> dict[str, float]:
     return metrics
 
 
+def _check_resume(
+    cfg: DictConfig,
+    run_dir: Path,
+    settings: dict[str, Any],
+    resume: tuple[Path, dict[str, Any]] | None,
+) -> tuple[dict[str, float], float | None]:
+    """Refuses a resume with other settings or no steps left (:func:`check_resume_config`,
+    :func:`check_steps_left`).
+
+    Returns:
+        The untrained draft's metrics the checkpoint kept (empty for a fresh run) and the new
+        learning rate when ``optimizer.lr`` changed (else None).
+    """
+    if resume is None:
+        return {}, None
+    try:
+        changes = check_resume_config(
+            resume[0],
+            resume[1].get(CONFIG_KEY),
+            settings,
+            str(cfg.get("run_name")),
+            bool(cfg.get("allow_resume_changes", False)),
+        )
+    except Exception:
+        restore_hydra(run_dir)
+        raise
+    check_steps_left(resume[1], cfg, run_dir)
+    new_lr = (
+        float(cfg.optimizer.lr) if any(c.startswith("optimizer.lr:") for c in changes) else None
+    )
+    return dict(resume[1].get("mtpc_init_metrics") or {}), new_lr
+
+
+def _fit(
+    cfg: DictConfig,
+    trainer: L.Trainer,
+    module: MTPCLightningModule,
+    datamodule: Any,
+    ckpt_path: str | None,
+    init_metrics: dict[str, float],
+) -> dict[str, float]:
+    """Measures the untrained draft (a fresh run: into ``init_metrics``, which the run record
+    callback holds), fits and measures the final draft.
+
+    Returns:
+        ``init/...`` (a resumed run's from its start, kept in the checkpoint), the trainer's
+        ``callback_metrics``, the final ``val/...`` and ``train/steps``.
+    """
+    fast = bool(cfg.trainer.get("fast_dev_run"))
+    if ckpt_path is None and cfg.get("validate_before_training", True) and not fast:
+        initial = trainer.validate(module, datamodule=datamodule, verbose=False)
+        init_metrics.update(
+            {f"init/{k}": v for k, v in _scalars(initial[0]).items()} if initial else {}
+        )
+    elif ckpt_path is not None:
+        log.info("resuming from %s", ckpt_path)
+    metrics = dict(init_metrics)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    metrics.update(_scalars(trainer.callback_metrics))
+    if not fast and trainer.limit_val_batches != 0:  # the final draft, whatever the schedule
+        final = trainer.validate(module, datamodule=datamodule, verbose=False)
+        metrics.update(_scalars(final[0]) if final else {})
+    metrics["train/steps"] = float(trainer.global_step)
+    return metrics
+
+
 def _sharded(module: MTPCLightningModule) -> bool:
     """Whether FSDP2 sharded the module's parameters (``trainer=fsdp_cpu``)."""
     from torch.distributed.tensor import DTensor
@@ -500,17 +583,18 @@ def _sharded(module: MTPCLightningModule) -> bool:
     return any(isinstance(p, DTensor) for p in module.parameters())
 
 
-def unsharded_copy(cfg: DictConfig, module: MTPCLightningModule) -> MTPCModel:
+def unsharded_copy(model_args: dict[str, Any], module: MTPCLightningModule) -> MTPCModel:
     """The trained draft as an ordinary model, for export after sharded training.
 
     Collective: every rank calls it; the head and LoRA weights alone are gathered on rank 0
-    (the frozen target is neither gathered nor copied: it is rebuilt from ``cfg.model``),
+    (the frozen target is neither gathered nor copied: :func:`build_model` rebuilds it from
+    ``model_args``),
     where the returned model holds them (elsewhere it is the sharded module's model, unused).
     """
     full = module.gathered_trainable_state()  # rank 0: {name: whole tensor on CPU}; others: {}
     if not full:
         return module.model
-    copy = build_model(cfg)
+    copy = build_model(**model_args)
     trained = {name.removeprefix("model."): full[name] for name in module.trainable_state_dict()}
     missing = set(trained) - set(copy.state_dict())
     assert not missing, f"trained weights without a place in the copy: {sorted(missing)[:3]}"
