@@ -1,0 +1,104 @@
+"""The real-code study's cells (configs/experiment/code/) and its script (scripts/run_study.sh).
+
+The study is a CPU miniature of the paper's tables (docs/BENCHMARKS.md): its numbers are only
+comparable if every cell shares one recipe, seeds keep their runs apart, stage 2 starts from
+the same seed's stage-1 draft, and the script trains and evaluates every cell it ships.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+from mtpc.config import validate_train_config
+
+REPO = Path(__file__).resolve().parents[1]
+CELLS = sorted(
+    p.stem for p in (REPO / "configs" / "experiment" / "code").glob("*.yaml")
+    if not p.stem.startswith("_")
+)  # fmt: skip
+SCRIPT = REPO / "scripts" / "run_study.sh"
+
+
+@functools.cache
+def _composed(name: str) -> DictConfig:
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        return compose("train", overrides=[f"experiment=code/{name}"])
+
+
+def _cell(name: str, seed: int = 0) -> DictConfig:
+    """The cell's training config at ``seed`` (``${seed}`` interpolations follow it)."""
+    cfg = _composed(name).copy()
+    cfg.seed = seed
+    return cfg
+
+
+def test_the_grid_is_the_issues() -> None:
+    """FF r1, CP r8/32, HMM r32, BTree r32 at n = 8 and 16, LoRA k0/1 at n = 16 for FF and
+    BTree, and FF/BTree on regenerated answers."""
+    grid = {f"{k}_n{n}_r{r}" for n in (8, 16) for k, r in
+            (("ff", 1), ("cp", 8), ("cp", 32), ("hmm", 32), ("btree", 32))}  # fmt: skip
+    lora = {f"{c}_lora{k}" for c in ("ff_n16_r1", "btree_n16_r32") for k in (0, 1)}
+    regen = {f"{c}_regen_{m}" for c in ("ff_n8_r1", "btree_n8_r32") for m in ("greedy", "t1")}
+    assert set(CELLS) == grid | lora | regen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", CELLS)
+def test_every_cell_composes_with_the_one_recipe(name: str) -> None:
+    cfg = _cell(name)
+    validate_train_config(cfg)
+    kind, n, r = re.match(r"(\w+?)_n(\d+)_r(\d+)", name).groups()  # type: ignore[union-attr]
+    assert (cfg.circuit.kind, cfg.circuit.window, cfg.circuit.rank) == (kind, int(n), int(r))
+    assert cfg.model.run_label == "tiny_code" and cfg.model.path.endswith("assets/tiny_code")
+    assert (cfg.trainer.max_steps, cfg.data.seq_len, cfg.data.batch_size) == (100, 256, 2)
+    assert cfg.data.seed == 0 and cfg.validate_before_training is False
+    assert cfg.lora.layers == (1 if name.endswith("lora1") else 0)
+    assert cfg.stage == ("lora" if "_lora" in name else "heads")
+
+
+@pytest.mark.slow
+def test_seeds_and_cells_never_share_a_run_folder() -> None:
+    names = [_cell(c, s).run_name for c in CELLS for s in (0, 1, 2)]
+    assert len(set(names)) == len(names)
+    assert _cell("btree_n16_r32", 2).run_name == "code-btree-n16-r32-k0-heads-s2"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [c for c in CELLS if "_lora" in c])
+def test_stage_two_starts_from_the_same_seeds_stage_one(name: str) -> None:
+    cfg = _cell(name, seed=1)
+    stage_one = _cell(name.split("_lora")[0], seed=1)
+    assert cfg.init_from == f"{cfg.paths.root_dir}/outputs/train/{stage_one.run_name}/draft"
+
+
+@pytest.mark.slow
+def test_the_script_trains_and_evaluates_every_cell() -> None:
+    script = SCRIPT.read_text()
+    for name in CELLS:
+        assert re.search(rf"\b{name}\b", script), f"run_study.sh never trains {name}"
+        run = _cell(name).run_name.removeprefix("code-").removesuffix("-s0")
+        assert run in script, f"run_study.sh never evaluates {run}"
+    for mode in ("greedy", "t1"):  # the regenerated cells read what the script writes
+        path = _cell(f"ff_n8_r1_regen_{mode}").data.path
+        assert path.endswith(f"outputs/regenerate/code-{mode}-train")
+        assert f"$R/code-{mode}" in script or "$R/code-$mode-train" in script
+
+
+def test_an_unknown_phase_fails_in_one_line_before_any_work() -> None:
+    """Even after a valid phase: ``PY=false`` would fail any work that started."""
+    env = {"PATH": os.environ["PATH"], "PY": "false"}
+    out = subprocess.run(
+        ["bash", str(SCRIPT), "report", "trian"], capture_output=True, text=True, env=env
+    )
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "run_study.sh: unknown phase 'trian'; allowed: train, regenerate, eval, report"
+    ]
