@@ -14,6 +14,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from mtpc.decoding.settings import SettingsError, check_settings
 from mtpc.errors import UserError
+from mtpc.evaluation.drafters import FIXTURE_PREFIX, FIXTURES
 from mtpc.evaluation.drafting import check_drafting
 
 logger = logging.getLogger(__name__)
@@ -117,8 +118,6 @@ def check_eval_fields(cfg: Any) -> None:
 
 def _check_drafter(cfg: Any, greedy: Any) -> None:
     """``drafter.*`` of ``drafter=hetero`` (configs/drafter/hetero.yaml)."""
-    from mtpc.evaluation.hetero import FIXTURE_PREFIX, FIXTURES
-
     hetero = {
         field: value
         for field in ("algorithm", "lookahead", "look_behind", "max_psi_paths", "psi")

@@ -1,7 +1,7 @@
 """The fixture drafters: tiny models with genuinely different tokenizers, trained at first
 use on the synthetic chat corpus, for heterogeneous-vocabulary decoding without a hub.
 
-``drafter.model=fixture:bpe|lower|byte_small`` (``mtpc.evaluation.hetero.load_drafter``),
+``drafter.model=fixture:bpe|lower|byte_small`` (``mtpc.evaluation.drafters.load_drafter``),
 ``scripts/bench_hetero.py`` and the tests use them; the package needs nothing from ``tests/``.
 
 * :func:`bpe_tokenizer`: a byte-level BPE (GPT-2 byte-to-unicode strings) trained with the

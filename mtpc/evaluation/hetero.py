@@ -1,96 +1,32 @@
-"""Evaluation of heterogeneous-vocabulary drafters (``eval.py drafter=hetero``).
+"""The passes of ``eval.py drafter=hetero``: heterogeneous-vocabulary drafters against the
+target alone.
 
-:func:`evaluate_hetero` decodes the same prompts with the target alone (autoregressive, KV
-cache) and with :func:`mtpc.generate_hetero`, in the same call, and reports the
-self-speculative evaluator's metrics (``mtpc.evaluation.metrics``) plus the vocabulary
-overlap of Timor et al.'s Tables 5-6. :func:`load_drafter` resolves ``drafter.model`` /
-``drafter.tokenizer`` of ``configs/drafter/hetero.yaml``.
+:func:`run_hetero_passes` is the one harness loop: each prompt is decoded by the target alone
+(``mtpc.generate``, autoregressive) and with :func:`mtpc.generate_hetero`, in the same call,
+and recorded as it finishes (``mtpc.evaluation.metrics.hetero_record``).
+:func:`decode_hetero` runs it into an evaluation folder; :func:`evaluate_hetero` in memory,
+reporting the self-speculative evaluator's metrics plus the vocabulary overlap of Timor et
+al.'s Tables 5-6. The drafters: ``mtpc.evaluation.drafters``.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from mtpc.decoding.common import GenerationResult, cut_at_stop
-from mtpc.decoding.hetero import CachedLM, generate_hetero
-from mtpc.decoding.verify import process_logits
+from mtpc.backbones import Backbone
+from mtpc.decoding import generate
+from mtpc.decoding.common import GenerationResult
+from mtpc.decoding.hetero import generate_hetero
 from mtpc.decoding.vocab import as_tokenizer, prompt_overlap, vocab_mapping
-from mtpc.evaluation.records import MemoryRecords, RecordStore
+from mtpc.evaluation.checks import get_field
+from mtpc.evaluation.drafters import load_drafter
+from mtpc.evaluation.loading import load_target
+from mtpc.evaluation.metrics import hetero_metrics, hetero_record
+from mtpc.evaluation.records import MemoryRecords, RecordStore, hetero_draft_path
 from mtpc.evaluation.report import HETERO_PASSES, hetero_row_name
-
-FIXTURE_PREFIX = "fixture:"
-FIXTURES = ("bpe", "lower", "byte_small")
-
-
-@torch.no_grad()
-def autoregressive(
-    target: Any,
-    prompt_ids: Sequence[int],
-    max_new_tokens: int,
-    greedy: bool = True,
-    seed: int = 0,
-    stop_ids: Sequence[int] = (),
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-) -> GenerationResult:
-    """Plain decoding of an HF causal LM with a KV cache (the AR reference)."""
-    lm = CachedLM(target)
-    g = torch.Generator().manual_seed(seed)
-    seq, out = list(prompt_ids), []  # type: list[int], list[int]
-    stopped = False
-    start = time.perf_counter()
-    while len(out) < max_new_tokens and not stopped:
-        logits = lm.logits(seq, 1)[0]
-        if greedy:
-            tok = int(logits.argmax())
-        else:
-            probs = process_logits(logits, temperature, top_k, top_p).exp()
-            tok = int(torch.multinomial(probs.double(), 1, generator=g))
-        new, stopped = cut_at_stop([tok], max_new_tokens - len(out), stop_ids)
-        out.extend(new)
-        seq.extend(new)
-    seconds = time.perf_counter() - start
-    return GenerationResult(
-        tokens=out, accepted=[0] * len(out), emitted=[1] * len(out), seconds=seconds,
-        stopped=stopped, method="autoregressive", target_passes=lm.passes, algorithm="ar",
-    )  # fmt: skip
-
-
-def hetero_record(result: GenerationResult) -> dict[str, Any]:
-    """What one decoded prompt contributes to a row (a ``records.jsonl`` line's measurements)."""
-    return {
-        "new_tokens": len(result.tokens),
-        "cycles": len(result.accepted),  # target passes
-        "accepted_total": sum(result.accepted),
-        "drafter_passes": result.drafter_passes,
-        "seconds": result.seconds,
-        "tokens_sha1": hashlib.sha1(json.dumps(result.tokens).encode()).hexdigest(),
-    }
-
-
-def hetero_metrics(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-    """A prompt set's row metrics from its prompts' :func:`hetero_record` values."""
-    cycles = sum(r["cycles"] for r in records)
-    tokens = sum(r["new_tokens"] for r in records)
-    seconds = sum(r["seconds"] for r in records)
-    return {
-        "mu_lat": seconds / max(cycles, 1),
-        "mu_acc": tokens / max(cycles, 1),  # target tokens per target pass (cycle)
-        "mu_acc_drafts": sum(r["accepted_total"] for r in records) / max(cycles, 1),
-        "tok_s": tokens / seconds if seconds > 0 else 0.0,
-        "drafter_passes_per_cycle": sum(r["drafter_passes"] for r in records) / max(cycles, 1),
-        "cycles": float(cycles),
-        "tokens": float(tokens),
-    }
-
+from mtpc.model import MTPCModel
 
 Decoder = Callable[[list[int], int], GenerationResult]
 """Decodes one prompt's target ids with a seed."""
@@ -110,17 +46,23 @@ def hetero_decoders(
 ) -> dict[str, Decoder]:
     """The autoregressive and the heterogeneous speculative decoder of one prompt, by pass
     (``mtpc.evaluation.report.HETERO_PASSES``); see :func:`evaluate_hetero` for the
-    arguments."""
+    arguments (``target`` may also be a loaded ``Backbone``: the AR pass keeps its
+    attention path)."""
     t_tok, d_tok = as_tokenizer(target_tokenizer), as_tokenizer(drafter_tokenizer)
     stops = list(t_tok.stop_ids if stop_ids is None else stop_ids)
     sample_kw = {k: options[k] for k in ("temperature", "top_k", "top_p") if k in options}
+    alone = MTPCModel.target_only(target)  # the one AR decoder: mtpc.generate's
+    hf = target.hf_model if isinstance(target, Backbone) else target
 
     def run_ar(p: list[int], seed: int) -> GenerationResult:
-        return autoregressive(target, p, max_new_tokens, greedy, seed, stops, **sample_kw)
+        return generate(
+            alone, p, max_new_tokens, method="autoregressive", greedy=greedy, seed=seed,
+            stop_ids=stops, **sample_kw,
+        )  # fmt: skip
 
     def run_sd(p: list[int], seed: int) -> GenerationResult:
         return generate_hetero(
-            target, t_tok, drafter, d_tok, p, algorithm=algorithm, lookahead=lookahead,
+            hf, t_tok, drafter, d_tok, p, algorithm=algorithm, lookahead=lookahead,
             greedy=greedy, seed=seed, max_new_tokens=max_new_tokens, stop_ids=stops, **options,
         )  # fmt: skip
 
@@ -256,46 +198,12 @@ def evaluate_hetero(
     }
 
 
-def load_drafter(model: str, tokenizer: str | None = None, device: str = "cpu") -> tuple[Any, Any]:
-    """Resolves ``drafter.model`` / ``drafter.tokenizer`` to (model, tokenizer).
-
-    Args:
-        model: a local HF causal-LM folder, or ``fixture:bpe`` | ``fixture:lower`` |
-            ``fixture:byte_small`` (the tiny drafters of :mod:`mtpc.evaluation.fixture_drafters`,
-            trained on the synthetic corpus at first use; run from the repository root).
-        tokenizer: an HF tokenizer folder or a codec name (tiny | evabyte | llama3_byte);
-            None: the model folder's own tokenizer.
-        device: where the model goes.
-
-    Raises:
-        ValueError: an unknown fixture name.
-    """
-    if model.startswith(FIXTURE_PREFIX):
-        name = model[len(FIXTURE_PREFIX) :]
-        if name not in FIXTURES:
-            raise ValueError(f"drafter.model is {model!r}; allowed fixtures: {FIXTURES}")
-        from mtpc.evaluation.fixture_drafters import trained_models
-
-        built = trained_models()
-        lm = built["byte_small"] if name == "byte_small" else built[f"{name}_lm"]
-        tok = built["codec"] if name == "byte_small" else built[name]
-        return lm.to(device), tok
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from mtpc.backbones.codecs import CODECS, get_codec
-
-    lm = AutoModelForCausalLM.from_pretrained(model).to(device).eval()  # type: ignore[arg-type]
-    if tokenizer in CODECS:
-        return lm, get_codec(str(tokenizer))
-    return lm, AutoTokenizer.from_pretrained(tokenizer or model)
-
-
 def decode_hetero(cfg: Any, store: RecordStore, prompt_sets: list[list[Any]]) -> None:
     """Decodes the prompts of ``drafter=hetero``: the configured target drafted by another
     vocabulary.
 
     Each prompt is decoded by the target alone and with :func:`mtpc.generate_hetero`
-    (``mtpc.evaluation.hetero.hetero_decoders``, so ``x AR`` compares like with like) and
+    (:func:`hetero_decoders`, so ``x AR`` compares like with like) and
     recorded in ``store`` as it finishes (passes ``HETERO_PASSES``, ``draft_path``
     ``drafter:<model>``); prompts already recorded are not decoded again, so a killed
     evaluation resumes. The vocabulary overlap (Timor et al., Tables 5-6) is recorded once
@@ -303,9 +211,6 @@ def decode_hetero(cfg: Any, store: RecordStore, prompt_sets: list[list[Any]]) ->
     (``mtpc.evaluation.report.hetero_report``), so ``report=`` rebuilds them too.
     """
     from mtpc.backbones.codecs import get_codec
-    from mtpc.evaluation.checks import get_field
-    from mtpc.evaluation.loading import load_target
-    from mtpc.evaluation.records import hetero_draft_path
 
     device = str(get_field(cfg, "device", "cpu"))
     backbone = load_target(cfg)
@@ -322,7 +227,7 @@ def decode_hetero(cfg: Any, store: RecordStore, prompt_sets: list[list[Any]]) ->
     algorithm = str(get_field(cfg, "drafter.algorithm", "slem"))
     lookahead = int(get_field(cfg, "drafter.lookahead", 5))
     decoders = hetero_decoders(
-        backbone.hf_model, codec, model, tokenizer, algorithm=algorithm, lookahead=lookahead,
+        backbone, codec, model, tokenizer, algorithm=algorithm, lookahead=lookahead,
         greedy=bool(get_field(cfg, "greedy", True)), max_new_tokens=int(get_field(cfg, "max_new_tokens", 128)),
         **{k: v for k, v in options.items() if v is not None},
     )  # fmt: skip

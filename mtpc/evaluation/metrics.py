@@ -27,7 +27,9 @@ Per prompt set (cycles pooled over its prompts):
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -161,6 +163,41 @@ def set_metrics(
         "prompts": len(recs),
         "acceptance": [h / t if t else float("nan") for h, t in zip(hits, tried, strict=True)],
         **tree,
+    }
+
+
+def tokens_sha1(tokens: Sequence[int]) -> str:
+    """The hash of one output's new ids that records keep (``tokens_sha1``)."""
+    return hashlib.sha1(json.dumps(list(tokens)).encode()).hexdigest()
+
+
+def hetero_record(result: GenerationResult) -> dict[str, Any]:
+    """What one prompt decoded by ``drafter=hetero`` (or its AR pass) contributes to a row
+    (a ``records.jsonl`` line's measurements)."""
+    return {
+        "new_tokens": len(result.tokens),
+        "cycles": len(result.accepted),  # target passes
+        "accepted_total": sum(result.accepted),
+        "drafter_passes": result.drafter_passes,
+        "seconds": result.seconds,
+        "tokens_sha1": tokens_sha1(result.tokens),
+    }
+
+
+def hetero_metrics(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """A prompt set's ``drafter=hetero`` row metrics from its prompts' :func:`hetero_record`
+    values."""
+    cycles = sum(r["cycles"] for r in records)
+    tokens = sum(r["new_tokens"] for r in records)
+    seconds = sum(r["seconds"] for r in records)
+    return {
+        "mu_lat": seconds / max(cycles, 1),
+        "mu_acc": tokens / max(cycles, 1),  # target tokens per target pass (cycle)
+        "mu_acc_drafts": sum(r["accepted_total"] for r in records) / max(cycles, 1),
+        "tok_s": tokens / seconds if seconds > 0 else 0.0,
+        "drafter_passes_per_cycle": sum(r["drafter_passes"] for r in records) / max(cycles, 1),
+        "cycles": float(cycles),
+        "tokens": float(tokens),
     }
 
 

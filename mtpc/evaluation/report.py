@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from mtpc.evaluation.metrics import aggregate, mean_std, set_metrics
+from mtpc.evaluation.metrics import aggregate, hetero_metrics, mean_std, set_metrics
 from mtpc.evaluation.records import (
     ar_turn_hashes,
     check_mergeable,
@@ -358,8 +358,6 @@ def hetero_report(
         ``(rows, source_rows)`` as :func:`build_report`'s: mean ± std over prompt sets;
         ``x AR`` against the target alone on the same prompts in the same call.
     """
-    from mtpc.evaluation.hetero import hetero_metrics
-
     drafter = settings.get("drafter") or {}
     key = hetero_draft_path(drafter)
     prompts = [r for r in records if r.get("type") == "prompt" and r.get("draft_path") == key]

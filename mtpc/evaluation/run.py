@@ -21,8 +21,6 @@ without decoding. A progress bar per draft and pass (tqdm, on a terminal only, o
 from __future__ import annotations
 
 import gc
-import hashlib
-import json
 import logging
 import math
 import shutil
@@ -53,7 +51,7 @@ from mtpc.evaluation.loading import (
     use_device,
     with_model,
 )
-from mtpc.evaluation.metrics import pool_turns, prompt_record
+from mtpc.evaluation.metrics import pool_turns, prompt_record, tokens_sha1
 from mtpc.evaluation.records import (
     MANIFEST,
     RecordStore,
@@ -152,11 +150,6 @@ def warmup_prompts(model: Any, prompt_sets: Sequence[Sequence[Any]], cfg: Any) -
     longest = max((list(p.prompt_ids) for s in prompt_sets for p in s), key=len)
     ids = longest * (length // len(longest) + 1)
     return [*prompts, ids[:length]]
-
-
-def tokens_sha1(tokens: Sequence[int]) -> str:
-    """The hash of one output's new ids that records keep (``tokens_sha1``)."""
-    return hashlib.sha1(json.dumps(list(tokens)).encode()).hexdigest()
 
 
 def decode_prompt(
