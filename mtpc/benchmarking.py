@@ -1,10 +1,21 @@
-"""Measurement helpers shared by ``scripts/bench_*.py`` (never used in tests' assertions).
+"""Measurement and report helpers shared by ``scripts/bench_*.py`` (never used in tests'
+assertions): a benchmark script is its setup plus calls to these.
 
 * :func:`best_time`: minimum seconds per call over rounds. The minimum, not the median: on
-  a shared machine other processes only ever add time.
+  a shared machine other processes only ever add time. :func:`median_time`: the median over
+  repeats (after a warm-up, CUDA synchronised), for calls too long to repeat in rounds;
+  :func:`timed`: one call's seconds and result.
 * :func:`reset_peak_rss` / :func:`status_kb`: the peak resident set size of *this* process
   since a reset (Linux ``/proc/self/clear_refs`` + ``VmHWM``); ``ru_maxrss`` cannot be
-  reset and survives fork + exec, so it reports a parent's peak.
+  reset and survives fork + exec, so it reports a parent's peak. :func:`peak_rss_extra_mb`:
+  what one call adds on top of the resident size; :func:`in_fresh_process`: a call in a
+  spawned process, so that nothing else shares its peak.
+* :func:`markdown_header`, :func:`markdown_row`, :func:`machine`, :func:`write_json`: the
+  reports (Markdown tables, the machine line, the rows as JSON).
+
+torch is imported where a function needs it, not here: a parent process that only starts
+measuring children (``scripts/bench_memory.py``) stays small, and its peak, which a child
+inherits in ``ru_maxrss``, stays below theirs.
 * :func:`cuda_index`, :func:`sync_memory_reset`, :func:`peak_memory_mb`: a device's peak
   memory (CUDA: allocated on that GPU, never the current one by accident; CPU: the
   process's peak RSS), used by the evaluation, the benchmarks and ``scripts/check_gpu.py``.
@@ -12,12 +23,21 @@
 
 from __future__ import annotations
 
+import json
+import multiprocessing as mp
+import platform
 import resource
+import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+T = TypeVar("T")
 
 
 def best_time(
@@ -37,6 +57,34 @@ def best_time(
             fn()
         times.append((time.perf_counter() - t0) / reps)
     return min(times)
+
+
+def timed(fn: Callable[[], T]) -> tuple[float, T]:
+    """Seconds of one call of ``fn``, and its result."""
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+def median_time(
+    fn: Callable[[], T], repeats: int, device: str | torch.device = "cpu", warmup: int = 1
+) -> tuple[float, T]:
+    """Median seconds of ``fn`` over ``repeats`` calls after ``warmup`` calls (on a CUDA
+    ``device``, each call synchronised before and inside the timing), and the last result."""
+    import torch
+
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else lambda _: None
+    result = None
+    for _ in range(warmup):
+        result = fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        result = fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), result  # type: ignore[return-value]
 
 
 def status_kb(field: str) -> int:
@@ -61,6 +109,8 @@ def cuda_index(device: str) -> int | None:
     """The CUDA device index of ``device`` (``cuda`` -> the current one); None for the CPU."""
     if not device.startswith("cuda"):
         return None
+    import torch
+
     index = torch.device(device).index
     return torch.cuda.current_device() if index is None else int(index)
 
@@ -69,6 +119,8 @@ def sync_memory_reset(device: str) -> None:
     """Waits for ``device``'s work and restarts its peak-memory counter (CUDA only)."""
     index = cuda_index(device)
     if index is not None:
+        import torch
+
         torch.cuda.synchronize(index)
         torch.cuda.reset_peak_memory_stats(index)
 
@@ -78,6 +130,54 @@ def peak_memory_mb(device: str) -> float:
     process's peak RSS on the CPU (``ru_maxrss``: never reset)."""
     index = cuda_index(device)
     if index is not None:
+        import torch
+
         return torch.cuda.max_memory_allocated(index) / 2**20
     scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**20
+
+
+def peak_rss_extra_mb(fn: Callable[[], object]) -> float:
+    """MiB the process's peak resident size rises above its resident size while ``fn`` runs
+    (``VmHWM`` after a reset, minus ``VmRSS`` before): what the call allocates on top."""
+    before = status_kb("VmRSS")
+    reset_peak_rss()
+    fn()
+    return (status_kb("VmHWM") - before) / 1024
+
+
+def _call_and_put(fn: Callable[..., object], args: tuple[object, ...], queue: Any) -> None:
+    queue.put(fn(*args))
+
+
+def in_fresh_process(fn: Callable[..., T], *args: object) -> T:
+    """``fn(*args)`` in a freshly spawned process (``fn`` a module-level function, its result
+    picklable): its peak memory is its own, not shared with earlier measurements."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    process = ctx.Process(target=_call_and_put, args=(fn, args, queue))
+    process.start()
+    result = queue.get()
+    process.join()
+    return result
+
+
+def markdown_header(*columns: str) -> str:
+    """The first two lines of a Markdown table."""
+    return "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns)
+
+
+def markdown_row(cells: Iterable[object]) -> str:
+    """One Markdown table row of ``cells`` (formatted already, or ``str()``-ed)."""
+    return "| " + " | ".join(str(cell) for cell in cells) + " |"
+
+
+def machine() -> str:
+    """This machine's processor (or architecture) name, for a report's first line."""
+    return platform.processor() or platform.machine()
+
+
+def write_json(path: str | Path | None, data: object, **options: Any) -> None:
+    """Writes ``data`` as indented JSON to ``path`` (nothing when ``path`` is None)."""
+    if path is not None:
+        Path(path).write_text(json.dumps(data, **{"indent": 2, **options}))

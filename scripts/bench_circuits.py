@@ -22,13 +22,18 @@ allocated), so the number is what forward + backward add on top of the inputs.
 from __future__ import annotations
 
 import argparse
-import json
-import multiprocessing as mp
 
 import torch
 from torch import Tensor
 
-from mtpc.benchmarking import best_time, reset_peak_rss, status_kb
+from mtpc.benchmarking import (
+    best_time,
+    in_fresh_process,
+    markdown_header,
+    markdown_row,
+    peak_rss_extra_mb,
+    write_json,
+)
 from mtpc.circuits.engine import categorical as _categorical
 from mtpc.heads import MTPCHead, chunked_log_likelihood
 
@@ -157,34 +162,17 @@ def bench_config(kind: str, n: int, r: int, V: int, d: int, train_batch: int) ->
     return row
 
 
-def _memory_worker(
-    T: int, d: int, kind: str, n: int, r: int, V: int, chunk: int, q: mp.Queue
-) -> None:
+def _memory(T: int, d: int, kind: str, n: int, r: int, V: int, chunk: int) -> dict:
+    """Peak extra memory of the chunked likelihood's forward + backward (a fresh process)."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     head = MTPCHead(kind, n, r, V, d)
     hidden = torch.randn(T, d, requires_grad=True)
     targets = torch.randint(V, (T, n))
-    before = status_kb("VmRSS")
-    reset_peak_rss()
-    out = chunked_log_likelihood(head, hidden, targets, chunk_size=chunk)
-    out.sum().backward()
-    peak = status_kb("VmHWM")  # peak RSS since the reset
-    q.put({"T": T, "peak_extra_mb": (peak - before) / 1024, "hidden_mb": T * d * 4 / 2**20})
-
-
-def bench_memory(
-    Ts: list[int], d: int, kind: str, n: int, r: int, V: int, chunk: int
-) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    rows = []
-    for T in Ts:
-        q: mp.Queue = ctx.Queue()
-        p = ctx.Process(target=_memory_worker, args=(T, d, kind, n, r, V, chunk, q))
-        p.start()
-        rows.append(q.get())
-        p.join()
-    return rows
+    peak = peak_rss_extra_mb(
+        lambda: chunked_log_likelihood(head, hidden, targets, chunk_size=chunk).sum().backward()
+    )
+    return {"T": T, "peak_extra_mb": peak, "hidden_mb": T * d * 4 / 2**20}
 
 
 def main() -> None:
@@ -207,42 +195,33 @@ def main() -> None:
     torch.set_num_threads(1)
 
     rows = []
-    print(
-        "| family | n | r | head ms | sample+prefix ms | ref ms | ratio | train fwd+bwd ms | ref ms | ratio |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(markdown_header("family", "n", "r", "head ms", "sample+prefix ms", "ref ms", "ratio",
+                          "train fwd+bwd ms", "ref ms", "ratio"))  # fmt: skip
+    keys = ("head_ms", "sample_prefix_ms", "ref_sample_prefix_ms", "ratio_b1", "train_ms",
+            "ref_train_ms", "ratio_train")  # fmt: skip
     for kind in args.families:
         for n in args.windows:
             for r in [1] if kind == "ff" else args.ranks:
                 row = bench_config(kind, n, r, args.vocab, args.hidden, args.train_batch)
                 rows.append(row)
-
-                def f(key: str, row: dict = row) -> str:
-                    v = row.get(key)
-                    return "-" if v is None else (f"{v:.2f}" if "ratio" in key else f"{v:.3f}")
-
-                print(
-                    f"| {kind} | {n} | {r} | {f('head_ms')} | {f('sample_prefix_ms')} | "
-                    f"{f('ref_sample_prefix_ms')} | {f('ratio_b1')} | {f('train_ms')} | "
-                    f"{f('ref_train_ms')} | {f('ratio_train')} |",
-                    flush=True,
-                )
+                cells = [row.get(k) for k in keys]
+                cells = [
+                    "-" if v is None else (f"{v:.2f}" if "ratio" in k else f"{v:.3f}")
+                    for k, v in zip(keys, cells, strict=True)
+                ]
+                print(markdown_row([kind, n, r, *cells]), flush=True)
     mem = []
     if not args.skip_memory:
         kind, n, r = args.mem_config.split(",")
-        mem = bench_memory(
-            args.mem_T, args.mem_hidden, kind, int(n), int(r), args.vocab, args.mem_chunk
-        )
+        options = (args.mem_hidden, kind, int(n), int(r), args.vocab, args.mem_chunk)
+        mem = [in_fresh_process(_memory, T, *options) for T in args.mem_T]
         print(
             f"\nchunked likelihood memory ({args.mem_config}, d={args.mem_hidden}, chunk={args.mem_chunk})"
         )
-        print("| T | peak extra MiB | of which hidden-sized (grad of hidden) MiB |")
-        print("|---|---|---|")
+        print(markdown_header("T", "peak extra MiB", "of which hidden-sized (grad of hidden) MiB"))
         for m in mem:
-            print(f"| {m['T']} | {m['peak_extra_mb']:.1f} | {m['hidden_mb']:.1f} |")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"rows": rows, "memory": mem}, fh, indent=1)
+            print(markdown_row([m["T"], f"{m['peak_extra_mb']:.1f}", f"{m['hidden_mb']:.1f}"]))
+    write_json(args.json, {"rows": rows, "memory": mem}, indent=1)
 
 
 if __name__ == "__main__":

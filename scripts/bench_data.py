@@ -22,17 +22,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import random
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from mtpc.backbones.codecs import get_codec
+from mtpc.benchmarking import machine, markdown_header, markdown_row, timed
 from mtpc.data.cache import load_prepared, prepare
 from mtpc.data.datamodule import PackedDataset
 from mtpc.data.packing import plan_packing
@@ -84,10 +83,14 @@ def long_rows(n: int, mean: float, seed: int = 0) -> list[dict]:
 
 
 def timed_prepare(source: RowSource, codec: str, cache: Path) -> tuple[float, Path]:
-    start = time.perf_counter()
-    folder = prepare(source, codec, cache)
-    load_prepared(folder)
-    return time.perf_counter() - start, folder
+    """Seconds to prepare ``source`` and read it back, and the cache folder."""
+
+    def run() -> Path:
+        folder = prepare(source, codec, cache)
+        load_prepared(folder)
+        return folder
+
+    return timed(run)
 
 
 def main() -> None:
@@ -148,44 +151,25 @@ def main() -> None:
             .astype(np.int64)
         )
         lengths = lengths[(lengths >= 1) & (lengths <= args.seq_len)][: args.pack_docs]
-        start = time.perf_counter()
-        plan = plan_packing(lengths, args.seq_len)
-        t_pack = time.perf_counter() - start
+        t_pack, plan = timed(lambda: plan_packing(lengths, args.seq_len))
 
         dataset = PackedDataset(long_data, "train", args.seq_len, args.window, pad_id=0)
         count = min(len(dataset), 50)
-        start = time.perf_counter()
-        for k in range(count):
-            dataset[k]
-        t_item = (time.perf_counter() - start) / count
+        t_item = timed(lambda: [dataset[k] for k in range(count)])[0] / count
     finally:
         shutil.rmtree(cache, ignore_errors=True)
 
-    def row(name: str, rows: int, nbytes: int, seconds: float) -> str:
-        return f"| {name} | {rows:,} | {nbytes / rows:,.0f} | {seconds:.2f} | {rows / seconds:,.0f} | {nbytes / seconds / 1e6:.2f} |"
-
-    print(
-        f"Machine: {platform.processor() or platform.machine()}, torch threads 1, single process; codec {args.codec}\n"
-    )
-    print("| run | rows | mean ids/row (kept) | seconds | rows/s | MB/s (kept ids) |")
-    print("|---|---|---|---|---|---|")
-    print(row("synthetic, prepare", syn["rows_seen"], syn["used_bytes"], t_syn))
-    print(
-        row(
-            f"Tülu-length (mean {args.mean_bytes:,.0f} B), prepare",
-            lng["rows_seen"],
-            lng["used_bytes"],
-            t_long,
-        )
-    )
-    print(
-        row(
-            "same rows read from a JSONL file, prepare",
-            lng["rows_seen"],
-            lng["used_bytes"],
-            t_jsonl,
-        )
-    )
+    print(f"Machine: {machine()}, torch threads 1, single process; codec {args.codec}\n")
+    print(markdown_header("run", "rows", "mean ids/row (kept)", "seconds", "rows/s",
+                          "MB/s (kept ids)"))  # fmt: skip
+    for name, summary, seconds in (
+        ("synthetic, prepare", syn, t_syn),
+        (f"Tülu-length (mean {args.mean_bytes:,.0f} B), prepare", lng, t_long),
+        ("same rows read from a JSONL file, prepare", lng, t_jsonl),
+    ):
+        rows, nbytes = summary["rows_seen"], summary["used_bytes"]
+        print(markdown_row([name, f"{rows:,}", f"{nbytes / rows:,.0f}", f"{seconds:.2f}",
+                            f"{rows / seconds:,.0f}", f"{nbytes / seconds / 1e6:.2f}"]))  # fmt: skip
     print(f"\nCache hit (second run, synthetic): {t_hit:.3f} s")
     print(
         f"Long rows dropped as too_long: {lng['dropped']['too_long']} of {lng['rows_seen']} "

@@ -25,26 +25,26 @@ the repeats (each decodes every prompt once): how far this machine's noise moves
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from mtpc.decoding import generate
+from mtpc.benchmarking import markdown_header, markdown_row, write_json
+from mtpc.decoding import CHAIN_RULES, generate
 from mtpc.evaluation.metrics import set_metrics
 
 MODES = (
-    ("sample", True),
     ("map", True),
     ("chain", True),
     ("zmap", True),
-    ("zsample", True),
     ("sample", False),
     ("zsample", False),
     ("zsample1", False),
 )
-"""(draft mode, greedy): the full-table modes, then the latent-path ones (one leaf per draft)."""
+"""(draft rule, greedy): the full-table rules, then the latent-path ones (one leaf per draft).
+Each runs as its drafting choice (``CHAIN_RULES``, docs/DECODING.md "Drafting")."""
+CHOICES = {rule: {"draft": d, "proposal": p} for (d, p), rule in CHAIN_RULES.items()}
 
 
 def _prompts(count: int, codec: str, max_len: int) -> list[list[int]]:
@@ -122,7 +122,7 @@ def main() -> None:
         ("target", models[0][1], {"method": "autoregressive", "greedy": g}) for g in (True, False)
     ]
     runs += [
-        (name, model, {"greedy": g, "draft_mode": m, "profile": True})
+        (name, model, {"greedy": g, **CHOICES[m], "profile": True})
         for name, model in models
         for m, g in modes
     ]
@@ -139,17 +139,13 @@ def main() -> None:
         "greedy": _metrics(results[0], window),
         "sampling": _metrics(results[1], window),
     }
-    print(
-        "| draft | mode | mu_lat ms | x FF cycle | mu_acc | tok/s | x AR | model | head | circuit "
-        "| verify | cache | overhead |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    parts = ("model", "head", "circuit", "verify", "cache", "overhead")
+    print(markdown_header("draft", "mode", "mu_lat ms", "x FF cycle", "mu_acc", "tok/s", "x AR",
+                          *parts))  # fmt: skip
     for name, label in (("greedy", "AR greedy"), ("sampling", "AR sampling")):
         m = ar[name]
-        print(
-            f"| target | {label} | {m['mu_lat'] * 1e3:.3f} | | 1.00 | {m['tok_s']:.1f} | 1.00 "
-            "| | | | | | |"
-        )
+        cells = ["target", label, f"{m['mu_lat'] * 1e3:.3f}", "", "1.00", f"{m['tok_s']:.1f}"]
+        print(markdown_row([*cells, "1.00", *[""] * len(parts)]))
     rows: list[dict[str, Any]] = []
     # mode -> the first draft's cycle, overall and per repeat (FF when given first)
     first: dict[str, tuple[float, list[float]]] = {}
@@ -157,7 +153,7 @@ def main() -> None:
     for (name, _, kw), res in zip(runs[2:], results[2:], strict=True):
         m = _metrics(res, window)
         greedy = kw["greedy"]
-        label = f"{'greedy' if greedy else 'sampling'}/{kw['draft_mode']}"
+        label = f"{'greedy' if greedy else 'sampling'}/{res[0].draft_rule}"
         m["speedup_ar"] = m["tok_s"] / ar["greedy" if greedy else "sampling"]["tok_s"]
         # per repeat (every prompt once): the spread is how far this machine's noise moves it
         cycles = [
@@ -172,21 +168,15 @@ def main() -> None:
             if args.repeats > 1
             else ""
         )
-        b = m["breakdown"]
-        print(
-            f"| {name} | {label} | {m['mu_lat'] * 1e3:.3f} | {m['cycle_ratio']:.2f}{spread} "
-            f"| {m['mu_acc']:.2f} | {m['tok_s']:.1f} | {m['speedup_ar']:.2f} | "
-            + " | ".join(
-                f"{100 * b[k]:.0f}%"
-                for k in ("model", "head", "circuit", "verify", "cache", "overhead")
-            )
-            + " |"
-        )
+        print(markdown_row([
+            name, label, f"{m['mu_lat'] * 1e3:.3f}", f"{m['cycle_ratio']:.2f}{spread}",
+            f"{m['mu_acc']:.2f}", f"{m['tok_s']:.1f}", f"{m['speedup_ar']:.2f}",
+            *(f"{100 * m['breakdown'][k]:.0f}%" for k in parts),
+        ]))  # fmt: skip
         rows.append(
             {"draft": name, "mode": label, **{k: v for k, v in m.items() if k != "acceptance"}}
         )
-    if args.out:
-        Path(args.out).write_text(json.dumps({"ar": ar, "rows": rows}, indent=2, default=str))
+    write_json(args.out, {"ar": ar, "rows": rows}, default=str)
 
 
 if __name__ == "__main__":

@@ -28,15 +28,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import statistics
-import time
-from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import torch
 from head_bytes import TARGETS, head_rows
 
+from mtpc.benchmarking import markdown_header, markdown_row, median_time
 from mtpc.decoding.speculative import HeadState, draft_step
 from mtpc.heads import MTPCHead
 
@@ -72,21 +70,6 @@ class HeadOnly(torch.nn.Module):
         return self.head(hidden.reshape(-1, self.head.hidden_size))
 
 
-def timed(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
-    """Median seconds of ``fn`` over ``repeats`` calls after one warm-up."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def trunk_pass(
     name: str, d: int, n: int, device: torch.device, dtype: torch.dtype, repeats: int
 ) -> tuple[float, float]:
@@ -108,7 +91,7 @@ def trunk_pass(
     def seconds(tokens: int) -> float:
         x = torch.randn(1, tokens, d, device=device, dtype=dtype)
         cos_sin = rotary(x, torch.arange(tokens, device=device)[None])
-        return timed(lambda: layer(x, position_embeddings=cos_sin), device, repeats)
+        return median_time(lambda: layer(x, position_embeddings=cos_sin), repeats, device)[0]
 
     return seconds(1) * layers, seconds(n) * layers
 
@@ -139,7 +122,7 @@ def draft_seconds(
             assert draft.proposal is not None
             draft.proposal(0)
 
-    times = [timed(partial(step, *mode[1:]), device, repeats) for mode in MODES]
+    times = [median_time(partial(step, *mode[1:]), repeats, device)[0] for mode in MODES]
     return megabytes, times
 
 
@@ -168,8 +151,7 @@ def main() -> None:
             f"\n### {name}: d = {d}, V = {V}; trunk pass over 1 token {trunk * 1e3:,.0f} ms "
             f"(the reference below), over {n} tokens {window * 1e3:,.0f} ms\n"
         )
-        print("| head | W + sum proj. MB | " + " | ".join(m[0] for m in MODES) + " |")
-        print("|---|---|" + "---|" * len(MODES))
+        print(markdown_header("head", "W + sum proj. MB", *(m[0] for m in MODES)))
         ff: list[float] = []
         for kind, r in HEADS:
             megabytes, times = draft_seconds(kind, r, n, V, d, device, dtype, args.repeats)
@@ -179,7 +161,7 @@ def main() -> None:
                 f"{t * 1e3:,.1f} ms, {t / trunk:.2%}, x{(trunk + t) / (trunk + f):.3f}"
                 for t, f in zip(times, ff, strict=True)
             ]
-            print(f"| {kind} r={r} | {megabytes:,.0f} | " + " | ".join(cells) + " |")
+            print(markdown_row([f"{kind} r={r}", f"{megabytes:,.0f}", *cells]))
         print(
             "\nCells: draft step, its share of a one-token trunk pass, cycle (that pass + the "
             "draft) over FF's in the same mode."

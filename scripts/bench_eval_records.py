@@ -17,10 +17,11 @@ import argparse
 import os
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 from unittest import mock
+
+from mtpc.benchmarking import markdown_header, markdown_row, timed
 
 ROOT = Path(__file__).resolve().parents[1]
 CLOSE: Any = None  # RecordStore.close, kept while it is patched
@@ -68,34 +69,33 @@ def main() -> None:
                         overrides=[f"draft={args.draft}", f"output_dir={out}", "plots=false",
                                    "progress=false", *overrides],
                     )  # fmt: skip
-                start = time.perf_counter()
                 if mode == "in memory":
                     with (
                         mock.patch.object(RecordStore, "append", _in_memory),
                         mock.patch.object(RecordStore, "close", _write_at_close),
                     ):
-                        evaluate(cfg)
+                        seconds, _ = timed(lambda cfg=cfg: evaluate(cfg))
                 else:
-                    evaluate(cfg)
+                    seconds, _ = timed(lambda cfg=cfg: evaluate(cfg))
                 if repeat:  # the first pair warms the caches up
-                    times[mode].append(time.perf_counter() - start)
+                    times[mode].append(seconds)
                 if mode == "streamed" and not sample:
                     sample = read_records(out)
         prompts = [r for r in sample if r["type"] == "prompt"]
         manifest: dict[str, Any] = {"sessions": [], "drafts": [], "settings": {}}
         store = RecordStore.open(Path(tmp) / "append", manifest)
-        start = time.perf_counter()
-        for i in range(1000):
-            store.append({**prompts[i % len(prompts)], "index": 10_000 + i})
-        append_us = (time.perf_counter() - start) / 1000 * 1e6
+        seconds, _ = timed(
+            lambda: [store.append({**prompts[i % len(prompts)], "index": 10_000 + i})
+                     for i in range(1000)]
+        )  # fmt: skip
+        append_us = seconds / 1000 * 1e6
         store.close()
     decode = statistics.mean(r["seconds"] for r in prompts)
     print(f"{len(prompts)} prompt records per evaluation; mean decoding time {decode * 1e3:.1f} ms")
-    print("| mode | median s | min s | max s |\n|---|---|---|---|")
+    print(markdown_header("mode", "median s", "min s", "max s"))
     for mode, values in times.items():
-        print(
-            f"| {mode} | {statistics.median(values):.2f} | {min(values):.2f} | {max(values):.2f} |"
-        )
+        stats = (statistics.median(values), min(values), max(values))
+        print(markdown_row([mode, *(f"{v:.2f}" for v in stats)]))
     print(
         f"one append (serialise + write + flush): {append_us:.0f} us = "
         f"{append_us / 1e4 / decode:.3f} % of a prompt's decoding"

@@ -14,8 +14,6 @@ Run from the repository root:
 from __future__ import annotations
 
 import argparse
-import platform
-import time
 from pathlib import Path
 
 import torch
@@ -23,6 +21,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 from mtpc.backbones.tiny import load_tiny_target  # noqa: E402
+from mtpc.benchmarking import machine, markdown_header, markdown_row, timed  # noqa: E402
 from mtpc.data.synthetic import generate_rows  # noqa: E402
 from mtpc.evaluation.fixture_drafters import trained_models  # noqa: E402
 from mtpc.evaluation.hetero import evaluate_hetero  # noqa: E402
@@ -47,9 +46,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    t0 = time.perf_counter()
-    built = trained_models(steps=args.steps, num_rows=400, chat=True)
-    train_s = time.perf_counter() - t0
+    train_s, built = timed(lambda: trained_models(steps=args.steps, num_rows=400, chat=True))
     tiny = load_tiny_target()
     target, codec = tiny.model, tiny.codec
     rows = generate_rows(args.prompts, seed=123)  # not the drafters' training rows (seed 0)
@@ -67,21 +64,21 @@ def main() -> None:
             ar, sd = out["rows"]
             ov = out["overlap"]
             mode = "greedy" if greedy else "sampling"
-            line = (
-                f"| {mode} | {algorithm} | {name} | {lookahead} | {ar['tok_s']:.1f} | "
-                f"{sd['tok_s']:.1f} | {sd['speedup_ar']:.2f} | {sd['mu_acc']:.2f} | "
-                f"{sd['mu_acc_drafts']:.2f} | {sd['drafter_passes_per_cycle']:.2f} | "
-                f"{int(ov['vocab_intersection'])} | {ov['vocab_intersection_over_target']:.2f} |"
-            )
+            line = markdown_row([
+                mode, algorithm, name, lookahead, f"{ar['tok_s']:.1f}", f"{sd['tok_s']:.1f}",
+                f"{sd['speedup_ar']:.2f}", f"{sd['mu_acc']:.2f}", f"{sd['mu_acc_drafts']:.2f}",
+                f"{sd['drafter_passes_per_cycle']:.2f}", int(ov["vocab_intersection"]),
+                f"{ov['vocab_intersection_over_target']:.2f}",
+            ])  # fmt: skip
             print(line, flush=True)
             lines.append(line)
-    header = (
-        "| mode | algorithm | drafter | lookahead | AR tok/s | tok/s | x AR | target tokens / "
-        "pass | accepted drafts / pass | drafter passes / pass | abs(T ∩ D) | abs(T ∩ D) / abs(T) |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|"
-    )
+    header = markdown_header(
+        "mode", "algorithm", "drafter", "lookahead", "AR tok/s", "tok/s", "x AR",
+        "target tokens / pass", "accepted drafts / pass", "drafter passes / pass",
+        "abs(T ∩ D)", "abs(T ∩ D) / abs(T)",
+    )  # fmt: skip
     env = (
-        f"{platform.processor() or platform.machine()}, torch {torch.__version__}, "
+        f"{machine()}, torch {torch.__version__}, "
         f"{args.threads} thread(s), {args.prompts} prompts x {args.new} new tokens, "
         f"drafters trained {args.steps} steps ({train_s:.0f} s)"
     )

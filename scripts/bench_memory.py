@@ -17,6 +17,8 @@ import json
 import subprocess
 import sys
 
+from mtpc.benchmarking import markdown_header, markdown_row, peak_memory_mb
+
 PRESETS = {
     # the tiny target's shape (assets/tiny_target is a small LlamaForCausalLM, V = 320)
     "tiny-shaped": {"hidden": 256, "layers": 8, "heads": 8, "inter": 688, "vocab": 320},
@@ -26,8 +28,6 @@ PRESETS = {
 
 
 def _peak(device: str) -> int:
-    from mtpc.benchmarking import peak_memory_mb  # torch: only in the measuring process
-
     return int(peak_memory_mb(device) * 2**20)
 
 
@@ -105,19 +105,8 @@ def main() -> None:
     args = parser.parse_args()
     dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     if args.one is not None:
-        print(
-            json.dumps(
-                measure(
-                    args.preset,
-                    args.one,
-                    args.device,
-                    dtype,
-                    args.window,
-                    args.rank,
-                    args.lora_rank,
-                )
-            )
-        )
+        options = (args.device, dtype, args.window, args.rank, args.lora_rank)
+        print(json.dumps(measure(args.preset, args.one, *options)))
         return
     rows = []
     for k in [int(x) for x in args.ks.split(",")]:
@@ -132,16 +121,14 @@ def main() -> None:
           f"lora_rank={args.lora_rank}")  # fmt: skip
     print(f"target: {rows[0]['target_params']:,} params, {rows[0]['target_bytes'] / mib:.1f} MiB; "
           f"one layer {rows[0]['one_layer_bytes'] / mib:.2f} MiB")  # fmt: skip
-    print(
-        "| k | head MiB | LoRA params | LoRA MiB | held / target | peak delta MiB | peak delta / layer |"
-    )
-    print("|---|---|---|---|---|---|---|")
+    print(markdown_header("k", "head MiB", "LoRA params", "LoRA MiB", "held / target",
+                          "peak delta MiB", "peak delta / layer"))  # fmt: skip
     for r in rows:
-        print(
-            f"| {r['k']} | {r['head_bytes'] / mib:.2f} | {r['lora_params']:,} | {r['lora_bytes'] / mib:.3f} | "
-            f"{r['held_ratio']:.4f} | {r['peak_delta_bytes'] / mib:.1f} | "
-            f"{r['peak_delta_bytes'] / r['one_layer_bytes']:.2f} |"
-        )
+        print(markdown_row([
+            r["k"], f"{r['head_bytes'] / mib:.2f}", f"{r['lora_params']:,}",
+            f"{r['lora_bytes'] / mib:.3f}", f"{r['held_ratio']:.4f}",
+            f"{r['peak_delta_bytes'] / mib:.1f}", f"{r['peak_delta_bytes'] / r['one_layer_bytes']:.2f}",
+        ]))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
 from transformers import DynamicCache, LlamaForCausalLM
 
 from mtpc.backbones.tiny import TINY_TARGET_DIR, load_tiny_target, tiny_generation_config
+from mtpc.benchmarking import median_time
 
 PROMPT = [{"role": "user", "content": "Write a Python function that returns the square of x."}]
 
@@ -55,16 +53,6 @@ def generate_kv_loop(
     return torch.cat(out, dim=1)  # (1, N)
 
 
-def time_it(fn: Callable[[], torch.Tensor], repeats: int) -> tuple[float, torch.Tensor]:
-    result = fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--new-tokens", type=int, default=256)
@@ -90,14 +78,14 @@ def main() -> None:
             "assistant_bits_per_byte"
         ],
     }
-    seconds, hf = time_it(lambda: generate_hf(model, prompt, n), args.repeats)
+    seconds, hf = median_time(lambda: generate_hf(model, prompt, n), args.repeats)
     results["generate_tokens_per_s"] = n / seconds
-    seconds, loop = time_it(lambda: generate_kv_loop(model, prompt, n), args.repeats)
+    seconds, loop = median_time(lambda: generate_kv_loop(model, prompt, n), args.repeats)
     results["kv_loop_tokens_per_s"] = n / seconds
     results["generate_equals_kv_loop"] = str(torch.equal(hf, loop))
     if args.no_cache_tokens:
         m = args.no_cache_tokens
-        seconds, _ = time_it(lambda: generate_kv_loop(model, prompt, m, use_cache=False), 1)
+        seconds, _ = median_time(lambda: generate_kv_loop(model, prompt, m, use_cache=False), 1)
         results["no_cache_tokens_per_s"] = m / seconds
     print(json.dumps(results, indent=2))
     print("greedy answer:", repr(codec.decode(loop[0])[:80]))

@@ -15,13 +15,18 @@ tokens/s (positions per second), step time relative to STP, peak extra MiB.
 from __future__ import annotations
 
 import argparse
-import json
-import multiprocessing as mp
 from typing import Any
 
 import torch
 
-from mtpc.benchmarking import best_time, reset_peak_rss, status_kb
+from mtpc.benchmarking import (
+    best_time,
+    in_fresh_process,
+    markdown_header,
+    markdown_row,
+    peak_rss_extra_mb,
+    write_json,
+)
 
 FAMILIES = ("ff", "cp", "hmm", "btree")
 
@@ -79,29 +84,17 @@ def _step_fn(kind: str, rank: int, lora: int, window: int, batch: dict[str, Any]
     return step
 
 
-def _worker(spec: dict[str, Any], queue: mp.Queue) -> None:
+def measure(spec: dict[str, Any]) -> dict[str, Any]:
+    """One configuration's step time and peak extra memory (run in a fresh process)."""
     torch.set_num_threads(spec["threads"])
     torch.manual_seed(0)
     batch = _batch(spec["seq_len"], spec["batch_size"], spec["window"], spec["cache_dir"])
     step = _step_fn(spec["kind"], spec["rank"], spec["lora"], spec["window"], batch)
     step()  # allocate Adam state, warm up
-    before = status_kb("VmRSS")
-    reset_peak_rss()
-    step()
-    peak_mb = (status_kb("VmHWM") - before) / 1024
+    peak_mb = peak_rss_extra_mb(step)
     seconds = best_time(step, min_time=0.0, warmup=0, rounds=spec["rounds"])
     tokens = batch["input_ids"].numel()
-    queue.put({**spec, "step_s": seconds, "tokens_s": tokens / seconds, "peak_extra_mb": peak_mb})
-
-
-def measure(spec: dict[str, Any]) -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
-    queue: mp.Queue = ctx.Queue()
-    process = ctx.Process(target=_worker, args=(spec, queue))
-    process.start()
-    row = queue.get()
-    process.join()
-    return row
+    return {**spec, "step_s": seconds, "tokens_s": tokens / seconds, "peak_extra_mb": peak_mb}
 
 
 def main() -> None:
@@ -119,29 +112,29 @@ def main() -> None:
         "window": args.window, "seq_len": args.seq_len, "batch_size": args.batch_size,
         "rounds": args.rounds, "threads": args.threads, "cache_dir": args.cache_dir,
     }  # fmt: skip
-    rows = [measure({**base, "kind": "stp", "rank": 0, "lora": 0})]
-    for kind in FAMILIES:
-        for lora in (0, 1):
-            rank = 1 if kind == "ff" else args.rank
-            rows.append(measure({**base, "kind": kind, "rank": rank, "lora": lora}))
+    specs = [{**base, "kind": "stp", "rank": 0, "lora": 0}]
+    specs += [
+        {**base, "kind": kind, "rank": 1 if kind == "ff" else args.rank, "lora": lora}
+        for kind in FAMILIES
+        for lora in (0, 1)
+    ]
+    rows = [in_fresh_process(measure, spec) for spec in specs]
     stp = rows[0]["step_s"]
     print(
         f"tiny target, B={args.batch_size} x L={args.seq_len}, n={args.window}, "
         f"threads={args.threads}"
     )
-    print("| draft | r | k | step ms | tokens/s | x STP step time | peak extra MiB |")
-    print("|---|---|---|---|---|---|---|")
+    print(markdown_header("draft", "r", "k", "step ms", "tokens/s", "x STP step time",
+                          "peak extra MiB"))  # fmt: skip
     for row in rows:
-        name = "STP (last layer + unembedding)" if row["kind"] == "stp" else row["kind"]
-        rank = "-" if row["kind"] == "stp" else row["rank"]
-        lora = "-" if row["kind"] == "stp" else row["lora"]
-        print(
-            f"| {name} | {rank} | {lora} | {row['step_s'] * 1e3:.1f} | {row['tokens_s']:.0f} "
-            f"| {row['step_s'] / stp:.2f} | {row['peak_extra_mb']:.1f} |"
-        )
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(rows, handle, indent=2)
+        stp_row = row["kind"] == "stp"
+        print(markdown_row([
+            "STP (last layer + unembedding)" if stp_row else row["kind"],
+            "-" if stp_row else row["rank"], "-" if stp_row else row["lora"],
+            f"{row['step_s'] * 1e3:.1f}", f"{row['tokens_s']:.0f}",
+            f"{row['step_s'] / stp:.2f}", f"{row['peak_extra_mb']:.1f}",
+        ]))  # fmt: skip
+    write_json(args.json, rows)
 
 
 if __name__ == "__main__":
