@@ -80,69 +80,30 @@ def build_model(
     attention_impl: str,
     accelerator: str | None,
     chunk_size: int,
-    lora_layers: int,
-    lora_rank: int,
-    lora_alpha: float,
-    lora_dropout: float,
-    lora_target_modules: list[str],
-    **head_options: Any,
+    **options: Any,
 ) -> MTPCModel:
-    """The draft model to train (flat builder; :func:`model_arguments` reads them from a config).
+    """The draft to train: ``load_backbone``'s and ``MTPCModel.from_backbone``'s flat arguments
+    (``options``: ``lora_*`` and the head's), as :func:`model_arguments` reads them.
 
     The target is loaded first (on the CPU; EvaByte's attention path for the device
-    ``accelerator`` runs on); the head's memory is checked against that device's free memory
-    (:func:`check_head_memory`, with the loss's ``chunk_size``) and the LoRA settings against
-    the target (:func:`check_lora_fits`) before the head is allocated. The arguments are
-    ``load_backbone``'s and ``MTPCModel.from_backbone``'s.
+    ``accelerator`` runs on), then, before the head is allocated, its memory is checked
+    against that device's (:func:`check_head_memory`, with the loss's ``chunk_size``) and the
+    ``lora.*`` settings against the target (k past its layer count, modules it lacks).
     """
     from mtpc.backbones import load_backbone, run_device_for
-
-    backbone = load_backbone(
-        name,
-        path=path,
-        revision=revision,
-        dtype=dtype,
-        device="cpu",
-        attention_impl=attention_impl,
-        run_device=run_device_for(accelerator),
-    )
-    check_head_memory(
-        window, rank, chunk_size, accelerator, backbone.vocab_size, backbone.hidden_size
-    )
-    lora = (lora_layers, lora_rank, lora_alpha, lora_dropout, lora_target_modules)
-    check_lora_fits(*lora, backbone, name)
-    return MTPCModel.from_backbone(
-        backbone,
-        kind,
-        window,
-        rank,
-        lora_layers=lora_layers,
-        lora_rank=lora_rank,
-        lora_alpha=lora_alpha,
-        lora_dropout=lora_dropout,
-        lora_target_modules=lora_target_modules,
-        **head_options,
-    )
-
-
-def check_lora_fits(
-    layers: int,
-    rank: int,
-    alpha: float,
-    dropout: float,
-    target_modules: list[str],
-    backbone: Any,
-    model: str,
-) -> None:
-    """Refuses ``lora.*`` settings the loaded target cannot take (k past its layer count,
-    target modules it lacks), as a :class:`ConfigError` naming the field.
-    """
     from mtpc.backbones.lora import as_settings, validate_lora
 
+    run_device = run_device_for(accelerator)
+    backbone = load_backbone(name, path=path, revision=revision, dtype=dtype, device="cpu",
+                             attention_impl=attention_impl, run_device=run_device)  # fmt: skip
+    vocab, hidden = backbone.vocab_size, backbone.hidden_size
+    check_head_memory(window, rank, chunk_size, accelerator, vocab, hidden)
+    lora = {k.removeprefix("lora_"): v for k, v in options.items() if k.startswith("lora_")}
     try:
-        validate_lora(as_settings(layers, rank, alpha, dropout, target_modules), backbone.layers)
+        validate_lora(as_settings(**lora), backbone.layers)
     except ValueError as err:  # validate_lora's errors are all about the settings
-        raise ConfigError(f"{err} (model={model})") from None
+        raise ConfigError(f"{err} (model={name})") from None
+    return MTPCModel.from_backbone(backbone, kind, window, rank, **options)
 
 
 GIB = 1024**3
