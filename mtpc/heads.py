@@ -437,4 +437,3 @@ def _rows(w: Tensor, index: Tensor | list[int]) -> Tensor:
     if idx and idx == list(range(idx[0], idx[0] + len(idx))):
         return w[idx[0] : idx[0] + len(idx)]
     return w[index]
-

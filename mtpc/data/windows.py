@@ -69,4 +69,3 @@ def make_windows(
 def valid_counts(target_mask: Tensor) -> Tensor:
     """V_{i,j}: valid targets per sequence and window offset; (B, L, n) -> (B, n) float32."""
     return target_mask.sum(dim=1).to(torch.float32)
-
