@@ -6,6 +6,7 @@
 # evaluates them greedy and sampling with paired intervals, and merges the seeds:
 #   bash scripts/run_study.sh                 # everything (about 2 h on a 2-core CPU)
 #   bash scripts/run_study.sh train           # one phase: train | regenerate | eval | report
+# The tables land in outputs/eval/code-study/STUDY.md (scripts/study_table.py).
 # Every step resumes: training runs resume their folders, evaluations their records, so
 # rerunning after an interruption (or with more phases) redoes nothing that is done.
 set -euo pipefail
@@ -24,16 +25,15 @@ train() { $PY train.py experiment="code/$1" seed="$2" trainer.enable_progress_ba
 draft() { echo "$T/code-$1-s$2/draft"; }   # draft ff-n8-r1-k0-heads 0
 join() { local IFS=,; echo "$*"; }
 
-phase_train() {
-  for cell in ff_n8_r1 btree_n8_r32 ff_n16_r1 btree_n16_r32 cp_n8_r8 cp_n8_r32 hmm_n8_r32 \
-              cp_n16_r8 cp_n16_r32 hmm_n16_r32; do
+phase_train() {  # the headline first: FF against BTree over three seeds at n = 16
+  for cell in ff_n8_r1 btree_n8_r32 ff_n16_r1 btree_n16_r32; do train "$cell" 0; done
+  for s in 1 2; do for cell in ff_n16_r1 btree_n16_r32; do train "$cell" "$s"; done; done
+  for cell in cp_n8_r8 cp_n8_r32 hmm_n8_r32 cp_n16_r8 cp_n16_r32 hmm_n16_r32; do
     train "$cell" 0
   done
+  for s in 1 2; do for cell in ff_n8_r1 btree_n8_r32; do train "$cell" "$s"; done; done
   for cell in ff_n16_r1_lora0 ff_n16_r1_lora1 btree_n16_r32_lora0 btree_n16_r32_lora1; do
     train "$cell" 0
-  done
-  for s in 1 2; do
-    for cell in ff_n8_r1 btree_n8_r32 ff_n16_r1 btree_n16_r32; do train "$cell" "$s"; done
   done
 }
 
@@ -108,6 +108,7 @@ phase_report() {  # FF against BTree over the three seeds
           output_dir="$E/$w-seeds-$m" plots=false
     done
   done
+  $PY scripts/study_table.py "$E"   # the docs' tables -> $E/STUDY.md
 }
 
 for p in "${phases[@]}"; do  # every phase checked before any work
