@@ -2,7 +2,7 @@
 
 The config checks (:mod:`mtpc.config`), the model, head, backbone and decoding code all
 import them from here, so a new choice is added in one place. The drafting vocabulary
-(``draft``, ``proposal``) and its mapping onto the draft step's internal modes is in
+(``draft``, ``proposal``) and its mapping onto the draft step's internal rules is in
 :mod:`mtpc.decoding.settings`; its one table is docs/DECODING.md, "Drafting".
 """
 
@@ -33,5 +33,3 @@ DRAFTS = ("path", "map", "chain", "tree")
 """What a cycle drafts; docs/DECODING.md, "Drafting"."""
 PROPOSALS = ("path", "first_marginal", "marginal")
 """What speculative sampling verifies the drafts against; docs/DECODING.md, "Drafting"."""
-DRAFT_MODES = ("sample", "map", "chain", "zmap", "zsample", "zsample1")
-"""The draft step's internal modes (and the old ``draft_mode`` names, kept for one release)."""

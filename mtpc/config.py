@@ -9,7 +9,6 @@ by Hydra itself, with the list of available options.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -288,25 +287,17 @@ def _check_regenerate(cfg: Mapping[str, Any]) -> None:
 
 
 def _check_regenerate_drafting(cfg: Mapping[str, Any]) -> None:
-    """The drafting choice (``drafting``, ``proposal``, old ``draft_mode``), checked as
-    ``mtpc.generate`` checks it (``mtpc.decoding.settings``: torch-free)."""
-    from mtpc.decoding.settings import SettingsError, resolve_drafting
+    """The drafting choice (``drafting``, ``proposal``), checked as ``mtpc.generate`` checks it
+    (``mtpc.decoding.settings``: torch-free), in the config's spelling."""
+    from mtpc.decoding.settings import CONFIG, SettingsError, check_drafting
 
-    given = {
-        name: value
-        for name in ("drafting", "proposal", "draft_mode")
-        if (value := _get(cfg, name)) not in (_MISSING, None)
-    }
-    if not given:
-        return
+    drafting, proposal = (
+        None if (v := _get(cfg, f)) is _MISSING else v for f in ("drafting", "proposal")
+    )
     try:
-        resolve_drafting(
-            "cp", _get(cfg, "greedy") is not False, draft=given.get("drafting"),
-            proposal=given.get("proposal"), draft_mode=given.get("draft_mode"),
-        )  # fmt: skip
+        check_drafting(_get(cfg, "greedy") is not False, drafting, proposal, spell=CONFIG)
     except SettingsError as err:
-        message = re.sub(r"\bdraft=", "drafting=", str(err))
-        raise ConfigError(message.replace("=False", "=false").replace("=True", "=true")) from None
+        raise ConfigError(str(err)) from None
 
 
 def validate_regenerate_config(cfg: DictConfig | Mapping[str, Any]) -> None:

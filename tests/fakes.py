@@ -534,3 +534,25 @@ def sampled_counts(model: MTPCModel, policy: str, draws: int, **kwargs: object) 
         )
         counts[sum(t * V ** (L - 1 - i) for i, t in enumerate(res.tokens))] += 1
     return counts
+
+
+def generate_with_rule(
+    model: MTPCModel, prompt: list[int], new: int, rule: str | None = None, **kwargs: Any
+) -> Any:
+    """``mtpc.generate`` with the draft step's rule forced to ``rule`` (a ``DraftRule`` value;
+    None: the drafting choice's): every rule under either verification, including a drawn
+    latent path under greedy verification, which no drafting choice names."""
+    import dataclasses
+
+    import mtpc
+    from mtpc.decoding.common import check_request, prompt_tensor
+    from mtpc.decoding.settings import DraftRule, check_settings
+    from mtpc.decoding.speculative import speculative_generate
+
+    if rule is None:
+        return mtpc.generate(model, prompt, new, **kwargs)
+    ids = prompt_tensor(model, prompt)
+    request = check_request(model, ids, check_settings(max_new_tokens=new, **kwargs))
+    return speculative_generate(
+        model, ids, dataclasses.replace(request, draft_rule=DraftRule(rule))
+    )

@@ -60,7 +60,7 @@ def test_float_token_ids_are_refused(model: MTPCModel, prompt, message: str) -> 
 
 @pytest.mark.parametrize("greedy", [False, True])
 def test_temperature_nan_is_refused(model: MTPCModel, greedy: bool) -> None:
-    draft_mode = None if greedy else "sample"
+    proposal = None if greedy else "marginal"
     with pytest.raises(ValueError, match=r"temperature=nan is not allowed; allowed: a number > 0"):
-        mtpc.generate(model, [65, 66], max_new_tokens=2, greedy=greedy, draft_mode=draft_mode,
+        mtpc.generate(model, [65, 66], max_new_tokens=2, greedy=greedy, proposal=proposal,
                       temperature=math.nan)  # fmt: skip

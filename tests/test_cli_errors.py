@@ -111,10 +111,10 @@ def test_the_two_remaining_tracebacks_are_one_line_at_the_command_line(tmp_path:
 
     draft = tmp_path / "draft"
     MTPCModel.from_config("tiny", kind="cp", window=2, rank=2).save_pretrained(draft)
-    sampling = _run("eval.py", [f"draft={draft}", "greedy=false", "draft_mode=map"], tmp_path)
+    sampling = _run("eval.py", [f"draft={draft}", "greedy=false", "drafting=map"], tmp_path)
     assert sampling.returncode == 2 and "Traceback" not in sampling.stderr, sampling.stderr[-2000:]
     lines = [line for line in sampling.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "draft_mode='map' is not allowed with greedy=false" in lines[0]
+    assert len(lines) == 1 and "drafting='map' is not allowed with greedy=false" in lines[0]
 
 
 BAD_TRAINING = [
@@ -161,15 +161,13 @@ def test_each_bad_training_value_is_a_user_error(overrides: str, message: str, t
 
 
 BAD_EVALUATION = [
-    ("greedy=false draft_mode=map", r"draft_mode='map' is not allowed with greedy=false"),
-    ("greedy=false draft_mode=chain", r"draft_mode='chain' is not allowed with greedy=false"),
     ("greedy=false drafting=map", r"drafting='map' is not allowed with greedy=false"),
+    ("greedy=false drafting=chain", r"drafting='chain' is not allowed with greedy=false"),
     ("drafting=beam", r"drafting='beam' is not allowed; allowed: path, map, chain, tree"),
     ("drafting=tree tree_budget=4", r"drafting=tree is not allowed in an evaluation"),
     ("proposal=marginal", r"proposal='marginal' is not allowed with greedy=true"),
     ("greedy=false proposal=best", r"proposal='best' is not allowed; allowed: path, first_"),
     ("tree_floor=0.1", r"tree_floor=0.1 is not allowed without tree_budget"),
-    ("draft_mode=map drafting=map", r"draft_mode='map' is not allowed with draft or proposal"),
     ("drafter=hetero drafter.algorithm=foo", r"drafter\.algorithm='foo' is not allowed"),
     ("drafter=hetero drafter.psi=bad", r"drafter\.psi='bad' is not allowed"),
     ("drafter=hetero drafter.lookahead=0", r"drafter\.lookahead=0 is not allowed"),
@@ -195,13 +193,24 @@ def test_each_bad_evaluation_value_is_a_user_error(overrides: str, message: str)
         check_eval_fields(cfg)  # evaluate() calls it before any draft or prompt is loaded
 
 
-@pytest.mark.parametrize("mode", ["sample", "zsample", "zsample1"])
-def test_every_sampling_draft_mode_passes_the_evaluation_check(mode: str) -> None:
-    """The startup check and the decoder agree on which modes sampling verifies."""
+@pytest.mark.parametrize("proposal", ["path", "first_marginal", "marginal"])
+def test_every_sampling_proposal_passes_the_evaluation_check(proposal: str) -> None:
+    """The startup check and the decoder agree on which proposals sampling verifies."""
     from hydra import compose, initialize_config_dir
 
     from mtpc.evaluation.run import check_eval_fields
 
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
-        cfg = compose("eval", overrides=["greedy=false", f"draft_mode={mode}"])
+        cfg = compose("eval", overrides=["greedy=false", f"proposal={proposal}"])
     check_eval_fields(cfg)
+
+
+def test_the_old_draft_mode_is_an_unknown_key() -> None:
+    """``draft_mode`` is gone: Hydra refuses it as it refuses any key eval.yaml lacks."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import ConfigCompositionException
+
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        for config in ("eval", "regenerate"):
+            with pytest.raises(ConfigCompositionException, match="Could not override 'draft_mode'"):
+                compose(config, overrides=["draft_mode=map"])

@@ -17,7 +17,7 @@ import torch
 import mtpc
 from mtpc.decoding import POLICIES
 from mtpc.model import MTPCModel
-from tests.fakes import FAMILIES, PROMPTS, make_model, oracle
+from tests.fakes import FAMILIES, PROMPTS, generate_with_rule, make_model, oracle
 
 V = 48  # make_target's vocabulary
 NEW = 24
@@ -46,7 +46,7 @@ def test_greedy_equals_autoregressive_and_transformers(
             assert ar.tokens == hf_greedy(model, prompt, NEW)
         runs = [("condition", None), ("recompute", None), ("condition", "zsample")]
         for policy, mode in runs:  # None: the default (zmap, the latent-path greedy draft)
-            sd = mtpc.generate(model, prompt, NEW, policy=policy, draft_mode=mode, stop_ids=())
+            sd = generate_with_rule(model, prompt, NEW, mode, policy=policy, stop_ids=())
             assert sd.tokens == ar.tokens, (kind, window, k, policy, mode, i)
             assert sum(sd.emitted) == NEW
             assert all(0 <= a <= window for a in sd.accepted)
@@ -59,7 +59,7 @@ def test_every_greedy_draft_mode_and_drop_are_exact(kind: str, rank: int, mode: 
     prompt = PROMPTS[0]
     ar = mtpc.generate(model, prompt, NEW, method="autoregressive", stop_ids=())
     for policy in POLICIES:
-        sd = mtpc.generate(model, prompt, NEW, policy=policy, draft_mode=mode, stop_ids=())
+        sd = generate_with_rule(model, prompt, NEW, mode, policy=policy, stop_ids=())
         assert sd.tokens == ar.tokens, (kind, mode, policy)
 
 
@@ -100,7 +100,7 @@ def test_latent_path_drafts_never_evaluate_the_whole_table(
     head.token_logits = counting_tokens  # type: ignore[method-assign]
     head.forward = refuse  # type: ignore[method-assign]
     model.draft_params = refuse  # type: ignore[method-assign]
-    res = mtpc.generate(model, PROMPTS[0], NEW, greedy=greedy, draft_mode=mode, stop_ids=())
+    res = generate_with_rule(model, PROMPTS[0], NEW, mode, greedy=greedy, stop_ids=())
     cycles = res.num_cycles
     # zmap scores the pending token's units by r d-vectors of W (token_logits), not rows
     evidence_rows = rank if rank > 1 and mode != "zmap" else 0
@@ -293,12 +293,9 @@ def test_result_records_timings_and_breakdown() -> None:
         ({"max_new_tokens": 0}, "max_new_tokens=0 is not allowed"),
         ({"policy": "keep"}, "policy='keep' is not allowed; allowed: condition, recompute, drop"),
         ({"method": "beam"}, "method='beam' is not allowed"),
-        (
-            {"draft_mode": "argmax"},
-            "draft_mode='argmax' is not allowed; allowed: sample, map, chain, zmap, zsample, zsample1",
-        ),
-        ({"draft_mode": "map", "greedy": False}, "allowed: sample, zsample, zsample1"),
-        ({"draft_mode": "zmap", "greedy": False}, "allowed: sample, zsample, zsample1"),
+        ({"draft": "argmax"}, "draft='argmax' is not allowed; allowed: path, map, chain, tree"),
+        ({"draft": "map", "greedy": False}, "draft='map' is not allowed with greedy=False"),
+        ({"draft": "chain", "greedy": False}, "draft='chain' is not allowed with greedy=False"),
         ({"greedy": False, "temperature": 0.0}, "temperature=0.0 is not allowed"),
         ({"greedy": False, "top_p": 1.5}, "top_p=1.5 is not allowed"),
         ({"top_k": 0}, "top_k=0 is not allowed"),

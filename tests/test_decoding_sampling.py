@@ -42,28 +42,28 @@ def target() -> torch.nn.Module:
 
 
 @pytest.mark.parametrize(
-    "policy,mode",
+    "policy,proposal",
     [
-        ("condition", "zsample"),
-        ("recompute", "zsample"),
-        ("condition", "sample"),
-        ("recompute", "zsample1"),
+        ("condition", "path"),
+        ("recompute", "path"),
+        ("condition", "marginal"),
+        ("recompute", "first_marginal"),
     ],
 )
 @pytest.mark.parametrize("kind,rank", FAMILIES)
 @pytest.mark.slow
 def test_sampling_matches_the_enumerated_target(
-    target, kind: str, rank: int, policy: str, mode: str
+    target, kind: str, rank: int, policy: str, proposal: str
 ) -> None:  # type: ignore[no-untyped-def]
-    """Every proposal: the latent path's q(. | z) (zsample), the marginal q(x_i | x_<i)
-    (sample), the marginal at the first draft then q(. | z) (zsample1)."""
+    """Every proposal: the latent path's q(. | z) (path), the marginal q(x_i | x_<i)
+    (marginal), the marginal at the first draft then q(. | z) (first_marginal)."""
     torch.manual_seed(2)
     model = MTPCModel.from_hf(
         target, kind=kind, window=2, rank=rank, head_init="random", init_std=0.5
     )
     probs = exact_distribution(target, PROMPT, L)
-    counts = sampled_counts(model, policy, N, draft_mode=mode)
-    assert chi2_pvalue(counts, probs) > 1e-3, (kind, policy, mode)
+    counts = sampled_counts(model, policy, N, proposal=proposal)
+    assert chi2_pvalue(counts, probs) > 1e-3, (kind, policy, proposal)
 
 
 @pytest.mark.slow
@@ -113,7 +113,7 @@ def test_drop_is_biased_and_condition_is_not() -> None:
                 greedy=False,
                 seed=s,
                 policy=policy,
-                draft_mode="sample",
+                proposal="marginal",
                 stop_ids=(),
             ).tokens
             for s in range(800)

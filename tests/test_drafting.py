@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import mtpc
-from mtpc.decoding import settings
-from mtpc.decoding.settings import SettingsError, resolve_drafting
+from mtpc.decoding.settings import CONFIG, SettingsError, check_drafting, check_settings
 from mtpc.model import MTPCModel
 
 
@@ -32,8 +29,9 @@ from mtpc.model import MTPCModel
     ],
 )
 def test_choices_map_onto_the_draft_step(kind, greedy, kw, expected) -> None:
-    got = resolve_drafting(kind, greedy, **kw)
-    assert (got.draft, got.proposal, got.mode) == expected
+    checked = check_settings(greedy=greedy, **kw)
+    rule, proposal = checked.rule_for(kind)
+    assert (checked.draft, proposal, rule) == expected
 
 
 @pytest.mark.parametrize(
@@ -45,46 +43,33 @@ def test_choices_map_onto_the_draft_step(kind, greedy, kw, expected) -> None:
         (False, {"draft": "chain"}, r"draft='chain' is not allowed with greedy=False"),
         (True, {"draft": "tree"}, r"draft='tree' is not allowed without tree_budget"),
         (True, {"draft": "path", "tree_budget": 3}, r"draft='path' is not allowed with tree_b"),
-        (True, {"draft_mode": "map", "draft": "map"}, r"draft_mode='map' is not allowed with dr"),
-        (False, {"draft_mode": "zsample", "proposal": "path"}, r"not allowed with draft or pro"),
-        (True, {"draft_mode": "zmap", "tree_budget": 2}, r"draft_mode='zmap' is not allowed wi"),
-        (False, {"draft_mode": "zmap"}, r"draft_mode='zmap' is not allowed with greedy=False"),
         (False, {"draft": "tree", "tree_budget": 2, "proposal": "path"}, r"with draft=tree"),
         (True, {"draft": "beam"}, r"draft='beam' is not allowed; allowed: path, map, chain, tree"),
         (False, {"proposal": "x"}, r"proposal='x' is not allowed; allowed: path, first_marginal"),
-        (True, {"draft_mode": "x"}, r"draft_mode='x' is not allowed; allowed: sample, map"),
     ],
 )
 def test_a_setting_another_would_ignore_is_refused(greedy, kw, message) -> None:
     with pytest.raises(SettingsError, match=message):
-        resolve_drafting("cp", greedy, **kw)
+        check_drafting(greedy, **kw)
 
 
 @pytest.mark.parametrize(
-    ("mode", "greedy", "note", "expected"),
+    ("greedy", "kw", "message"),
     [
+        (False, {"draft": "map"}, r"^drafting='map' is not allowed with greedy=false \(its "),
         (
-            "zsample1",
-            False,
-            "draft_mode=zsample1 is draft=path proposal=first_marginal",
-            "zsample1",
+            True,
+            {"proposal": "path"},
+            r"with greedy=true \(.*allowed: proposal=None, or greedy=false$",
         ),
-        ("zsample", False, "draft_mode=zsample is draft=path proposal=path", "zsample"),
-        ("sample", False, "draft_mode=sample is draft=path proposal=marginal", "sample"),
-        ("zmap", True, "draft_mode=zmap is draft=path;", "zmap"),
-        ("map", True, "draft_mode=map is draft=map;", "map"),
-        ("chain", True, "draft_mode=chain is draft=chain;", "chain"),
-        ("zsample", True, "draft_mode=zsample with greedy=True drafts a drawn latent", "zsample"),
+        (True, {"draft": "path", "tree_budget": 3}, r"^drafting='path' is not allowed with tree_b"),
     ],
 )
-def test_old_names_keep_working_with_a_note(mode, greedy, note, expected, caplog) -> None:
-    settings._NOTED.clear()
-    with caplog.at_level(logging.WARNING, logger="mtpc.decoding.settings"):
-        got = resolve_drafting("btree", greedy, draft_mode=mode)
-        resolve_drafting("btree", greedy, draft_mode=mode)  # noted once, not per prompt
-    assert got.mode == expected
-    lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and lines[0].startswith(note), lines
+def test_a_config_refusal_is_spelled_as_the_config_writes_it(greedy, kw, message) -> None:
+    """eval.yaml and regenerate.yaml name the chain's draft ``drafting`` and write booleans in
+    lower case: the message is made in that spelling, not rewritten afterwards."""
+    with pytest.raises(SettingsError, match=message):
+        check_drafting(greedy, spell=CONFIG, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -98,23 +83,20 @@ def model() -> MTPCModel:
 
 
 def test_generate_takes_draft_and_proposal(model: MTPCModel) -> None:
-    """The new names reach the draft step: the same mode, the same tokens as the old name."""
-    for kw, old, expected in [
+    """The names reach the draft step: the rule each choice maps onto decodes."""
+    for kw, rule, expected in [
         ({"greedy": False, "proposal": "marginal"}, "sample", ("path", "marginal")),
         ({"greedy": False}, "zsample1", ("path", "first_marginal")),
         ({"greedy": True, "draft": "map"}, "map", ("map", None)),
     ]:
         new = mtpc.generate(model, [65, 66], max_new_tokens=6, seed=3, stop_ids=(), **kw)
-        was = mtpc.generate(
-            model, [65, 66], max_new_tokens=6, seed=3, stop_ids=(), greedy=kw["greedy"],
-            draft_mode=old,
-        )  # fmt: skip
-        assert new.draft_mode == was.draft_mode == old
+        assert new.draft_rule == rule
         assert (new.draft, new.proposal) == expected
-        assert new.tokens == was.tokens
     tree = mtpc.generate(model, [65, 66], max_new_tokens=4, tree_budget=3)
-    assert tree.draft == "tree" and tree.draft_mode == "tree3"
+    assert tree.draft == "tree" and tree.draft_rule == "tree3"
     with pytest.raises(ValueError, match=r"proposal='path' is not allowed with greedy=True"):
         mtpc.generate(model, [65, 66], max_new_tokens=2, proposal="path")
     with pytest.raises(ValueError, match=r"tree_floor=0\.1 is not allowed without tree_budget"):
         mtpc.generate(model, [65, 66], max_new_tokens=2, tree_floor=0.1)
+    with pytest.raises(TypeError, match="draft_mode"):  # the old name is gone, not ignored
+        mtpc.generate(model, [65, 66], max_new_tokens=2, draft_mode="map")  # type: ignore[call-arg]

@@ -100,7 +100,7 @@ def test_default_draft_is_the_last_trained_one(tmp_path: Path, drafts: dict[str,
     "over,error,match",
     [
         ({"policy": "keep"}, EvalConfigError, "policy='keep' is not allowed"),
-        ({"draft_mode": "beam"}, EvalConfigError, "draft_mode='beam' is not allowed"),
+        ({"drafting": "beam"}, EvalConfigError, "drafting='beam' is not allowed"),
         ({"temperature": 0}, EvalConfigError, "temperature=0 is not allowed"),
         ({"device": "tpu"}, EvalConfigError, "device='tpu' is not allowed"),
         ({"max_new_tokens": 0}, ValueError, "max_new_tokens"),

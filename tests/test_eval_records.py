@@ -175,10 +175,10 @@ def test_same_command_resumes_its_folder_and_other_settings_get_their_own(
     assert forced["rows"][1]["prompts"] == 2  # the records were kept, nothing re-decoded
 
 
-def test_a_changed_default_draft_mode_is_another_measurement(
+def test_a_changed_default_draft_rule_is_another_measurement(
     tmp_path: Path, drafts: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The manifest names the mode each draft decodes with (``draft_mode=null``: the family's
+    """The manifest names the rule each draft decodes with (no ``proposal``: the family's
     default), so when a default changes the same command measures afresh in another folder
     instead of resuming records decoded with the old one; the old folder is untouched."""
     from mtpc.decoding import settings
@@ -189,15 +189,29 @@ def test_a_changed_default_draft_mode_is_another_measurement(
     folder = Path(first["folder"])
     before = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
     manifest = json.loads((folder / "manifest.json").read_text())
-    assert [d["draft_mode"] for d in manifest["drafts"]] == ["zsample1"]
-    assert {r["draft_mode"] for r in _prompt_records(folder) if "draft_mode" in r} == {"zsample1"}
+    assert [d["draft_rule"] for d in manifest["drafts"]] == ["zsample1"]
+    assert {r["draft_rule"] for r in _prompt_records(folder) if "draft_rule" in r} == {"zsample1"}
     monkeypatch.setitem(settings.DEFAULT_SAMPLING_PROPOSAL, "btree", "path")
     second = evaluate(eval_cfg(tmp_path, **over))
     assert Path(second["folder"]) != folder
     assert {
-        r["draft_mode"] for r in _prompt_records(Path(second["folder"])) if "draft_mode" in r
+        r["draft_rule"] for r in _prompt_records(Path(second["folder"])) if "draft_rule" in r
     } == {"zsample"}
     assert {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()} == before
+
+
+def test_an_older_folder_reads_draft_mode_as_draft_rule(tmp_path: Path) -> None:
+    """Folders written before the rename stay readable (``report=``, resume): their
+    ``draft_mode`` (a manifest's draft, a record) comes back as ``draft_rule``."""
+    from mtpc.evaluation.records import read_manifest
+
+    drafts = [{"path": "d", "draft_mode": "zmap"}]
+    (tmp_path / "manifest.json").write_text(json.dumps({"drafts": drafts}))
+    (tmp_path / "records.jsonl").write_text(
+        json.dumps({"type": "pass", "draft_mode": "map"}) + "\n"
+    )
+    assert read_manifest(tmp_path)["drafts"] == [{"path": "d", "draft_rule": "zmap"}]
+    assert read_records(tmp_path) == [{"type": "pass", "draft_rule": "map"}]
 
 
 def test_resume_never_measures_again_in_a_new_folder(

@@ -226,8 +226,8 @@ def test_wrong_settings_fail_before_any_work() -> None:
         regenerate(compose_cfg("draft=/no/such/draft"))
     with pytest.raises(ConfigError, match="drafting='map' is not allowed with greedy=false"):
         regenerate(compose_cfg("greedy=false", "drafting=map"))
-    with pytest.raises(ConfigError, match="draft_mode='zsample1' is not allowed with draft or"):
-        regenerate(compose_cfg("greedy=false", "draft_mode=zsample1", "proposal=path"))
+    with pytest.raises(ConfigError, match="proposal='path' is not allowed with greedy=true"):
+        regenerate(compose_cfg("proposal=path"))
 
 
 def test_drafting_choices_reach_the_decoder(tiny_model: MTPCModel) -> None:

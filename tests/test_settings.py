@@ -58,9 +58,9 @@ def test_settings_are_checked_without_torch() -> None:
 
 
 def test_checked_settings() -> None:
-    s = check_settings(top_p=1, stop_ids=(3, 4), greedy=False, draft_mode="zsample")
+    s = check_settings(top_p=1, stop_ids=(3, 4), greedy=False, proposal="path")
     assert isinstance(s, DecodingSettings) and s.top_p == 1.0 and s.stop_ids == (3, 4)
-    assert s.drafting("cp").mode == "zsample"
+    assert s.rule_for("cp") == ("zsample", "path")
     with pytest.raises(SettingsError, match=r"^stop_ids contains 3\.5; allowed: integer"):
         check_settings(stop_ids=(3.5,))
     with pytest.raises(SettingsError, match=r"^max_new_tokens=0 is not allowed"):

@@ -12,17 +12,15 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from mtpc.choices import DRAFT_MODES, DRAFTS, METHODS, POLICIES, PROPOSALS
+from mtpc.choices import DRAFTS, METHODS, POLICIES, PROPOSALS
 from mtpc.decoding.settings import (
+    CHAIN_RULES,
     DEFAULT_GREEDY_DRAFT,
     DEFAULT_SAMPLING_PROPOSAL,
-    LEGACY_DRAFT_MODES,
     DecodingSettings,
-    Drafting,
+    DraftRule,
     SettingsError,
     check_settings,
-    default_draft_mode,
-    resolve_drafting,
 )
 
 if TYPE_CHECKING:
@@ -34,18 +32,15 @@ __all__ = [
     "DEFAULT_GREEDY_DRAFT",
     "DEFAULT_SAMPLING_PROPOSAL",
     "DRAFTS",
-    "DRAFT_MODES",
     "METHODS",
     "POLICIES",
     "PROPOSALS",
     "DecodingSettings",
-    "Drafting",
+    "DraftRule",
     "GenerationResult",
     "SettingsError",
     "check_settings",
-    "default_draft_mode",
     "generate",
-    "resolve_drafting",
 ]
 
 
@@ -77,7 +72,6 @@ def generate(
     drafter: Any = None,
     tree_budget: int | None = None,
     tree_floor: float = 0.0,
-    draft_mode: str | None = None,
 ) -> GenerationResult:
     """Generates a continuation of one prompt with the target of ``model``.
 
@@ -115,8 +109,6 @@ def generate(
             with a log line; EvaByte's trees stop at the current EVA window's end.
         tree_floor: token trees: leave out nodes whose draft probability q(path) is below
             it (adaptive tree size); in [0, 1); needs a ``tree_budget``.
-        draft_mode: the old name of a (``draft``, ``proposal``) pair, kept for one release
-            (each logs a one-line note of what it is now).
 
     Returns:
         A :class:`GenerationResult` (``tokens``, ``accepted``, ``seconds``, per-cycle data).
@@ -135,7 +127,6 @@ def generate(
         policy=policy,
         draft=draft,
         proposal=proposal,
-        draft_mode=draft_mode,
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
@@ -156,10 +147,8 @@ def generate(
             request.tree_budget,
             type(model.backbone).__name__,
         )
-        chain, proposal = LEGACY_DRAFT_MODES[request.draft_mode]
-        request = dataclasses.replace(
-            request, tree_budget=0, draft=chain, proposal=None if request.greedy else proposal
-        )
+        chain = next(c for c, rule in CHAIN_RULES.items() if rule == request.draft_rule)
+        request = dataclasses.replace(request, tree_budget=0, draft=chain[0], proposal=chain[1])
     was_training = model.training
     if was_training:
         model.eval()

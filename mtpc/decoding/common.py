@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mtpc.decoding.settings import DecodingSettings, check_ids
+from mtpc.decoding.settings import DecodingSettings, DraftRule, check_ids
 from mtpc.decoding.verify import process_logits
 
 SECTIONS = ("model", "head", "circuit", "verify", "cache")
@@ -53,7 +53,8 @@ class GenerationResult:
         stopped: a stop id ended the generation.
         method: ``speculative``, ``autoregressive`` or ``hetero`` (``mtpc.generate_hetero``).
         policy: resume policy (speculative).
-        draft_mode: the draft step's internal mode (speculative; ``tree<B>`` for trees).
+        draft_rule: the draft step's rule (speculative: a ``DraftRule`` value; ``tree<B>``
+            for trees).
         draft: the drafting choice (speculative): ``path`` | ``map`` | ``chain`` | ``tree``.
         proposal: what sampling verified against (``path`` | ``first_marginal`` |
             ``marginal``); None when greedy or for trees.
@@ -84,7 +85,7 @@ class GenerationResult:
     stopped: bool = False
     method: str = "speculative"
     policy: str | None = None
-    draft_mode: str | None = None
+    draft_rule: str | None = None
     draft: str | None = None
     proposal: str | None = None
     breakdown: dict[str, float] | None = None
@@ -111,26 +112,23 @@ class GenerationResult:
 
 
 @dataclass(frozen=True)
-class Request:
-    """Checked decoding arguments."""
+class Request(DecodingSettings):
+    """Decoding settings checked for a model (:func:`check_request`): the drafting choice
+    resolved for the head's circuit family, the stop ids filled in.
 
-    method: str
-    max_new_tokens: int
-    greedy: bool
-    seed: int
-    policy: str
-    draft_mode: str
-    temperature: float
-    top_k: int | None
-    top_p: float | None
-    stop_ids: tuple[int, ...]
-    suppress_eos: bool
-    max_throughput: bool
-    profile: bool
-    tree_budget: int = 0
-    tree_floor: float = 0.0
+    Attributes:
+        draft: ``path`` | ``map`` | ``chain`` | ``tree``.
+        proposal: what a sampled chain's drafts are verified against (None: greedy, a tree).
+        tree_budget: nodes per token tree (0: a chain; always 0 autoregressive).
+        stop_ids: the ids that end the generation (the codec's when none were given).
+        draft_rule: the draft step's rule (a tree's: the chain it falls back to).
+    """
+
     draft: str = "path"
     proposal: str | None = None
+    tree_budget: int = 0
+    stop_ids: tuple[int, ...] = ()
+    draft_rule: DraftRule = DraftRule.ZMAP
 
 
 def context_length(model: Any) -> int | None:
@@ -219,7 +217,7 @@ def check_request(model: Any, prompt: Tensor, settings: DecodingSettings) -> Req
     speculative = s.method == "speculative"
     if speculative and not hasattr(model, "head"):
         raise ValueError("method='speculative' needs an MTPCModel with a draft head")
-    drafting = s.drafting(model.head.circuit.kind if speculative else "ff")
+    rule, proposal = s.rule_for(model.head.circuit.kind if speculative else "ff")
     vocab = model.backbone.vocab_size
     stops = default_stop_ids(model) if s.stop_ids is None else s.stop_ids
     bad = [t for t in stops if not 0 <= t < vocab]
@@ -243,25 +241,8 @@ def check_request(model: Any, prompt: Tensor, settings: DecodingSettings) -> Req
                 + f" exceeds the target's context ({context}); allowed: max_new_tokens <= "
                 f"{max(0, context - length - lookahead)}"
             )
-    return Request(
-        method=s.method,
-        max_new_tokens=s.max_new_tokens,
-        greedy=s.greedy,
-        seed=s.seed,
-        policy=s.policy,
-        draft_mode=drafting.mode,
-        temperature=s.temperature,
-        top_k=s.top_k,
-        top_p=s.top_p,
-        stop_ids=stops,
-        suppress_eos=s.suppress_eos,
-        max_throughput=s.max_throughput,
-        profile=s.profile,
-        tree_budget=drafting.tree_budget if speculative else 0,
-        tree_floor=drafting.tree_floor,
-        draft=drafting.draft,
-        proposal=drafting.proposal,
-    )
+    resolved = {"stop_ids": stops, "draft_rule": rule, "proposal": proposal}
+    return Request(**{**vars(s), **resolved, "tree_budget": s.tree_budget if speculative else 0})
 
 
 class TargetRule:

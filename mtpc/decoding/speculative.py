@@ -380,7 +380,7 @@ def speculative_generate(
     device = model.backbone.device
     generator = torch.Generator(device=device).manual_seed(request.seed)
     rule = TargetRule(request, model.backbone.vocab_size, device)
-    greedy, policy, mode = request.greedy, request.policy, request.draft_mode
+    greedy, policy, mode = request.greedy, request.policy, request.draft_rule
     draft_temp = None if greedy else request.temperature
     sampled = not greedy and not request.max_throughput  # verification needs the proposal
     caches = model.new_caches()
@@ -398,7 +398,7 @@ def speculative_generate(
         tokens=[],
         method="speculative",
         policy=policy,
-        draft_mode=mode,
+        draft_rule=mode,
         draft=request.draft,
         proposal=request.proposal,
         prefill_seconds=clock.split(),

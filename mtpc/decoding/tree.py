@@ -126,7 +126,7 @@ def tree_generate(model: Any, prompt: Tensor, request: Request) -> GenerationRes
         tokens=[],
         method="speculative",
         policy=policy,
-        draft_mode=f"tree{request.tree_budget}",
+        draft_rule=f"tree{request.tree_budget}",
         draft="tree",
         prefill_seconds=clock.split(),
     )

@@ -4,7 +4,6 @@ allowed values (``check_eval_fields``; the drafting choice: ``mtpc.evaluation.dr
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -12,10 +11,10 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from mtpc.decoding.settings import SettingsError, check_settings
+from mtpc.decoding.settings import CONFIG, SettingsError, Spelling, check_settings
 from mtpc.errors import UserError
 from mtpc.evaluation.drafters import FIXTURE_PREFIX, FIXTURES
-from mtpc.evaluation.drafting import check_drafting
+from mtpc.evaluation.drafting import check_eval_drafting
 
 logger = logging.getLogger(__name__)
 
@@ -45,13 +44,6 @@ DECODING_FIELDS = ("policy", "greedy", "temperature", "top_k", "top_p", "seed", 
 """The evaluation's fields checked by :func:`mtpc.decoding.settings.check_settings`."""
 
 
-def _config_spelling(err: SettingsError) -> EvalConfigError:
-    """A decoding refusal in the config's own spelling: booleans in lower case, and the
-    chain's ``draft`` as ``drafting`` (``draft=`` names the exported draft folder here)."""
-    message = str(err).replace("greedy=False", "greedy=false").replace("=True", "=true")
-    return EvalConfigError(re.sub(r"\bdraft=", "drafting=", message))
-
-
 def check_eval_fields(cfg: Any) -> None:
     """Checks the evaluator's own fields (beyond ``mtpc.config.validate_eval_config``).
 
@@ -74,17 +66,17 @@ def check_eval_fields(cfg: Any) -> None:
     choice("resume", RESUME, optional=True)
     greedy = get_field(cfg, "greedy", True)
     try:
-        check_settings(**{f: v for f in DECODING_FIELDS if (v := get_field(cfg, f)) is not None})
-        check_drafting(
+        given = {f: v for f in DECODING_FIELDS if (v := get_field(cfg, f)) is not None}
+        check_settings(CONFIG, **given)
+        check_eval_drafting(
             greedy,
             get_field(cfg, "drafting"),
             get_field(cfg, "proposal"),
-            get_field(cfg, "draft_mode"),
             plain(get_field(cfg, "tree_budget")),
             get_field(cfg, "tree_floor", 0.0),
         )
     except SettingsError as err:
-        raise _config_spelling(err) from None
+        raise EvalConfigError(str(err)) from None
     temperature = get_field(cfg, "temperature", 1.0)
     if temperature <= 0:  # a config's temperature is a number > 0 even when greedy ignores it
         raise EvalConfigError(f"temperature={temperature!r} is not allowed; allowed: a number > 0")
@@ -124,9 +116,10 @@ def _check_drafter(cfg: Any, greedy: Any) -> None:
         if (value := get_field(cfg, f"drafter.{field}")) is not None or field == "algorithm"
     }
     try:
-        check_settings(lambda field: f"drafter.{field}", greedy=greedy, **hetero)
+        spell = Spelling(lambda field: f"drafter.{field}", config=True)
+        check_settings(spell, greedy=greedy, **hetero)
     except SettingsError as err:
-        raise _config_spelling(err) from None
+        raise EvalConfigError(str(err)) from None
     model = str(get_field(cfg, "drafter.model"))
     if model.startswith(FIXTURE_PREFIX) and model[len(FIXTURE_PREFIX) :] not in FIXTURES:
         raise EvalConfigError(

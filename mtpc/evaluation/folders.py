@@ -8,9 +8,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from mtpc.decoding import resolve_drafting
 from mtpc.evaluation.checks import get_field, plain
-from mtpc.evaluation.drafting import asked
+from mtpc.evaluation.drafting import asked, chain_rule
 from mtpc.evaluation.loading import (
     check_target_name,
     root_dir,
@@ -58,32 +57,20 @@ def build_manifest(cfg: Any, drafts: Sequence[Path], baselines: Sequence[Path]) 
         check_target_name(path, cfg)
         config = read_config(path)
         c = config["circuit"]
-        # the mode each draft decodes with: a change of the per-family default is another
+        # the rule each draft decodes with: a change of the per-family default is another
         # measurement (another folder), never resumed into the old records
-        mode = resolve_drafting(
-            c["kind"],
-            greedy,
-            draft=get_field(cfg, "drafting"),
-            proposal=get_field(cfg, "proposal"),
-            draft_mode=get_field(cfg, "draft_mode"),
-        ).mode
+        drafting, proposal = get_field(cfg, "drafting"), get_field(cfg, "proposal")
+        rule = chain_rule(c["kind"], greedy, drafting, proposal)
         entries.append(
             {"path": str(path), "name": _draft_name(path), "kind": c["kind"],
              "window": c["window"], "rank": c["rank"], "lora_layers": config["lora"]["layers"],
              "baseline": i >= len(drafts), "fingerprint": draft_fingerprint(path),
-             "draft_mode": mode}
+             "draft_rule": rule}
         )  # fmt: skip
     data = plain(get_field(cfg, "data")) or {}
     device = str(get_field(cfg, "device", "cpu"))
     settings = {k: plain(get_field(cfg, k)) for k in SETTINGS}
-    settings.update(
-        asked(
-            greedy,
-            get_field(cfg, "drafting"),
-            get_field(cfg, "proposal"),
-            get_field(cfg, "draft_mode"),
-        )
-    )
+    settings.update(asked(get_field(cfg, "drafting"), get_field(cfg, "proposal")))
     if get_field(cfg, "drafter") is not None:  # drafter=hetero: another drafter, another folder
         settings["drafter"] = plain(get_field(cfg, "drafter"))
     if get_field(cfg, "interleave", False):  # another timing protocol, another folder

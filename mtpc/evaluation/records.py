@@ -20,7 +20,7 @@ Record lines (``type`` first):
 * ``prompt``: ``draft`` (row name), ``draft_path`` (None for AR), ``pass`` (``ar`` |
   ``speculative`` | ``max_throughput``), ``set``, ``index``, ``prompt_id``, ``source``,
   ``seed``, ``tokens_sha1`` (of the new ids), ``equal_reference`` (greedy speculative: the
-  output equals the AR output of the same prompt; None where not checked), ``draft_mode``
+  output equals the AR output of the same prompt; None where not checked), ``draft_rule``
   (speculative), and the measurements of :func:`mtpc.evaluation.metrics.prompt_record`;
   a question of several turns (``prompts=spec_bench``) also ``turns``: each turn's
   ``tokens_sha1``, ``prompt_tokens``, ``equal_reference`` and scalar measurements, the
@@ -105,7 +105,7 @@ def read_records(folder: Path) -> list[dict[str, Any]]:
         RecordsError: a line other than the last does not parse (the file is damaged).
     """
     try:
-        return read_json_lines(folder / RECORDS)
+        return [_current(record) for record in read_json_lines(folder / RECORDS)]
     except BadJsonLine as bad:
         raise RecordsError(
             f"{bad.path}:{bad.number} is not a JSON record; remove that line"
@@ -121,7 +121,18 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     path = folder / MANIFEST
     if not path.is_file():
         raise RecordsError(f"{folder} is not an evaluation folder (no {MANIFEST})")
-    return dict(json.loads(path.read_text(encoding="utf-8")))
+    manifest = dict(json.loads(path.read_text(encoding="utf-8")))
+    for draft in manifest.get("drafts", []):
+        _current(draft)
+    return manifest
+
+
+def _current(entry: dict[str, Any]) -> dict[str, Any]:
+    """An older folder's entry (a record, a manifest's draft) with its ``draft_mode`` read as
+    ``draft_rule`` (the key's name until the drafting choices had one name each)."""
+    if "draft_mode" in entry:
+        entry["draft_rule"] = entry.pop("draft_mode")
+    return entry
 
 
 def record_key(record: Mapping[str, Any]) -> tuple[Any, ...]:

@@ -240,7 +240,7 @@ def build_report(
                 name, sd, path=d["path"], **{"pass": pass_name}, kind=d["kind"],
                 window=d["window"], rank=d["rank"],
                 lora_layers=d["lora_layers"], policy=settings.get("policy"),
-                draft_mode=next((r.get("draft_mode") for r in sd_recs), None),
+                draft_rule=next((r.get("draft_rule") for r in sd_recs), None),
                 baseline=bool(d.get("baseline")) and pass_name == "speculative",
                 peak_memory_mb=peaks.get(d["path"]),
                 exact=f"{sum(checked)}/{len(checked)}" if checked else None,

@@ -94,9 +94,7 @@ def pass_overrides(pass_name: str, cfg: Any = None) -> dict[str, Any]:
         return tree_kwargs(int(pass_name.removeprefix("tree")), get_field(cfg, "tree_floor", 0.0))
     if pass_name == "ar":
         return PASSES[pass_name]
-    chain = chain_kwargs(
-        get_field(cfg, "drafting"), get_field(cfg, "proposal"), get_field(cfg, "draft_mode")
-    )
+    chain = chain_kwargs(get_field(cfg, "drafting"), get_field(cfg, "proposal"))
     return {**chain, **PASSES[pass_name]}
 
 
@@ -197,11 +195,11 @@ def decode_prompt(
         results.append(generate(model, ids, seed=seed, **kwargs))
     hashes = [tokens_sha1(r.tokens) for r in results]
     equal = None if reference is None else equal_turns(hashes, reference)
-    draft_mode = {"draft_mode": results[0].draft_mode} if per_cycle else {}
+    rule = {"draft_rule": results[0].draft_rule} if per_cycle else {}
     if not later:  # one turn: the record of every single-turn evaluation
         return {
             "tokens_sha1": hashes[0], "equal_reference": None if equal is None else equal[0],
-            **draft_mode, **prompt_record(results[0], per_cycle=per_cycle),
+            **rule, **prompt_record(results[0], per_cycle=per_cycle),
         }  # fmt: skip
     full = [prompt_record(r, per_cycle=per_cycle) for r in results]
     turns = [  # each turn's scalars (its per-cycle lists are in the pooled record)
@@ -213,7 +211,7 @@ def decode_prompt(
     return {
         "tokens_sha1": tokens_sha1([t for r in results for t in r.tokens]),
         "equal_reference": None if equal is None else all(equal),
-        **draft_mode, **pool_turns(full), "turns": turns,
+        **rule, **pool_turns(full), "turns": turns,
     }  # fmt: skip
 
 
