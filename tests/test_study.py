@@ -8,6 +8,8 @@ the same seed's stage-1 draft, and the script trains and evaluates every cell it
 from __future__ import annotations
 
 import functools
+import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -102,3 +104,59 @@ def test_an_unknown_phase_fails_in_one_line_before_any_work() -> None:
     assert out.stderr.strip().splitlines() == [
         "run_study.sh: unknown phase 'trian'; allowed: train, regenerate, eval, report"
     ]
+
+
+# ------------------------------------------------------------------ the study's tables ----
+def _table_module():
+    spec = importlib.util.spec_from_file_location("study_table", REPO / "scripts/study_table.py")
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def _folder(path: Path, drafts: dict[str, tuple[str, int]]) -> None:
+    """An evaluation folder: AR and ``drafts`` ({name: (kind, cycles per prompt)}), 2 sets x
+    6 prompts of 60 tokens, 10 ms per cycle."""
+    path.mkdir(parents=True)
+    records, rows = [], []
+    for name, (kind, cycles) in {"AR": ("ar", 60), **drafts}.items():
+        draft_path = None if kind == "ar" else f"/runs/{name}/draft"
+        for s in (0, 1):
+            for i in range(6):
+                c = cycles + (i % 3)  # prompts differ, the same way for every draft
+                records.append({"type": "prompt", "draft_path": draft_path, "set": s,
+                                "index": i, "pass": "ar" if kind == "ar" else "speculative",
+                                "new_tokens": 60, "cycles": c, "cycle_seconds": 0.01 * c})  # fmt: skip
+        rows.append({"name": name, "path": draft_path, "kind": kind, "rank": 32,
+                     "pass": "ar" if kind == "ar" else "speculative",
+                     "mu_acc": 60 / cycles, "mu_acc_std": 0.0, "speedup_ar": 60 / cycles})  # fmt: skip
+    (path / "records.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    (path / "results.json").write_text(json.dumps({"rows": rows}))
+
+
+def _low_high(cell: str) -> tuple[float, float]:
+    """The interval of a ``+0.89 [+0.85, +0.94]`` cell."""
+    low, high = cell.split("[")[1].rstrip("]").split(", ")
+    return float(low), float(high)
+
+
+def test_the_tables_compare_each_draft_with_its_own_control(tmp_path: Path) -> None:
+    """Δ against FF in the grid and against the same family's control elsewhere: a draft
+    that needs fewer cycles than its control gets an interval above 0, a worse one below."""
+    table = _table_module()
+    for mode in ("greedy", "sampling"):
+        _folder(tmp_path / f"n8-s0-{mode}", {"ff": ("ff", 20), "btree": ("btree", 15)})
+        _folder(
+            tmp_path / f"lora-s0-{mode}",
+            {"code-ff-n16-r1-k0-lora-s0": ("ff", 20), "code-ff-n16-r1-k1-lora-s0": ("ff", 30),
+             "code-btree-n16-r32-k0-lora-s0": ("btree", 20),
+             "code-btree-n16-r32-k1-lora-s0": ("btree", 12)},
+        )  # fmt: skip
+    grid = table.grid(tmp_path, 8)
+    btree = next(line for line in grid if line.startswith("| BTREE") or "BTree" in line)
+    assert _low_high(btree.split(" | ")[2])[0] > 0.5  # about 60/15 - 60/20 tokens per cycle
+    lora = {line.split(" | ")[0]: line.split(" | ") for line in table.against_own(
+        tmp_path, "lora-s0", {"-k1-": "-k0-"})[2:]}  # fmt: skip
+    assert _low_high(lora["| code-btree-n16-r32-k1-lora-s0"][2])[0] > 1.5  # about 5 - 3
+    assert _low_high(lora["| code-ff-n16-r1-k1-lora-s0"][2])[1] < -0.5  # about 2 - 3
+    assert lora["| code-ff-n16-r1-k0-lora-s0"][2] == "-"  # a control has no Δ
