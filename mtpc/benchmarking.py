@@ -168,8 +168,8 @@ def markdown_header(*columns: str) -> str:
 
 
 def markdown_row(cells: Iterable[object]) -> str:
-    """One Markdown table row of ``cells`` (formatted already, or ``str()``-ed)."""
-    return "| " + " | ".join(str(cell) for cell in cells) + " |"
+    """One Markdown table row of ``cells`` (formatted already, or ``str()``-ed; "" is ``| |``)."""
+    return "|" + "".join(f" {cell} |" if str(cell) else " |" for cell in cells)
 
 
 def machine() -> str:

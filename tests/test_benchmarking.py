@@ -33,7 +33,7 @@ def test_timers_call_as_told_and_return_the_result() -> None:
 
 def test_reports_are_markdown_tables_and_json(tmp_path: Path) -> None:
     assert markdown_header("a", "b") == "| a | b |\n|---|---|"
-    assert markdown_row(["x", 1, f"{0.5:.2f}"]) == "| x | 1 | 0.50 |"
+    assert markdown_row(["x", 1, f"{0.5:.2f}", ""]) == "| x | 1 | 0.50 | |"
     write_json(tmp_path / "rows.json", [{"a": 1}])
     assert json.loads((tmp_path / "rows.json").read_text()) == [{"a": 1}]
     write_json(None, [1])  # no path: nothing written, no error
