@@ -11,10 +11,16 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from mtpc.decoding.settings import CONFIG, SettingsError, Spelling, check_settings
+from mtpc.decoding.settings import (
+    CONFIG,
+    SettingsError,
+    Spelling,
+    check_drafting,
+    check_settings,
+)
 from mtpc.errors import UserError
 from mtpc.evaluation.drafters import FIXTURE_PREFIX, FIXTURES
-from mtpc.evaluation.drafting import check_eval_drafting
+from mtpc.evaluation.drafting import check_eval_drafting, tree_budgets
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +47,9 @@ def get_field(cfg: Any, key: str, default: Any = None) -> Any:
 
 
 DECODING_FIELDS = ("policy", "greedy", "temperature", "top_k", "top_p", "seed", "max_new_tokens")
-"""The evaluation's fields checked by :func:`mtpc.decoding.settings.check_settings`."""
+"""The evaluation's fields checked by :func:`mtpc.decoding.settings.check_settings` (with the
+chain's ``drafting`` and ``proposal``; the tree rows' ``tree_budget`` and ``tree_floor`` by
+:func:`mtpc.decoding.settings.check_drafting`)."""
 
 
 def check_eval_fields(cfg: Any) -> None:
@@ -64,17 +72,17 @@ def check_eval_fields(cfg: Any) -> None:
                   "warmup_window", "interleave"):  # fmt: skip
         choice(field, (True, False), optional=field in ("progress", "warmup_window", "interleave"))
     choice("resume", RESUME, optional=True)
-    greedy = get_field(cfg, "greedy", True)
+    drafting, budgets = get_field(cfg, "drafting"), plain(get_field(cfg, "tree_budget"))
     try:
+        check_eval_drafting(drafting, budgets)  # before check_settings: drafting=tree
         given = {f: v for f in DECODING_FIELDS if (v := get_field(cfg, f)) is not None}
-        check_settings(CONFIG, **given)
-        check_eval_drafting(
-            greedy,
-            get_field(cfg, "drafting"),
-            get_field(cfg, "proposal"),
-            plain(get_field(cfg, "tree_budget")),
-            get_field(cfg, "tree_floor", 0.0),
-        )
+        greedy = check_settings(
+            CONFIG, **given, draft=drafting, proposal=get_field(cfg, "proposal")
+        ).greedy
+        floor = get_field(cfg, "tree_floor")  # the tree rows' choice
+        budget = max(tree_budgets(budgets), default=0)
+        floor = 0.0 if floor is None else floor
+        check_drafting(greedy, tree_budget=budget, tree_floor=floor, spell=CONFIG)
     except SettingsError as err:
         raise EvalConfigError(str(err)) from None
     temperature = get_field(cfg, "temperature", 1.0)

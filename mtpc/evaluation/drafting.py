@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mtpc.decoding.settings import CONFIG, SettingsError, check_drafting, check_settings
+from mtpc.decoding.settings import DEFAULT_GREEDY_DRAFT, DecodingSettings, SettingsError
 
 
 def _budgets(value: Any) -> list[Any]:
@@ -23,11 +23,9 @@ def tree_budgets(value: Any) -> list[int]:
     return sorted({int(v) for v in _budgets(value) if v})
 
 
-def check_eval_drafting(
-    greedy: bool, drafting: Any, proposal: Any, tree_budget: Any, tree_floor: Any
-) -> None:
-    """Refuses a drafting choice one setting would make another ignore (one line, in the
-    config's spelling): the chain row's choice, then the tree rows'.
+def check_eval_drafting(drafting: Any, tree_budget: Any) -> None:
+    """The evaluation's own refusals: ``tree_budget`` an int or a list, no ``drafting=tree``
+    (the rest of the choice is ``mtpc.decoding.settings``'s, in the config's spelling).
 
     Raises:
         SettingsError: naming the field and the allowed values.
@@ -43,16 +41,15 @@ def check_eval_drafting(
             "drafting=tree is not allowed in an evaluation; allowed: drafting=path | map | chain "
             "(the chain row) with tree_budget=B or [B1,B2] (one tree row per budget)"
         )
-    check_drafting(greedy, drafting, proposal, spell=CONFIG)
-    budget = max(tree_budgets(tree_budget), default=0)
-    floor = 0.0 if tree_floor is None else tree_floor
-    check_drafting(greedy, tree_budget=budget, tree_floor=floor, spell=CONFIG)
 
 
 def chain_rule(kind: str, greedy: bool, drafting: Any, proposal: Any) -> str:
-    """The draft rule a draft of circuit family ``kind`` decodes the chain passes with."""
-    checked = check_settings(greedy=greedy, draft=drafting, proposal=proposal)
-    return str(checked.rule_for(kind)[0])
+    """The draft rule a draft of circuit family ``kind`` decodes the chain passes with (the
+    choice checked by ``check_eval_fields``)."""
+    chosen = DecodingSettings(
+        greedy=greedy, draft=drafting or DEFAULT_GREEDY_DRAFT, proposal=proposal
+    )
+    return str(chosen.rule_for(kind)[0])
 
 
 def chain_kwargs(drafting: Any, proposal: Any) -> dict[str, Any]:
