@@ -332,12 +332,15 @@ def circuit_drafter(models):
 
 def test_slrs_circuit_psi_equals_enumerated_psi(models, circuit_drafter):
     from mtpc.decoding import hetero
+    from mtpc.decoding.common import TargetRule
 
     bpe = as_tokenizer(models["bpe"])
     codec = as_tokenizer(models["codec"])
     table = SLRSTable.build(bpe, 4)
-    settings = hetero._Sampler(False, 1.0, None, None, torch.Generator())
-    sess = hetero._Session(models["bpe_lm"], bpe, circuit_drafter, codec, [5, 6], settings)
+    rule = TargetRule(greedy=False, sample_dtype=torch.float64)
+    sess = hetero._Session(
+        models["bpe_lm"], bpe, circuit_drafter, codec, [5, 6], rule, torch.Generator()
+    )
     d_ids, pending = sess.drafter_context()
     sess.circuit.condition(d_ids)
     enum = PathEnumerator(sess.circuit.dist, codec.token_bytes, 4096)

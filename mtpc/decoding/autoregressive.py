@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from mtpc.decoding.common import GenerationResult, Request, Stopwatch, TargetRule, emit
+from mtpc.decoding.loop import target_step
 
 
 @torch.no_grad()
@@ -30,12 +31,11 @@ def autoregressive_generate(model: Any, prompt: Tensor, request: Request) -> Gen
     """
     device = model.backbone.device
     generator = torch.Generator(device=device).manual_seed(request.seed)
-    rule = TargetRule(request, model.backbone.vocab_size, device)
+    rule = TargetRule.of(request, device)
     caches = model.new_caches()
     clock = Stopwatch(device, request.profile)
 
-    hidden = model.verifier_tail(model.trunk(prompt, caches.trunk), caches.verifier)
-    logits = model.verifier_logits(hidden[:, -1])[0]  # (V,)
+    logits = target_step(model, prompt, caches)[1][0]  # (V,)
     prefill = clock.split()
 
     out: list[int] = []
@@ -48,9 +48,7 @@ def autoregressive_generate(model: Any, prompt: Tensor, request: Request) -> Gen
         if stopped or len(out) >= request.max_new_tokens:
             res.cycle_seconds.append(clock.split())
             break
-        ids = torch.tensor([[token]], device=device)
-        hidden = model.verifier_tail(model.trunk(ids, caches.trunk), caches.verifier)
-        logits = model.verifier_logits(hidden[:, -1])[0]  # (V,)
+        logits = target_step(model, torch.tensor([[token]], device=device), caches)[1][0]
         res.trunk_passes += 1
         clock.lap("model")
         res.cycle_seconds.append(clock.split())

@@ -101,11 +101,6 @@ class GenerationResult:
         return len(self.cycle_seconds)
 
     @property
-    def mean_accepted(self) -> float:
-        """Mean accepted drafts per cycle (target pass)."""
-        return sum(self.accepted) / max(len(self.accepted), 1)
-
-    @property
     def tokens_per_cycle(self) -> float:
         """Mean tokens appended per cycle (accepted drafts + kept correction/bonus)."""
         return sum(self.emitted) / max(1, len(self.emitted))
@@ -245,21 +240,37 @@ def check_request(model: Any, prompt: Tensor, settings: DecodingSettings) -> Req
     return Request(**{**vars(s), **resolved, "tree_budget": s.tree_budget if speculative else 0})
 
 
+@dataclass(frozen=True, eq=False)
 class TargetRule:
-    """The target's decision rule, shared by both decoders.
+    """The target's decision rule, shared by every decoder (autoregressive, speculative,
+    tree, heterogeneous).
 
     Greedy: argmax of the logits; sampling: ``process_logits`` (temperature, top-k, top-p).
-    With ``suppress_eos`` the stop ids get -inf first (paper App. F: fixed-length generation).
+    ``suppress``: these ids get -inf first (``suppress_eos``, paper App. F: fixed-length
+    generation).
+
+    Attributes:
+        greedy: argmax, else a draw from the processed distribution.
+        temperature, top_k, top_p: the processing (sampling).
+        suppress: ``(S,)`` ids never chosen, or None.
+        sample_dtype: the dtype of the distribution a draw reads (the heterogeneous decoders
+            draw in float64; the same generator gives the same draws only with the same dtype).
     """
 
-    def __init__(self, request: Request, vocab_size: int, device: torch.device) -> None:
-        self.greedy = request.greedy
-        self.temperature = request.temperature
-        self.top_k = request.top_k
-        self.top_p = request.top_p
-        self.suppress: Tensor | None = None
+    greedy: bool
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    suppress: Tensor | None = None
+    sample_dtype: torch.dtype = torch.float32
+
+    @classmethod
+    def of(cls, request: Request, device: torch.device) -> TargetRule:
+        """The rule of a checked request (stop ids suppressed with ``suppress_eos``)."""
+        suppress = None
         if request.suppress_eos and request.stop_ids:
-            self.suppress = torch.tensor(request.stop_ids, device=device)
+            suppress = torch.tensor(request.stop_ids, device=device)
+        return cls(request.greedy, request.temperature, request.top_k, request.top_p, suppress)
 
     def _masked(self, logits: Tensor) -> Tensor:
         if self.suppress is None:
@@ -274,11 +285,22 @@ class TargetRule:
         """Sampling distributions (..., V) in fp32."""
         return process_logits(self._masked(logits), self.temperature, self.top_k, self.top_p).exp()
 
+    def sample(self, probs: Tensor, generator: torch.Generator | None) -> int:
+        """One draw from a distribution (V,)."""
+        return int(torch.multinomial(probs.to(self.sample_dtype), 1, generator=generator))
+
     def pick(self, logits: Tensor, generator: torch.Generator | None) -> int:
         """One next token from logits (V,): argmax or a sample."""
         if self.greedy:
             return int(self.argmax(logits))
-        return int(torch.multinomial(self.probs(logits), 1, generator=generator))
+        return self.sample(self.probs(logits), generator)
+
+    def choose(self, logits: Tensor, generator: torch.Generator | None) -> Tensor:
+        """One token per row of logits (k, V): argmaxes or one draw per row (k,)."""
+        if self.greedy:
+            return self.argmax(logits)
+        probs = self.probs(logits).to(self.sample_dtype)
+        return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
 class Stopwatch:

@@ -1,6 +1,6 @@
 """Token-tree self-speculative decoding: the circuit's B most probable prefixes, one pass.
 
-A cycle (same states and policies as ``mtpc.decoding.speculative``) starts from the last
+A cycle (``mtpc.decoding.loop``: the same states and policies as a chain) starts from the last
 processed state e_t with theta_t and, under ``condition``, the pending token c (the root):
 
 1. draft: :func:`mtpc.circuits.tree.build_tree` picks the ``tree_budget`` most probable draft
@@ -29,8 +29,8 @@ import torch
 from torch import Tensor
 
 from mtpc.circuits.tree import TokenTree, build_tree
-from mtpc.decoding.common import GenerationResult, Request, Stopwatch, TargetRule, emit
-from mtpc.decoding.speculative import HeadState, resume
+from mtpc.decoding.common import GenerationResult, Request, TargetRule
+from mtpc.decoding.loop import HeadState, Outcome, Proposal, Row, Run, decode
 
 
 def verify_layout(tree: TokenTree, root: int | None) -> tuple[Tensor, Tensor, Tensor]:
@@ -53,22 +53,19 @@ def verify_layout(tree: TokenTree, root: int | None) -> tuple[Tensor, Tensor, Te
 
 def walk(
     tree: TokenTree,
-    rows: Tensor,
-    first: Tensor,
+    target: Tensor,
     rule: TargetRule,
     generator: torch.Generator | None,
-    offset: int,
     max_throughput: bool = False,
 ) -> tuple[list[int], list[int], int]:
     """Exact verification of a token tree: descend while the target's choice is a child.
 
     Args:
         tree: the drafted nodes.
-        rows: (T, V) target logits of the verify pass (row ``offset + i`` is node i's).
-        first: (V,) the target's logits at the root.
+        target: ``(N + 1, V)`` the target's logits at the root, then at each node (row
+            1 + i: node i's).
         rule: greedy argmax or processed sampling.
         generator: RNG for sampling.
-        offset: 1 when the pass starts with the pending root, else 0.
         max_throughput: accept the most probable child at every node (not lossless).
 
     Returns:
@@ -77,7 +74,7 @@ def walk(
     children: dict[int, dict[int, int]] = {}
     for i, (p, tok) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist(), strict=True)):
         children.setdefault(p, {}).setdefault(tok, i)  # the first child is the most probable
-    choices = rule.argmax(torch.cat([first[None], rows[offset:]])).tolist() if rule.greedy else None
+    choices = rule.argmax(target).tolist() if rule.greedy else None
     node, path, tokens = -1, list[int](), list[int]()
     while True:
         kids = children.get(node, {})
@@ -86,7 +83,7 @@ def walk(
         elif choices is not None:
             token = choices[node + 1]
         else:
-            token = rule.pick(first if node < 0 else rows[offset + node], generator)
+            token = rule.pick(target[node + 1], generator)
         if token not in kids:
             return path, tokens, token
         node = kids[token]
@@ -94,9 +91,53 @@ def walk(
         tokens.append(token)
 
 
-@torch.no_grad()
+class Tree:
+    """The token-tree proposer: ``tree_budget`` nodes per cycle (``tree_floor``: fewer), one
+    pass under a tree mask, verified by :func:`walk`.
+
+    Args:
+        request: checked arguments (``tree_budget`` >= 1).
+    """
+
+    def __init__(self, request: Request) -> None:
+        self.budget, self.floor = request.tree_budget, request.tree_floor
+        self.labels = {"draft_rule": f"tree{self.budget}", "draft": "tree", "proposal": None}
+
+    def begin(self, state: HeadState) -> None:
+        """theta_t's whole table, as soon as the state exists (``build_tree`` reads it)."""
+        state.params()
+
+    def draft(self, row: Row, evidence: Tensor | None, span: int) -> Proposal:
+        """The ``budget`` most probable draft prefixes under q(. | evidence), the root
+        included no deeper than ``span``."""
+        state, pre = row.state, 0 if evidence is None else 1
+        tree = build_tree(
+            state.circuit, state.params(), evidence, self.budget, self.floor, span - pre
+        )
+        ids, mask, depth = verify_layout(tree, row.pending)
+        return Proposal(ids[None], pre, tree, depth, mask)
+
+    def verify(self, run: Run, row: Row, proposal: Proposal, target: Tensor) -> Outcome:
+        """:func:`walk`; keeps the root and the accepted path; records the tree's nodes and
+        expected acceptance."""
+        tree: TokenTree = proposal.drafts
+        rule, max_throughput = run.rule, run.request.max_throughput
+        path, accepted, token = walk(tree, target, rule, row.generator, max_throughput)
+        row.res.nodes.append(len(tree))
+        row.res.expected.append(tree.expected_by_depth(row.state.circuit.window - proposal.pre))
+        keep = ([0] if proposal.pre else []) + [proposal.pre + i for i in path]
+        return Outcome(
+            accepted,
+            token,
+            drafted=int(tree.depths.max()) if len(tree) else 0,
+            keep=torch.tensor(keep, dtype=torch.long, device=proposal.ids.device),
+            after=1 + path[-1] if path else 0,
+        )
+
+
 def tree_generate(model: Any, prompt: Tensor, request: Request) -> GenerationResult:
-    """Self-speculative decoding with a token tree of ``request.tree_budget`` nodes per cycle.
+    """Self-speculative decoding with a token tree of ``request.tree_budget`` nodes per cycle
+    (``mtpc.decoding.loop.decode``).
 
     Args:
         model: an ``MTPCModel`` whose backbone ``supports_tree_mask``.
@@ -106,94 +147,4 @@ def tree_generate(model: Any, prompt: Tensor, request: Request) -> GenerationRes
     Returns:
         A :class:`GenerationResult`; ``nodes`` and ``expected`` are filled per cycle.
     """
-    circuit = model.head.circuit
-    n = circuit.window
-    device = model.backbone.device
-    generator = torch.Generator(device=device).manual_seed(request.seed)
-    rule = TargetRule(request, model.backbone.vocab_size, device)
-    policy = request.policy
-    draft_temp = None if request.greedy else request.temperature
-    caches = model.new_caches()
-    clock = Stopwatch(device, request.profile)
-
-    hidden = model.trunk(prompt, caches.trunk)  # (1, T, d)
-    kept_logits = model.verifier_logits(
-        model.verifier_tail(hidden, caches.verifier)[:, -1]
-    )  # (1, V)
-    params = HeadState(model, model.draft_tail(hidden, caches.draft)[:, -1], draft_temp).params()
-    pending: int | None = None
-    res = GenerationResult(
-        tokens=[],
-        method="speculative",
-        policy=policy,
-        draft_rule=f"tree{request.tree_budget}",
-        draft="tree",
-        prefill_seconds=clock.split(),
-    )
-    out = res.tokens
-
-    while True:
-        pre = 0 if pending is None else 1
-        evidence = None if pending is None else torch.tensor([[pending]], device=device)
-        base = len(caches.trunk)
-        # positions base.. that one pass verifies exactly (EvaByte: up to its window's end)
-        span = model.backbone.one_pass_span(base, n)
-        tree = build_tree(
-            circuit, params, evidence, request.tree_budget, request.tree_floor, span - pre
-        )
-        clock.lap("circuit")
-
-        ids, mask, depth = verify_layout(tree, pending)
-        if ids.numel():
-            positions = base + depth  # (T,)
-            hidden = model.trunk(ids[None], caches.trunk, positions, tree_mask=mask)  # (1, T, d)
-            tail = model.verifier_tail(hidden, caches.verifier, positions, tree_mask=mask)
-            rows = model.verifier_logits(tail)[0]  # (T, V)
-            res.trunk_passes += 1
-        else:
-            hidden = kept_logits.new_zeros(1, 0, model.backbone.hidden_size)
-            rows = kept_logits.new_zeros(0, kept_logits.shape[-1])
-        first = rows[0] if pre else kept_logits[0]  # (V,) the target at the root
-        clock.lap("model")
-        path, accepted, token = walk(
-            tree, rows, first, rule, generator, pre, request.max_throughput
-        )
-        s = len(accepted)
-        clock.lap("verify")
-
-        drop = policy == "drop" and s >= 1 and not request.max_throughput
-        count, stopped = emit(
-            out, accepted + ([] if drop else [token]), request, ignore_stops=request.suppress_eos
-        )
-        res.accepted.append(s)
-        res.emitted.append(count)
-        res.drafted.append(int(tree.depths.max()) if len(tree) else 0)
-        res.offsets.append(pre)
-        res.nodes.append(len(tree))
-        res.expected.append(tree.expected_by_depth(n - pre))
-        if stopped or len(out) >= request.max_new_tokens:
-            res.stopped = stopped
-            res.cycle_seconds.append(clock.split())
-            break
-
-        keep = torch.tensor(
-            ([0] if pre else []) + [pre + i for i in path], dtype=torch.long, device=device
-        )
-        if keep.numel() < ids.numel():
-            caches.compact(base, keep)
-        clock.lap("cache")
-        after_path = rows[pre + path[-1]][None] if drop else kept_logits  # (1, V)
-        kept, pending, kept_logits = resume(
-            model, caches, hidden[:, keep], token, policy, drop, after_path, kept_logits, res
-        )
-        if kept.shape[1]:
-            state = model.draft_tail(kept, caches.draft)[:, -1]  # (1, d)
-            clock.lap("model")
-            params = HeadState(model, state, draft_temp).params()
-            clock.lap("head")
-        clock.lap("cache")
-        res.cycle_seconds.append(clock.split())
-
-    res.seconds = res.prefill_seconds + sum(res.cycle_seconds)
-    res.breakdown = clock.breakdown(sum(res.cycle_seconds))
-    return res
+    return decode(model, prompt, request, Tree(request))

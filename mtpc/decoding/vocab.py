@@ -135,10 +135,6 @@ class TokenizerAdapter(ABC):
             self._fingerprint = cached
         return cached
 
-    @property
-    def max_token_bytes(self) -> int:
-        return max((len(b) for b in self.token_bytes if b), default=0)
-
 
 class CodecTokenizer(TokenizerAdapter):
     """An MTPC byte codec as a tokenizer: one id per byte, specials carry no text."""
