@@ -242,27 +242,17 @@ def check_request(model: Any, prompt: Tensor, settings: DecodingSettings) -> Req
 
 @dataclass(frozen=True, eq=False)
 class TargetRule:
-    """The target's decision rule, shared by every decoder (autoregressive, speculative,
-    tree, heterogeneous).
+    """The target's decision rule, shared by every decoder (heterogeneous ones included).
 
     Greedy: argmax of the logits; sampling: ``process_logits`` (temperature, top-k, top-p).
-    ``suppress``: these ids get -inf first (``suppress_eos``, paper App. F: fixed-length
-    generation).
-
-    Attributes:
-        greedy: argmax, else a draw from the processed distribution.
-        temperature, top_k, top_p: the processing (sampling).
-        suppress: ``(S,)`` ids never chosen, or None.
-        sample_dtype: the dtype of the distribution a draw reads (the heterogeneous decoders
-            draw in float64; the same generator gives the same draws only with the same dtype).
     """
 
     greedy: bool
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
-    suppress: Tensor | None = None
-    sample_dtype: torch.dtype = torch.float32
+    suppress: Tensor | None = None  # (S,) ids set to -inf first (suppress_eos, paper App. F)
+    sample_dtype: torch.dtype = torch.float32  # what draws read (hetero: float64, its draws)
 
     @classmethod
     def of(cls, request: Request, device: torch.device) -> TargetRule:

@@ -5,7 +5,7 @@ verifier at e_t gives p(x_{t+1} | x_<=t), the draft at e_t gives the circuit
 q(x_{t+1..t+n} | x_<=t).
 
 A cycle (:func:`cycle`) starts from the last processed state e_t, its circuit parameters
-theta_t (the head at e_t: :class:`HeadState`), and either
+theta_t (the head there: :class:`HeadState`), and either
 
 * nothing pending (after the prefill, a ``recompute`` or a ``drop``): the verifier's
   p(x_{t+1} | x_<=t) is kept from the previous pass; draft x_{t+1..t+n} ~ q; or
@@ -13,15 +13,12 @@ theta_t (the head at e_t: :class:`HeadState`), and either
   already emitted): draft x_{t+2..t+n} ~ q(. | x_{t+1} = c), the circuit conditioned on c
   as evidence (exact for a PC).
 
-Only the draft and its verification depend on the proposal (a :class:`Proposer`): a chain
-(``mtpc.decoding.speculative.Chain``: one branch, a window of n tokens) or a token tree
-(``mtpc.decoding.tree.Tree``: B nodes under a tree attention mask). The rest is here: the
-verify pass runs trunk + verifier tail over [c] + the drafts, which gives the target
-distributions after every drafted prefix; the proposal's verification accepts s drafts and
-emits the next token (correction, or bonus when every draft was accepted); the caches keep
-the pending token and the accepted positions (the rejected ones are cropped or compacted
-away); the draft tail then runs on exactly those kept trunk states, giving the new last
-state and theta.
+A :class:`Proposer` drafts and verifies: a chain (``speculative.Chain``, one branch of n
+tokens) or a token tree (``tree.Tree``, B nodes under a tree mask). The rest is the loop's:
+one trunk + verifier-tail pass over [c] + the drafts gives the target's distributions after
+every drafted prefix; the proposer accepts s drafts and names the next token (correction,
+or bonus when every draft was accepted); the caches keep the pending token and the accepted
+positions; the draft tail runs on exactly those kept trunk states (the new e_t, theta_t).
 
 Resume policies for the emitted correction / bonus token (:func:`resume`):
 
@@ -33,9 +30,7 @@ Resume policies for the emitted correction / bonus token (:func:`resume`):
   only; biased for sampling (target p = (1/2, 1/2), a draft that always proposes A:
   P(A) = 3/4 at the second position).
 
-Per-sequence state lives in one :class:`Row` (caches, head state, kept logits, pending
-token, generator, result) and the cycle is a function of it, so that batched decoding can
-hold one row per sequence.
+A sequence's state is one :class:`Row` and the cycle a function of it.
 """
 
 from __future__ import annotations
@@ -141,67 +136,37 @@ class HeadState:
 
 @dataclass
 class Row:
-    """One sequence's decoding state between cycles.
+    """One sequence's decoding state between cycles (batched decoding: one per sequence)."""
 
-    Attributes:
-        caches: the model's ``Caches`` (trunk, verifier tail, draft tail).
-        state: the draft head at the last processed state e_t.
-        kept_logits: ``(1, V)`` the target's p(x_{t+1} | x_<=t) from the last pass (the
-            first verified position when nothing is pending).
-        generator: the RNG of the draws and the acceptance tests.
-        res: the result being filled (``res.tokens``: the emitted ids).
-        length: ids processed or pending (prompt + emitted).
-        pending: the kept correction / bonus not yet processed (``condition``), or None.
-    """
-
-    caches: Any
-    state: HeadState
-    kept_logits: Tensor
-    generator: torch.Generator
-    res: GenerationResult
-    length: int
-    pending: int | None = None
+    caches: Any  # the model's Caches: trunk, verifier tail, draft tail
+    state: HeadState  # the draft head at the last processed state e_t
+    kept_logits: Tensor  # (1, V) p(x_{t+1} | x_<=t) from the last pass
+    generator: torch.Generator  # the draws and the acceptance tests
+    res: GenerationResult  # filled cycle by cycle; res.tokens: the emitted ids
+    length: int  # ids processed or pending (prompt + emitted)
+    pending: int | None = None  # the kept correction / bonus not yet processed (condition)
 
 
 @dataclass
 class Proposal:
-    """One cycle's drafts laid out for the verify pass.
+    """One cycle's drafts laid out for the verify pass."""
 
-    Attributes:
-        ids: ``(1, T)`` the pending token (if any), then the drafts.
-        pre: 1 when ``ids`` starts with the pending token, else 0.
-        drafts: the proposer's own record (a chain's ``Draft``, a tree's ``TokenTree``).
-        depth: ``(T,)`` position offsets from the cache length (a tree's depths); None:
-            consecutive.
-        tree_mask: ``(T, T)`` who sees whom (a tree); None: causal.
-    """
-
-    ids: Tensor
-    pre: int
-    drafts: Any
-    depth: Tensor | None = None
-    tree_mask: Tensor | None = None
+    ids: Tensor  # (1, T) the pending token (if any), then the drafts
+    pre: int  # 1 when ids start with the pending token, else 0
+    drafts: Any  # the proposer's own record: a chain's Draft, a tree's TokenTree
+    depth: Tensor | None = None  # (T,) offsets from the cache length (a tree's); None: 0..T-1
+    tree_mask: Tensor | None = None  # (T, T) who sees whom (a tree); None: causal
 
 
 @dataclass
 class Outcome:
-    """A verified proposal.
+    """A verified proposal."""
 
-    Attributes:
-        accepted: the accepted drafts' tokens (s of them).
-        token: the target's token after them (the correction, or the bonus).
-        drafted: drafts verified (a chain's m; a tree's deepest node's depth).
-        keep: the verify pass's positions whose states stay: a prefix length (a chain: the
-            caches are cropped) or ``(K,)`` indices (a tree's root path: compacted).
-        after: the ``target`` row after the accepted drafts (the next window's first
-            distribution after a ``drop``).
-    """
-
-    accepted: list[int]
-    token: int
-    drafted: int
-    keep: int | Tensor
-    after: int
+    accepted: list[int]  # the s accepted drafts
+    token: int  # the target's token after them: the correction, or the bonus
+    drafted: int  # drafts verified (a chain's m; a tree's deepest node's depth)
+    keep: int | Tensor  # positions of the pass kept: a prefix length (crop), (K,) (compact)
+    after: int  # the target row after the accepted drafts (the next one after a drop)
 
 
 class Proposer(Protocol):
@@ -366,16 +331,9 @@ def verify_pass(run: Run, row: Row, proposal: Proposal, base: int) -> tuple[Tens
 
 
 def keep_states(caches: Any, hidden: Tensor, base: int, keep: int | Tensor) -> Tensor:
-    """Drops the rejected positions of the verify pass from the trunk and verifier caches.
-
-    Args:
-        caches: the row's caches, ``hidden.shape[1]`` positions after ``base``.
-        hidden: ``(1, T, d)`` the pass's trunk states.
-        keep: a prefix length (cropped) or ``(K,)`` indices (compacted).
-
-    Returns:
-        The kept trunk states ``(1, K, d)``.
-    """
+    """Drops the verify pass's rejected positions (after ``base``) from the trunk and verifier
+    caches: all but a prefix of ``keep`` (a chain) or the ``(K,)`` indices ``keep`` (a tree).
+    Returns the kept trunk states ``(1, K, d)`` of ``hidden`` ``(1, T, d)``."""
     width = hidden.shape[1]
     if isinstance(keep, int):
         if keep < width:
@@ -388,21 +346,10 @@ def keep_states(caches: Any, hidden: Tensor, base: int, keep: int | Tensor) -> T
 
 
 def resume(run: Run, row: Row, kept: Tensor, token: int, drop: bool, dropped: Tensor) -> Tensor:
-    """After a cycle's verdict, applies the resume policy to the emitted correction / bonus.
-
-    Sets ``row.pending`` and ``row.kept_logits`` (the target's distribution at the next
-    window's first position).
-
-    Args:
-        run: the decoding call; row: its caches already compacted to ``kept``.
-        kept: ``(1, K, d)`` trunk states of the kept positions.
-        token: the emitted correction / bonus.
-        drop: drop it this cycle (``drop`` with s >= 1).
-        dropped: ``(1, V)`` the target after the last accepted draft (used on a drop).
-
-    Returns:
-        The states the draft tail runs on ``(1, K', d)``.
-    """
+    """Applies the resume policy to the emitted correction / bonus ``token``: sets
+    ``row.pending`` and ``row.kept_logits`` (``dropped`` ``(1, V)``, the target after the
+    accepted drafts, on a ``drop``). ``kept`` ``(1, K, d)``: the kept positions' trunk states
+    (the caches already compacted to them). Returns the states the draft tail runs on."""
     if drop:  # the paper's Alg. 2: redraft from e_{t+s}; the next cycle re-verifies the token
         row.pending, row.kept_logits = None, dropped
         return kept
