@@ -27,7 +27,8 @@ def _group_options() -> list[tuple[str, str]]:
         rel = path.relative_to(CONFIG_DIR)
         if len(rel.parts) == 1 or rel.parts[0] in ("hydra", "drafter", "prompts"):
             continue  # hydra/: launchers (below); drafter/, prompts/: eval.yaml groups (below)
-        options.append(("/".join(rel.parts[:-1]), rel.stem))
+        # a subfolder of a group holds more of its options: experiment=code/btree_n16_r32
+        options.append((rel.parts[0], "/".join((*rel.parts[1:-1], rel.stem))))
     return options
 
 
