@@ -16,6 +16,7 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline
 T=outputs/train
 E=outputs/eval/code-study
 R=outputs/regenerate
+ROWS=600   # training rows regenerated for self-distillation (configs/experiment/code/*_regen_*)
 EVAL=(model=tiny_code data=python_code num_prompts=10 num_prompt_sets=3 max_new_tokens=128
       max_throughput=false interleave=true plots=false progress=false)
 phases=("$@")
@@ -39,18 +40,18 @@ phase_train() {  # the headline first: FF against BTree over three seeds at n = 
 
 phase_regenerate() {  # the target's own answers to the training rows, greedy and at T = 1
   local d; d=$(draft btree-n8-r32-k0-heads 0)
-  $PY scripts/regenerate.py model=tiny_code data=python_code data.num_rows=1200 \
+  $PY scripts/regenerate.py model=tiny_code data=python_code data.num_rows=$ROWS \
       max_new_tokens=256 greedy=true draft="$d" progress=false output_dir=$R/code-greedy
-  $PY scripts/regenerate.py model=tiny_code data=python_code data.num_rows=1200 \
+  $PY scripts/regenerate.py model=tiny_code data=python_code data.num_rows=$ROWS \
       max_new_tokens=256 greedy=false temperature=1.0 draft="$d" progress=false \
       output_dir=$R/code-t1
   for mode in greedy t1; do  # keep the rows of training files only (eval prompts are held out)
-    $PY - "$R/code-$mode" "$R/code-$mode-train" <<'PY'
+    $PY - "$R/code-$mode" "$R/code-$mode-train" "$ROWS" <<'PY'
 import json, sys
 from pathlib import Path
 from mtpc.data.python_code import is_validation_file, python_code_source
 src, dst = Path(sys.argv[1]), Path(sys.argv[2])
-rows = list(python_code_source(None, 1200, 0.05).iter_rows())  # regenerate.py's source
+rows = list(python_code_source(None, int(sys.argv[3]), 0.05).iter_rows())  # regenerate.py's source
 dst.mkdir(parents=True, exist_ok=True)
 kept = dropped = 0
 with (dst / "rows.jsonl").open("w") as out:
