@@ -72,6 +72,13 @@ class PsiBoundError(RuntimeError):
     """The psi enumeration of SLRS needs more drafter paths than ``max_psi_paths``."""
 
 
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """The length of the longest common prefix of two id sequences (what a cache reuses)."""
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
+
+
 class CachedLM:
     """An HF causal LM with a KV cache that follows a token sequence.
 
@@ -97,12 +104,7 @@ class CachedLM:
         seq = list(seq)
         if not 1 <= rows <= len(seq):
             raise ValueError(f"rows must be in 1..{len(seq)}, got {rows}")
-        common = 0
-        for a, b in zip(self.ids, seq, strict=False):
-            if a != b:
-                break
-            common += 1
-        start = min(common, len(seq) - rows) if self.cache is not None else 0
+        start = min(_common_prefix(self.ids, seq), len(seq) - rows) if self.cache is not None else 0
         if start and len(self.ids) > start:
             self.cache.crop(-(len(self.ids) - start))
         inp = torch.tensor([seq[start:]], dtype=torch.long, device=self.device)
@@ -146,12 +148,7 @@ class CircuitDrafter:
     def condition(self, seq: Sequence[int]) -> None:
         """Runs the trunk (and draft tail) on ``seq``, reusing the cached common prefix."""
         seq = list(seq)
-        common = 0
-        for a, b in zip(self.ids, seq, strict=False):
-            if a != b:
-                break
-            common += 1
-        start = min(common, len(seq) - 1)
+        start = min(_common_prefix(self.ids, seq), len(seq) - 1)
         self.caches.crop(start)
         device = next(self.model.head.parameters()).device
         ids = torch.tensor([seq[start:]], dtype=torch.long, device=device)
