@@ -24,7 +24,9 @@ from mtpc.decoding.settings import (
 )
 
 if TYPE_CHECKING:
-    from mtpc.decoding.common import GenerationResult
+    from torch import Tensor
+
+    from mtpc.decoding.common import GenerationResult, Request
 
 _log = logging.getLogger(__name__)
 
@@ -119,36 +121,36 @@ def generate(
     """
     from mtpc.decoding.common import check_request, prompt_tensor
 
+    stops = None if stop_ids is None else tuple(stop_ids)
     settings = check_settings(  # model-free: the same refusals as generate_hetero, evaluate
-        method=method,
-        max_new_tokens=max_new_tokens,
-        greedy=greedy,
-        seed=seed,
-        policy=policy,
-        draft=draft,
-        proposal=proposal,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        stop_ids=None if stop_ids is None else tuple(stop_ids),
-        suppress_eos=suppress_eos,
-        max_throughput=max_throughput,
-        profile=profile,
-        tree_budget=tree_budget,
-        tree_floor=tree_floor,
-    )
+        method=method, max_new_tokens=max_new_tokens, greedy=greedy, seed=seed, policy=policy,
+        draft=draft, proposal=proposal, temperature=temperature, top_k=top_k, top_p=top_p,
+        stop_ids=stops, suppress_eos=suppress_eos, max_throughput=max_throughput,
+        profile=profile, tree_budget=tree_budget, tree_floor=tree_floor,
+    )  # fmt: skip
     prompt = prompt_tensor(model, prompt_ids)
     request = check_request(model, prompt, settings)
     if request.tree_budget and drafter is not None:
         raise ValueError("drafter (a chain test hook) is not allowed with tree_budget > 0")
-    if request.tree_budget and not model.backbone.supports_tree_mask:
-        _log.warning(
-            "tree_budget=%d: %s has no tree attention; verifying the chain instead (exact)",
-            request.tree_budget,
-            type(model.backbone).__name__,
-        )
-        chain = next(c for c, rule in CHAIN_RULES.items() if rule == request.draft_rule)
-        request = dataclasses.replace(request, tree_budget=0, draft=chain[0], proposal=chain[1])
+    return _decode(model, prompt, _chain_without_tree_attention(model, request), drafter)
+
+
+def _chain_without_tree_attention(model: Any, request: Request) -> Request:
+    """A tree request on a backbone without tree attention: its chain (the same draft rule),
+    with a log line; exact either way."""
+    if not request.tree_budget or model.backbone.supports_tree_mask:
+        return request
+    _log.warning(
+        "tree_budget=%d: %s has no tree attention; verifying the chain instead (exact)",
+        request.tree_budget,
+        type(model.backbone).__name__,
+    )
+    chain = next(c for c, rule in CHAIN_RULES.items() if rule == request.draft_rule)
+    return dataclasses.replace(request, tree_budget=0, draft=chain[0], proposal=chain[1])
+
+
+def _decode(model: Any, prompt: Tensor, request: Request, drafter: Any) -> GenerationResult:
+    """Runs the request's decoder on ``model`` in eval mode (restoring training mode)."""
     was_training = model.training
     if was_training:
         model.eval()
