@@ -100,3 +100,22 @@ def test_generate_takes_draft_and_proposal(model: MTPCModel) -> None:
         mtpc.generate(model, [65, 66], max_new_tokens=2, tree_floor=0.1)
     with pytest.raises(TypeError, match="draft_mode"):  # the old name is gone, not ignored
         mtpc.generate(model, [65, 66], max_new_tokens=2, draft_mode="map")  # type: ignore[call-arg]
+
+
+def test_a_tree_without_tree_attention_decodes_its_chain(
+    model: MTPCModel, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A backbone without tree attention verifies the chain of the tree's draft rule (exact)."""
+    monkeypatch.setattr(model.backbone, "supports_tree_mask", False)
+    ar = mtpc.generate(model, [65, 66], max_new_tokens=6, method="autoregressive", stop_ids=())
+    with caplog.at_level("WARNING", logger="mtpc.decoding"):
+        greedy = mtpc.generate(model, [65, 66], max_new_tokens=6, tree_budget=3, stop_ids=())
+    assert (greedy.draft, greedy.proposal, greedy.draft_rule) == ("path", None, "zmap")
+    assert greedy.tokens == ar.tokens
+    assert "no tree attention; verifying the chain instead" in caplog.text
+    sampled = mtpc.generate(model, [65, 66], max_new_tokens=6, tree_budget=3, greedy=False)
+    assert (sampled.draft, sampled.proposal, sampled.draft_rule) == (
+        "path",
+        "first_marginal",
+        "zsample1",
+    )
