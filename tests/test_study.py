@@ -160,3 +160,28 @@ def test_the_tables_compare_each_draft_with_its_own_control(tmp_path: Path) -> N
     assert _low_high(lora["| code-btree-n16-r32-k1-lora-s0"][2])[0] > 1.5  # about 5 - 3
     assert _low_high(lora["| code-ff-n16-r1-k1-lora-s0"][2])[1] < -0.5  # about 2 - 3
     assert lora["| code-ff-n16-r1-k0-lora-s0"][2] == "-"  # a control has no Δ
+
+
+# ------------------------------------------ a code draft evaluated on another source ----
+def _card(folder: Path, source: str) -> Path:
+    """Records ``source`` as the draft folder's training data (its model card's config)."""
+    config = {"seed": 0, "data": {"source": source}}
+    (folder / "README.md").write_text(f"## Training config\n\n```json\n{json.dumps(config)}\n```\n")
+    return folder
+
+
+def test_a_draft_of_another_data_source_is_named_in_a_warning(tmp_path: Path, caplog) -> None:
+    """A code draft evaluated on the default (synthetic) prompts is said, once; the matching
+    source, a draft of local files and a draft without a card are not."""
+    from mtpc.evaluation.folders import build_manifest, warn_other_data
+    from tests.helpers import eval_cfg, make_drafts
+
+    drafts = make_drafts(tmp_path / "drafts")
+    code = _card(drafts["btree"], "python_code")
+    with caplog.at_level("WARNING", logger="mtpc.evaluation.folders"):
+        build_manifest(eval_cfg(tmp_path), [code, drafts["ff"]], [])
+    said = [r.getMessage() for r in caplog.records if "was trained on" in r.getMessage()]
+    assert len(said) == 1 and str(code) in said[0] and "pass data=python_code" in said[0]
+    local = {"seed": 0, "data": {"source": "local"}}
+    assert warn_other_data({"a": local, "b": None}, "synthetic") == []
+    assert warn_other_data({"a": {"data": {"source": "python_code"}}}, "python_code") == []

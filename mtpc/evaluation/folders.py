@@ -90,6 +90,8 @@ def build_manifest(cfg: Any, drafts: Sequence[Path], baselines: Sequence[Path]) 
     # drafts that differ only in their seed (mtpc.evaluation.statistics.seed_rows)
     manifest["training"] = {str(p): training_config(p) for p in [*drafts, *baselines]}
     spec = spec_bench_questions(cfg)
+    if spec is None:
+        warn_other_data(manifest["training"], str(data.get("source")))
     if spec is not None:  # the prompts are the file's (its content, not its path, is the key)
         manifest["data"] = {
             "prompts": "spec_bench", "file": spec_bench_path(cfg).name, "sha256": spec[1],
@@ -99,6 +101,27 @@ def build_manifest(cfg: Any, drafts: Sequence[Path], baselines: Sequence[Path]) 
         }  # fmt: skip
         manifest["prompt_file"] = str(spec_bench_path(cfg))
     return manifest
+
+
+def warn_other_data(training: Mapping[str, Any], source: str) -> list[str]:
+    """Warn (once per draft) when a draft was trained on another named data source than the
+    prompts come from: a code draft evaluated without ``data=python_code`` reads synthetic
+    chat prompts. Allowed (a cross-domain evaluation is a choice), but said. Drafts trained
+    on local files (``data.path``) or without a recorded config are not checked.
+
+    Returns:
+        The paths warned about.
+    """
+    warned = []
+    for path, config in training.items():
+        trained = ((config or {}).get("data") or {}).get("source")
+        if trained and trained != "local" and trained != source:
+            logger.warning(
+                "%s was trained on data.source=%s but the prompts come from data.source=%s; "
+                "pass data=%s to evaluate it on its own data", path, trained, source, trained,
+            )  # fmt: skip
+            warned.append(path)
+    return warned
 
 
 def eval_folder(cfg: Any, manifest: Mapping[str, Any]) -> Path:
