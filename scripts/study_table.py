@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import sys
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,29 +50,51 @@ def _drafts(results: dict[str, Any]) -> list[dict[str, Any]]:
     return [r for r in results["rows"] if r.get("pass") == "speculative"]
 
 
-def grid(root: Path, window: int) -> list[str]:
-    """Seed 0, every family at one window: tok/cyc, Δ and x tok/s against FF, x AR."""
-    head = "| draft | " + " | ".join(
-        f"{m} tok/cyc | Δ vs FF [95% CI] | x FF tok/s [95% CI] | x AR" for m in MODES
-    )
-    lines = [head + " |", "|---" * (1 + 4 * len(MODES)) + "|"]
+def _paired(
+    root: Path,
+    stem: str,
+    vs: str,
+    reference: Callable[[dict[str, Any], list[dict[str, Any]]], dict[str, Any] | None],
+    label: Callable[[dict[str, Any]], str],
+    ratio: bool,
+) -> list[str]:
+    """The folders ``<stem>-<mode>``: each draft's tok/cyc, its paired Δ (and, with
+    ``ratio``, its tok/s ratio) against ``reference(row, rows)`` (None: the row is a
+    reference itself), and x AR; one line per draft, the modes side by side."""
+    keys = ("delta_mu_acc", "ratio_tok_s") if ratio else ("delta_mu_acc",)
+    columns = f"tok/cyc | Δ vs {vs} [95% CI]"
+    columns += f" | x {vs} tok/s [95% CI] | x AR" if ratio else " | x AR"
+    lines = ["| draft | " + " | ".join(f"{m} {columns}" for m in MODES) + " |"]
+    lines.append("|---" * (1 + (2 + len(keys)) * len(MODES)) + "|")
     cells: dict[str, list[str]] = defaultdict(list)
     for mode in MODES:
-        results, records = _load(root / f"n{window}-s0-{mode}")
+        results, records = _load(root / f"{stem}-{mode}")
         ar = records[(None, "ar")]
         rows = _drafts(results)
-        ff = next(r for r in rows if r["kind"] == "ff")
         for row in rows:
-            mine = records[(row["path"], "speculative")]
-            stats = compare(mine, records[(ff["path"], "speculative")], ar)
-            same = row is ff
-            cells[_label(row)] += [
+            ref = reference(row, rows)
+            stats = None
+            if ref is not None:
+                mine, theirs = (
+                    records[(row["path"], "speculative")],
+                    records[(ref["path"], "speculative")],
+                )
+                stats = compare(mine, theirs, ar)
+            cells[label(row)] += [
                 f"{row['mu_acc']:.2f} ± {row['mu_acc_std']:.2f}",
-                "-" if same else _interval(stats, "delta_mu_acc", ".2f"),
-                "-" if same else _interval(stats, "ratio_tok_s", ".2f"),
+                *("-" if stats is None else _interval(stats, k, ".2f") for k in keys),
                 f"{row['speedup_ar']:.2f}",
             ]
     return lines + [f"| {name} | " + " | ".join(c) + " |" for name, c in cells.items()]
+
+
+def grid(root: Path, window: int) -> list[str]:
+    """Seed 0, every family at one window: tok/cyc, Δ and x tok/s against FF, x AR."""
+
+    def ff(row: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+        return None if row["kind"] == "ff" else next(r for r in rows if r["kind"] == "ff")
+
+    return _paired(root, f"n{window}-s0", "FF", ff, _label, ratio=True)
 
 
 def seeds(root: Path) -> list[str]:
@@ -108,31 +131,14 @@ def against_own(root: Path, stem: str, control: dict[str, str]) -> list[str]:
 
     ``control`` maps a run-name fragment to the fragment of its control's run name.
     """
-    head = "| draft | " + " | ".join(f"{m} tok/cyc | Δ vs control [95% CI] | x AR" for m in MODES)
-    lines = [head + " |", "|---" * (1 + 3 * len(MODES)) + "|"]
-    cells: dict[str, list[str]] = defaultdict(list)
-    for mode in MODES:
-        results, records = _load(root / f"{stem}-{mode}")
-        ar = records[(None, "ar")]
-        rows = _drafts(results)
-        for row in rows:
-            ref = next(
-                (r for frag, base in control.items() if frag in row["name"]
-                 for r in rows if r["name"] == row["name"].replace(frag, base) and r is not row),
-                None,
-            )  # fmt: skip
-            delta = "-"
-            if ref is not None:
-                stats = compare(
-                    records[(row["path"], "speculative")], records[(ref["path"], "speculative")], ar
-                )
-                delta = _interval(stats, "delta_mu_acc", ".2f")
-            cells[row["name"]] += [
-                f"{row['mu_acc']:.2f} ± {row['mu_acc_std']:.2f}",
-                delta,
-                f"{row['speedup_ar']:.2f}",
-            ]
-    return lines + [f"| {name} | " + " | ".join(c) + " |" for name, c in cells.items()]
+
+    def own(row: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+        names = {
+            row["name"].replace(frag, base) for frag, base in control.items() if frag in row["name"]
+        }
+        return next((r for r in rows if r["name"] in names and r is not row), None)
+
+    return _paired(root, stem, "control", own, lambda row: row["name"], ratio=False)
 
 
 def main() -> None:
