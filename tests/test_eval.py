@@ -140,7 +140,8 @@ def test_the_target_comes_from_the_draft(tmp_path: Path, drafts: dict[str, Path]
     refused before any work, naming the field and both values."""
     from hydra import compose, initialize_config_dir
 
-    from mtpc.evaluation.loading import explicit_model_fields, resolve_target
+    from mtpc.evaluation.loading import resolve_target
+    from mtpc.evaluation.settings import ModelSettings, explicit_model_fields
 
     recorded = json.loads((drafts["ff"] / "config.json").read_text())["target"]
     cfg = eval_cfg(tmp_path, draft=str(drafts["ff"]), num_prompt_sets=1, max_throughput=False,
@@ -151,7 +152,8 @@ def test_the_target_comes_from_the_draft(tmp_path: Path, drafts: dict[str, Path]
     manifest = json.loads((Path(res["folder"]) / "manifest.json").read_text())
     assert manifest["target"]["name"] == "hf" and manifest["target"]["path"] == recorded["path"]
     same = {"name": "hf", "path": recorded["path"]}
-    assert resolve_target(cfg, [drafts["ff"]], same)["path"] == recorded["path"]
+    configured = ModelSettings.from_fields(cfg["model"])
+    assert resolve_target(configured, [drafts["ff"]], same).path == recorded["path"]
     with pytest.raises(TargetMismatchError, match=r"model\.path='/elsewhere' contradicts draft"):
         evaluate(cfg, explicit_model={"path": "/elsewhere"})
     with pytest.raises(TargetMismatchError, match="one evaluation has one target"):
@@ -303,13 +305,12 @@ def test_warmup_covers_a_window_crossing_prompt(monkeypatch: pytest.MonkeyPatch)
     torch.manual_seed(0)
     model = MTPCModel.from_hf(fake_evabyte(2, window_size=16, chunk_size=4), "ff", 4, 1)
     sets = [[SimpleNamespace(prompt_ids=list(range(70, 70 + n))) for n in (5, 9)]]
-    cfg = {"max_new_tokens": 24, "warmup_window": True}
-    first, long = warmup_prompts(model, sets, cfg)
+    first, long = warmup_prompts(model, sets, 24, True)
     assert first == list(range(70, 75)) and len(long) == 2 * 16 - 8
     assert long[:9] == list(range(70, 79))  # the longest prompt, repeated
-    assert warmup_prompts(model, sets, {**cfg, "warmup_window": False}) == [first]
+    assert warmup_prompts(model, sets, 24, False) == [first]
     tiny = MTPCModel.from_hf(_save_target_in_memory(), "ff", 4, 1)
-    assert warmup_prompts(tiny, sets, cfg) == [first]  # no attention window: the first prompt
+    assert warmup_prompts(tiny, sets, 24, True) == [first]  # no attention window: the first prompt
     compressions = []
     backbone = model.backbone
     compress = backbone._compress

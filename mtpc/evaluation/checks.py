@@ -1,16 +1,18 @@
 """Evaluation settings checked before anything loads: one line naming the field and the
-allowed values (``check_eval_fields``; the drafting choice: ``mtpc.evaluation.drafting``)."""
+allowed values. :func:`parse_eval` and :func:`parse_regenerate` are the doors: they read the
+config once (``mtpc.evaluation.settings``) and check it (the drafting choice:
+``mtpc.evaluation.drafting``)."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from mtpc.config import ConfigError, validate_eval_config, validate_regenerate_config
 from mtpc.decoding.settings import (
     CONFIG,
     SettingsError,
@@ -21,6 +23,12 @@ from mtpc.decoding.settings import (
 from mtpc.errors import UserError
 from mtpc.evaluation.drafters import FIXTURE_PREFIX, FIXTURES
 from mtpc.evaluation.drafting import check_eval_drafting, tree_budgets
+from mtpc.evaluation.settings import (
+    Drafter,
+    EvalSettings,
+    RegenerateSettings,
+    SpecBench,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -34,61 +42,101 @@ class EvalConfigError(UserError, ValueError):
     """An evaluation setting outside what the evaluator accepts; names the field."""
 
 
-def get_field(cfg: Any, key: str, default: Any = None) -> Any:
-    """``cfg``'s field ``key`` (dotted) of a config or a plain mapping; ``default`` if missing."""
-    if isinstance(cfg, DictConfig):
-        return OmegaConf.select(cfg, key, default=default)
-    node = cfg
-    for part in key.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            return default
-        node = node[part]
-    return node
+def parse_eval(cfg: Any) -> EvalSettings:
+    """``evaluate``'s door: the config read once and checked, before anything loads.
+
+    ``mtpc.config.validate_eval_config`` checks the target, the data group and the counts
+    (``seed``, ``max_new_tokens``, ``num_prompts``, ``num_prompt_sets``), then
+    :func:`check_eval_settings` the evaluator's own fields.
+
+    Raises:
+        ConfigError: a bad target, data or count field.
+        EvalConfigError: a bad evaluation field.
+    """
+    validate_eval_config(cfg)
+    settings = EvalSettings.from_cfg(cfg)
+    check_eval_settings(settings)
+    return settings
 
 
-DECODING_FIELDS = ("policy", "greedy", "temperature", "top_k", "top_p", "seed", "max_new_tokens")
+def parse_regenerate(cfg: Any) -> RegenerateSettings:
+    """``regenerate``'s door: the config checked (``mtpc.config.validate_regenerate_config``,
+    then ``batch_size``) and read once, before anything loads.
+
+    Raises:
+        ConfigError: a bad field.
+    """
+    validate_regenerate_config(cfg)
+    settings = RegenerateSettings.from_cfg(cfg)
+    check_batch_size(settings.batch_size, ConfigError)
+    return settings
+
+
+def check_batch_size(value: Any, error: type[Exception]) -> None:
+    """``batch_size``: an integer >= 1 (not used yet: prompts are decoded one at a time)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise error(
+            f"batch_size={value!r} is not allowed; allowed: an integer >= 1 "
+            "(1: one prompt at a time, the paper's protocol)"
+        )
+
+
+DECODING_FIELDS = ("policy", "greedy", "temperature", "top_k", "top_p")
 """The evaluation's fields checked by :func:`mtpc.decoding.settings.check_settings` (with the
 chain's ``drafting`` and ``proposal``; the tree rows' ``tree_budget`` and ``tree_floor`` by
-:func:`mtpc.decoding.settings.check_drafting`)."""
+:func:`mtpc.decoding.settings.check_drafting`). ``seed`` and ``max_new_tokens`` are checked
+once, by ``mtpc.config.validate_eval_config``."""
 
 
 def check_eval_fields(cfg: Any) -> None:
-    """Checks the evaluator's own fields (beyond ``mtpc.config.validate_eval_config``).
+    """Checks the evaluator's own fields of ``cfg`` (:func:`check_eval_settings`)."""
+    check_eval_settings(EvalSettings.from_cfg(cfg))
+
+
+def _choice(field: str, value: Any, allowed: Sequence[Any], optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if value not in allowed:
+        raise EvalConfigError(
+            f"{field}={value!r} is not allowed; allowed: {', '.join(map(str, allowed))}"
+        )
+
+
+def _integer(field: str, value: Any, low: int) -> None:
+    """An optional integer >= ``low``."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+        raise EvalConfigError(f"{field}={value!r} is not allowed; allowed: an integer >= {low}")
+
+
+def check_eval_settings(s: EvalSettings) -> None:
+    """Checks the evaluator's own fields (beyond ``mtpc.config.validate_eval_config``), one
+    check per field.
 
     The decoding settings go through :func:`mtpc.decoding.settings.check_settings`, as
     ``mtpc.generate`` and ``mtpc.generate_hetero`` do: a bad one gets the same one line.
     """
-
-    def choice(field: str, allowed: Sequence[Any], optional: bool = False) -> None:
-        value = get_field(cfg, field)
-        if optional and value is None:
-            return
-        if value not in allowed:
-            raise EvalConfigError(
-                f"{field}={value!r} is not allowed; allowed: {', '.join(map(str, allowed))}"
-            )
-
-    for field in ("suppress_eos", "max_throughput", "english_only", "plots", "progress",
-                  "warmup_window", "interleave"):  # fmt: skip
-        choice(field, (True, False), optional=field in ("progress", "warmup_window", "interleave"))
-    choice("resume", RESUME, optional=True)
-    drafting, budgets = get_field(cfg, "drafting"), plain(get_field(cfg, "tree_budget"))
+    d, run = s.decoding, s.run
+    _choice("suppress_eos", d.suppress_eos, (True, False))
+    _choice("max_throughput", run.max_throughput, (True, False))
+    _choice("english_only", s.prompts.english_only, (True, False))
+    _choice("plots", s.output.plots, (True, False))
+    _choice("progress", run.progress, (True, False), optional=True)
+    _choice("warmup_window", run.warmup_window, (True, False), optional=True)
+    _choice("interleave", run.interleave, (True, False), optional=True)
+    _choice("resume", s.output.resume, RESUME, optional=True)
     try:
-        check_eval_drafting(drafting, budgets)  # before check_settings: drafting=tree
-        given = {f: v for f in DECODING_FIELDS if (v := get_field(cfg, f)) is not None}
-        greedy = check_settings(
-            CONFIG, **given, draft=drafting, proposal=get_field(cfg, "proposal")
-        ).greedy
-        floor = get_field(cfg, "tree_floor")  # the tree rows' choice
-        budget = max(tree_budgets(budgets), default=0)
-        floor = 0.0 if floor is None else floor
-        check_drafting(greedy, tree_budget=budget, tree_floor=floor, spell=CONFIG)
+        check_eval_drafting(d.drafting, d.tree_budget)  # before check_settings: drafting=tree
+        given = {f: v for f in DECODING_FIELDS if (v := getattr(d, f)) is not None}
+        greedy = check_settings(CONFIG, **given, draft=d.drafting, proposal=d.proposal).greedy
+        budget = max(tree_budgets(d.tree_budget), default=0)  # the tree rows' choice
+        check_drafting(greedy, tree_budget=budget, tree_floor=d.tree_floor, spell=CONFIG)
     except SettingsError as err:
         raise EvalConfigError(str(err)) from None
-    temperature = get_field(cfg, "temperature", 1.0)
-    if temperature <= 0:  # a config's temperature is a number > 0 even when greedy ignores it
-        raise EvalConfigError(f"temperature={temperature!r} is not allowed; allowed: a number > 0")
-    sources = plain(get_field(cfg, "sources"))
+    if d.temperature <= 0:  # a config's temperature is a number > 0 even when greedy ignores it
+        raise EvalConfigError(
+            f"temperature={d.temperature!r} is not allowed; allowed: a number > 0"
+        )
+    sources = s.prompts.sources
     if sources is not None and not (
         isinstance(sources, str)
         or (isinstance(sources, list) and sources and all(isinstance(x, str) for x in sources))
@@ -97,17 +145,15 @@ def check_eval_fields(cfg: Any) -> None:
             f"sources={sources!r} is not allowed; allowed: null or a list of source names, "
             "e.g. sources=[synthetic/multi_answer]"
         )
-    for field, low in (("warmup", 0), ("num_threads", 1), ("max_prompt_length", 1)):
-        value = get_field(cfg, field)
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value < low
-        ):
-            raise EvalConfigError(f"{field}={value!r} is not allowed; allowed: an integer >= {low}")
-    if get_field(cfg, "drafter") is not None:
-        _check_drafter(cfg, greedy)
-    if get_field(cfg, "prompts") is not None:
-        _check_prompts(cfg)
-    device = str(get_field(cfg, "device", "cpu"))
+    _integer("warmup", run.warmup, 0)
+    _integer("num_threads", run.num_threads, 1)
+    _integer("max_prompt_length", s.prompts.max_prompt_length, 1)
+    check_batch_size(run.batch_size, EvalConfigError)
+    if s.drafter is not None:
+        _check_drafter(s.drafter, greedy)
+    if s.prompts.spec_bench is not None:
+        _check_prompts(s, s.prompts.spec_bench)
+    device = str(run.device)
     if device != "cpu" and not device.startswith("cuda"):
         raise EvalConfigError(f"device={device!r} is not allowed; allowed: cpu, cuda, cuda:<i>")
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -116,19 +162,19 @@ def check_eval_fields(cfg: Any) -> None:
         )
 
 
-def _check_drafter(cfg: Any, greedy: Any) -> None:
+def _check_drafter(drafter: Drafter, greedy: Any) -> None:
     """``drafter.*`` of ``drafter=hetero`` (configs/drafter/hetero.yaml)."""
     hetero = {
-        field: value
-        for field in ("algorithm", "lookahead", "look_behind", "max_psi_paths", "psi")
-        if (value := get_field(cfg, f"drafter.{field}")) is not None or field == "algorithm"
+        name: value
+        for name in ("algorithm", "lookahead", "look_behind", "max_psi_paths", "psi")
+        if (value := drafter.fields.get(name)) is not None or name == "algorithm"
     }
     try:
         spell = Spelling(lambda field: f"drafter.{field}", config=True)
         check_settings(spell, greedy=greedy, **hetero)
     except SettingsError as err:
         raise EvalConfigError(str(err)) from None
-    model = str(get_field(cfg, "drafter.model"))
+    model = str(drafter.model)
     if model.startswith(FIXTURE_PREFIX) and model[len(FIXTURE_PREFIX) :] not in FIXTURES:
         raise EvalConfigError(
             f"drafter.model={model!r} is not allowed; allowed: a local HF causal-LM folder or "
@@ -141,21 +187,19 @@ def _check_drafter(cfg: Any, greedy: Any) -> None:
         )
 
 
-def _check_prompts(cfg: Any) -> None:
+def _check_prompts(s: EvalSettings, spec: SpecBench) -> None:
     """``prompts.*`` of ``prompts=spec_bench`` (configs/prompts/spec_bench.yaml); the file
     itself is read by ``mtpc.evaluation.loading.spec_bench_questions``."""
     from mtpc.data.spec_bench import NAME
 
-    name = get_field(cfg, "prompts.name")
-    if name != NAME:
-        raise EvalConfigError(f"prompts.name={name!r} is not allowed; allowed: {NAME}")
-    path = get_field(cfg, "prompts.path")
-    if not isinstance(path, str) or not path:
+    if spec.name != NAME:
+        raise EvalConfigError(f"prompts.name={spec.name!r} is not allowed; allowed: {NAME}")
+    if not isinstance(spec.path, str) or not spec.path:
         raise EvalConfigError(
-            f"prompts.path={path!r} is not allowed; allowed: a Spec-Bench question.jsonl "
+            f"prompts.path={spec.path!r} is not allowed; allowed: a Spec-Bench question.jsonl "
             "(prompts=spec_bench prompts.path=<file>)"
         )
-    categories = plain(get_field(cfg, "prompts.categories"))
+    categories = spec.categories
     if categories is not None and not (
         isinstance(categories, str)
         or (
@@ -168,33 +212,25 @@ def _check_prompts(cfg: Any) -> None:
             f"prompts.categories={categories!r} is not allowed; allowed: null or a list of "
             "categories, e.g. prompts.categories=[writing,translation]"
         )
-    for field in ("prompts.per_category", "prompts.turns"):
-        value = get_field(cfg, field)
+    for name, value in (("per_category", spec.per_category), ("turns", spec.turns)):
         if value is not None and (
             isinstance(value, bool) or not isinstance(value, int) or value < 1
         ):
             raise EvalConfigError(
-                f"{field}={value!r} is not allowed; allowed: null or an integer >= 1"
+                f"prompts.{name}={value!r} is not allowed; allowed: null or an integer >= 1"
             )
-    if plain(get_field(cfg, "sources")) is not None:
+    if s.prompts.sources is not None:
         raise EvalConfigError(
             "sources= is not allowed with prompts=spec_bench (it selects the data group's "
             "sources); allowed: sources=null, and prompts.categories=[...] for Spec-Bench"
         )
-    if get_field(cfg, "english_only") is True:
+    if s.prompts.english_only is True:
         raise EvalConfigError(
             "english_only=true is not allowed with prompts=spec_bench (its questions are taken "
             "as they are); allowed: false, and prompts.categories=[...] to choose questions"
         )
-    if get_field(cfg, "drafter") is not None and get_field(cfg, "prompts.turns") != 1:
+    if s.drafter is not None and spec.turns != 1:
         raise EvalConfigError(
             "drafter=hetero decodes one turn per prompt; with prompts=spec_bench set "
             "prompts.turns=1 (allowed: 1)"
         )
-
-
-def plain(value: Any) -> Any:
-    """``value`` as plain Python (a config node resolved to dicts and lists)."""
-    if isinstance(value, DictConfig | ListConfig):
-        return OmegaConf.to_container(value, resolve=True)
-    return value

@@ -8,11 +8,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from mtpc.evaluation.checks import get_field, plain
 from mtpc.evaluation.drafting import asked, chain_rule
 from mtpc.evaluation.loading import (
     check_target_name,
-    root_dir,
     spec_bench_categories,
     spec_bench_path,
     spec_bench_questions,
@@ -22,19 +20,15 @@ from mtpc.evaluation.records import (
     RecordsError,
     RecordStore,
 )
+from mtpc.evaluation.settings import IDENTITY_FIELDS, EvalSettings
 from mtpc.evaluation.statistics import training_config
 
 logger = logging.getLogger(__name__)
 
 
-SETTINGS = (
-    "greedy", "policy", "temperature", "top_k", "top_p", "num_prompts",
-    "num_prompt_sets", "max_new_tokens", "warmup", "warmup_window", "suppress_eos",
-    "max_throughput",
-    "device", "english_only", "seed", "num_threads", "max_prompt_length", "sources",
-    "tree_budget", "tree_floor",
-)  # fmt: skip
-"""Settings that define a measurement (their change starts another evaluation folder)."""
+SETTINGS = IDENTITY_FIELDS
+"""Settings that define a measurement (their change starts another evaluation folder);
+``batch_size`` is not one (greedy results do not depend on it)."""
 
 
 DATA_IGNORED = ("cache_dir", "num_workers", "batch_size", "streaming", "pack_documents")
@@ -45,61 +39,73 @@ def _draft_name(path: Path) -> str:
     return path.name if path.name != "draft" else path.parent.name
 
 
-def build_manifest(cfg: Any, drafts: Sequence[Path], baselines: Sequence[Path]) -> dict[str, Any]:
-    """What an evaluation measures (settings, target, data, drafts, device) and its provenance."""
+def build_manifest(
+    settings: EvalSettings | Any, drafts: Sequence[Path], baselines: Sequence[Path]
+) -> dict[str, Any]:
+    """What an evaluation measures (settings, target, data, drafts, device) and its provenance.
+
+    Args:
+        settings: the evaluation's settings (a raw config: read first, as ``evaluate`` does).
+        drafts: the drafts.
+        baselines: the baselines.
+    """
     from mtpc.evaluation.records import FORMAT_VERSION, draft_fingerprint
     from mtpc.export import read_config
     from mtpc.store import device_name, provenance
 
+    s = settings if isinstance(settings, EvalSettings) else EvalSettings.from_cfg(settings)
+    d = s.decoding
     entries = []
-    greedy = bool(get_field(cfg, "greedy", True))
+    greedy = bool(d.greedy)
     for i, path in enumerate([*drafts, *baselines]):
-        check_target_name(path, cfg)
+        check_target_name(path, s.model.name)
         config = read_config(path)
         c = config["circuit"]
         # the rule each draft decodes with: a change of the per-family default is another
         # measurement (another folder), never resumed into the old records
-        drafting, proposal = get_field(cfg, "drafting"), get_field(cfg, "proposal")
-        rule = chain_rule(c["kind"], greedy, drafting, proposal)
+        rule = chain_rule(c["kind"], greedy, d.drafting, d.proposal)
         entries.append(
             {"path": str(path), "name": _draft_name(path), "kind": c["kind"],
              "window": c["window"], "rank": c["rank"], "lora_layers": config["lora"]["layers"],
              "baseline": i >= len(drafts), "fingerprint": draft_fingerprint(path),
              "draft_rule": rule}
         )  # fmt: skip
-    data = plain(get_field(cfg, "data")) or {}
-    device = str(get_field(cfg, "device", "cpu"))
-    settings = {k: plain(get_field(cfg, k)) for k in SETTINGS}
-    settings.update(asked(get_field(cfg, "drafting"), get_field(cfg, "proposal")))
-    if get_field(cfg, "drafter") is not None:  # drafter=hetero: another drafter, another folder
-        settings["drafter"] = plain(get_field(cfg, "drafter"))
-    if get_field(cfg, "interleave", False):  # another timing protocol, another folder
-        settings["interleave"] = True
-    if isinstance(settings["sources"], str):  # sources=a is sources=[a]
-        settings["sources"] = [settings["sources"]]
-    manifest = {
+    data = dict(s.data or {})
+    device = str(s.run.device)
+    # the settings as given (not as defaulted): the same bytes, the same folder key;
+    # batch_size is left out: greedy results do not depend on it
+    settings_record = {k: s.given.get(k) for k in SETTINGS}
+    settings_record.update(asked(d.drafting, d.proposal))
+    if s.drafter is not None:  # drafter=hetero: another drafter, another folder
+        settings_record["drafter"] = dict(s.drafter.fields)
+    if s.run.interleave:  # another timing protocol, another folder
+        settings_record["interleave"] = True
+    if isinstance(settings_record["sources"], str):  # sources=a is sources=[a]
+        settings_record["sources"] = [settings_record["sources"]]
+    manifest: dict[str, Any] = {
         "format": FORMAT_VERSION,
-        "settings": settings,
-        "target": plain(get_field(cfg, "model")),
+        "settings": settings_record,
+        "target": dict(s.model.fields),
         "data": {k: v for k, v in data.items() if k not in DATA_IGNORED},
         "drafts": entries,
         "device_name": device_name(device),
-        "sessions": [provenance(device, root_dir(cfg))],
+        "sessions": [provenance(device, s.output.root_dir)],
     }
     # each draft's training config (its model card's; outside the identity): report= merges
     # drafts that differ only in their seed (mtpc.evaluation.statistics.seed_rows)
     manifest["training"] = {str(p): training_config(p) for p in [*drafts, *baselines]}
-    spec = spec_bench_questions(cfg)
-    if spec is None:
+    spec = spec_bench_questions(s)
+    if spec is None or s.prompts.spec_bench is None:
         warn_other_data(manifest["training"], str(data.get("source")))
-    if spec is not None:  # the prompts are the file's (its content, not its path, is the key)
+    else:  # the prompts are the file's (its content, not its path, is the key)
+        bench = s.prompts.spec_bench
         manifest["data"] = {
-            "prompts": "spec_bench", "file": spec_bench_path(cfg).name, "sha256": spec[1],
-            "categories": spec_bench_categories(cfg),
-            "per_category": get_field(cfg, "prompts.per_category"),
-            "turns": get_field(cfg, "prompts.turns"), "questions": len(spec[0]),
+            "prompts": "spec_bench", "file": spec_bench_path(bench, s.output.root_dir).name,
+            "sha256": spec[1], "categories": spec_bench_categories(bench),
+            "per_category": bench.per_category, "turns": bench.turns,
+            "questions": len(spec[0]),
         }  # fmt: skip
-        manifest["prompt_file"] = str(spec_bench_path(cfg))
+        manifest["prompt_file"] = str(spec_bench_path(bench, s.output.root_dir))
     return manifest
 
 
@@ -124,15 +130,12 @@ def warn_other_data(training: Mapping[str, Any], source: str) -> list[str]:
     return warned
 
 
-def eval_folder(cfg: Any, manifest: Mapping[str, Any]) -> Path:
+def eval_folder(s: EvalSettings, manifest: Mapping[str, Any]) -> Path:
     """``output_dir`` when given, else ``outputs/eval/<name from the drafts and settings>``."""
     from mtpc.evaluation.records import folder_name
 
-    try:
-        out = get_field(cfg, "output_dir")
-    except Exception:  # an interpolation such as ${hydra:...} outside a Hydra run
-        out = None
-    return Path(out) if out else root_dir(cfg) / "outputs" / "eval" / folder_name(manifest)
+    out = s.output.output_dir
+    return Path(out) if out else s.output.root_dir / "outputs" / "eval" / folder_name(manifest)
 
 
 def check_prompts(store: RecordStore, prompt_sets: Sequence[Sequence[Any]]) -> None:

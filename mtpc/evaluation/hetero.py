@@ -20,12 +20,12 @@ from mtpc.decoding import generate
 from mtpc.decoding.common import GenerationResult
 from mtpc.decoding.hetero import generate_hetero
 from mtpc.decoding.vocab import as_tokenizer, prompt_overlap, vocab_mapping
-from mtpc.evaluation.checks import get_field
 from mtpc.evaluation.drafters import load_drafter
 from mtpc.evaluation.loading import load_target
 from mtpc.evaluation.metrics import hetero_metrics, hetero_record
 from mtpc.evaluation.records import MemoryRecords, RecordStore, hetero_draft_path
 from mtpc.evaluation.report import HETERO_PASSES, hetero_row_name
+from mtpc.evaluation.settings import EvalSettings
 from mtpc.model import MTPCModel
 
 Decoder = Callable[[list[int], int], GenerationResult]
@@ -198,7 +198,7 @@ def evaluate_hetero(
     }
 
 
-def decode_hetero(cfg: Any, store: RecordStore, prompt_sets: list[list[Any]]) -> None:
+def decode_hetero(s: EvalSettings, store: RecordStore, prompt_sets: list[list[Any]]) -> None:
     """Decodes the prompts of ``drafter=hetero``: the configured target drafted by another
     vocabulary.
 
@@ -212,30 +212,29 @@ def decode_hetero(cfg: Any, store: RecordStore, prompt_sets: list[list[Any]]) ->
     """
     from mtpc.backbones.codecs import get_codec
 
-    device = str(get_field(cfg, "device", "cpu"))
-    backbone = load_target(cfg)
-    codec = get_codec(str(get_field(cfg, "model.codec", "tiny")))
-    drafter_model = str(get_field(cfg, "drafter.model"))
-    model, tokenizer = load_drafter(
-        drafter_model, get_field(cfg, "drafter.tokenizer"), device=device
-    )
-    options = {
-        key: get_field(cfg, f"drafter.{key}") for key in ("look_behind", "max_psi_paths", "psi")
-    }
-    if not get_field(cfg, "greedy", True):
-        options.update({k: get_field(cfg, k) for k in ("temperature", "top_k", "top_p")})
-    algorithm = str(get_field(cfg, "drafter.algorithm", "slem"))
-    lookahead = int(get_field(cfg, "drafter.lookahead", 5))
+    if s.drafter is None:
+        raise ValueError("decode_hetero needs drafter=hetero")
+    d, drafter = s.decoding, s.drafter
+    device = str(s.run.device)
+    backbone = load_target(s.model, device)
+    codec = get_codec(str(s.model.codec))
+    drafter_model = str(drafter.model)
+    model, tokenizer = load_drafter(drafter_model, drafter.tokenizer, device=device)
+    options: dict[str, Any] = {
+        "look_behind": drafter.look_behind, "max_psi_paths": drafter.max_psi_paths,
+        "psi": drafter.psi,
+    }  # fmt: skip
+    if not d.greedy:
+        options.update({"temperature": d.temperature, "top_k": d.top_k, "top_p": d.top_p})
+    algorithm = str(drafter.algorithm)
     decoders = hetero_decoders(
-        backbone, codec, model, tokenizer, algorithm=algorithm, lookahead=lookahead,
-        greedy=bool(get_field(cfg, "greedy", True)), max_new_tokens=int(get_field(cfg, "max_new_tokens", 128)),
+        backbone, codec, model, tokenizer, algorithm=algorithm, lookahead=int(drafter.lookahead),
+        greedy=bool(d.greedy), max_new_tokens=int(d.max_new_tokens),
         **{k: v for k, v in options.items() if v is not None},
     )  # fmt: skip
     key = hetero_draft_path({"model": drafter_model})
-    name, seed = hetero_row_name(algorithm), int(get_field(cfg, "seed", 0))
-    run_hetero_passes(
-        store, decoders, prompt_sets, key, name, seed, int(get_field(cfg, "warmup", 1))
-    )
+    name, seed = hetero_row_name(algorithm), int(d.seed)
+    run_hetero_passes(store, decoders, prompt_sets, key, name, seed, int(s.run.warmup))
     if not any(r.get("type") == "overlap" and r["draft_path"] == key for r in store.records):
         stats = overlap_stats(codec, tokenizer, [p.prompt_ids for p in prompt_sets[0]])
         store.append({"type": "overlap", "draft_path": key, **stats})

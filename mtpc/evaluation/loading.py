@@ -9,11 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import OmegaConf
 
 from mtpc.benchmarking import cuda_index
 from mtpc.data.prompts import UnknownSourceError
-from mtpc.evaluation.checks import EvalConfigError, get_field, plain
+from mtpc.evaluation.checks import EvalConfigError
+from mtpc.evaluation.settings import EvalSettings, ModelSettings, SpecBench, plain
 
 logger = logging.getLogger(__name__)
 
@@ -21,13 +22,9 @@ logger = logging.getLogger(__name__)
 TRAIN_HINT = "train one with `python train.py` or pass draft=<exported draft dir>"
 
 
-def root_dir(cfg: Any) -> Path:
-    root = get_field(cfg, "paths.root_dir")
-    return Path(root) if root else Path(__file__).resolve().parents[2]
-
-
-def resolve_drafts(cfg: Any, key: str = "draft") -> list[Path]:
-    """The drafts named by ``cfg[key]`` (a dir or a list); for ``draft``, else the last trained.
+def resolve_drafts(draft: Any, root: Path, key: str = "draft") -> list[Path]:
+    """The drafts named by ``draft`` (a dir or a list; the setting ``key``, relative to the
+    project ``root``); for ``draft``, None: the last trained.
 
     Raises:
         DraftError: a named folder is a training run folder (the message names its
@@ -38,9 +35,8 @@ def resolve_drafts(cfg: Any, key: str = "draft") -> list[Path]:
     from mtpc.errors import DraftError
     from mtpc.export import CONFIG_NAME
 
-    draft = get_field(cfg, key)
     if draft is None and key == "draft":
-        marker = root_dir(cfg) / "outputs" / "last_draft.txt"
+        marker = root / "outputs" / "last_draft.txt"
         if not marker.is_file():
             raise FileNotFoundError(f"no draft given and {marker} does not exist: {TRAIN_HINT}")
         draft = marker.read_text(encoding="utf-8").strip()
@@ -49,7 +45,7 @@ def resolve_drafts(cfg: Any, key: str = "draft") -> list[Path]:
     for p in paths:
         path = Path(str(p))
         if not path.is_absolute():
-            path = root_dir(cfg) / path
+            path = root / path
         if not (path / CONFIG_NAME).is_file():
             if (path / "draft" / CONFIG_NAME).is_file():
                 raise DraftError(
@@ -80,35 +76,17 @@ def recorded_target(path: Path) -> dict[str, Any]:
             "dtype": t.get("dtype")}  # fmt: skip
 
 
-def explicit_model_fields(overrides: Sequence[str], cfg: Any) -> dict[str, Any]:
-    """The ``model.*`` fields a command line sets (``model=<group>`` sets ``name``), with the
-    values ``cfg`` composed for them; every other field of ``cfg.model`` is a group default.
-
-    Args:
-        overrides: Hydra's task overrides (``HydraConfig.get().overrides.task``), e.g.
-            ``["draft=d", "model=evabyte", "model.path=/ckpt"]``.
-        cfg: the composed config.
-    """
-    fields: dict[str, Any] = {}
-    for override in overrides:
-        key = override.split("=", 1)[0].lstrip("+~")
-        if key == "model":
-            fields["name"] = get_field(cfg, "model.name")
-        elif key.startswith("model."):
-            fields[key.removeprefix("model.")] = plain(get_field(cfg, key))
-    return fields
-
-
 def resolve_target(
-    cfg: Any, drafts: Sequence[Path], explicit: Mapping[str, Any] | None
-) -> dict[str, Any]:
-    """The evaluation's ``model`` config: the drafts' recorded target, its group's other
-    fields (``configs/model/<name>.yaml``: codec, attention path) and the explicit overrides.
+    current: ModelSettings, drafts: Sequence[Path], explicit: Mapping[str, Any] | None
+) -> ModelSettings:
+    """The evaluation's target: the drafts' recorded target, its group's other fields
+    (``configs/model/<name>.yaml``: codec, attention path) and the explicit overrides.
 
     Args:
-        cfg: the evaluation config.
+        current: the configured ``model`` (its fields count when it is the same group).
         drafts: the drafts and baselines to evaluate (at least one).
-        explicit: the ``model.*`` fields given on the command line (:func:`explicit_model_fields`);
+        explicit: the ``model.*`` fields given on the command line
+            (``mtpc.evaluation.settings.explicit_model_fields``);
             ``None`` (a call from Python without Hydra): none.
 
     Raises:
@@ -140,14 +118,13 @@ def resolve_target(
     group: dict[str, Any] = {}
     if target["name"] in BACKBONES:  # the group's other fields (codec, attention path)
         group = plain(OmegaConf.load(CONFIGS / "model" / f"{target['name']}.yaml"))
-    current = plain(get_field(cfg, "model")) or {}
-    if current.get("name") == target["name"]:  # model=<the same group>: its own fields
-        group = {**group, **current}
+    if current.fields.get("name") == target["name"]:  # model=<the same group>: its own fields
+        group = {**group, **current.fields}
     model = {**group, **{k: v for k, v in target.items() if k != "dtype" or v is not None}}
     model.update({k: v for k, v in explicit.items() if k not in TARGET_FIELDS})
     if target["name"] not in BACKBONES:
         model.setdefault("codec", read_config_codec(drafts[0]))
-    return model
+    return ModelSettings.from_fields(model)
 
 
 def read_config_codec(path: Path) -> str:
@@ -156,31 +133,19 @@ def read_config_codec(path: Path) -> str:
     return str(read_config(path)["codec"])
 
 
-def with_model(cfg: Any, model: Mapping[str, Any]) -> Any:
-    """``cfg`` with ``model`` replaced (a DictConfig in place, a mapping copied)."""
-    if isinstance(cfg, DictConfig):
-        with open_dict(cfg):
-            cfg.model = OmegaConf.create(dict(model))
-        return cfg
-    return {**cfg, "model": dict(model)}
-
-
-def load_target(cfg: Any) -> Any:
+def load_target(model: ModelSettings, device: str) -> Any:
     """The configured target (``model=``) as a backbone on ``device``."""
     from mtpc.backbones import load_backbone
 
     return load_backbone(
-        str(get_field(cfg, "model.name", "tiny")),
-        path=get_field(cfg, "model.path"),
-        revision=get_field(cfg, "model.revision"),
-        dtype=get_field(cfg, "model.dtype", "float32"),
-        device=str(get_field(cfg, "device", "cpu")),
-        attention_impl=str(get_field(cfg, "model.attention_impl", "auto")),
-    )
+        str(model.name), path=model.path, revision=model.revision, dtype=model.dtype,
+        device=str(device), attention_impl=str(model.attention_impl),
+    )  # fmt: skip
 
 
-def check_target_name(path: Path, cfg: Any) -> str | None:
-    """The registry target a draft was exported for; refuses one other than ``model.name``.
+def check_target_name(path: Path, name: str) -> str | None:
+    """The registry target a draft was exported for; refuses one other than ``name``
+    (``model.name``).
 
     Raises:
         ValueError: the draft names another registry target than ``model.name``.
@@ -189,7 +154,6 @@ def check_target_name(path: Path, cfg: Any) -> str | None:
     from mtpc.export import TargetMismatchError, read_config
 
     recorded = read_config(path)["target"].get("model")
-    name = get_field(cfg, "model.name", "tiny")
     if recorded in BACKBONES and recorded != name:
         raise TargetMismatchError(
             f"draft {path} was exported for target model {recorded!r}, but model={name}; "
@@ -198,7 +162,7 @@ def check_target_name(path: Path, cfg: Any) -> str | None:
     return recorded
 
 
-def load_for_eval(path: Path, cfg: Any) -> Any:
+def load_for_eval(path: Path, model: ModelSettings, device: str) -> Any:
     """Loads a draft against the configured target (``model=``), refusing another target.
 
     Raises:
@@ -208,82 +172,77 @@ def load_for_eval(path: Path, cfg: Any) -> Any:
     from mtpc.backbones import BACKBONES
     from mtpc.model import MTPCModel
 
-    recorded = check_target_name(path, cfg)
-    name = get_field(cfg, "model.name", "tiny")
-    device = str(get_field(cfg, "device", "cpu"))
-    if recorded == name and name in BACKBONES:
-        return MTPCModel.from_pretrained(path, target=load_target(cfg))
+    recorded = check_target_name(path, model.name)
+    if recorded == model.name and model.name in BACKBONES:
+        return MTPCModel.from_pretrained(path, target=load_target(model, device))
     return MTPCModel.from_pretrained(path, device=device)  # an HF target rebuilt from its path
 
 
-def spec_bench_path(cfg: Any) -> Path:
-    """``prompts.path`` (relative to the project root, as ``draft=`` is)."""
-    path = Path(str(get_field(cfg, "prompts.path"))).expanduser()
-    return path if path.is_absolute() else root_dir(cfg) / path
+def spec_bench_path(spec: SpecBench, root: Path) -> Path:
+    """``prompts.path`` (relative to the project ``root``, as ``draft=`` is)."""
+    path = Path(str(spec.path)).expanduser()
+    return path if path.is_absolute() else root / path
 
 
-def spec_bench_categories(cfg: Any) -> list[str] | None:
+def spec_bench_categories(spec: SpecBench) -> list[str] | None:
     """``prompts.categories`` as a list (``prompts.categories=writing`` is ``[writing]``);
     None: every category."""
-    categories = plain(get_field(cfg, "prompts.categories"))
+    categories = spec.categories
     return [categories] if isinstance(categories, str) else categories
 
 
-def spec_bench_questions(cfg: Any) -> tuple[list[Any], str] | None:
+def spec_bench_questions(s: EvalSettings) -> tuple[list[Any], str] | None:
     """``prompts=spec_bench``: the selected questions (``prompts.categories``,
     ``prompts.turns``) and the file's sha256; None for the data group's prompts.
 
     Raises:
         SpecBenchError: a bad file or an unknown category (one line naming the file, line).
     """
-    if get_field(cfg, "prompts") is None:
+    spec = s.prompts.spec_bench
+    if spec is None:
         return None
     from mtpc.data.spec_bench import read_questions, select_questions
 
-    path = spec_bench_path(cfg)
+    path = spec_bench_path(spec, s.output.root_dir)
     questions, sha256 = read_questions(path)
-    return select_questions(
-        questions, path, spec_bench_categories(cfg), get_field(cfg, "prompts.turns")
-    ), sha256
+    return select_questions(questions, path, spec_bench_categories(spec), spec.turns), sha256
 
 
-def load_prompt_sets(cfg: Any, codec: str, max_prompt_length: int | None) -> list[list[Any]]:
+def load_prompt_sets(s: EvalSettings, codec: str, max_prompt_length: int | None) -> list[list[Any]]:
     """Evaluation prompt sets from the data pipeline's validation split (``sources``: only
     those), or with ``prompts=spec_bench`` from the Spec-Bench file (runs over its questions)."""
     from hydra.utils import instantiate
 
-    spec = spec_bench_questions(cfg)
-    if spec is not None:
+    p = s.prompts
+    spec = spec_bench_questions(s)
+    if spec is not None and p.spec_bench is not None:
         from mtpc.backbones.codecs import get_codec
         from mtpc.data.spec_bench import build_prompt_sets
 
-        num_prompts = get_field(cfg, "num_prompts")
         return list(
             build_prompt_sets(
-                spec[0], get_codec(codec), num_sets=int(get_field(cfg, "num_prompt_sets", 1)),
-                max_new_tokens=int(get_field(cfg, "max_new_tokens", 128)),
+                spec[0], get_codec(codec), num_sets=int(p.num_prompt_sets),
+                max_new_tokens=int(s.decoding.max_new_tokens),
                 max_prompt_length=max_prompt_length,
-                per_category=get_field(cfg, "prompts.per_category"),
-                num_prompts=None if num_prompts is None else int(num_prompts),
-                path=spec_bench_path(cfg),
+                per_category=p.spec_bench.per_category,
+                num_prompts=None if p.num_prompts is None else int(p.num_prompts),
+                path=spec_bench_path(p.spec_bench, s.output.root_dir),
             )
         )  # fmt: skip
 
-    data = get_field(cfg, "data")
-    module = instantiate(data, codec=codec) if data is not None else None
+    module = instantiate(s.data, codec=codec) if s.data is not None else None
     if module is None:
         from mtpc.data.datamodule import build_datamodule
 
         module = build_datamodule(codec=codec)
-    seed = int(get_field(cfg, "seed", 0))
-    sets = int(get_field(cfg, "num_prompt_sets", 1))
-    sources = plain(get_field(cfg, "sources"))
+    seed, sets = int(s.decoding.seed), int(p.num_prompt_sets)
+    sources = p.source_list
     return module.prompt_sets(
-        num_prompts=int(get_field(cfg, "num_prompts", 8)),
+        num_prompts=int(p.num_prompts or 0),
         seeds=tuple(range(seed, seed + sets)),
-        english_only=bool(get_field(cfg, "english_only", True)),
+        english_only=bool(p.english_only),
         max_prompt_length=max_prompt_length,
-        **({"sources": [sources] if isinstance(sources, str) else sources} if sources else {}),
+        **({"sources": sources} if sources else {}),
     )
 
 
@@ -295,17 +254,8 @@ def use_device(device: str) -> None:
         torch.cuda.set_device(index)
 
 
-def load_prompts(cfg: Any, codec: str, limit: int | None) -> list[list[Any]]:
+def load_prompts(s: EvalSettings, codec: str, limit: int | None) -> list[list[Any]]:
     try:
-        return load_prompt_sets(cfg, codec, limit)
+        return load_prompt_sets(s, codec, limit)
     except UnknownSourceError as e:
         raise EvalConfigError(str(e)) from None
-
-
-def hydra_model_overrides(cfg: Any) -> dict[str, Any] | None:
-    """The ``model.*`` fields of this Hydra run's command line; ``None`` outside a Hydra run."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if not HydraConfig.initialized():
-        return None
-    return explicit_model_fields(list(HydraConfig.get().overrides.task), cfg)

@@ -41,8 +41,9 @@ from typing import Any
 from mtpc.backbones.codecs import ByteCodec
 from mtpc.data.preprocess import check_row
 from mtpc.errors import UserError
-from mtpc.evaluation.checks import get_field, plain
+from mtpc.evaluation.checks import parse_regenerate
 from mtpc.evaluation.loading import load_target
+from mtpc.evaluation.settings import RegenerateSettings, Settings
 from mtpc.files import BadJsonLine, read_json_lines
 from mtpc.store import AppendStore, changed, provenance, write_json
 
@@ -59,64 +60,6 @@ class RegenerateMismatchError(UserError, ValueError):
 
 class RegenerateBusyError(UserError, RuntimeError):
     """Another process is writing the same shard."""
-
-
-@dataclass(frozen=True)
-class Settings:
-    """How every assistant turn is decoded (part of the manifest's identity).
-
-    Attributes:
-        method: ``autoregressive`` or ``speculative`` (needs ``draft``).
-        draft: the exported draft folder (speculative), else None.
-        greedy: argmax decoding; False: sampling.
-        temperature: sampling temperature (> 0).
-        top_k: keep the k most likely ids (sampling), or None.
-        top_p: nucleus filtering (sampling), or None.
-        max_new_tokens: at most this many ids per assistant turn (fewer where the context ends).
-        seed: base seed of the per-turn seeds.
-        policy: speculative decoding's correction policy.
-        drafting: speculative decoding's draft (docs/DECODING.md, "Drafting"; None: the
-            family default).
-        proposal: speculative sampling's proposal (None: the family default).
-    """
-
-    method: str = "autoregressive"
-    draft: str | None = None
-    greedy: bool = True
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-    max_new_tokens: int = 1024
-    seed: int = 0
-    policy: str = "condition"
-    drafting: str | None = None
-    proposal: str | None = None
-
-    def output_law(self) -> dict[str, Any]:
-        """The settings that decide what is written (not how fast): the manifest's identity.
-
-        The decoder (autoregressive or speculative, the draft, its policy and mode) is left
-        out: it is lossless, so it changes the speed, not the rows' law. Greedy output is
-        the same byte for byte; sampled output the same in distribution (not per seed), so a
-        sampled folder records the decoder too.
-        """
-        law: dict[str, Any] = {
-            "greedy": self.greedy,
-            "max_new_tokens": self.max_new_tokens,
-            "seed": self.seed,
-        }
-        if not self.greedy:
-            law |= {
-                "temperature": self.temperature,
-                "top_k": self.top_k,
-                "top_p": self.top_p,
-                "method": self.method,
-                "draft": self.draft,
-                "policy": self.policy,
-                "drafting": self.drafting,
-                "proposal": self.proposal,
-            }
-        return law
 
 
 def turn_seed(seed: int, index: int, turn: int) -> int:
@@ -404,58 +347,27 @@ def read_folder(folder: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: int(r["regenerated"]["index"]))
 
 
-def _get(cfg: Any, dotted: str, default: Any = None) -> Any:
-    """``cfg``'s field ``dotted`` as plain Python (``mtpc.evaluation.checks.get_field``)."""
-    return plain(get_field(cfg, dotted, default))
-
-
-def default_output_dir(cfg: Any) -> Path:
-    """``outputs/regenerate/<model>-<data source>-<greedy | t<T>>-seed<seed>``."""
-    root = Path(_get(cfg, "paths.root_dir") or ".")
-    mode = "greedy" if _get(cfg, "greedy", True) else f"t{_get(cfg, 'temperature', 1.0)}"
-    source = "path" if _get(cfg, "data.path") else _get(cfg, "data.source", "synthetic")
-    name = f"{_get(cfg, 'model.name')}-{source}-{mode}-seed{_get(cfg, 'seed', 0)}"
-    return root / "outputs" / "regenerate" / name
-
-
-def settings_from(cfg: Any) -> Settings:
-    draft = _get(cfg, "draft")
-    return Settings(
-        method="speculative" if draft else "autoregressive",
-        draft=str(Path(draft).expanduser().resolve()) if draft else None,
-        greedy=bool(_get(cfg, "greedy", True)),
-        temperature=float(_get(cfg, "temperature", 1.0)),
-        top_k=_get(cfg, "top_k"),
-        top_p=None if _get(cfg, "top_p") is None else float(_get(cfg, "top_p")),
-        max_new_tokens=int(_get(cfg, "max_new_tokens")),
-        seed=int(_get(cfg, "seed", 0)),
-        policy=str(_get(cfg, "policy", "condition")),
-        drafting=_get(cfg, "drafting"),
-        proposal=_get(cfg, "proposal"),
-    )
-
-
-def load_model(cfg: Any, settings: Settings) -> Any:
+def load_model(job: RegenerateSettings) -> Any:
     """The target (``model=``) as an ``MTPCModel``: with the exported draft for speculative
     decoding (refused when it was trained for another target), else alone
     (``MTPCModel.target_only``)."""
     from mtpc.model import MTPCModel
 
-    backbone = load_target(cfg)
-    if settings.draft is not None:
-        return MTPCModel.from_pretrained(settings.draft, target=backbone)
+    backbone = load_target(job.model, job.device)
+    if job.decoder.draft is not None:
+        return MTPCModel.from_pretrained(job.decoder.draft, target=backbone)
     return MTPCModel.target_only(backbone)
 
 
-def open_source(cfg: Any) -> tuple[Any, dict[str, Any]]:
+def open_source(data: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
     """The ``data`` group's rows (``mtpc.data.sources.load_source``) and the manifest's
-    ``data`` entry (the group's fields, the source's fingerprint and name)."""
+    ``data`` entry (the group's fields, the source's fingerprint and name).
+
+    Args:
+        data: the ``data.*`` fields (``mtpc.evaluation.settings.REGENERATE_DATA``).
+    """
     from mtpc.data.sources import load_source
 
-    data = {
-        k: _get(cfg, f"data.{k}")
-        for k in ("source", "path", "num_rows", "seed", "streaming", "revision", "hf_name")
-    }
     source = load_source(
         str(data["source"]),
         data["path"],
@@ -481,16 +393,15 @@ def regenerate(cfg: Any) -> dict[str, Any]:
     import torch
 
     from mtpc.backbones.codecs import get_codec
-    from mtpc.config import validate_regenerate_config
     from mtpc.decoding.common import context_length
 
-    validate_regenerate_config(cfg)
-    settings = settings_from(cfg)
-    shard, num_shards = int(_get(cfg, "shard", 0)), int(_get(cfg, "num_shards", 1))
-    out = Path(_get(cfg, "output_dir") or default_output_dir(cfg)).expanduser()
-    if _get(cfg, "num_threads") is not None:
-        torch.set_num_threads(int(_get(cfg, "num_threads")))
-    source, data = open_source(cfg)
+    job = parse_regenerate(cfg)  # the one reading of cfg: below, the settings' named fields
+    settings = job.decoder
+    shard, num_shards = int(job.shard), int(job.num_shards)
+    out = Path(job.output_dir).expanduser()
+    if job.num_threads is not None:
+        torch.set_num_threads(int(job.num_threads))
+    source, data = open_source(job.data)
     manifest: dict[str, Any] = {
         "format": FORMAT_VERSION,
         "settings": settings.output_law(),
@@ -499,12 +410,12 @@ def regenerate(cfg: Any) -> dict[str, Any]:
     }
     # settings, data and sharding are refused before the target loads; its weights after
     refuse_other_regeneration(out, manifest, [k for k in IDENTITY if k != "target"])
-    model = load_model(cfg, settings)
-    codec = get_codec(str(_get(cfg, "model.codec")))
+    model = load_model(job)
+    codec = get_codec(str(job.model.codec))
     manifest |= {
         "target": {
-            "model": _get(cfg, "model.name"),
-            "path": _get(cfg, "model.path"),
+            "model": job.model.name,
+            "path": job.model.path,
             "codec": codec.name,
             "weights_fingerprint": model.backbone.weights_fingerprint(),
         },
@@ -515,10 +426,10 @@ def regenerate(cfg: Any) -> dict[str, Any]:
         resumed = len(store.done)
         rows, tokens, seconds = regenerate_shard(
             store, source, model, codec, settings, context_length(model),
-            progress=bool(_get(cfg, "progress", True)),
+            progress=bool(job.progress),
         )  # fmt: skip
         session = {
-            **provenance(str(_get(cfg, "device", "cpu")), Path(_get(cfg, "paths.root_dir") or ".")),
+            **provenance(str(job.device), Path(job.root_dir or ".")),
             "rows": rows,
             "resumed_after": resumed,
             "seconds": round(seconds, 3),

@@ -26,6 +26,7 @@ import math
 import shutil
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,20 +37,22 @@ from mtpc.backbones.codecs import get_codec
 from mtpc.benchmarking import peak_memory_mb, sync_memory_reset
 from mtpc.decoding import generate
 from mtpc.decoding.common import cut_at_stop
-from mtpc.evaluation.checks import EvalConfigError, check_eval_fields, get_field, plain
+from mtpc.evaluation.checks import (
+    EvalConfigError,
+    check_eval_fields,  # noqa: F401 (evaluate's check, by name)
+    parse_eval,
+)
 from mtpc.evaluation.drafting import chain_kwargs, tree_kwargs
+from mtpc.evaluation.drafting import tree_budgets as budgets
 from mtpc.evaluation.folders import build_manifest, check_prompts, eval_folder, fresh_folder
 from mtpc.evaluation.hetero import decode_hetero
 from mtpc.evaluation.loading import (
-    hydra_model_overrides,
     load_for_eval,
     load_prompts,
     resolve_drafts,
     resolve_target,
-    root_dir,
     spec_bench_questions,
     use_device,
-    with_model,
 )
 from mtpc.evaluation.metrics import pool_turns, prompt_record, tokens_sha1
 from mtpc.evaluation.records import (
@@ -61,20 +64,21 @@ from mtpc.evaluation.records import (
     turn_hashes,
 )
 from mtpc.evaluation.report import build_report, report_folders
+from mtpc.evaluation.settings import EvalDecoding, EvalSettings, hydra_model_overrides
 
 logger = logging.getLogger(__name__)
 
 
-def decode_kwargs(cfg: Any) -> dict[str, Any]:
-    """The ``mtpc.generate`` keywords the evaluation settings give."""
+def decode_kwargs(d: EvalDecoding) -> dict[str, Any]:
+    """The ``mtpc.generate`` keywords the evaluation's decoding settings give."""
     return {
-        "max_new_tokens": int(get_field(cfg, "max_new_tokens", 128)),
-        "greedy": bool(get_field(cfg, "greedy", True)),
-        "policy": get_field(cfg, "policy", "condition"),
-        "temperature": float(get_field(cfg, "temperature", 1.0)),
-        "top_k": get_field(cfg, "top_k"),
-        "top_p": get_field(cfg, "top_p"),
-        "suppress_eos": bool(get_field(cfg, "suppress_eos", True)),
+        "max_new_tokens": int(d.max_new_tokens),
+        "greedy": bool(d.greedy),
+        "policy": d.policy,
+        "temperature": float(d.temperature),
+        "top_k": d.top_k,
+        "top_p": d.top_p,
+        "suppress_eos": bool(d.suppress_eos),
     }
 
 
@@ -87,22 +91,14 @@ PASSES: dict[str, dict[str, Any]] = {
 (from ``tree_budget``) decodes with a token tree of B nodes."""
 
 
-def pass_overrides(pass_name: str, cfg: Any = None) -> dict[str, Any]:
+def pass_overrides(pass_name: str, d: EvalDecoding) -> dict[str, Any]:
     """The ``mtpc.generate`` overrides of a pass (``ar``, ``speculative``, ``tree<B>``, ...),
-    with the drafting choice of ``cfg`` (the chain's for the chain passes)."""
+    with the drafting choice of ``d`` (the chain's for the chain passes)."""
     if pass_name.startswith("tree"):
-        return tree_kwargs(int(pass_name.removeprefix("tree")), get_field(cfg, "tree_floor", 0.0))
+        return tree_kwargs(int(pass_name.removeprefix("tree")), d.tree_floor)
     if pass_name == "ar":
         return PASSES[pass_name]
-    chain = chain_kwargs(get_field(cfg, "drafting"), get_field(cfg, "proposal"))
-    return {**chain, **PASSES[pass_name]}
-
-
-def tree_budgets(cfg: Any) -> list[int]:
-    """The positive budgets of ``tree_budget`` (null, an int or a list), sorted, no repeats."""
-    from mtpc.evaluation.drafting import tree_budgets as budgets
-
-    return budgets(plain(get_field(cfg, "tree_budget")))
+    return {**chain_kwargs(d.drafting, d.proposal), **PASSES[pass_name]}
 
 
 class _Progress:
@@ -124,7 +120,9 @@ class _Progress:
         self.bar.close()
 
 
-def warmup_prompts(model: Any, prompt_sets: Sequence[Sequence[Any]], cfg: Any) -> list[list[int]]:
+def warmup_prompts(
+    model: Any, prompt_sets: Sequence[Sequence[Any]], max_new_tokens: int, window_prompt: bool
+) -> list[list[int]]:
     """The prompts each pass decodes untimed (``warmup`` times) before it is timed, with its
     own decoding method.
 
@@ -134,12 +132,18 @@ def warmup_prompts(model: Any, prompt_sets: Sequence[Sequence[Any]], cfg: Any) -
     decoding reaches the next window boundary within h new ids, so the first window
     compression and the kernels' shapes of a longer prefill (triton specialises per length)
     are compiled before the timed prompts. Left out when it would not fit the context.
+
+    Args:
+        model: the loaded draft.
+        prompt_sets: the prompt sets.
+        max_new_tokens: the passes' ``max_new_tokens``.
+        window_prompt: ``warmup_window``: add the window-crossing prompt.
     """
     prompts = [list(prompt_sets[0][0].prompt_ids)]
     window = getattr(model.backbone, "window_size", None)
-    if not get_field(cfg, "warmup_window", True) or not window:
+    if not window_prompt or not window:
         return prompts
-    new = int(get_field(cfg, "max_new_tokens", 128))
+    new = int(max_new_tokens)
     length = 2 * int(window) - max(1, min(new, int(window)) // 2)
     context = getattr(model.backbone.config, "max_position_embeddings", None)
     if context and length + new + model.head.window > int(context):
@@ -231,23 +235,28 @@ class Lane:
     """
 
     def __init__(
-        self, model: Any, cfg: Any, draft: Mapping[str, Any] | None, pass_name: str
+        self, model: Any, s: EvalSettings, draft: Mapping[str, Any] | None, pass_name: str
     ) -> None:
         self.model = model
+        self.settings = s
         self.draft = draft
         self.pass_name = pass_name
         self.path = None if draft is None else draft["path"]
         self.name = "AR (target)" if draft is None else draft["name"]
-        self.kwargs = {**decode_kwargs(cfg), **pass_overrides(pass_name, cfg)}
-        self.seed = int(get_field(cfg, "seed", 0))
+        self.kwargs = {**decode_kwargs(s.decoding), **pass_overrides(pass_name, s.decoding)}
+        self.seed = int(s.decoding.seed)
         self.drafting = pass_name == "speculative" or pass_name.startswith("tree")
         self.check = self.drafting and bool(self.kwargs["greedy"])  # output == AR's
         self.codec = get_codec(model.backbone.codec)
 
-    def warm_up(self, prompt_sets: Sequence[Sequence[Any]], cfg: Any) -> None:
+    def warm_up(self, prompt_sets: Sequence[Sequence[Any]]) -> None:
         """``warmup`` untimed runs on each of :func:`warmup_prompts`, with this lane's method."""
-        for w in range(int(get_field(cfg, "warmup", 1))):
-            for ids in warmup_prompts(self.model, prompt_sets, cfg):
+        s = self.settings
+        for w in range(int(s.run.warmup)):
+            prompts = warmup_prompts(
+                self.model, prompt_sets, s.decoding.max_new_tokens, bool(s.run.warmup_window)
+            )
+            for ids in prompts:
                 generate(self.model, ids, seed=self.seed + w, **self.kwargs)
 
     def decode(
@@ -289,7 +298,7 @@ def run_pass(
     store: RecordStore,
     model: Any,
     prompt_sets: Sequence[Sequence[Any]],
-    cfg: Any,
+    s: EvalSettings,
     draft: Mapping[str, Any] | None,
     pass_name: str,
 ) -> int:
@@ -303,22 +312,22 @@ def run_pass(
         store: the evaluation folder.
         model: the loaded draft (its backbone is the target for the ``ar`` pass).
         prompt_sets: the prompt sets.
-        cfg: the evaluation settings.
+        s: the evaluation settings.
         draft: the draft's manifest entry; None for the ``ar`` pass.
         pass_name: a key of :data:`PASSES`.
     """
-    lane = Lane(model, cfg, draft, pass_name)
+    lane = Lane(model, s, draft, pass_name)
     todo = store.pending(prompt_sets, lane.path, pass_name)
     if not todo:  # killed between the last prompt and the pass record
         lane.close(store, None)
         return 0
-    device = str(get_field(cfg, "device", "cpu"))
+    device = str(s.run.device)
     reference = ar_turn_hashes(store.records)
     sync_memory_reset(device)
-    lane.warm_up(prompt_sets, cfg)
+    lane.warm_up(prompt_sets)
     total = sum(len(p) for p in prompt_sets)
     bar = _Progress(
-        bool(get_field(cfg, "progress", True)), total, total - len(todo),
+        bool(s.run.progress), total, total - len(todo),
         f"{lane.name} [{pass_name}]",
     )  # fmt: skip
     try:
@@ -339,7 +348,7 @@ def interleaved_order(lanes: Sequence[Any], position: int) -> list[Any]:
 
 
 def run_interleaved(
-    store: RecordStore, lanes: Sequence[Lane], prompt_sets: Sequence[Sequence[Any]], cfg: Any
+    store: RecordStore, lanes: Sequence[Lane], prompt_sets: Sequence[Sequence[Any]], s: EvalSettings
 ) -> dict[Lane, int]:
     """Decodes every lane's unrecorded prompts prompt by prompt (``interleave=true``).
 
@@ -355,19 +364,19 @@ def run_interleaved(
     Returns:
         The number of prompts decoded per lane.
     """
-    device = str(get_field(cfg, "device", "cpu"))
+    device = str(s.run.device)
     todo = {lane: store.pending(prompt_sets, lane.path, lane.pass_name) for lane in lanes}
     busy = [lane for lane in lanes if todo[lane]]
     decoded = {lane: 0 for lane in lanes}
     if busy:
         sync_memory_reset(device)
         for lane in busy:
-            lane.warm_up(prompt_sets, cfg)
+            lane.warm_up(prompt_sets)
     reference = ar_turn_hashes(store.records)
     missing = {lane: {(k, i) for k, i, _ in todo[lane]} for lane in lanes}
     total = sum(len(p) for p in prompt_sets) * len(lanes)
     bar = _Progress(
-        bool(get_field(cfg, "progress", True)), total,
+        bool(s.run.progress), total,
         total - sum(len(t) for t in todo.values()), "interleaved",
     )  # fmt: skip
     position = 0
@@ -408,7 +417,7 @@ def log_draft(
 
 
 def decode_all(
-    cfg: Any, store: RecordStore, drafts: Sequence[Path], baselines: Sequence[Path]
+    s: EvalSettings, store: RecordStore, drafts: Sequence[Path], baselines: Sequence[Path]
 ) -> list[list[Any]] | None:
     """Decodes what ``store`` lacks: AR (with the first draft's target), then every draft,
     one after the other; with ``interleave=true`` every draft at once, prompt by prompt
@@ -418,17 +427,15 @@ def decode_all(
         The prompt sets when a model was loaded (None when every record was there).
     """
     entries = store.manifest["drafts"]
-    codec = str(get_field(cfg, "model.codec", "tiny"))
+    codec = str(s.model.codec)
     if entries:
         from mtpc.export import read_config
 
         codec = read_config(Path(entries[0]["path"]))["codec"]
     windows = [d["window"] for d in entries] or [0]
-    new = int(get_field(cfg, "max_new_tokens", 128))
-    passes = ["speculative"] + (
-        ["max_throughput"] if get_field(cfg, "max_throughput", True) else []
-    )
-    passes += [f"tree{b}" for b in tree_budgets(cfg)]
+    new = int(s.decoding.max_new_tokens)
+    passes = ["speculative"] + (["max_throughput"] if s.run.max_throughput else [])
+    passes += [f"tree{b}" for b in budgets(s.decoding.tree_budget)]
     finished = {(r["draft_path"], r["pass"]) for r in store.records if r.get("type") == "pass"}
     plan = []  # (index, path, entry, the passes it lacks)
     for index, (path, draft) in enumerate(zip([*drafts, *baselines], entries, strict=True)):
@@ -447,23 +454,24 @@ def decode_all(
         nonlocal prompt_sets
         if prompt_sets is None:  # the target's context bounds the prompts
             context = getattr(model.backbone.config, "max_position_embeddings", None)
-            limit = get_field(cfg, "max_prompt_length")
+            limit = s.prompts.max_prompt_length
             if context:
                 fit = int(context) - new - max(windows)
                 limit = fit if limit is None else min(int(limit), fit)
-            prompt_sets = load_prompts(cfg, codec, limit)
+            prompt_sets = load_prompts(s, codec, limit)
             check_prompts(store, prompt_sets)
         return prompt_sets
 
-    if get_field(cfg, "interleave", False) and plan:
+    device = str(s.run.device)
+    if s.run.interleave and plan:
         start = time.perf_counter()
-        models = {index: load_for_eval(path, cfg) for index, path, _, _ in plan}
+        models = {index: load_for_eval(path, s.model, device) for index, path, _, _ in plan}
         lanes = [
-            Lane(models[index], cfg, None if p == "ar" else draft, p)
+            Lane(models[index], s, None if p == "ar" else draft, p)
             for index, _, draft, todo in plan
             for p in todo
         ]
-        counts = run_interleaved(store, lanes, prompts_for(next(iter(models.values()))), cfg)
+        counts = run_interleaved(store, lanes, prompts_for(next(iter(models.values()))), s)
         seconds = time.perf_counter() - start
         for index, _, draft, _ in plan:
             mine = [lane for lane in lanes if lane.model is models[index]]
@@ -473,9 +481,9 @@ def decode_all(
         return prompt_sets
     for index, path, draft, todo in plan:
         start = time.perf_counter()
-        model = load_for_eval(path, cfg)
+        model = load_for_eval(path, s.model, device)
         decoded = sum(
-            run_pass(store, model, prompts_for(model), cfg, None if p == "ar" else draft, p)
+            run_pass(store, model, prompts_for(model), s, None if p == "ar" else draft, p)
             for p in todo
         )
         log_draft(store, index, draft, decoded, time.perf_counter() - start)
@@ -484,19 +492,17 @@ def decode_all(
     return prompt_sets
 
 
-def rebuild_report(cfg: Any, report: str | Sequence[str], plots: bool) -> dict[str, Any]:
+def rebuild_report(s: EvalSettings) -> dict[str, Any]:
     """``report=<folder>`` (or a list, globs allowed): the report of the folders' records,
     merged, into ``output_dir`` (needed for several folders; else the folder itself)."""
-    folders = expand_folders([report] if isinstance(report, str) else report, root_dir(cfg))
-    try:
-        out = get_field(cfg, "output_dir")
-    except Exception:
-        out = None
+    report = s.output.report
+    folders = expand_folders([report] if isinstance(report, str) else report, s.output.root_dir)
+    out = s.output.output_dir
     if out is None and len(folders) > 1:
         raise EvalConfigError(
             "report= with several folders needs output_dir=<where the merged report goes>"
         )
-    result = report_folders(folders, Path(out) if out else folders[0], plots=plots)
+    result = report_folders(folders, Path(out) if out else folders[0], plots=bool(s.output.plots))
     print(f"results: {result['files']['json']}")
     return result
 
@@ -527,54 +533,44 @@ def evaluate(
         RecordsError: the folder holds another evaluation's records, another evaluation
             writes to it, or the report folders cannot be merged.
     """
-    from mtpc.config import validate_eval_config
+    s = parse_eval(cfg)  # the one reading of cfg: below, the settings' named fields
+    spec_bench_questions(s)  # prompts=spec_bench: a bad file is refused before anything loads
+    if s.output.report:
+        return rebuild_report(s)
 
-    validate_eval_config(cfg)
-    check_eval_fields(cfg)
-    spec_bench_questions(cfg)  # prompts=spec_bench: a bad file is refused before anything loads
-    plots = bool(get_field(cfg, "plots", True))
-    report = plain(get_field(cfg, "report"))
-    if report:
-        return rebuild_report(cfg, report, plots)
-
-    drafter = get_field(cfg, "drafter")
+    drafter = s.drafter
+    root = s.output.root_dir
     # drafter=hetero alone evaluates only the other-vocabulary drafter; with draft= both
-    drafts = resolve_drafts(cfg) if drafter is None or get_field(cfg, "draft") else []
-    base_paths = resolve_drafts(cfg, key="baseline")
+    drafts = resolve_drafts(s.draft, root) if drafter is None or s.draft else []
+    base_paths = resolve_drafts(s.baseline, root, key="baseline")
     baseline_set = {b.resolve() for b in base_paths}
     drafts = [d for d in drafts if d.resolve() not in baseline_set]  # also the baseline: once
     if drafts or base_paths:  # the target comes from the drafts
         if explicit_model is None:
             explicit_model = hydra_model_overrides(cfg)
-        cfg = with_model(cfg, resolve_target(cfg, [*drafts, *base_paths], explicit_model))
-    threads = get_field(cfg, "num_threads")
-    if threads:
-        torch.set_num_threads(int(threads))
-    use_device(str(get_field(cfg, "device", "cpu")))  # device=cuda:1: kernels and counters on GPU 1
-    manifest = build_manifest(cfg, drafts, base_paths)
-    folder = eval_folder(cfg, manifest)
-    if get_field(cfg, "resume", "auto") == "never":
+        target = resolve_target(s.model, [*drafts, *base_paths], explicit_model)
+        s = replace(s, model=target)
+    if s.run.num_threads:
+        torch.set_num_threads(int(s.run.num_threads))
+    use_device(str(s.run.device))  # device=cuda:1: kernels and counters on GPU 1
+    manifest = build_manifest(s, drafts, base_paths)
+    folder = eval_folder(s, manifest)
+    if s.output.resume == "never":
         folder = fresh_folder(folder)
     logger.info("evaluation folder: %s", folder)
     new = not (folder / MANIFEST).is_file()
-    with RecordStore.open(
-        folder, manifest, force=get_field(cfg, "resume", "auto") == "force"
-    ) as store:
+    with RecordStore.open(folder, manifest, force=s.output.resume == "force") as store:
         try:
-            prompt_sets = decode_all(cfg, store, drafts, base_paths)
+            prompt_sets = decode_all(s, store, drafts, base_paths)
             if drafter is not None:
                 if prompt_sets is None:
-                    prompt_sets = load_prompts(
-                        cfg,
-                        str(get_field(cfg, "model.codec", "tiny")),
-                        get_field(cfg, "max_prompt_length"),
-                    )
+                    prompt_sets = load_prompts(s, str(s.model.codec), s.prompts.max_prompt_length)
                     check_prompts(store, prompt_sets)
-                decode_hetero(cfg, store, prompt_sets)
+                decode_hetero(s, store, prompt_sets)
         except Exception:
             if new and not store.records:  # refused before any decoding: leave no folder
                 shutil.rmtree(folder, ignore_errors=True)
             raise
-    result = report_folders([folder], folder, plots=plots)
+    result = report_folders([folder], folder, plots=bool(s.output.plots))
     print(f"results: {result['files']['json']}")
     return {**result, "folder": str(folder)}
