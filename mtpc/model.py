@@ -283,27 +283,20 @@ class MTPCModel(nn.Module):
         positions: torch.Tensor | None = None,
         documents: torch.Tensor | None = None,
         tree_mask: torch.Tensor | None = None,
+        attend: torch.Tensor | None = None,
+        hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Embeds ``ids`` (B, T) and runs layers 0..L-k-1 -> pre-norm hidden (B, T, d).
 
         With a cache, ``ids`` follow the cached ones (and are recorded: the byte Llama's
         embedding reads the history). With ``tree_mask`` (T, T) (see
         ``Backbone.run_layers``) the ids are the nodes of a token tree in topological order;
-        a node's history is the cache and its ancestors.
+        a node's history is the cache and its ancestors. ``attend`` (B, T, P + T): batched
+        decoding's per-row visibility (``Backbone.run_layers``); ``hidden``: the ids'
+        embeddings when the caller made them (:meth:`embed`, a row at a time).
         """
-        past = None if cache is None else cache.ids
-        if tree_mask is not None and self.backbone.needs_history:
-            hidden = torch.cat(
-                [
-                    self.backbone.embed(
-                        ids[:, i : i + 1], _cat_ids(past, ids[:, :i][:, tree_mask[i, :i]])
-                    )
-                    for i in range(ids.shape[1])
-                ],
-                1,
-            )  # (B, T, d): each node embedded after its own root path
-        else:
-            hidden = self.backbone.embed(ids, past)  # (B, T, d)
+        if hidden is None:
+            hidden = self.embed(ids, None if cache is None else cache.ids, tree_mask)
         hidden = self.backbone.run_layers(
             hidden,
             0,
@@ -313,10 +306,28 @@ class MTPCModel(nn.Module):
             adapter=False,
             documents=documents,
             tree_mask=tree_mask,
+            attend=attend,
         )
         if cache is not None:
             cache.record_ids(ids)
         return hidden
+
+    def embed(
+        self, ids: torch.Tensor, past: torch.Tensor | None, tree_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Input embeddings of ``ids`` (B, T) after the history ``past`` (B, P) -> (B, T, d);
+        a token tree's nodes (``tree_mask`` (T, T)) each after its own root path."""
+        if tree_mask is not None and self.backbone.needs_history:
+            return torch.cat(
+                [
+                    self.backbone.embed(
+                        ids[:, i : i + 1], _cat_ids(past, ids[:, :i][:, tree_mask[i, :i]])
+                    )
+                    for i in range(ids.shape[1])
+                ],
+                1,
+            )  # (B, T, d)
+        return self.backbone.embed(ids, past)  # (B, T, d)
 
     def verifier_tail(
         self,
@@ -325,9 +336,10 @@ class MTPCModel(nn.Module):
         positions: torch.Tensor | None = None,
         documents: torch.Tensor | None = None,
         tree_mask: torch.Tensor | None = None,
+        attend: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Layers L-k..L-1 with base weights (adapter off): (B, T, d) -> (B, T, d)."""
-        return self._tail(hidden, False, cache, positions, documents, tree_mask)
+        return self._tail(hidden, False, cache, positions, documents, tree_mask, attend)
 
     def draft_tail(
         self,
@@ -336,9 +348,10 @@ class MTPCModel(nn.Module):
         positions: torch.Tensor | None = None,
         documents: torch.Tensor | None = None,
         tree_mask: torch.Tensor | None = None,
+        attend: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Layers L-k..L-1 with the LoRA adapter on: (B, T, d) -> (B, T, d)."""
-        return self._tail(hidden, self.k > 0, cache, positions, documents, tree_mask)
+        return self._tail(hidden, self.k > 0, cache, positions, documents, tree_mask, attend)
 
     def _tail(
         self,
@@ -348,6 +361,7 @@ class MTPCModel(nn.Module):
         positions: torch.Tensor | None,
         documents: torch.Tensor | None,
         tree_mask: torch.Tensor | None,
+        attend: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Layers L-k..L-1, adapter on or off: (B, T, d) -> (B, T, d)."""
         return self.backbone.run_layers(
@@ -359,6 +373,7 @@ class MTPCModel(nn.Module):
             adapter=adapter,
             documents=documents,
             tree_mask=tree_mask,
+            attend=attend,
         )
 
     def verifier_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -144,9 +144,13 @@ def tree_attention_mask(
     allowed = torch.cat(
         [tree_mask.new_ones(t, past, dtype=torch.bool), tree_mask.to(torch.bool)], 1
     )  # (T, P + T)
-    mask = torch.zeros(t, past + t, dtype=dtype, device=tree_mask.device)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[None, None].expand(batch, 1, t, past + t)
+    return additive_mask(allowed, dtype)[None, None].expand(batch, 1, t, past + t)
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where ``allowed`` (bool, any shape), the dtype's minimum elsewhere."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
 def check_tree_mask(tree_mask: torch.Tensor, length: int) -> None:
@@ -274,6 +278,9 @@ class Backbone(nn.Module, ABC):
     needs_history = False
     supports_tree_mask = False
     """``run_layers(..., tree_mask=...)``: T new nodes attend their ancestors in one pass."""
+    supports_batch = False
+    """``run_layers(..., attend=...)`` and :meth:`native_take`: rows of one batched cache at
+    their own lengths (batched decoding, ``mtpc.decoding.layout``)."""
 
     def __init__(self, hf_model: nn.Module, name: str, codec: str, source: dict[str, Any]) -> None:
         super().__init__()
@@ -363,6 +370,20 @@ class Backbone(nn.Module, ABC):
         :meth:`LayerCache.compact`)."""
         raise NotImplementedError(f"{type(self).__name__} has no compaction by index")
 
+    def native_take(self, native: Any, rows: torch.Tensor, index: torch.Tensor) -> None:
+        """Keeps batch rows ``rows`` (B',) of a native cache and, in row i, the positions
+        ``index[i]`` (B', P') in that order (batched decoding: rows leave, holes close)."""
+        raise NotImplementedError(f"{type(self).__name__} has no batched cache")
+
+    def native_pad(self, native: Any, length: int) -> None:
+        """Appends zero positions to a native cache up to ``length`` (masked out by the
+        caller; batched decoding merges caches of different lengths)."""
+        raise NotImplementedError(f"{type(self).__name__} has no batched cache")
+
+    def native_merge(self, native: Any, other: Any) -> None:
+        """Appends the rows of ``other`` (same length) to ``native`` along the batch."""
+        raise NotImplementedError(f"{type(self).__name__} has no batched cache")
+
     def one_pass_span(self, length: int, count: int) -> int:
         """How many of ``count`` new positions after ``length`` cached ones one cached pass
         computes exactly (all of them, except where the attention changes form: EVA windows)."""
@@ -379,13 +400,15 @@ class Backbone(nn.Module, ABC):
         past: int,
         documents: torch.Tensor | None = None,
         tree_mask: torch.Tensor | None = None,
+        attend: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Runs layers ``start..end-1``; ``native`` may be ``None`` (no cache).
 
         ``documents`` (B, T), only without a cache: attention stays inside each document
         of a packed row where the backbone supports it. ``tree_mask`` (T, T) bool, only with
         a cache and ``supports_tree_mask``: new position i attends the cache and the new
-        positions j with ``tree_mask[i, j]``.
+        positions j with ``tree_mask[i, j]``. ``attend`` (B, T, P + T) bool, only with a
+        cache and ``supports_batch``: which cached and new positions each new one attends.
         """
 
     # --- shared machinery ------------------------------------------------------------------
@@ -426,6 +449,7 @@ class Backbone(nn.Module, ABC):
         adapter: bool = False,
         documents: torch.Tensor | None = None,
         tree_mask: torch.Tensor | None = None,
+        attend: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Runs layers ``start..end-1`` on ``hidden`` (B, T, d) -> (B, T, d).
 
@@ -468,7 +492,7 @@ class Backbone(nn.Module, ABC):
             with grad, self.adapter(adapter):
                 native = None if cache is None else cache.native
                 hidden = self._run(
-                    hidden, start, end, positions, native, past, documents, tree_mask
+                    hidden, start, end, positions, native, past, documents, tree_mask, attend
                 )
         if cache is not None:
             cache.length += t

@@ -439,6 +439,7 @@ class EvaByteBackbone(Backbone):
         past: int,
         documents: torch.Tensor | None = None,
         tree_mask: torch.Tensor | None = None,
+        attend: torch.Tensor | None = None,  # never: EVA's window cache is not batched
     ) -> torch.Tensor:
         # EVA attention builds its own (chunked, causal) masks: packed documents attend
         # across boundaries here; the loss still never uses a window across documents.

@@ -21,7 +21,13 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from mtpc.backbones.base import Backbone, causal_mask, document_mask, tree_attention_mask
+from mtpc.backbones.base import (
+    Backbone,
+    additive_mask,
+    causal_mask,
+    document_mask,
+    tree_attention_mask,
+)
 from mtpc.backbones.compat import cache_keyword
 
 _FAST_CAUSAL = ("sdpa", "flash_attention_2", "flash_attention_3")
@@ -93,13 +99,39 @@ class LlamaBackbone(Backbone):
         if length is not None and length > base + count:
             native.crop(base + count - length)  # transformers takes a negative count here
 
+    supports_batch = True
+
+    def native_take(self, native: Any, rows: torch.Tensor, index: torch.Tensor) -> None:
+        for layer in _filled(native):
+            i = index.to(layer.keys.device)[:, None, :, None]  # (B', 1, P', 1)
+            i = i.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])  # (B', H, P', D)
+            rows = rows.to(layer.keys.device)
+            layer.keys = layer.keys.index_select(0, rows).gather(2, i)
+            layer.values = layer.values.index_select(0, rows).gather(2, i)
+
+    def native_pad(self, native: Any, length: int) -> None:
+        for layer in _filled(native):
+            b, h, p, d = layer.keys.shape
+            if length > p:
+                zeros = layer.keys.new_zeros(b, h, length - p, d)
+                layer.keys = torch.cat([layer.keys, zeros], 2)
+                layer.values = torch.cat([layer.values, zeros], 2)
+
+    def native_merge(self, native: Any, other: Any) -> None:
+        for layer, add in zip(_filled(native), _filled(other), strict=True):
+            layer.keys = torch.cat([layer.keys, add.keys])  # (B + B', H, P, D)
+            layer.values = torch.cat([layer.values, add.values])
+
     def _mask(
         self,
         hidden: torch.Tensor,
         past: int,
         documents: torch.Tensor | None = None,
         tree_mask: torch.Tensor | None = None,
+        attend: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
+        if attend is not None:
+            return additive_mask(attend, hidden.dtype)[:, None]  # (B, 1, T, P + T)
         if tree_mask is not None:
             return tree_attention_mask(past, tree_mask, hidden.dtype, hidden.shape[0])
         if documents is not None:
@@ -119,8 +151,9 @@ class LlamaBackbone(Backbone):
         past: int,
         documents: torch.Tensor | None = None,
         tree_mask: torch.Tensor | None = None,
+        attend: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        mask = self._mask(hidden, past, documents, tree_mask)
+        mask = self._mask(hidden, past, documents, tree_mask, attend)
         cos_sin = self.inner.rotary_emb(hidden, positions)
         kwargs: dict[str, Any] = {
             "attention_mask": mask,
@@ -137,6 +170,18 @@ class LlamaBackbone(Backbone):
             out = layer(hidden, **kwargs)
             hidden = out[0] if isinstance(out, tuple) else out  # (B, T, d)
         return hidden
+
+
+def _filled(native: Any) -> list[Any]:
+    """The layers of a ``DynamicCache`` that hold keys ``(B, H, P, D)`` (a component's
+    cache leaves the layers below its first one empty)."""
+    return [
+        layer
+        for layer in native.layers
+        if getattr(layer, "is_initialized", True)
+        and getattr(layer, "keys", None) is not None
+        and layer.keys.dim() == 4
+    ]
 
 
 def _hf_source(hf_model: nn.Module) -> dict[str, Any]:

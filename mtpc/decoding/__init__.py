@@ -74,8 +74,9 @@ def generate(
     drafter: Any = None,
     tree_budget: int | None = None,
     tree_floor: float = 0.0,
-) -> GenerationResult:
-    """Generates a continuation of one prompt with the target of ``model``.
+    batch_size: int | None = None,
+) -> GenerationResult | list[GenerationResult]:
+    """Generates a continuation of one prompt, or of each of many, with the target of ``model``.
 
     The output is the target's: greedy speculative output equals greedy autoregressive
     output token for token; sampled speculative output has the target's distribution
@@ -83,11 +84,14 @@ def generate(
 
     Args:
         model: an ``MTPCModel`` (target + draft head; ``autoregressive`` uses the target only).
-        prompt_ids: list of ids, or a (T,) / (1, T) tensor (batch size 1).
+        prompt_ids: one prompt (a list of ids, or a (T,) / (1, T) tensor), or a list of
+            prompts of any lengths (lists or tensors), decoded ``batch_size`` at a time.
         max_new_tokens: at most this many new ids (>= 1).
         method: ``speculative`` or ``autoregressive``.
         greedy: argmax decoding (exact match) or sampling (rejection + residual).
-        seed: RNG seed (sampling, ancestral drafts).
+        seed: RNG seed (sampling, ancestral drafts); with many prompts, one per prompt or
+            one for all. Each row draws from its own generator, so a row's output never
+            depends on the other rows.
         policy: what happens to the verifier's correction / bonus token: ``condition``
             (keep it, draft the next window conditioned on it; no extra pass), ``recompute``
             (keep it, one extra trunk pass), ``drop`` (the paper's Alg. 2).
@@ -113,7 +117,9 @@ def generate(
             it (adaptive tree size); in [0, 1); needs a ``tree_budget``.
 
     Returns:
-        A :class:`GenerationResult` (``tokens``, ``accepted``, ``seconds``, per-cycle data).
+        A :class:`GenerationResult` (``tokens``, ``accepted``, ``seconds``, per-cycle data);
+        a list of them, in order, for a list of prompts. At ``batch_size`` > 1 a row's
+        ``cycle_seconds`` are the wall times of the batch's cycles it took part in.
 
     Raises:
         ValueError: bad arguments, an empty prompt or one that does not fit the target's
@@ -122,17 +128,62 @@ def generate(
     from mtpc.decoding.common import check_request, prompt_tensor
 
     stops = None if stop_ids is None else tuple(stop_ids)
+    first = seed[0] if isinstance(seed, list | tuple) and len(seed) else seed
     settings = check_settings(  # model-free: the same refusals as generate_hetero, evaluate
-        method=method, max_new_tokens=max_new_tokens, greedy=greedy, seed=seed, policy=policy,
+        method=method, max_new_tokens=max_new_tokens, greedy=greedy, seed=first, policy=policy,
         draft=draft, proposal=proposal, temperature=temperature, top_k=top_k, top_p=top_p,
         stop_ids=stops, suppress_eos=suppress_eos, max_throughput=max_throughput,
         profile=profile, tree_budget=tree_budget, tree_floor=tree_floor,
     )  # fmt: skip
-    prompt = prompt_tensor(model, prompt_ids)
-    request = check_request(model, prompt, settings)
-    if request.tree_budget and drafter is not None:
+    many = is_prompt_list(prompt_ids)
+    items = list(prompt_ids) if many else [prompt_ids]
+    seeds = check_seeds(seed, len(items))
+    prompts, requests = [], []
+    for i, item in enumerate(items):
+        prompt = prompt_tensor(model, item, f"prompt_ids[{i}]" if many else "prompt_ids")
+        request = dataclasses.replace(settings, seed=seeds[i])
+        requests.append(_chain_without_tree_attention(model, check_request(model, prompt, request)))
+        prompts.append(prompt[0])  # (T,)
+    if requests[0].tree_budget and drafter is not None:
         raise ValueError("drafter (a chain test hook) is not allowed with tree_budget > 0")
-    return _decode(model, prompt, _chain_without_tree_attention(model, request), drafter)
+    size = check_batch_size(model, batch_size, len(prompts))
+    out = _decode(model, prompts, requests, drafter, size)
+    return out if many else out[0]
+
+
+def is_prompt_list(prompt_ids: Any) -> bool:
+    """A list of prompts (lists or tensors), not one prompt's ids."""
+    return isinstance(prompt_ids, list | tuple) and any(
+        not isinstance(p, int) and hasattr(p, "__len__") for p in prompt_ids
+    )
+
+
+def check_seeds(seed: Any, count: int) -> list[int]:
+    """One seed per prompt: ``seed`` for all, or a list of ``count``."""
+    if isinstance(seed, list | tuple):
+        if len(seed) != count:
+            raise ValueError(
+                f"seed has {len(seed)} values for {count} prompts; allowed: one "
+                "int, or one per prompt"
+            )
+        return [int(check_settings(seed=s).seed) for s in seed]
+    return [seed] * count
+
+
+def check_batch_size(model: Any, batch_size: Any, count: int) -> int:
+    """The rows decoded at once (None: every prompt); a backbone without a batched cache
+    takes 1 only."""
+    if batch_size is None:
+        batch_size = count if model.backbone.supports_batch else 1
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size is {batch_size!r}; allowed: an int >= 1 (or None)")
+    if batch_size > 1 and not model.backbone.supports_batch:
+        raise ValueError(
+            f"batch_size={batch_size}: {type(model.backbone).__name__} decodes one prompt at "
+            "a time (its cache holds one sequence; EvaByte's EVA window cache is not "
+            "batched); allowed: batch_size=1"
+        )
+    return min(batch_size, count)
 
 
 def _chain_without_tree_attention(model: Any, request: Request) -> Request:
@@ -149,23 +200,28 @@ def _chain_without_tree_attention(model: Any, request: Request) -> Request:
     return dataclasses.replace(request, tree_budget=0, draft=chain[0], proposal=chain[1])
 
 
-def _decode(model: Any, prompt: Tensor, request: Request, drafter: Any) -> GenerationResult:
-    """Runs the request's decoder on ``model`` in eval mode (restoring training mode)."""
+def _decode(
+    model: Any, prompts: list[Tensor], requests: list[Request], drafter: Any, size: int
+) -> list[GenerationResult]:
+    """Runs the requests' decoder on ``model`` in eval mode (restoring training mode)."""
     was_training = model.training
     if was_training:
         model.eval()
+    request = requests[0]
     try:
         if request.method == "autoregressive":
             from mtpc.decoding.autoregressive import autoregressive_generate
 
-            return autoregressive_generate(model, prompt, request)
+            return autoregressive_generate(model, prompts, requests, size)
+        from mtpc.decoding.loop import decode
+
         if request.tree_budget:
-            from mtpc.decoding.tree import tree_generate
+            from mtpc.decoding.tree import Tree
 
-            return tree_generate(model, prompt, request)
-        from mtpc.decoding.speculative import speculative_generate
+            return decode(model, prompts, requests, Tree(request), size)
+        from mtpc.decoding.speculative import Chain
 
-        return speculative_generate(model, prompt, request, drafter=drafter)
+        return decode(model, prompts, requests, Chain(request, drafter), size)
     finally:
         if was_training:
             model.train()

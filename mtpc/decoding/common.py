@@ -33,7 +33,7 @@ SECTIONS = ("model", "head", "circuit", "verify", "cache")
 
 @dataclass
 class GenerationResult:
-    """Output of one decoding run (batch size 1).
+    """Output of one prompt's decoding.
 
     Attributes:
         tokens: the new ids (after the prompt), at most ``max_new_tokens``; ends with the stop
@@ -157,17 +157,17 @@ def default_stop_ids(model: Any) -> tuple[int, ...]:
     return tuple(int(e) for e in (eos if isinstance(eos, list | tuple) else [eos]))
 
 
-def prompt_tensor(model: Any, prompt_ids: Any) -> Tensor:
+def prompt_tensor(model: Any, prompt_ids: Any, name: str = "prompt_ids") -> Tensor:
     """Normalises a prompt (list of ids, (T,) or (1, T) tensor) to a (1, T) long tensor.
 
     Raises:
-        ValueError: empty prompt, a batch of more than one prompt, ids that are not integers
+        ValueError: empty prompt, a (B, T) tensor of B > 1 prompts, ids that are not integers
             (floats are never truncated), or ids outside [0, V-1].
     """
     if isinstance(prompt_ids, Tensor):
         if prompt_ids.is_floating_point() or prompt_ids.is_complex():
             raise ValueError(
-                f"prompt_ids is a {str(prompt_ids.dtype).removeprefix('torch.')} tensor; "
+                f"{name} is a {str(prompt_ids.dtype).removeprefix('torch.')} tensor; "
                 "allowed: integer token ids (an int64 tensor or a list of ints)"
             )
         ids = prompt_ids.detach().to("cpu", torch.long)
@@ -176,27 +176,28 @@ def prompt_tensor(model: Any, prompt_ids: Any) -> Tensor:
             items = list(prompt_ids)
         except TypeError as err:
             raise ValueError(
-                f"prompt_ids must be a list of ints or a 1-D / (1, T) tensor; got {prompt_ids!r:.80}"
+                f"{name} must be a list of ints or a 1-D / (1, T) tensor; got {prompt_ids!r:.80}"
             ) from err
-        check_ids("prompt_ids", items)  # SettingsError is a ValueError
+        check_ids(name, items)  # SettingsError is a ValueError
         try:
             ids = torch.tensor(items, dtype=torch.long)
         except (TypeError, ValueError, RuntimeError) as err:
             raise ValueError(
-                f"prompt_ids must be a list of ints or a 1-D / (1, T) tensor; got {prompt_ids!r:.80}"
+                f"{name} must be a list of ints or a 1-D / (1, T) tensor; got {prompt_ids!r:.80}"
             ) from err
     if ids.dim() == 2 and ids.shape[0] == 1:
         ids = ids[0]
     if ids.dim() != 1:
         raise ValueError(
-            f"prompt_ids has shape {tuple(ids.shape)}; allowed: (T,) or (1, T) (batch size 1)"
+            f"{name} has shape {tuple(ids.shape)}; allowed: (T,) or (1, T) (one prompt; "
+            "a list of prompts for many)"
         )
     if ids.numel() == 0:
-        raise ValueError("prompt_ids is empty; allowed: at least one token id")
+        raise ValueError(f"{name} is empty; allowed: at least one token id")
     vocab = model.backbone.vocab_size
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or hi >= vocab:
-        raise ValueError(f"prompt_ids contains id {lo if lo < 0 else hi}; allowed: 0..{vocab - 1}")
+        raise ValueError(f"{name} contains id {lo if lo < 0 else hi}; allowed: 0..{vocab - 1}")
     return ids[None].to(model.backbone.device)
 
 

@@ -35,7 +35,7 @@ A sequence's state is one :class:`Row` and the cycle a function of it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -44,6 +44,9 @@ from torch import Tensor
 
 from mtpc.circuits.params import CircuitParams
 from mtpc.decoding.common import GenerationResult, Request, Stopwatch, TargetRule, emit
+from mtpc.decoding.layout import Padded, Stream
+
+Layout = Stream | Padded
 
 
 class HeadState:
@@ -134,17 +137,28 @@ class HeadState:
         return self._params
 
 
-@dataclass
+@dataclass(eq=False)
 class Row:
-    """One sequence's decoding state between cycles (batched decoding: one per sequence)."""
+    """One sequence's decoding state between cycles (its caches: the layout's)."""
 
-    caches: Any  # the model's Caches: trunk, verifier tail, draft tail
-    state: HeadState  # the draft head at the last processed state e_t
+    index: int  # the prompt's place in the call
+    state: HeadState | None  # the draft head at the last processed state e_t (None: AR)
     kept_logits: Tensor  # (1, V) p(x_{t+1} | x_<=t) from the last pass
     generator: torch.Generator  # the draws and the acceptance tests
     res: GenerationResult  # filled cycle by cycle; res.tokens: the emitted ids
     length: int  # ids processed or pending (prompt + emitted)
     pending: int | None = None  # the kept correction / bonus not yet processed (condition)
+
+    @property
+    def head(self) -> HeadState:
+        """The draft head at e_t (a speculative row's)."""
+        assert self.state is not None, "an autoregressive row has no draft head"
+        return self.state
+
+    @property
+    def processed(self) -> int:
+        """Ids in the row's caches (the pending token is not yet)."""
+        return self.length - (self.pending is not None)
 
 
 @dataclass
@@ -207,79 +221,150 @@ class Run:
         return HeadState(self.model, hidden, temperature, self.clock.lap if timed else None)
 
 
-def target_step(model: Any, ids: Tensor, caches: Any) -> tuple[Tensor, Tensor]:
-    """Trunk and verifier tail on ``ids`` ``(1, T)`` after the cached ones.
-
-    Returns:
-        The trunk's states ``(1, T, d)`` and the target's logits after the last id ``(1, V)``.
-    """
-    hidden = model.trunk(ids, caches.trunk)  # (1, T, d)
-    return hidden, model.verifier_logits(model.verifier_tail(hidden, caches.verifier)[:, -1])
+def new_row(run: Run, index: int, request: Request, prompt: Tensor, method: str) -> Row:
+    """A row before its prefill, its generator seeded with its own request's seed."""
+    device = run.model.backbone.device
+    generator = torch.Generator(device=device).manual_seed(request.seed)
+    res = GenerationResult(tokens=[], method=method)
+    return Row(index, None, prompt.new_zeros(0), generator, res, prompt.shape[0])
 
 
 @torch.no_grad()
-def decode(model: Any, prompt: Tensor, request: Request, proposer: Proposer) -> GenerationResult:
-    """Self-speculative decoding of one prompt, one trunk pass per cycle.
+def decode(
+    model: Any,
+    prompts: Sequence[Tensor],
+    requests: Sequence[Request],
+    proposer: Proposer,
+    size: int = 1,
+) -> list[GenerationResult]:
+    """Self-speculative decoding of many prompts, one trunk pass per cycle for all rows.
 
     Args:
         model: an ``MTPCModel``.
-        prompt: (1, T) ids on the model's device.
-        request: checked arguments (``mtpc.decoding.common.check_request``).
+        prompts: ``(T_b,)`` ids on the model's device.
+        requests: each prompt's checked arguments (``mtpc.decoding.common.check_request``;
+            they may differ in the seed only).
         proposer: a chain or a token tree.
+        size: rows decoded at once (1: each prompt in the model's own caches; more: one
+            padded batch, ``mtpc.decoding.layout``); a finished row's place goes to the next
+            prompt.
 
     Returns:
-        A :class:`GenerationResult`.
+        One :class:`GenerationResult` per prompt, in order.
     """
+    if size == 1:
+        return [schedule(new_run(model, r, proposer), [p], [r], Stream(model), 1)[0]
+                for p, r in zip(prompts, requests, strict=True)]  # fmt: skip
+    run = new_run(model, requests[0], proposer)
+    return schedule(run, prompts, requests, Padded(model), size)
+
+
+def new_run(model: Any, request: Request, proposer: Any) -> Run:
+    """What the rows of one call share."""
     device = model.backbone.device
-    generator = torch.Generator(device=device).manual_seed(request.seed)
-    rule = TargetRule.of(request, device)
-    caches = model.new_caches()
-    run = Run(model, request, proposer, rule, Stopwatch(device, request.profile))
-    row = prefill(run, prompt, caches, generator)
-    while not cycle(run, row):
-        pass
-    res = row.res
-    res.seconds = res.prefill_seconds + sum(res.cycle_seconds)
-    res.breakdown = run.clock.breakdown(sum(res.cycle_seconds))
-    return res
+    clock = Stopwatch(device, request.profile)
+    return Run(model, request, proposer, TargetRule.of(request, device), clock)
 
 
-def prefill(run: Run, prompt: Tensor, caches: Any, generator: torch.Generator) -> Row:
-    """Every prompt token: keeps p(x_{T+1}) and the head at e_T."""
-    model = run.model
-    hidden, kept_logits = target_step(model, prompt, caches)  # (1, T, d), (1, V)
-    state = run.head_state(model.draft_tail(hidden, caches.draft)[:, -1], timed=False)
-    run.proposer.begin(state)  # timed as the prefill, not in the cycles' sections
-    state.lap = run.clock.lap
-    res = GenerationResult(
-        tokens=[],
-        method="speculative",
-        policy=run.request.policy,
-        **run.proposer.labels,
-        prefill_seconds=run.clock.split(),
-    )
-    return Row(caches, state, kept_logits, generator, res, prompt.shape[1])
+def schedule(
+    run: Run, prompts: Sequence[Tensor], requests: Sequence[Request], layout: Layout, size: int
+) -> list[GenerationResult]:
+    """Cycles the rows until every prompt is done, ``size`` at most at once; a finished
+    row's place goes to the next prompt (continuous batching)."""
+    results: list[GenerationResult | None] = [None] * len(prompts)
+    waiting = list(range(len(prompts)))
+    rows: list[Row] = []
+    while waiting or rows:
+        if waiting and len(rows) < size:
+            take, waiting = waiting[: size - len(rows)], waiting[size - len(rows) :]
+            rows += prefill(run, layout, [(i, requests[i], prompts[i]) for i in take])
+        done = cycle(run, layout, rows)
+        for row in done:
+            results[row.index] = row.res
+        rows = [row for row in rows if row not in done]
+        layout.release(done)
+    breakdown = run.clock.breakdown(run.clock.total)
+    for res in results:
+        assert res is not None
+        res.seconds = res.prefill_seconds + sum(res.cycle_seconds)
+        res.breakdown = breakdown
+    return results  # type: ignore[return-value]
 
 
-def cycle(run: Run, row: Row) -> bool:
-    """One draft / verify / emit / resume cycle of a row; True when the row is done."""
-    model, request, clock = run.model, run.request, run.clock
-    caches, res = row.caches, row.res
-    pre = 0 if row.pending is None else 1
-    evidence = (
-        None if row.pending is None else torch.tensor([[row.pending]], device=model.backbone.device)
-    )
-    base = len(caches.trunk)
-    # positions base.. that one pass verifies exactly (EvaByte: up to its window's end)
-    span = model.backbone.one_pass_span(base, model.head.circuit.window)
-    proposal = run.proposer.draft(row, evidence, span)
+def prefill(run: Run, layout: Layout, new: Sequence[tuple[int, Request, Tensor]]) -> list[Row]:
+    """Every prompt token of the new rows: keeps p(x_{T+1}) and the head at e_T."""
+    rows = [new_row(run, i, request, prompt, "speculative") for i, request, prompt in new]
+    hidden, kept = layout.admit(rows, [prompt for _, _, prompt in new])  # (1, T_b, d), (1, V)
+    last = layout.draft(rows, hidden)
+    seconds = run.clock.split()
+    for row, logits, state in zip(rows, kept, last, strict=True):
+        assert state is not None
+        row.kept_logits = logits
+        row.state = run.head_state(state, timed=False)
+        run.proposer.begin(row.state)  # timed as the prefill, not in the cycles' sections
+        row.state.lap = run.clock.lap
+        row.res.policy = run.request.policy
+        vars(row.res).update(run.proposer.labels)
+    seconds += run.clock.split()
+    for row in rows:
+        row.res.prefill_seconds = seconds
+    return rows
+
+
+def cycle(run: Run, layout: Layout, rows: Sequence[Row]) -> list[Row]:
+    """One draft / verify / emit / resume cycle of every row; returns the rows done."""
+    model, clock = run.model, run.clock
+    proposals = []
+    for row in rows:
+        evidence = None if row.pending is None else torch.tensor([[row.pending]])
+        evidence = None if evidence is None else evidence.to(model.backbone.device)
+        # positions that one pass verifies exactly (EvaByte: up to its window's end)
+        span = model.backbone.one_pass_span(row.processed, model.head.circuit.window)
+        proposals.append(run.proposer.draft(row, evidence, span))
     clock.lap("circuit")
-
-    hidden, target = verify_pass(run, row, proposal, base)
+    hidden, targets = verify_pass(run, layout, rows, proposals)
     clock.lap("model")
-    outcome = run.proposer.verify(run, row, proposal, target)
+    outcomes = [
+        run.proposer.verify(run, row, proposal, target)
+        for row, proposal, target in zip(rows, proposals, targets, strict=True)
+    ]
     clock.lap("verify")
+    done: list[Row] = []
+    going: list[Row] = []
+    kept, keeps, tokens, dropped = [], [], [], []
+    for row, proposal, outcome, states, target in zip(
+        rows, proposals, outcomes, hidden, targets, strict=True
+    ):
+        drop = settle(run, row, proposal, outcome)
+        if drop is None:
+            done.append(row)
+            continue
+        going.append(row)
+        keeps.append(outcome.keep)
+        kept.append(
+            states[:, : outcome.keep] if isinstance(outcome.keep, int) else states[:, outcome.keep]
+        )
+        tokens.append(outcome.token)
+        dropped.append(target[outcome.after : outcome.after + 1] if drop else None)
+    layout.keep(going, keeps)
+    clock.lap("cache")
+    kept = resume(run, layout, going, kept, tokens, dropped)
+    for row, last in zip(going, layout.draft(going, kept), strict=True):
+        if last is not None:
+            row.state = run.head_state(last)
+            run.proposer.begin(row.state)
+    clock.lap("model")
+    seconds = clock.split()
+    run.clock.total += seconds
+    for row in rows:
+        row.res.cycle_seconds.append(seconds)
+    return done
 
+
+def settle(run: Run, row: Row, proposal: Proposal, outcome: Outcome) -> bool | None:
+    """Emits a verified proposal's tokens and records the cycle; None when the row is done,
+    else whether the correction / bonus token is dropped (the ``drop`` policy)."""
+    request, res = run.request, row.res
     s = len(outcome.accepted)
     drop = request.policy == "drop" and s >= 1 and not request.max_throughput
     new = outcome.accepted + ([] if drop else [outcome.token])
@@ -287,78 +372,82 @@ def cycle(run: Run, row: Row) -> bool:
     res.accepted.append(s)
     res.emitted.append(count)
     res.drafted.append(outcome.drafted)
-    res.offsets.append(pre)
+    res.offsets.append(proposal.pre)
     row.length += count
     if stopped or len(res.tokens) >= request.max_new_tokens:
         res.stopped = stopped
-        res.cycle_seconds.append(clock.split())
-        return True
-
-    kept = keep_states(caches, hidden, base, outcome.keep)
-    clock.lap("cache")
-    kept = resume(run, row, kept, outcome.token, drop, target[outcome.after : outcome.after + 1])
-    if kept.shape[1]:
-        last = model.draft_tail(kept, caches.draft)[:, -1]  # (1, d)
-        clock.lap("model")
-        row.state = run.head_state(last)
-        run.proposer.begin(row.state)
-    clock.lap("cache")
-    res.cycle_seconds.append(clock.split())
-    return False
+        return None
+    return drop
 
 
-def verify_pass(run: Run, row: Row, proposal: Proposal, base: int) -> tuple[Tensor, Tensor]:
-    """ONE trunk + verifier-tail pass over the proposal (none when it is empty).
+def verify_pass(
+    run: Run, layout: Layout, rows: Sequence[Row], proposals: Sequence[Proposal]
+) -> tuple[list[Tensor], list[Tensor]]:
+    """ONE trunk + verifier-tail pass over the rows' proposals (rows with an empty one:
+    none).
 
     Returns:
-        The trunk's states ``(1, T, d)`` and the target's logits ``(T + 1 - pre, V)``: at the
-        first drafted position (the kept ones when nothing is pending), then after each
-        drafted position.
+        Per row, the trunk's states ``(1, T, d)`` and the target's logits
+        ``(T + 1 - pre, V)``: at the first drafted position (the kept ones when nothing is
+        pending), then after each drafted position.
     """
-    model, caches, kept_logits = run.model, row.caches, row.kept_logits
-    if proposal.ids.numel():
-        tree = {} if proposal.depth is None else {"positions": base + proposal.depth}  # (T,)
-        if proposal.tree_mask is not None:
-            tree["tree_mask"] = proposal.tree_mask
-        hidden = model.trunk(proposal.ids, caches.trunk, **tree)  # (1, T, d)
-        tail = model.verifier_tail(hidden, caches.verifier, **tree)
-        logits = model.verifier_logits(tail)[0]  # (T, V)
-        row.res.trunk_passes += 1
-    else:  # an empty tree and nothing pending: the target's kept choice only
-        hidden = kept_logits.new_zeros(1, 0, model.backbone.hidden_size)
-        logits = kept_logits.new_zeros(0, kept_logits.shape[-1])
-    return hidden, (logits if row.pending is not None else torch.cat([kept_logits, logits]))
+    model = run.model
+    busy = [i for i, p in enumerate(proposals) if p.ids.numel()]
+    states: list[Tensor] = []
+    logits: list[Tensor] = []
+    if busy:
+        trees = [_tree(proposals[i]) for i in busy]
+        ids = [proposals[i].ids[0] for i in busy]
+        states, logits = layout.target([rows[i] for i in busy], ids, trees)
+        for i in busy:
+            rows[i].res.trunk_passes += 1
+    hidden, targets = [], []
+    for i, row in enumerate(rows):
+        if busy and busy[0] == i:
+            busy.pop(0)
+            h, out = states.pop(0), logits.pop(0)
+        else:  # an empty tree and nothing pending: the target's kept choice only
+            h = row.kept_logits.new_zeros(1, 0, model.backbone.hidden_size)
+            out = row.kept_logits.new_zeros(0, row.kept_logits.shape[-1])
+        hidden.append(h)
+        targets.append(out if row.pending is not None else torch.cat([row.kept_logits, out]))
+    return hidden, targets
 
 
-def keep_states(caches: Any, hidden: Tensor, base: int, keep: int | Tensor) -> Tensor:
-    """Drops the verify pass's rejected positions (after ``base``) from the trunk and verifier
-    caches: all but a prefix of ``keep`` (a chain) or the ``(K,)`` indices ``keep`` (a tree).
-    Returns the kept trunk states ``(1, K, d)`` of ``hidden`` ``(1, T, d)``."""
-    width = hidden.shape[1]
-    if isinstance(keep, int):
-        if keep < width:
-            caches.trunk.crop(base + keep)
-            caches.verifier.crop(base + keep)
-        return hidden[:, :keep]
-    if keep.numel() < width:
-        caches.compact(base, keep)
-    return hidden[:, keep]
+def _tree(proposal: Proposal) -> tuple[Tensor, Tensor] | None:
+    """A token tree's layout in a pass (None: a chain)."""
+    if proposal.tree_mask is None:
+        return None
+    assert proposal.depth is not None
+    return proposal.depth, proposal.tree_mask
 
 
-def resume(run: Run, row: Row, kept: Tensor, token: int, drop: bool, dropped: Tensor) -> Tensor:
-    """Applies the resume policy to the emitted correction / bonus ``token``: sets
+def resume(
+    run: Run,
+    layout: Layout,
+    rows: Sequence[Row],
+    kept: Sequence[Tensor],
+    tokens: Sequence[int],
+    dropped: Sequence[Tensor | None],
+) -> list[Tensor]:
+    """Applies the resume policy to each row's emitted correction / bonus token: sets
     ``row.pending`` and ``row.kept_logits`` (``dropped`` ``(1, V)``, the target after the
-    accepted drafts, on a ``drop``). ``kept`` ``(1, K, d)``: the kept positions' trunk states
-    (the caches already compacted to them). Returns the states the draft tail runs on."""
-    if drop:  # the paper's Alg. 2: redraft from e_{t+s}; the next cycle re-verifies the token
-        row.pending, row.kept_logits = None, dropped
-        return kept
-    if run.request.policy == "condition":
-        row.pending = token
-        return kept
-    # recompute (and drop after s = 0): one extra pass for the kept token's state
-    ids = torch.tensor([[token]], device=kept.device)
-    extra, row.kept_logits = target_step(run.model, ids, row.caches)  # (1, 1, d), (1, V)
-    row.pending = None
-    row.res.trunk_passes += 1
-    return torch.cat([kept, extra], 1)
+    accepted drafts, on a ``drop``). ``kept`` ``(1, K, d)``: each row's kept trunk states (the
+    caches already cut to them). Returns the states the draft tail runs on."""
+    out = list(kept)
+    extra = []
+    for i, (row, token, after) in enumerate(zip(rows, tokens, dropped, strict=True)):
+        if after is not None:  # the paper's Alg. 2: redraft from e_{t+s}; re-verify the token
+            row.pending, row.kept_logits = None, after
+        elif run.request.policy == "condition":
+            row.pending = token
+        else:  # recompute (and drop after s = 0): one extra pass for the kept token's state
+            extra.append(i)
+    if extra:
+        ids = [torch.tensor([tokens[i]], device=kept[i].device) for i in extra]
+        states, logits = layout.target([rows[i] for i in extra], ids, [None] * len(extra))
+        for i, state, last in zip(extra, states, logits, strict=True):
+            rows[i].pending, rows[i].kept_logits = None, last  # (1, V)
+            rows[i].res.trunk_passes += 1
+            out[i] = torch.cat([out[i], state], 1)  # (1, K + 1, d)
+    return out

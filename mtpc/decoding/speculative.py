@@ -234,9 +234,9 @@ class Chain:
         """Nothing: the draft step reads the head lazily."""
 
     def draft(self, row: Row, evidence: Tensor | None, span: int) -> Proposal:
-        """The window from ``row.state``; its first ``span`` positions are verified."""
+        """The window from ``row.head``; its first ``span`` positions are verified."""
         pre = 0 if evidence is None else evidence.shape[1]
-        state = row.state
+        state = row.head
         if self.drafter is not None:
             drafted = self.drafter(state.params(), evidence, row.length - pre)  # (1, n)
             draft = MarginalProposal(state, drafted, pre).draft() if self.sampled else None
@@ -278,4 +278,4 @@ def speculative_generate(
         request: checked arguments (``mtpc.decoding.common.check_request``).
         drafter: optional test hook replacing the circuit draft (see :data:`Drafter`).
     """
-    return decode(model, prompt, request, Chain(request, drafter))
+    return decode(model, [prompt[0]], [request], Chain(request, drafter))[0]

@@ -110,7 +110,7 @@ class Tree:
     def draft(self, row: Row, evidence: Tensor | None, span: int) -> Proposal:
         """The ``budget`` most probable draft prefixes under q(. | evidence), the root
         included no deeper than ``span``."""
-        state, pre = row.state, 0 if evidence is None else 1
+        state, pre = row.head, 0 if evidence is None else 1
         tree = build_tree(
             state.circuit, state.params(), evidence, self.budget, self.floor, span - pre
         )
@@ -124,7 +124,7 @@ class Tree:
         rule, max_throughput = run.rule, run.request.max_throughput
         path, accepted, token = walk(tree, target, rule, row.generator, max_throughput)
         row.res.nodes.append(len(tree))
-        row.res.expected.append(tree.expected_by_depth(row.state.circuit.window - proposal.pre))
+        row.res.expected.append(tree.expected_by_depth(row.head.circuit.window - proposal.pre))
         keep = ([0] if proposal.pre else []) + [proposal.pre + i for i in path]
         return Outcome(
             accepted,
@@ -147,4 +147,4 @@ def tree_generate(model: Any, prompt: Tensor, request: Request) -> GenerationRes
     Returns:
         A :class:`GenerationResult`; ``nodes`` and ``expected`` are filled per cycle.
     """
-    return decode(model, prompt, request, Tree(request))
+    return decode(model, [prompt[0]], [request], Tree(request))[0]

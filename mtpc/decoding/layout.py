@@ -1,0 +1,354 @@
+"""Where the rows of one decoding call keep their caches: one stream, or one padded batch.
+
+The decoding loop (``mtpc.decoding.loop``) and the autoregressive decoder ask a layout for
+four things, for any list of the rows it holds:
+
+* ``target(rows, ids, trees)``: ONE trunk + verifier-tail pass over each row's new ids
+  (``(T_b,)``, a token tree's ``(depth, mask)`` or a chain), appended to the row's caches;
+  returns each row's trunk states ``(1, T_b, d)`` and target logits ``(T_b, V)``;
+* ``keep(rows, keeps)``: drops the rejected positions of that pass (a kept prefix length, or
+  ``(K,)`` kept offsets);
+* ``draft(rows, states)``: the draft tail over each row's kept states ``(1, K_b, d)``;
+  returns the last one's output ``(1, d)`` (None when K_b = 0);
+* ``release(rows)``: the rows have finished.
+
+:class:`Stream` holds one row in the model's own caches: every backbone (EvaByte included),
+the batch-1 numerics the exactness tests pin. :class:`Padded` holds B rows in ONE set of
+caches with a batch dimension, for backbones with ``supports_batch`` (the Llama family).
+
+The padded layout is exact by construction: each component's cache has P physical slots
+per row and :class:`Slots` records which of them hold that row's positions (a row's slots
+are its own: a rejected draft's slot, a padding slot or a left row's slot is never valid
+for another row). A pass appends T = max T_b slots to every row; row b attends exactly its
+valid slots and, among the new ones, its causal chain or tree (``attend``); its positions
+(rotary) are its own cache length + offset. Rejected slots become invalid; slots no row
+holds are cropped at the end; when the holes grow past a quarter of the cache, every row
+is packed to the left (:meth:`Slots.take`, also how finished rows leave). A masked key
+gets an additive -inf-like score, so its softmax weight is exactly 0: a row's numbers are
+those of its own sequence up to floating-point summation order (equal in float64;
+docs/DECODING.md, "Many prompts at once", measures float32).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+Tree = tuple[Tensor, Tensor] | None
+"""A pass's layout for one row: a token tree's ``(depth (T,), mask (T, T))``; None: a chain."""
+
+
+class Stream:
+    """One row in the model's own caches (``MTPCModel.new_caches``): batch size 1."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.caches = model.new_caches()
+
+    def admit(
+        self, rows: Sequence[Any], prompts: Sequence[Tensor]
+    ) -> tuple[list[Tensor], list[Tensor]]:
+        """Prefills the one row's prompt ``(T,)``: its trunk states ``(1, T, d)`` and its last
+        position's target logits ``(1, V)``."""
+        if len(rows) != 1 or len(self.caches.trunk):
+            raise ValueError("a stream holds one row at a time")
+        return self.target(rows, prompts, [None], last=True)
+
+    def target(
+        self, rows: Sequence[Any], ids: Sequence[Tensor], trees: Sequence[Tree], last: bool = False
+    ) -> tuple[list[Tensor], list[Tensor]]:
+        """Trunk + verifier tail on the row's ``ids`` (T,); ``last``: logits of the last
+        position only (a prefill)."""
+        (row_ids,), (tree,) = ids, trees
+        model, caches = self.model, self.caches
+        self.base = len(caches.trunk)
+        kw = {}
+        if tree is not None:
+            kw = {"positions": len(caches.trunk) + tree[0], "tree_mask": tree[1]}
+        hidden = model.trunk(row_ids[None], caches.trunk, **kw)  # (1, T, d)
+        tail = model.verifier_tail(hidden, caches.verifier, **kw)  # (1, T, d)
+        logits = model.verifier_logits(tail[0, -1:] if last else tail[0])  # (T, V)
+        return [hidden], [logits]
+
+    def keep(self, rows: Sequence[Any], keeps: Sequence[int | Tensor]) -> None:
+        """Crops the pass to a prefix of ``keep`` positions, or compacts it to ``keep``."""
+        if not keeps:  # the row is done
+            return
+        (keep,) = keeps
+        caches = self.caches
+        width = len(caches.trunk) - self.base
+        if isinstance(keep, int):
+            if keep < width:
+                caches.trunk.crop(self.base + keep)
+                caches.verifier.crop(self.base + keep)
+        elif keep.numel() < width:
+            caches.compact(self.base, keep)
+
+    def draft(self, rows: Sequence[Any], states: Sequence[Tensor]) -> list[Tensor | None]:
+        """The draft tail over the row's kept states ``(1, K, d)``: its last output ``(1, d)``."""
+        if not states:  # the row is done
+            return []
+        (kept,) = states
+        if not kept.shape[1]:
+            return [None]
+        return [self.model.draft_tail(kept, self.caches.draft)[:, -1]]  # (1, d)
+
+    def release(self, rows: Sequence[Any]) -> None:
+        """Empties the caches for the next row."""
+        if rows:
+            self.caches.reset()
+
+
+class Slots:
+    """Which physical slots of a batched component cache hold which row's positions.
+
+    Args:
+        model: the ``MTPCModel`` (its backbone moves the native caches).
+        caches: the components sharing this layout (trunk and verifier tail see the same
+            positions; the draft tail has its own).
+    """
+
+    def __init__(self, model: Any, caches: Sequence[Any]) -> None:
+        self.backbone = model.backbone
+        self.caches = list(caches)
+        device = model.backbone.device
+        self.valid = torch.zeros(0, 0, dtype=torch.bool, device=device)  # (B, P)
+
+    @property
+    def lengths(self) -> Tensor:
+        """Each row's own cache length ``(B,)``."""
+        return self.valid.sum(1)
+
+    def layout(self, offsets: Tensor, inner: Tensor) -> tuple[Tensor, Tensor]:
+        """Positions ``(B, T)`` and visibility ``(B, T, P + T)`` of T new slots per row.
+
+        Args:
+            offsets: ``(B, T)`` each new position's offset from its row's length (a chain's
+                0..T-1, a tree node's depth).
+            inner: ``(B, T, T)`` bool: which new positions each new one sees.
+        """
+        b, t = offsets.shape
+        if not self.valid.shape[0]:  # a fresh batch
+            self.valid = self.valid.new_zeros(b, 0)
+        seen = self.valid[:, None, :].expand(-1, t, -1)  # (B, T, P)
+        return self.lengths[:, None] + offsets, torch.cat([seen, inner], 2)
+
+    def appended(self, real: Tensor) -> None:
+        """The pass appended ``real.shape[1]`` slots; ``real`` ``(B, T)``: the rows' own."""
+        self.valid = torch.cat([self.valid, real], 1)
+
+    def history(self, row: int) -> Tensor | None:
+        """Row ``row``'s own id history ``(1, L)`` (the byte Llama's embedding reads it)."""
+        ids = self.caches[0].ids
+        return None if ids is None else ids[row, self.valid[row]][None]
+
+    def keep(self, base: int, keep: Tensor) -> None:
+        """Of the slots from ``base`` on, keeps those in ``keep`` ``(B, W)`` bool; crops the
+        slots no row holds at the end, packs the rows when the holes grow."""
+        self.valid[:, base:] &= keep
+        held = self.valid.any(0).nonzero()
+        end = int(held[-1]) + 1 if held.numel() else 0
+        if end < self.valid.shape[1]:
+            for cache in self.caches:
+                cache.crop(end)
+            self.valid = self.valid[:, :end]
+        longest = int(self.lengths.max()) if self.valid.shape[0] else 0
+        if self.valid.shape[1] > longest + longest // 4 + 16:
+            self.take(torch.arange(self.valid.shape[0], device=self.valid.device))
+
+    def take(self, rows: Tensor) -> None:
+        """Keeps the rows ``rows`` ``(B',)`` in that order, each packed to the left."""
+        if not self.valid.shape[0]:  # nothing cached yet (the draft tail of an AR batch)
+            return
+        valid = self.valid.index_select(0, rows)  # (B', P)
+        width = int(valid.sum(1).max()) if rows.numel() else 0
+        # row i's valid slot indices first (stable), then anything (masked out) up to width
+        order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices[:, :width]
+        for cache in self.caches:
+            if cache.native is not None:
+                self.backbone.native_take(cache.native, rows, order)
+            if cache.ids is not None:
+                cache.ids = cache.ids.index_select(0, rows).gather(1, order)
+            cache.length = width
+        self.valid = valid.gather(1, order)
+
+    def merge(self, other: Slots) -> None:
+        """Appends the rows of ``other`` (another batch of the same components)."""
+        if not self.valid.shape[0]:
+            for cache, add in zip(self.caches, other.caches, strict=True):
+                cache.native, cache.ids, cache.length = add.native, add.ids, add.length
+            self.valid = other.valid
+            return
+        width = max(self.valid.shape[1], other.valid.shape[1])
+        for slots in (self, other):
+            slots.pad(width)
+        for cache, add in zip(self.caches, other.caches, strict=True):
+            if cache.native is not None:
+                self.backbone.native_merge(cache.native, add.native)
+            if cache.ids is not None:
+                cache.ids = torch.cat([cache.ids, add.ids])
+        self.valid = torch.cat([self.valid, other.valid])
+
+    def grow(self, count: int) -> None:
+        """Appends ``count`` rows holding no slot (their places copy row 0's, never read)."""
+        b, p = self.valid.shape
+        if not b:  # nothing cached yet: the rows start with the first pass
+            return
+        rows = torch.cat([torch.arange(b), torch.zeros(count, dtype=torch.long)])
+        rows = rows.to(self.valid.device)
+        index = torch.arange(p, device=self.valid.device).expand(b + count, p)
+        for cache in self.caches:
+            if cache.native is not None:
+                self.backbone.native_take(cache.native, rows, index)
+            if cache.ids is not None:
+                cache.ids = cache.ids.index_select(0, rows)
+        self.valid = torch.cat([self.valid, self.valid.new_zeros(count, p)])
+
+    def pad(self, width: int) -> None:
+        """Appends empty slots up to ``width``."""
+        extra = width - self.valid.shape[1]
+        if extra <= 0:
+            return
+        for cache in self.caches:
+            if cache.native is not None:
+                self.backbone.native_pad(cache.native, width)
+            if cache.ids is not None:
+                cache.ids = torch.nn.functional.pad(cache.ids, (0, extra))
+            cache.length = width
+        self.valid = torch.nn.functional.pad(self.valid, (0, extra))
+
+
+class Padded:
+    """B rows in one set of caches with a batch dimension (``supports_batch`` backbones).
+
+    ``rows`` are held in the caches' batch order; :meth:`admit` adds rows (continuous
+    batching: new prompts take the places of finished ones), :meth:`release` removes them.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.caches = model.new_caches()
+        self.target_slots = Slots(model, [self.caches.trunk, self.caches.verifier])
+        self.draft_slots = Slots(model, [self.caches.draft])
+        self.rows: list[Any] = []
+
+    def _index(self, rows: Sequence[Any]) -> Tensor:
+        """The batch indices ``(R,)`` of ``rows``."""
+        at = {id(row): i for i, row in enumerate(self.rows)}
+        return torch.tensor([at[id(row)] for row in rows], device=self.model.backbone.device)
+
+    def admit(
+        self, rows: Sequence[Any], prompts: Sequence[Tensor]
+    ) -> tuple[list[Tensor], list[Tensor]]:
+        """Prefills ``prompts`` ((T_b,) each) as new rows; returns the rows' trunk states
+        ``(1, T_b, d)`` and their last position's target logits ``(1, V)``."""
+        if not self.rows:
+            self.rows = list(rows)
+            return self.target(rows, prompts, [None] * len(rows), last=True)
+        batch = Padded(self.model)
+        batch.rows = list(rows)
+        out = batch.target(rows, prompts, [None] * len(rows), last=True)
+        self.target_slots.merge(batch.target_slots)
+        self.draft_slots.grow(len(rows))
+        self.rows += rows
+        return out
+
+    def target(
+        self, rows: Sequence[Any], ids: Sequence[Tensor], trees: Sequence[Tree], last: bool = False
+    ) -> tuple[list[Tensor], list[Tensor]]:
+        """One batched trunk + verifier-tail pass over every held row (``rows`` must be all of
+        them, in any order); ``last``: logits at each row's last position only."""
+        model, slots = self.model, self.target_slots
+        order = self._index(rows)
+        width = max(x.shape[0] for x in ids)
+        b, device = len(self.rows), model.backbone.device
+        padded = torch.zeros(b, width, dtype=torch.long, device=device)  # (B, T)
+        offsets = torch.arange(width, device=device).expand(b, width).clone()
+        inner = torch.eye(width, dtype=torch.bool, device=device).repeat(b, 1, 1)  # (B, T, T)
+        real = torch.zeros(b, width, dtype=torch.bool, device=device)
+        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+        for i, x, tree in zip(order.tolist(), ids, trees, strict=True):
+            t = x.shape[0]
+            padded[i, :t], real[i, :t] = x, True
+            if tree is None:
+                inner[i, :t, :t] = causal[:t, :t]
+            else:
+                offsets[i, :t], inner[i, :t, :t] = tree
+        positions, attend = slots.layout(offsets, inner)
+        hidden = self._embed(padded, ids, trees, order)
+        self.base = slots.valid.shape[1]
+        hidden = model.trunk(padded, self.caches.trunk, positions, attend=attend, hidden=hidden)
+        tail = model.verifier_tail(hidden, self.caches.verifier, positions, attend=attend)
+        slots.appended(real)
+        states, logits = [], []
+        for i, x in zip(order.tolist(), ids, strict=True):
+            t = x.shape[0]
+            states.append(hidden[i : i + 1, :t])  # (1, T_b, d)
+            logits.append(model.verifier_logits(tail[i, t - 1 : t] if last else tail[i, :t]))
+        return states, logits
+
+    def _embed(
+        self, padded: Tensor, ids: Sequence[Tensor], trees: Sequence[Tree], order: Tensor
+    ) -> Tensor:
+        """The new ids' embeddings ``(B, T, d)``; a row at a time when the embedding reads
+        the row's own history (the byte Llama)."""
+        model = self.model
+        if not model.backbone.needs_history:
+            return model.embed(padded, None)
+        hidden = model.embed(padded, None).clone()  # padding rows keep any embedding
+        for i, x, tree in zip(order.tolist(), ids, trees, strict=True):
+            past = self.target_slots.history(i)
+            mask = None if tree is None else tree[1]
+            hidden[i : i + 1, : x.shape[0]] = model.embed(x[None], past, mask)
+        return hidden
+
+    def keep(self, rows: Sequence[Any], keeps: Sequence[int | Tensor]) -> None:
+        """Of the last pass's slots, each row keeps a prefix or the ``(K,)`` offsets."""
+        slots = self.target_slots
+        width = slots.valid.shape[1] - self.base
+        keep = torch.zeros(len(self.rows), width, dtype=torch.bool, device=slots.valid.device)
+        for i, k in zip(self._index(rows).tolist(), keeps, strict=True):
+            if isinstance(k, int):
+                keep[i, :k] = True
+            else:
+                keep[i, k] = True
+        slots.keep(self.base, keep)
+
+    def draft(self, rows: Sequence[Any], states: Sequence[Tensor]) -> list[Tensor | None]:
+        """One batched draft-tail pass over each row's kept states ``(1, K_b, d)``."""
+        slots, model = self.draft_slots, self.model
+        order = self._index(rows).tolist()
+        width = max((s.shape[1] for s in states), default=0)
+        if not width:
+            return [None] * len(rows)
+        b, device = len(self.rows), model.backbone.device
+        hidden = states[0].new_zeros(b, width, states[0].shape[2])  # (B, K, d)
+        real = torch.zeros(b, width, dtype=torch.bool, device=device)
+        for i, s in zip(order, states, strict=True):
+            hidden[i, : s.shape[1]], real[i, : s.shape[1]] = s[0], True
+        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+        inner = causal | torch.eye(width, dtype=torch.bool, device=device)
+        offsets = torch.arange(width, device=device).expand(b, width)
+        positions, attend = slots.layout(offsets, inner.expand(b, -1, -1))
+        out = model.draft_tail(hidden, self.caches.draft, positions, attend=attend)  # (B, K, d)
+        slots.appended(real)
+        slots.keep(slots.valid.shape[1] - width, real)
+        return [out[i : i + 1, s.shape[1] - 1] if s.shape[1] else None
+                for i, s in zip(order, states, strict=True)]  # fmt: skip
+
+    def release(self, rows: Sequence[Any]) -> None:
+        """The rows leave the batch (their slots with them)."""
+        if not rows:
+            return
+        gone = {id(row) for row in rows}
+        stay = [row for row in self.rows if id(row) not in gone]
+        if not stay:  # a fresh batch for the next admissions
+            self.__init__(self.model)  # type: ignore[misc]
+            return
+        index = self._index(stay)
+        self.target_slots.take(index)
+        self.draft_slots.take(index)
+        self.rows = stay
