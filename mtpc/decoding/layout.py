@@ -111,6 +111,9 @@ class Slots:
             positions; the draft tail has its own).
     """
 
+    slack = 16
+    """Holes allowed beyond a quarter of the longest row before the rows are packed."""
+
     def __init__(self, model: Any, caches: Sequence[Any]) -> None:
         self.backbone = model.backbone
         self.caches = list(caches)
@@ -156,7 +159,7 @@ class Slots:
                 cache.crop(end)
             self.valid = self.valid[:, :end]
         longest = int(self.lengths.max()) if self.valid.shape[0] else 0
-        if self.valid.shape[1] > longest + longest // 4 + 16:
+        if self.valid.shape[1] > longest + longest // 4 + self.slack:
             self.take(torch.arange(self.valid.shape[0], device=self.valid.device))
 
     def take(self, rows: Tensor) -> None:
