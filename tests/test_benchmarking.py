@@ -49,3 +49,47 @@ def test_peak_rss_extra_sees_what_a_call_allocates() -> None:
 
     assert peak_rss_extra_mb(allocate) >= 0.9 * size / 2**20
     assert peak_rss_extra_mb(lambda: None) < 0.5 * size / 2**20
+
+
+def test_bench_batch_reports_every_size_and_method(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """scripts/bench_batch.py on 2 short prompts, B = 1 and 2, the pretrained-init draft:
+    one row per (mode, B), the speed-ups relative to B = 1, and greedy output that does not
+    depend on B (nor on the method)."""
+    import torch
+
+    import mtpc
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    try:
+        import bench_batch
+    finally:
+        sys.path.pop(0)
+    codec = mtpc.get_codec("tiny")
+    texts = ("Reverse the word Hello.", "Count to three.")
+    prompts = [codec.generation_prompt([{"role": "user", "content": t}]) for t in texts]
+    monkeypatch.setattr(bench_batch, "_prompts", lambda count, codec, max_len: prompts[:count])
+    out = tmp_path / "rows.json"
+    argv = ["--prompts", "2", "--sizes", "1", "2", "--max-new-tokens", "4", "--sampling"]
+    threads = torch.get_num_threads()
+    try:
+        report = bench_batch.main([*argv, "--json", str(out)])
+    finally:
+        torch.set_num_threads(threads)  # main sets 1 thread, as the benchmarks run
+    rows = report["decode"]
+    assert [(r["mode"], r["batch_size"]) for r in rows] == [
+        ("greedy", 1), ("greedy", 2), ("sampling", 1), ("sampling", 2)
+    ]  # fmt: skip
+    for r in rows:
+        assert r["new_tokens"] == 2 * 4  # end of turn suppressed: every row its 4 tokens
+        assert r["sd_x_ar"] == pytest.approx(r["sd_tok_s"] / r["ar_tok_s"])
+        assert r["tok_per_cycle"] >= 1.0 and r["tok_per_cycle_pooled"] >= 1.0
+        assert r["ar_differ_first"] == r["sd_differ_first"] == 0  # seeded per row: B-free
+        assert sum(r["sd_shares"].values()) == pytest.approx(1.0)
+    assert rows[0]["ar_x_first"] == rows[0]["sd_x_first"] == 1.0
+    assert rows[0]["sd_differ_ar"] == rows[1]["sd_differ_ar"] == 0  # greedy SD is AR's
+    assert rows[0]["tok_per_cycle"] == rows[1]["tok_per_cycle"]
+    assert json.loads(out.read_text())["decode"][3]["batch_size"] == 2
+    table = capsys.readouterr().out
+    assert "| greedy | 2 |" in table and "pretrained MTP init" in table
