@@ -332,3 +332,45 @@ def _save_target_in_memory() -> LlamaForCausalLM:
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
     )  # fmt: skip
     return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+def test_batched_evaluation_records_the_rows_of_batch_1(
+    tmp_path: Path, drafts: dict[str, Path], interleave: bool
+) -> None:
+    """``batch_size=4`` (8 prompts: places refilled) records, per pass and prompt, the
+    output of ``batch_size=1`` (greedy: every draft equal to AR, checked), in another folder;
+    the rows' times add up (a batch's shares), so tok/s stays a throughput."""
+    base = {"draft": [str(drafts["btree"])], "baseline": str(drafts["ff"]),
+            "num_prompts": 8, "num_prompt_sets": 1, "max_throughput": False, "plots": False,
+            "interleave": interleave}  # fmt: skip
+    one = evaluate(eval_cfg(tmp_path, **base, output_dir=str(tmp_path / "one")))
+    many = evaluate(eval_cfg(tmp_path, **base, batch_size=4, output_dir=str(tmp_path / "many")))
+    assert one["folder"] != many["folder"]
+
+    def outputs(res: dict) -> dict:
+        records = [json.loads(x) for x in (Path(res["folder"]) / "records.jsonl").open()]
+        return {(r["pass"], r["draft"], r["index"]): r["tokens_sha1"]
+                for r in records if r.get("type") == "prompt"}  # fmt: skip
+
+    assert outputs(many) == outputs(one) and len(outputs(one)) == 3 * 8
+    for row in many["rows"][1:]:
+        assert row["exact"] == "8/8" and row["tok_s"] > 0
+    assert many["rows"][0]["tok_s"] > 0
+
+
+def test_batched_evaluation_of_an_evabyte_draft_is_refused_in_one_line(tmp_path: Path) -> None:
+    with pytest.raises(EvalConfigError, match="batch_size=2 is not allowed for model=evabyte"):
+        evaluate(
+            eval_cfg(
+                tmp_path,
+                model={
+                    "name": "evabyte",
+                    "path": None,
+                    "revision": None,
+                    "dtype": "float32",
+                    "codec": "evabyte",
+                },
+                batch_size=2,
+            )
+        )

@@ -124,16 +124,17 @@ def test_a_bad_regeneration_value_fails_before_the_target_loads(
     assert not (tmp_path / "out").exists()
 
 
-def test_batch_size_is_not_part_of_the_evaluation_folder(tmp_path: Path) -> None:
-    """Greedy results do not depend on how many prompts are decoded at once: same folder."""
+def test_batch_size_above_1_is_another_evaluation_folder(tmp_path: Path) -> None:
+    """A batch's times are rows' shares of batch cycles (another timing protocol): another
+    folder; batch_size=1 leaves the key of folders made before batching existed."""
     from mtpc.evaluation.folders import build_manifest
     from mtpc.evaluation.records import folder_name
 
     names = {
-        folder_name(build_manifest(parse_eval(eval_cfg(tmp_path, batch_size=b)), [], []))
-        for b in (1, 4)
+        b: folder_name(build_manifest(parse_eval(eval_cfg(tmp_path, batch_size=b)), [], []))
+        for b in (1, 4, 8)
     }
-    assert len(names) == 1
+    assert len(set(names.values())) == 3
     assert "batch_size" not in build_manifest(parse_eval(eval_cfg(tmp_path)), [], [])["settings"]
 
 

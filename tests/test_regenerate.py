@@ -34,6 +34,7 @@ from mtpc.evaluation.regenerate import (
     read_folder,
     regenerate,
     regenerate_row,
+    regenerate_rows,
     shard_indices,
 )
 from mtpc.model import MTPCModel
@@ -129,6 +130,47 @@ def test_each_turn_is_the_targets_greedy_continuation_of_the_regenerated_history
             turns += 1
         history.append(message)
     assert turns == 2 and out["messages"][2]["content"] != "this answer is replaced"
+
+
+@pytest.mark.parametrize("method", ["autoregressive", "speculative"])
+def test_rows_decoded_together_equal_rows_decoded_alone(tiny_model: MTPCModel, method: str) -> None:
+    """16 turns at once (rows of one, two and three assistant turns, a row whose prompt
+    leaves no room, a malformed row): every row equals the row regenerated alone."""
+    codec = get_codec("tiny")
+    rows: list[tuple[int, dict[str, Any]]] = []
+    for i in range(20):
+        turns = 1 + i % 3
+        messages = []
+        for t in range(turns):
+            messages += [
+                {"role": "user", "content": f"Question {i}.{t}: what is {i} + {t}?" * (1 + i % 4)},
+                {"role": "assistant", "content": ""},
+            ]
+        rows.append((100 + i, {"id": f"r{i}", "messages": messages}))
+    rows.append(
+        (
+            200,
+            {
+                "id": "long",
+                "messages": [
+                    {"role": "user", "content": "x" * 300},
+                    {"role": "assistant", "content": "y"},
+                ],
+            },
+        )
+    )
+    rows.append((201, {"id": "bad", "messages": [{"role": "user", "content": "no answer"}]}))
+    settings = Settings(method=method, max_new_tokens=24)
+    alone = [regenerate_row(tiny_model, codec, row, i, settings, 320) for i, row in rows]
+    together = regenerate_rows(tiny_model, codec, rows, settings, 320, batch_size=16)
+    assert together == alone
+    assert [r.reason for r in together[-2:]] == ["prompt_too_long", "no_assistant_turn"]
+    written = [r.row for r in together if r.row]
+    assert len(written) >= 15 and {len(r["regenerated"]["new_tokens"]) for r in written} == {
+        1,
+        2,
+        3,
+    }
 
 
 @pytest.mark.slow
@@ -266,37 +308,67 @@ def _script(out: Path, *args: str) -> list[str]:
 
 
 @pytest.mark.slow
+def test_batch_16_writes_the_rows_of_batch_1_and_evabyte_refuses_it(tmp_path: Path) -> None:
+    """The script at batch_size=16 (greedy) writes the rows file of batch_size=1, byte for
+    byte; a target without a batched cache refuses batch_size > 1 in one line."""
+    one, many = tmp_path / "one", tmp_path / "many"
+    for out, size in ((one, 1), (many, 16)):
+        args = _script(out, "greedy=true", "data.num_rows=40", f"batch_size={size}")
+        subprocess.run(args, check=True, env=ENV, capture_output=True, cwd=ROOT)
+    rows = "shard-00000-of-00001.jsonl"
+    assert (many / rows).read_bytes() == (one / rows).read_bytes()
+    assert len((one / rows).read_bytes().splitlines()) == 40
+    refused = subprocess.run(
+        _script(tmp_path / "eva", "model=evabyte", "batch_size=4"),
+        env=ENV, capture_output=True, text=True, cwd=ROOT,
+    )  # fmt: skip
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines() == [
+        "error: batch_size=4 is not allowed for model=evabyte: it decodes one prompt at a time "
+        "(EvaByte's EVA window cache holds one sequence); allowed: batch_size=1"
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", [1, 2])
 def test_sigkill_then_rerun_gives_every_row_once_equal_to_an_uninterrupted_run(
-    tmp_path: Path,
+    tmp_path: Path, size: int
 ) -> None:
-    """Sampled, so a resumed row must also draw from its own seeds."""
+    """Sampled, so a resumed row must also draw from its own seeds. At batch_size=2 rows are
+    written in chunks of 8: killed after the first chunk, the rerun writes the rest once."""
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    subprocess.run(_script(whole), check=True, env=ENV, capture_output=True, cwd=ROOT)
-    proc = subprocess.Popen(_script(killed), env=ENV, cwd=ROOT, stderr=subprocess.DEVNULL)
+    count, first = (6, 2) if size == 1 else (20, 8)
+    extra = (f"data.num_rows={count}", f"batch_size={size}")
+    subprocess.run(_script(whole, *extra[:1]), check=True, env=ENV, capture_output=True, cwd=ROOT)
+    proc = subprocess.Popen(_script(killed, *extra), env=ENV, cwd=ROOT, stderr=subprocess.DEVNULL)
     rows = killed / "shard-00000-of-00001.jsonl"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
-        if rows.is_file() and rows.read_bytes().count(b"\n") >= 2:
+        if rows.is_file() and rows.read_bytes().count(b"\n") >= first:
             break
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     written = rows.read_bytes().count(b"\n")
-    assert 1 <= written < 6, "kill the run mid-way"
+    assert first <= written < count, "kill the run mid-way"
     with rows.open("ab") as f:  # a line the kill cut in half
         f.write(b'{"id":"synthetic-0-00000')
-    done = subprocess.run(_script(killed), env=ENV, capture_output=True, text=True, cwd=ROOT)
+    done = subprocess.run(
+        _script(killed, *extra), env=ENV, capture_output=True, text=True, cwd=ROOT
+    )
     assert done.returncode == 0, done.stderr
-    assert "6 rows written" in done.stdout
+    assert f"{count} rows written" in done.stdout
     assert rows_by_index(killed) == rows_by_index(whole)
-    assert sorted(rows_by_index(killed)) == list(range(6))
+    assert sorted(rows_by_index(killed)) == list(range(count))
     manifest = json.loads((killed / "manifest-00000-of-00001.json").read_text())
     assert (
-        manifest["counts"]["written"] == 6 and manifest["sessions"][-1]["resumed_after"] == written
+        manifest["counts"]["written"] == count
+        and manifest["sessions"][-1]["resumed_after"] == written
     )
     refused = subprocess.run(
-        _script(killed, "temperature=0.5"), env=ENV, capture_output=True, text=True, cwd=ROOT
-    )
+        _script(killed, *extra, "temperature=0.5"), env=ENV, capture_output=True, text=True,
+        cwd=ROOT,
+    )  # fmt: skip
     assert refused.returncode == 2
     assert refused.stderr.strip().splitlines() == [  # one line, before the target loads
         f"error: {killed} holds rows of another regeneration (manifest-00000-of-00001.json); "

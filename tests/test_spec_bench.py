@@ -270,9 +270,10 @@ def test_two_turn_questions_end_to_end(
     calls: list[tuple[list[int], list[int], str | None]] = []
     real = run.generate
 
-    def spy(model: Any, ids: list[int], **kwargs: Any) -> Any:
+    def spy(model: Any, ids: list[list[int]], **kwargs: Any) -> Any:
         res = real(model, ids, **kwargs)
-        calls.append((list(ids), list(res.tokens), kwargs.get("method")))
+        for prompt, one in zip(ids, res, strict=True):  # one prompt per call at batch_size=1
+            calls.append((list(prompt), list(one.tokens), kwargs.get("method")))
         return res
 
     with mock.patch.object(run, "generate", spy):

@@ -16,7 +16,7 @@ summarization, qa, math_reasoning and rag (80 one-turn questions each).
 
 A question becomes a :class:`SpecBenchPrompt`: its first turn rendered with the target's
 chat template (the generation prompt), and the later turns, which the evaluator asks after
-the model's own answer to the turn before (``mtpc.evaluation.run.decode_prompt``).
+the model's own answer to the turn before (``mtpc.evaluation.run.decode_prompts``).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 from mtpc.choices import DRAFTS, METHODS, POLICIES, PROPOSALS
 from mtpc.decoding.settings import (
@@ -52,6 +52,18 @@ def __getattr__(name: str) -> Any:
 
         return GenerationResult
     raise AttributeError(f"module 'mtpc.decoding' has no attribute {name!r}")
+
+
+@overload
+def generate(
+    model: Any, prompt_ids: list[list[int]] | list[Tensor], *args: Any, **kwargs: Any
+) -> list[GenerationResult]: ...
+
+
+@overload
+def generate(
+    model: Any, prompt_ids: Sequence[int] | Tensor, *args: Any, **kwargs: Any
+) -> GenerationResult: ...
 
 
 def generate(
@@ -119,7 +131,8 @@ def generate(
     Returns:
         A :class:`GenerationResult` (``tokens``, ``accepted``, ``seconds``, per-cycle data);
         a list of them, in order, for a list of prompts. At ``batch_size`` > 1 a row's
-        ``cycle_seconds`` are the wall times of the batch's cycles it took part in.
+        ``cycle_seconds`` are its shares of the batch's cycles (a cycle's wall time over
+        the rows in it): the rows' ``seconds`` add up to the call's wall time.
 
     Raises:
         ValueError: bad arguments, an empty prompt or one that does not fit the target's

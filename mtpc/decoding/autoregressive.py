@@ -57,7 +57,7 @@ def _schedule(
             logits = layout.admit(new, [prompts[i] for i in take])[1]  # (1, V) each
             seconds = clock.split()
             for row, last in zip(new, logits, strict=True):
-                row.kept_logits, row.res.prefill_seconds = last, seconds
+                row.kept_logits, row.res.prefill_seconds = last, seconds / len(new)
             rows += new
         going, tokens = [], []
         for row in rows:
@@ -81,8 +81,8 @@ def _schedule(
         clock.lap("model")
         seconds = clock.split()
         clock.total += seconds
-        for row in rows:
-            row.res.cycle_seconds.append(seconds)
+        for row in rows:  # each row's share of the batch's step
+            row.res.cycle_seconds.append(seconds / len(rows))
         rows = going
     return [_finish(res, clock.breakdown(clock.total)) for res in results if res is not None]
 

@@ -47,7 +47,9 @@ class GenerationResult:
         offsets: window position (0-based) of the first verified draft per cycle (1 when
             the first position was evidence); acceptance per window position uses it.
         cycle_seconds: wall time per cycle (draft + verify + bookkeeping), synchronised.
-        prefill_seconds: wall time of the prompt pass.
+            Many prompts at once: the row's share of each batch cycle (its wall time over
+            the rows in it), so that the rows' seconds add up to the call's wall time.
+        prefill_seconds: wall time of the prompt pass (many prompts: the row's share).
         seconds: total wall time (prefill + cycles).
         trunk_passes: trunk calls after the prefill (one per cycle, plus one per recompute).
         stopped: a stop id ended the generation.

@@ -306,8 +306,8 @@ def prefill(run: Run, layout: Layout, new: Sequence[tuple[int, Request, Tensor]]
         row.res.policy = run.request.policy
         vars(row.res).update(run.proposer.labels)
     seconds += run.clock.split()
-    for row in rows:
-        row.res.prefill_seconds = seconds
+    for row in rows:  # each row's share of the admission (batch 1: all of it)
+        row.res.prefill_seconds = seconds / len(rows)
     return rows
 
 
@@ -356,8 +356,8 @@ def cycle(run: Run, layout: Layout, rows: Sequence[Row]) -> list[Row]:
     clock.lap("model")
     seconds = clock.split()
     run.clock.total += seconds
-    for row in rows:
-        row.res.cycle_seconds.append(seconds)
+    for row in rows:  # each row's share of the batch's cycle (batch 1: all of it)
+        row.res.cycle_seconds.append(seconds / len(rows))
     return done
 
 

@@ -69,15 +69,31 @@ def parse_regenerate(cfg: Any) -> RegenerateSettings:
     validate_regenerate_config(cfg)
     settings = RegenerateSettings.from_cfg(cfg)
     check_batch_size(settings.batch_size, ConfigError)
+    check_batch_backbone(settings.batch_size, settings.model.name, ConfigError)
     return settings
 
 
 def check_batch_size(value: Any, error: type[Exception]) -> None:
-    """``batch_size``: an integer >= 1 (not used yet: prompts are decoded one at a time)."""
+    """``batch_size``: an integer >= 1."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise error(
             f"batch_size={value!r} is not allowed; allowed: an integer >= 1 "
             "(1: one prompt at a time, the paper's protocol)"
+        )
+
+
+def check_batch_backbone(batch_size: int, model: Any, error: type[Exception]) -> None:
+    """``batch_size`` > 1 needs a backbone with a batched cache (not EvaByte's): checked on
+    the model's name before it loads, and on the loaded model (``model``: either)."""
+    if isinstance(model, str):
+        batched = model != "evabyte"
+        name = f"model={model}"
+    else:
+        batched, name = model.backbone.supports_batch, type(model.backbone).__name__
+    if batch_size > 1 and not batched:
+        raise error(
+            f"batch_size={batch_size} is not allowed for {name}: it decodes one prompt at a "
+            "time (EvaByte's EVA window cache holds one sequence); allowed: batch_size=1"
         )
 
 
@@ -149,6 +165,12 @@ def check_eval_settings(s: EvalSettings) -> None:
     _integer("num_threads", run.num_threads, 1)
     _integer("max_prompt_length", s.prompts.max_prompt_length, 1)
     check_batch_size(run.batch_size, EvalConfigError)
+    check_batch_backbone(run.batch_size, s.model.name, EvalConfigError)
+    if run.batch_size > 1 and s.drafter is not None:
+        raise EvalConfigError(
+            f"batch_size={run.batch_size} is not allowed with drafter= (another vocabulary's "
+            "drafter decodes one prompt at a time); allowed: batch_size=1"
+        )
     if s.drafter is not None:
         _check_drafter(s.drafter, greedy)
     if s.prompts.spec_bench is not None:

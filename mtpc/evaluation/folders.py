@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 SETTINGS = IDENTITY_FIELDS
 """Settings that define a measurement (their change starts another evaluation folder);
-``batch_size`` is not one (greedy results do not depend on it)."""
+``batch_size`` > 1 is added to them (a batch's times are another protocol)."""
 
 
 DATA_IGNORED = ("cache_dir", "num_workers", "batch_size", "streaming", "pack_documents")
@@ -72,14 +72,15 @@ def build_manifest(
         )  # fmt: skip
     data = dict(s.data or {})
     device = str(s.run.device)
-    # the settings as given (not as defaulted): the same bytes, the same folder key;
-    # batch_size is left out: greedy results do not depend on it
+    # the settings as given (not as defaulted): the same bytes, the same folder key
     settings_record = {k: s.given.get(k) for k in SETTINGS}
     settings_record.update(asked(d.drafting, d.proposal))
     if s.drafter is not None:  # drafter=hetero: another drafter, another folder
         settings_record["drafter"] = dict(s.drafter.fields)
     if s.run.interleave:  # another timing protocol, another folder
         settings_record["interleave"] = True
+    if s.run.batch_size > 1:  # times are a batch's shares: another protocol, another folder
+        settings_record["batch_size"] = s.run.batch_size
     if isinstance(settings_record["sources"], str):  # sources=a is sources=[a]
         settings_record["sources"] = [settings_record["sources"]]
     manifest: dict[str, Any] = {

@@ -24,7 +24,7 @@ Record lines (``type`` first):
   (speculative), and the measurements of :func:`mtpc.evaluation.metrics.prompt_record`;
   a question of several turns (``prompts=spec_bench``) also ``turns``: each turn's
   ``tokens_sha1``, ``prompt_tokens``, ``equal_reference`` and scalar measurements, the
-  record's own measurements pooling them (``mtpc.evaluation.run.decode_prompt``);
+  record's own measurements pooling them (``mtpc.evaluation.run.decode_prompts``);
   ``interleave=true`` adds ``slot`` (the record's place among its prompt's lanes) and, for a
   greedy drafting pass decoded before AR on that prompt, ``check_pending`` (its
   ``equal_reference`` is null; the report compares ``tokens_sha1`` with AR's record).

@@ -39,11 +39,12 @@ from pathlib import Path
 from typing import Any
 
 from mtpc.backbones.codecs import ByteCodec
+from mtpc.config import ConfigError
 from mtpc.data.preprocess import check_row
 from mtpc.errors import UserError
-from mtpc.evaluation.checks import parse_regenerate
+from mtpc.evaluation.checks import check_batch_backbone, parse_regenerate
 from mtpc.evaluation.loading import load_target
-from mtpc.evaluation.settings import RegenerateSettings, Settings
+from mtpc.evaluation.settings import CHUNK_BATCHES, RegenerateSettings, Settings
 from mtpc.files import BadJsonLine, read_json_lines
 from mtpc.store import AppendStore, changed, provenance, write_json
 
@@ -105,77 +106,136 @@ def regenerate_row(
     settings: Settings,
     context: int | None,
 ) -> RowResult:
-    """Rewrites every assistant turn of ``row`` with the target, in order.
+    """Rewrites every assistant turn of ``row`` with the target, in order
+    (:func:`regenerate_rows` of one row)."""
+    return regenerate_rows(model, codec, [(index, row)], settings, context)[0]
+
+
+class _Turns:
+    """One source row on its way through its assistant turns."""
+
+    def __init__(self, index: int, row: Mapping[str, Any]) -> None:
+        self.index, self.row = index, row
+        self.reason = _usable(row)
+        self.messages = list(row["messages"]) if self.reason is None else []
+        self.history: list[dict[str, str]] = []
+        self.truncated: list[bool] = []
+        self.new_tokens: list[int] = []
+        self.byte_exact: list[bool] = []
+
+    def next_turn(self) -> bool:
+        """Copies the turns up to the next assistant turn; False when none is left."""
+        while self.reason is None and self.messages:
+            message = self.messages.pop(0)
+            role, content = str(message["role"]), str(message["content"])
+            if role == "assistant":
+                return True
+            self.history.append({"role": role, "content": content})
+        return False
+
+    def answer(self, codec: ByteCodec, result: Any) -> None:
+        """Appends the target's turn (its stop id left out)."""
+        body = result.tokens[:-1] if result.stopped else result.tokens
+        text = codec.decode(body)
+        self.history.append({"role": "assistant", "content": text})
+        self.truncated.append(not result.stopped)
+        self.new_tokens.append(len(result.tokens))
+        # False where the text does not re-encode to the generated ids: a special id inside
+        # the turn, or bytes that are not UTF-8 (decoded as U+FFFD).
+        self.byte_exact.append(codec.encode(text) == list(body))
+
+    def result(self) -> RowResult:
+        if self.reason is not None:
+            return RowResult(self.index, reason=self.reason)
+        out = {
+            "id": str(self.row.get("id") or f"row-{self.index}"),
+            "source": str(self.row.get("source") or "unknown"),
+            "messages": self.history,
+            "regenerated": {
+                "index": self.index,
+                "truncated": self.truncated,
+                "new_tokens": self.new_tokens,
+                "byte_exact": self.byte_exact,
+            },
+        }
+        return RowResult(self.index, row=out)
+
+
+def regenerate_rows(
+    model: Any,
+    codec: ByteCodec,
+    rows: Sequence[tuple[int, Mapping[str, Any]]],
+    settings: Settings,
+    context: int | None,
+    batch_size: int = 1,
+) -> list[RowResult]:
+    """Rewrites every assistant turn of each row with the target, in order: the rows' k-th
+    turns are decoded together, ``batch_size`` at once (``mtpc.generate`` of a list).
 
     Args:
         model: an ``MTPCModel`` (its draft is used by ``speculative`` only).
         codec: the target's byte codec (chat template, stop ids).
-        row: a Tülu-format row.
-        index: its position in the source (names its seeds).
+        rows: (position in the source, which names its seeds; a Tülu-format row).
         settings: how to decode.
         context: the target's context length (None: unbounded).
+        batch_size: turns decoded at once.
 
     Returns:
-        The regenerated row, or the reason it was skipped: a ``check_row`` reason
-        (``no_assistant_turn``, ``unknown_role``, ...) or ``prompt_too_long`` (a generation
-        prompt leaves no room in the target's context).
+        Per row, in order, the regenerated row or the reason it was skipped: a ``check_row``
+        reason (``no_assistant_turn``, ``unknown_role``, ...) or ``prompt_too_long`` (a
+        generation prompt leaves no room in the target's context).
     """
+    lookahead = model.head.circuit.window if settings.method == "speculative" else 0
+    states = [_Turns(index, row) for index, row in rows]
+    going = [state for state in states if state.next_turn()]
+    while going:
+        groups: dict[int, list[tuple[_Turns, list[int]]]] = {}
+        for state in going:
+            prompt = codec.generation_prompt(state.history)  # (T,) ids
+            budget = settings.max_new_tokens
+            if context is not None:
+                budget = min(budget, context - len(prompt) - lookahead)
+            if budget < 1:
+                state.reason = "prompt_too_long"
+            else:  # one call per budget (a prompt near the context has less room)
+                groups.setdefault(budget, []).append((state, prompt))
+        for budget, group in groups.items():
+            results = _decode_turns(model, codec, group, budget, settings, batch_size)
+            for (state, _), result in zip(group, results, strict=True):
+                state.answer(codec, result)
+        going = [state for state in going if state.next_turn()]
+    return [state.result() for state in states]
+
+
+def _decode_turns(
+    model: Any,
+    codec: ByteCodec,
+    group: Sequence[tuple[_Turns, list[int]]],
+    budget: int,
+    settings: Settings,
+    batch_size: int,
+) -> list[Any]:
+    """The next assistant turn of each row of ``group`` (its state, its prompt's ids)."""
     from mtpc.decoding import generate
 
-    reason = _usable(row)
-    if reason is not None:
-        return RowResult(index, reason=reason)
-    lookahead = model.head.circuit.window if settings.method == "speculative" else 0
-    history: list[dict[str, str]] = []
-    truncated: list[bool] = []
-    new_tokens: list[int] = []
-    byte_exact: list[bool] = []
-    for message in row["messages"]:
-        role, content = str(message["role"]), str(message["content"])
-        if role != "assistant":
-            history.append({"role": role, "content": content})
-            continue
-        prompt = codec.generation_prompt(history)  # (T,) ids
-        budget = settings.max_new_tokens
-        if context is not None:
-            budget = min(budget, context - len(prompt) - lookahead)
-            if budget < 1:
-                return RowResult(index, reason="prompt_too_long")
-        result = generate(
-            model,
-            prompt,
-            budget,
-            method=settings.method,
-            greedy=settings.greedy,
-            seed=turn_seed(settings.seed, index, len(truncated)),
-            policy=settings.policy,
-            draft=settings.drafting,
-            proposal=settings.proposal,
-            temperature=settings.temperature,
-            top_k=settings.top_k,
-            top_p=settings.top_p,
-            stop_ids=codec.stop_ids,
-        )
-        body = result.tokens[:-1] if result.stopped else result.tokens
-        text = codec.decode(body)
-        history.append({"role": "assistant", "content": text})
-        truncated.append(not result.stopped)
-        new_tokens.append(len(result.tokens))
-        # False where the text does not re-encode to the generated ids: a special id inside
-        # the turn, or bytes that are not UTF-8 (decoded as U+FFFD).
-        byte_exact.append(codec.encode(text) == list(body))
-    out = {
-        "id": str(row.get("id") or f"row-{index}"),
-        "source": str(row.get("source") or "unknown"),
-        "messages": history,
-        "regenerated": {
-            "index": index,
-            "truncated": truncated,
-            "new_tokens": new_tokens,
-            "byte_exact": byte_exact,
-        },
-    }
-    return RowResult(index, row=out)
+    results = generate(
+        model,
+        [prompt for _, prompt in group],
+        budget,
+        method=settings.method,
+        greedy=settings.greedy,
+        seed=[turn_seed(settings.seed, s.index, len(s.truncated)) for s, _ in group],
+        policy=settings.policy,
+        draft=settings.drafting,
+        proposal=settings.proposal,
+        temperature=settings.temperature,
+        top_k=settings.top_k,
+        top_p=settings.top_p,
+        stop_ids=codec.stop_ids,
+        batch_size=min(batch_size, len(group)),
+    )
+    assert isinstance(results, list)
+    return results
 
 
 def shard_stem(shard: int, num_shards: int) -> str:
@@ -411,6 +471,7 @@ def regenerate(cfg: Any) -> dict[str, Any]:
     # settings, data and sharding are refused before the target loads; its weights after
     refuse_other_regeneration(out, manifest, [k for k in IDENTITY if k != "target"])
     model = load_model(job)
+    check_batch_backbone(job.batch_size, model, ConfigError)
     codec = get_codec(str(job.model.codec))
     manifest |= {
         "target": {
@@ -426,7 +487,7 @@ def regenerate(cfg: Any) -> dict[str, Any]:
         resumed = len(store.done)
         rows, tokens, seconds = regenerate_shard(
             store, source, model, codec, settings, context_length(model),
-            progress=bool(job.progress),
+            progress=bool(job.progress), batch_size=job.batch_size,
         )  # fmt: skip
         session = {
             **provenance(str(job.device), Path(job.root_dir or ".")),
@@ -436,6 +497,7 @@ def regenerate(cfg: Any) -> dict[str, Any]:
             "rows_per_second": round(rows / seconds, 4) if seconds > 0 else None,
             "new_tokens_per_second": round(tokens / seconds, 2) if seconds > 0 else None,
             "method": settings.method,
+            "batch_size": job.batch_size,
         }
         full = store.write_manifest(sessions=[*store.manifest["sessions"], session])
     print_summary(out / f"{store.stem}.jsonl", store.counts, settings, rows, seconds)
@@ -450,9 +512,10 @@ def regenerate_shard(
     settings: Settings,
     context: int | None,
     progress: bool = True,
+    batch_size: int = 1,
 ) -> tuple[int, int, float]:
     """Regenerates the rows of ``store``'s shard it holds no line of, appending each as it
-    finishes.
+    finishes (``batch_size`` > 1: as each chunk of :data:`CHUNK_BATCHES` batches finishes).
 
     Returns:
         (rows decoded, new tokens, seconds) of this session.
@@ -469,17 +532,32 @@ def regenerate_shard(
         dynamic_ncols=True, disable=not progress,
     )  # fmt: skip
     start, rows, tokens = time.perf_counter(), 0, 0
+    chunk: list[tuple[int, Any]] = []
+    # rows decoded together: a finished row's place in the batch goes to the next (a kill
+    # loses at most this many rows' work; the rows are written in source order)
+    size = 1 if batch_size == 1 else CHUNK_BATCHES * batch_size
+
+    def flush() -> None:
+        nonlocal rows, tokens
+        results = regenerate_rows(model, codec, chunk, settings, context, batch_size)
+        for (_, row), result in zip(chunk, results, strict=True):
+            row_id = row.get("id") if isinstance(row, Mapping) else None
+            store.append(result, None if row_id is None else str(row_id))
+            tokens += sum(result.row["regenerated"]["new_tokens"]) if result.row else 0
+        rows += len(chunk)
+        bar.update(len(chunk))
+        chunk.clear()
+
     model.eval()
     with torch.inference_mode():
         for index, row in enumerate(source):
             if index % num_shards != shard or index in store.done:
                 continue
-            result = regenerate_row(model, codec, row, index, settings, context)
-            row_id = row.get("id") if isinstance(row, Mapping) else None
-            store.append(result, None if row_id is None else str(row_id))
-            rows += 1
-            tokens += sum(result.row["regenerated"]["new_tokens"]) if result.row else 0
-            bar.update()
+            chunk.append((index, row))
+            if len(chunk) >= size:
+                flush()
+        if chunk:
+            flush()
     bar.close()
     return rows, tokens, time.perf_counter() - start
 

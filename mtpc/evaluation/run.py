@@ -39,6 +39,7 @@ from mtpc.decoding import generate
 from mtpc.decoding.common import cut_at_stop
 from mtpc.evaluation.checks import (
     EvalConfigError,
+    check_batch_backbone,
     check_eval_fields,  # noqa: F401 (evaluate's check, by name)
     parse_eval,
 )
@@ -64,7 +65,12 @@ from mtpc.evaluation.records import (
     turn_hashes,
 )
 from mtpc.evaluation.report import build_report, report_folders
-from mtpc.evaluation.settings import EvalDecoding, EvalSettings, hydra_model_overrides
+from mtpc.evaluation.settings import (
+    CHUNK_BATCHES,
+    EvalDecoding,
+    EvalSettings,
+    hydra_model_overrides,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -154,16 +160,17 @@ def warmup_prompts(
     return [*prompts, ids[:length]]
 
 
-def decode_prompt(
+def decode_prompts(
     model: Any,
-    prompt: Any,
+    prompts: Sequence[Any],
     codec: Any,
-    seed: int,
+    seeds: Sequence[int],
     kwargs: Mapping[str, Any],
     per_cycle: bool,
-    reference: Sequence[str] | None,
-) -> dict[str, Any]:
-    """Decodes one prompt, every turn of a multi-turn one; returns its record's measurements.
+    references: Sequence[Sequence[str] | None],
+    batch_size: int = 1,
+) -> list[dict[str, Any]]:
+    """Decodes prompts, every turn of a multi-turn one; returns each record's measurements.
 
     A prompt with ``later_turns`` (Spec-Bench's MT-bench questions) asks each later user
     turn after the model's own answer to the turn before: the conversation (user, the answer
@@ -171,52 +178,78 @@ def decode_prompt(
     target's chat template, and the new prompt is decoded and timed like the first. The
     record's measurements are the turns' pooled (tokens, cycles and times summed, per-cycle
     lists concatenated), ``turns`` holds each turn's own, with its ``tokens_sha1``,
-    ``prompt_tokens`` and ``equal_reference``.
+    ``prompt_tokens`` and ``equal_reference``. The prompts' k-th turns are decoded together,
+    ``batch_size`` at once (``mtpc.generate`` of a list; a row's times are its shares of
+    the batch's).
 
     Args:
         model: the loaded draft.
-        prompt: an ``EvalPrompt`` (``SpecBenchPrompt`` for several turns).
+        prompts: ``EvalPrompt`` s (``SpecBenchPrompt`` for several turns).
         codec: the target's byte codec (renders the later turns' prompts).
-        seed: the decoding seed of every turn.
+        seeds: each prompt's decoding seed (of every turn).
         kwargs: ``mtpc.generate`` keywords of the pass.
         per_cycle: keep the per-cycle lists (drafting passes).
-        reference: the AR pass's ``tokens_sha1`` per turn (greedy check), or None.
+        references: per prompt, the AR pass's ``tokens_sha1`` per turn (greedy check), or
+            None.
+        batch_size: prompts decoded at once.
     """
-    later = tuple(getattr(prompt, "later_turns", ()))
-    ids = list(prompt.prompt_ids)
-    messages = [dict(m) for m in prompt.messages]
-    results: list[Any] = []
-    lengths: list[int] = []
-    for turn in (None, *later):
-        if turn is not None:  # the next user turn, after the model's own answer
-            kept, _ = cut_at_stop(results[-1].tokens, len(results[-1].tokens), codec.stop_ids)
-            messages += [
+    convs = [_Conversation(p) for p in prompts]
+    for turn in range(max(len(c.later) for c in convs) + 1):
+        going = [c for c in convs if turn <= len(c.later)]
+        ids = [c.next_prompt(codec, turn) for c in going]
+        seed = [seeds[convs.index(c)] for c in going]
+        out = generate(model, ids, seed=seed, batch_size=min(batch_size, len(ids)), **kwargs)
+        for c, result in zip(going, out, strict=True):
+            c.results.append(result)
+    return [c.record(per_cycle, ref) for c, ref in zip(convs, references, strict=True)]
+
+
+class _Conversation:
+    """One prompt on its way through its turns."""
+
+    def __init__(self, prompt: Any) -> None:
+        self.later = tuple(getattr(prompt, "later_turns", ()))
+        self.ids = list(prompt.prompt_ids)
+        self.messages = [dict(m) for m in prompt.messages]
+        self.results: list[Any] = []
+        self.lengths: list[int] = []
+
+    def next_prompt(self, codec: Any, turn: int) -> list[int]:
+        """The ids of turn ``turn`` (0: the prompt; later: after the model's last answer)."""
+        if turn:  # the next user turn, after the model's own answer
+            last = self.results[-1].tokens
+            kept, _ = cut_at_stop(last, len(last), codec.stop_ids)
+            self.messages += [
                 {"role": "assistant", "content": codec.decode(kept)},
-                {"role": "user", "content": turn},
+                {"role": "user", "content": self.later[turn - 1]},
             ]
-            ids = codec.generation_prompt(messages)
-        lengths.append(len(ids))
-        results.append(generate(model, ids, seed=seed, **kwargs))
-    hashes = [tokens_sha1(r.tokens) for r in results]
-    equal = None if reference is None else equal_turns(hashes, reference)
-    rule = {"draft_rule": results[0].draft_rule} if per_cycle else {}
-    if not later:  # one turn: the record of every single-turn evaluation
+            self.ids = codec.generation_prompt(self.messages)
+        self.lengths.append(len(self.ids))
+        return self.ids
+
+    def record(self, per_cycle: bool, reference: Sequence[str] | None) -> dict[str, Any]:
+        """The record's measurements (one turn's, or the turns' pooled and each turn's)."""
+        results = self.results
+        hashes = [tokens_sha1(r.tokens) for r in results]
+        equal = None if reference is None else equal_turns(hashes, reference)
+        rule = {"draft_rule": results[0].draft_rule} if per_cycle else {}
+        if not self.later:  # one turn: the record of every single-turn evaluation
+            return {
+                "tokens_sha1": hashes[0], "equal_reference": None if equal is None else equal[0],
+                **rule, **prompt_record(results[0], per_cycle=per_cycle),
+            }  # fmt: skip
+        full = [prompt_record(r, per_cycle=per_cycle) for r in results]
+        turns = [  # each turn's scalars (its per-cycle lists are in the pooled record)
+            {"tokens_sha1": h, "prompt_tokens": n,
+             "equal_reference": None if equal is None else equal[j],
+             **{key: v for key, v in rec.items() if not isinstance(v, list)}}
+            for j, (h, n, rec) in enumerate(zip(hashes, self.lengths, full, strict=True))
+        ]  # fmt: skip
         return {
-            "tokens_sha1": hashes[0], "equal_reference": None if equal is None else equal[0],
-            **rule, **prompt_record(results[0], per_cycle=per_cycle),
+            "tokens_sha1": tokens_sha1([t for r in results for t in r.tokens]),
+            "equal_reference": None if equal is None else all(equal),
+            **rule, **pool_turns(full), "turns": turns,
         }  # fmt: skip
-    full = [prompt_record(r, per_cycle=per_cycle) for r in results]
-    turns = [  # each turn's scalars (its per-cycle lists are in the pooled record)
-        {"tokens_sha1": h, "prompt_tokens": n,
-         "equal_reference": None if equal is None else equal[j],
-         **{key: v for key, v in rec.items() if not isinstance(v, list)}}
-        for j, (h, n, rec) in enumerate(zip(hashes, lengths, full, strict=True))
-    ]  # fmt: skip
-    return {
-        "tokens_sha1": tokens_sha1([t for r in results for t in r.tokens]),
-        "equal_reference": None if equal is None else all(equal),
-        **rule, **pool_turns(full), "turns": turns,
-    }  # fmt: skip
 
 
 class Lane:
@@ -247,6 +280,8 @@ class Lane:
         self.seed = int(s.decoding.seed)
         self.drafting = pass_name == "speculative" or pass_name.startswith("tree")
         self.check = self.drafting and bool(self.kwargs["greedy"])  # output == AR's
+        self.batch_size = int(s.run.batch_size)
+        check_batch_backbone(self.batch_size, model, EvalConfigError)
         self.codec = get_codec(model.backbone.codec)
 
     def warm_up(self, prompt_sets: Sequence[Sequence[Any]]) -> None:
@@ -257,34 +292,42 @@ class Lane:
                 self.model, prompt_sets, s.decoding.max_new_tokens, bool(s.run.warmup_window)
             )
             for ids in prompts:
-                generate(self.model, ids, seed=self.seed + w, **self.kwargs)
+                batch = [ids] * self.batch_size  # the timed runs' batch shape
+                generate(self.model, batch, seed=self.seed + w, **self.kwargs)
 
     def decode(
-        self, k: int, i: int, prompt: Any, reference: Sequence[str] | None
-    ) -> dict[str, Any]:
-        """The record of prompt ``i`` of set ``k``, decoded.
+        self, items: Sequence[tuple[int, int, Any]], references: Sequence[Sequence[str] | None]
+    ) -> list[dict[str, Any]]:
+        """The records of prompts ``items`` (set k, index i in it, the prompt), decoded
+        ``batch_size`` at once.
 
         Args:
-            k: the prompt set.
-            i: the prompt's index in it.
-            prompt: the prompt.
-            reference: AR's ``tokens_sha1`` per turn for the greedy check; None when AR has
-                not decoded this prompt yet (interleaved, AR later on this prompt): the
-                record is marked ``check_pending`` and the report checks it against AR's
-                record (``mtpc.evaluation.report.resolve_checks``).
+            items: the prompts.
+            references: per prompt, AR's ``tokens_sha1`` per turn for the greedy check; None
+                when AR has not decoded this prompt yet (interleaved, AR later on this
+                prompt): the record is marked ``check_pending`` and the report checks it
+                against AR's record (``mtpc.evaluation.report.resolve_checks``).
         """
-        s = self.seed + i + getattr(prompt, "seed_offset", 0)
-        pending = self.check and reference is None
-        fields = decode_prompt(
-            self.model, prompt, self.codec, s, self.kwargs, self.drafting,
-            reference if self.check and not pending else None,
+        seeds = [self.seed + i + getattr(p, "seed_offset", 0) for _, i, p in items]
+        pending = [self.check and ref is None for ref in references]
+        checked = [None if not self.check or ref is None else ref for ref in references]
+        fields = decode_prompts(
+            self.model, [p for _, _, p in items], self.codec, seeds, self.kwargs,
+            self.drafting, checked, self.batch_size,
         )  # fmt: skip
-        return {
-            "type": "prompt", "draft": self.name, "draft_path": self.path,
-            "pass": self.pass_name, "set": k, "index": i, "prompt_id": prompt.id,
-            "source": prompt.source, "seed": s, **fields,
-            **({"check_pending": True} if pending else {}),
-        }  # fmt: skip
+        return [
+            {"type": "prompt", "draft": self.name, "draft_path": self.path,
+             "pass": self.pass_name, "set": k, "index": i, "prompt_id": p.id,
+             "source": p.source, "seed": s, **f,
+             **({"check_pending": True} if wait else {})}
+            for (k, i, p), s, f, wait in zip(items, seeds, fields, pending, strict=True)
+        ]  # fmt: skip
+
+    def chunks(self, todo: Sequence[tuple[int, int, Any]]) -> list[list[tuple[int, int, Any]]]:
+        """``todo`` in the groups decoded together (``batch_size`` 1: one prompt each; B:
+        ``CHUNK_BATCHES`` * B, so that finished rows' places are refilled)."""
+        size = 1 if self.batch_size == 1 else CHUNK_BATCHES * self.batch_size
+        return [list(todo[j : j + size]) for j in range(0, len(todo), size)]
 
     def close(self, store: RecordStore, peak_mb: float | None) -> None:
         """The ``pass`` record: every prompt of this lane is recorded."""
@@ -331,9 +374,11 @@ def run_pass(
         f"{lane.name} [{pass_name}]",
     )  # fmt: skip
     try:
-        for k, i, p in todo:
-            store.append(lane.decode(k, i, p, reference.get((k, i), [])))
-            bar.step(f"set {k + 1}/{len(prompt_sets)}")
+        for chunk in lane.chunks(todo):
+            refs = [reference.get((k, i), []) for k, i, _ in chunk]
+            for (k, _, _), record in zip(chunk, lane.decode(chunk, refs), strict=True):
+                store.append(record)
+                bar.step(f"set {k + 1}/{len(prompt_sets)}")
     finally:
         bar.close()
     lane.close(store, peak_memory_mb(device))
@@ -379,21 +424,21 @@ def run_interleaved(
         bool(s.run.progress), total,
         total - sum(len(t) for t in todo.values()), "interleaved",
     )  # fmt: skip
-    position = 0
-    try:
-        for k, prompts in enumerate(prompt_sets):
-            for i, p in enumerate(prompts):
-                for slot, lane in enumerate(interleaved_order(lanes, position)):
-                    if (k, i) not in missing[lane]:
-                        continue
-                    record = lane.decode(k, i, p, reference.get((k, i)))
+    every = [(k, i, p) for k, prompts in enumerate(prompt_sets) for i, p in enumerate(prompts)]
+    try:  # prompt by prompt (batch_size B: chunk by chunk of the prompts decoded together)
+        for position, chunk in enumerate(lanes[0].chunks(every)):
+            for slot, lane in enumerate(interleaved_order(lanes, position)):
+                mine = [(k, i, p) for k, i, p in chunk if (k, i) in missing[lane]]
+                if not mine:
+                    continue
+                refs = [reference.get((k, i)) for k, i, _ in mine]
+                for (k, i, _), record in zip(mine, lane.decode(mine, refs), strict=True):
                     record["slot"] = slot  # its place among this prompt's lanes
                     store.append(record)
                     decoded[lane] += 1
                     bar.step(f"set {k + 1}/{len(prompt_sets)}")
                     if lane.pass_name == "ar":
                         reference[(k, i)] = turn_hashes(record)
-                position += 1
     finally:
         bar.close()
     peak = peak_memory_mb(device) if busy else None

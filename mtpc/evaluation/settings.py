@@ -61,6 +61,11 @@ def _root_dir(cfg: Any) -> Path:
     return Path(root) if root else PROJECT_ROOT
 
 
+CHUNK_BATCHES = 4
+"""At ``batch_size`` B > 1, prompts (regeneration: rows) are decoded, recorded and written in
+chunks of this many times B: the places of finished rows go to waiting ones within a chunk
+(continuous batching); a kill loses at most a chunk's work."""
+
 # ------------------------------------------------------------------------ evaluation ----
 IDENTITY_FIELDS = (
     "greedy", "policy", "temperature", "top_k", "top_p", "num_prompts",
@@ -70,7 +75,7 @@ IDENTITY_FIELDS = (
     "tree_budget", "tree_floor",
 )  # fmt: skip
 """Settings that define a measurement (their change starts another evaluation folder), in the
-manifest's order. ``batch_size`` is not one: greedy results do not depend on it."""
+manifest's order. ``batch_size`` > 1 is added to them (another timing protocol)."""
 
 
 @dataclass(frozen=True)
@@ -199,8 +204,8 @@ class EvalRun:
         max_throughput: also run accepting every draft.
         interleave: decode every draft (and AR) prompt by prompt, alternating their order.
         progress: a progress bar per draft and pass.
-        batch_size: prompts decoded at once (1: the paper's protocol). Not used yet; not part
-            of the folder's identity (greedy results do not depend on it).
+        batch_size: prompts decoded at once (1: the paper's protocol); > 1 is part
+            of the folder's identity (the times are a batch's shares).
     """
 
     device: str = "cpu"
@@ -474,8 +479,8 @@ class RegenerateSettings:
         device: cpu | cuda | cuda:<i>.
         num_threads: CPU threads; None: torch's default.
         progress: a tqdm bar.
-        batch_size: prompts decoded at once (1: the paper's protocol). Not used yet; not part
-            of the manifest.
+        batch_size: rows decoded at once (1: the paper's protocol); not part of the manifest
+            (the rows do not depend on it).
     """
 
     decoder: Settings = field(default_factory=Settings)
