@@ -17,7 +17,7 @@ from torch import Tensor
 
 from mtpc.decoding.common import GenerationResult, Request, emit
 from mtpc.decoding.layout import Padded, Stream
-from mtpc.decoding.loop import Layout, Row, Run, new_row, new_run
+from mtpc.decoding.loop import Layout, Row, Run, new_row, new_run, schedule
 
 
 @torch.no_grad()
@@ -36,62 +36,49 @@ def autoregressive_generate(
         One :class:`GenerationResult` per prompt, one cycle per generated token.
     """
     if size == 1:
-        return [_schedule(new_run(model, r, None), [p], [r], Stream(model), 1)[0]
+        return [schedule(new_run(model, r, None), [p], [r], Stream(model), 1, prefill, step)[0]
                 for p, r in zip(prompts, requests, strict=True)]  # fmt: skip
-    return _schedule(new_run(model, requests[0], None), prompts, requests, Padded(model), size)
+    run = new_run(model, requests[0], None)
+    return schedule(run, prompts, requests, Padded(model), size, prefill, step)
 
 
-def _schedule(
-    run: Run, prompts: Sequence[Tensor], requests: Sequence[Request], layout: Layout, size: int
-) -> list[GenerationResult]:
-    """Steps the rows until every prompt is done, ``size`` at most at once (a finished row's
-    place goes to the next prompt)."""
-    clock, rule = run.clock, run.rule
-    results: list[GenerationResult | None] = [None] * len(prompts)
-    waiting = list(range(len(prompts)))
-    rows: list[Row] = []
-    while waiting or rows:
-        if waiting and len(rows) < size:
-            take, waiting = waiting[: size - len(rows)], waiting[size - len(rows) :]
-            new = [new_row(run, i, requests[i], prompts[i], "autoregressive") for i in take]
-            logits = layout.admit(new, [prompts[i] for i in take])[1]  # (1, V) each
-            seconds = clock.split()
-            for row, last in zip(new, logits, strict=True):
-                row.kept_logits, row.res.prefill_seconds = last, seconds / len(new)
-            rows += new
-        going, tokens = [], []
-        for row in rows:
-            token = rule.pick(row.kept_logits[0], row.generator)
-            _, row.res.stopped = emit(
-                row.res.tokens, [token], run.request, run.request.suppress_eos
-            )
-            if row.res.stopped or len(row.res.tokens) >= run.request.max_new_tokens:
-                results[row.index] = row.res
-            else:
-                going.append(row)
-                tokens.append(torch.tensor([token], device=row.kept_logits.device))
-        clock.lap("verify")
-        layout.release([row for row in rows if results[row.index] is not None])
-        if going:
-            for row, last in zip(
-                going, layout.target(going, tokens, [None] * len(going))[1], strict=True
-            ):
-                row.kept_logits = last  # (1, V)
-                row.res.trunk_passes += 1
-        clock.lap("model")
-        seconds = clock.split()
-        clock.total += seconds
-        for row in rows:  # each row's share of the batch's step
-            row.res.cycle_seconds.append(seconds / len(rows))
-        rows = going
-    return [_finish(res, clock.breakdown(clock.total)) for res in results if res is not None]
+def prefill(run: Run, layout: Layout, new: Sequence[tuple[int, Request, Tensor]]) -> list[Row]:
+    """Every prompt token of the new rows: keeps p(x_{T+1})."""
+    rows = [new_row(run, i, request, prompt, "autoregressive") for i, request, prompt in new]
+    logits = layout.admit(rows, [prompt for _, _, prompt in new])[1]  # (1, V) each
+    seconds = run.clock.split()
+    for row, last in zip(rows, logits, strict=True):  # each row's share of the admission
+        row.kept_logits, row.res.prefill_seconds = last, seconds / len(rows)
+    return rows
 
 
-def _finish(res: GenerationResult, breakdown: dict[str, float] | None) -> GenerationResult:
-    """One step per token: no draft accepted, one token emitted."""
-    steps = len(res.cycle_seconds)
-    res.accepted, res.emitted = [0] * steps, [1] * steps
-    res.drafted, res.offsets = [0] * steps, [0] * steps
-    res.seconds = res.prefill_seconds + sum(res.cycle_seconds)
-    res.breakdown = breakdown
-    return res
+def step(run: Run, layout: Layout, rows: Sequence[Row]) -> list[Row]:
+    """One token of every row (the target's choice); returns the rows done."""
+    clock, request = run.clock, run.request
+    done, going, tokens = [], [], []
+    for row in rows:
+        token = run.rule.pick(row.kept_logits[0], row.generator)
+        res = row.res
+        _, res.stopped = emit(res.tokens, [token], request, request.suppress_eos)
+        res.accepted.append(0)
+        res.emitted.append(1)
+        res.drafted.append(0)
+        res.offsets.append(0)
+        if res.stopped or len(res.tokens) >= request.max_new_tokens:
+            done.append(row)
+        else:
+            going.append(row)
+            tokens.append(torch.tensor([token], device=row.kept_logits.device))
+    clock.lap("verify")
+    layout.release(done)
+    if going:
+        logits = layout.target(going, tokens, [None] * len(going))[1]
+        for row, last in zip(going, logits, strict=True):
+            row.kept_logits = last  # (1, V)
+            row.res.trunk_passes += 1
+    clock.lap("model")
+    seconds = clock.split()
+    clock.total += seconds
+    for row in rows:  # each row's share of the batch's step
+        row.res.cycle_seconds.append(seconds / len(rows))
+    return done

@@ -98,7 +98,7 @@ class Stream:
 
     def release(self, rows: Sequence[Any]) -> None:
         """Empties the caches for the next row."""
-        if rows:
+        if rows and len(self.caches.trunk):
             self.caches.reset()
 
 
@@ -344,9 +344,10 @@ class Padded:
 
     def release(self, rows: Sequence[Any]) -> None:
         """The rows leave the batch (their slots with them)."""
-        if not rows:
+        held = {id(row) for row in self.rows}
+        gone = {id(row) for row in rows} & held
+        if not gone:  # nothing held (or released already)
             return
-        gone = {id(row) for row in rows}
         stay = [row for row in self.rows if id(row) not in gone]
         if not stay:  # a fresh batch for the next admissions
             self.__init__(self.model)  # type: ignore[misc]

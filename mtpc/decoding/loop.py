@@ -266,19 +266,35 @@ def new_run(model: Any, request: Request, proposer: Any) -> Run:
     return Run(model, request, proposer, TargetRule.of(request, device), clock)
 
 
+Admit = Callable[[Run, "Layout", Sequence[tuple[int, Request, Tensor]]], list[Row]]
+Step = Callable[[Run, "Layout", Sequence[Row]], list[Row]]
+
+
 def schedule(
-    run: Run, prompts: Sequence[Tensor], requests: Sequence[Request], layout: Layout, size: int
+    run: Run,
+    prompts: Sequence[Tensor],
+    requests: Sequence[Request],
+    layout: Layout,
+    size: int,
+    admit: Admit | None = None,
+    step: Step | None = None,
 ) -> list[GenerationResult]:
     """Cycles the rows until every prompt is done, ``size`` at most at once; a finished
-    row's place goes to the next prompt (continuous batching)."""
+    row's place goes to the next prompt (continuous batching).
+
+    Args:
+        admit: prefills new rows (default: :func:`prefill`, the speculative one).
+        step: one cycle of the rows, returning those done (default: :func:`cycle`).
+    """
+    admit, step = admit or prefill, step or cycle
     results: list[GenerationResult | None] = [None] * len(prompts)
     waiting = list(range(len(prompts)))
     rows: list[Row] = []
     while waiting or rows:
         if waiting and len(rows) < size:
             take, waiting = waiting[: size - len(rows)], waiting[size - len(rows) :]
-            rows += prefill(run, layout, [(i, requests[i], prompts[i]) for i in take])
-        done = cycle(run, layout, rows)
+            rows += admit(run, layout, [(i, requests[i], prompts[i]) for i in take])
+        done = step(run, layout, rows)
         for row in done:
             results[row.index] = row.res
         rows = [row for row in rows if row not in done]
