@@ -138,8 +138,6 @@ def generate(
         ValueError: bad arguments, an empty prompt or one that does not fit the target's
             context (checked before decoding starts).
     """
-    from mtpc.decoding.common import check_request, prompt_tensor
-
     stops = None if stop_ids is None else tuple(stop_ids)
     first = seed[0] if isinstance(seed, list | tuple) and len(seed) else seed
     settings = check_settings(  # model-free: the same refusals as generate_hetero, evaluate
@@ -149,7 +147,21 @@ def generate(
         profile=profile, tree_budget=tree_budget, tree_floor=tree_floor,
     )  # fmt: skip
     many = is_prompt_list(prompt_ids)
-    items = list(prompt_ids) if many else [prompt_ids]
+    prompts, requests = checked_prompts(model, prompt_ids if many else [prompt_ids], settings,
+                                        seed, many)  # fmt: skip
+    if requests[0].tree_budget and drafter is not None:
+        raise ValueError("drafter (a chain test hook) is not allowed with tree_budget > 0")
+    size = check_batch_size(model, batch_size, len(prompts))
+    out = _decode(model, prompts, requests, drafter, size)
+    return out if many else out[0]
+
+
+def checked_prompts(
+    model: Any, items: Sequence[Any], settings: DecodingSettings, seed: Any, many: bool
+) -> tuple[list[Tensor], list[Request]]:
+    """Each prompt as ``(T,)`` ids and its request (its seed, checked for the model)."""
+    from mtpc.decoding.common import check_request, prompt_tensor
+
     seeds = check_seeds(seed, len(items))
     prompts, requests = [], []
     for i, item in enumerate(items):
@@ -157,11 +169,7 @@ def generate(
         request = dataclasses.replace(settings, seed=seeds[i])
         requests.append(_chain_without_tree_attention(model, check_request(model, prompt, request)))
         prompts.append(prompt[0])  # (T,)
-    if requests[0].tree_budget and drafter is not None:
-        raise ValueError("drafter (a chain test hook) is not allowed with tree_budget > 0")
-    size = check_batch_size(model, batch_size, len(prompts))
-    out = _decode(model, prompts, requests, drafter, size)
-    return out if many else out[0]
+    return prompts, requests
 
 
 def is_prompt_list(prompt_ids: Any) -> bool:
