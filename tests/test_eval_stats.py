@@ -359,11 +359,12 @@ def test_resume_after_an_interruption_mid_interleave_decodes_nothing_twice(
     decoded: list[tuple[Any, str, int, int]] = []
     original = run_module.Lane.decode
 
-    def decode(self: Any, k: int, i: int, p: Any, reference: Any) -> dict[str, Any]:
+    def decode(self: Any, items: Any, references: Any) -> list[dict[str, Any]]:
+        ((k, i, _),) = items  # batch_size=1: one prompt per call
         if len(decoded) == 7:  # prompt 0's five lanes, then two of prompt 1 (reversed)
             raise KeyboardInterrupt
         decoded.append((self.path, self.pass_name, k, i))
-        return original(self, k, i, p, reference)
+        return original(self, items, references)
 
     monkeypatch.setattr(run_module.Lane, "decode", decode)
     with pytest.raises(KeyboardInterrupt):
@@ -373,7 +374,7 @@ def test_resume_after_an_interruption_mid_interleave_decodes_nothing_twice(
     first = list(decoded)
     decoded.clear()
     monkeypatch.setattr(
-        run_module.Lane, "decode", lambda *a: (decoded.append(a[1:3]), original(*a))[1]
+        run_module.Lane, "decode", lambda *a: (decoded.append(a[1][0][:2]), original(*a))[1]
     )
     resumed = evaluate(eval_cfg(tmp_path, **over))
     after = [r for r in read_records(tmp_path / "out") if r["type"] == "prompt"]
