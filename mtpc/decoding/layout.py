@@ -286,12 +286,15 @@ class Padded:
         hidden = model.trunk(padded, self.caches.trunk, positions, attend=attend, hidden=hidden)
         tail = model.verifier_tail(hidden, self.caches.verifier, positions, attend=attend)
         slots.appended(real)
-        states, logits = [], []
-        for i, x in zip(order.tolist(), ids, strict=True):
-            t = x.shape[0]
-            states.append(hidden[i : i + 1, :t])  # (1, T_b, d)
-            logits.append(model.verifier_logits(tail[i, t - 1 : t] if last else tail[i, :t]))
-        return states, logits
+        rows_at, lengths = order.tolist(), [x.shape[0] for x in ids]
+        if last:  # each row's last position (B, d): one row of logits each
+            at = torch.tensor([t - 1 for t in lengths], device=device)
+            out = model.verifier_logits(tail[order, at])[:, None]  # (R, 1, V)
+        else:
+            out = model.verifier_logits(tail[order])  # (R, T, V)
+        states = [hidden[i : i + 1, :t] for i, t in zip(rows_at, lengths, strict=True)]
+        logits = [o[:t] for o, t in zip(out, [1] * len(ids) if last else lengths, strict=True)]
+        return states, logits  # (1, T_b, d), (T_b, V) (last: (1, V))
 
     def _embed(
         self, padded: Tensor, ids: Sequence[Tensor], trees: Sequence[Tree], order: Tensor

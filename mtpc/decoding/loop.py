@@ -198,6 +198,12 @@ class Proposer(Protocol):
         the pending token included."""
         ...
 
+    def draft_rows(
+        self, rows: Sequence[Row], evidence: Sequence[Tensor | None], spans: Sequence[int]
+    ) -> list[Proposal]:
+        """:meth:`draft` of every row (many at once where the proposer can)."""
+        ...
+
     def verify(self, run: Run, row: Row, proposal: Proposal, target: Tensor) -> Outcome:
         """Accepts drafts given ``target`` ``(T + 1 - pre, V)``: the target's logits at the
         first drafted position, then after each drafted position (row 1 + i: after draft i)."""
@@ -330,13 +336,14 @@ def prefill(run: Run, layout: Layout, new: Sequence[tuple[int, Request, Tensor]]
 def cycle(run: Run, layout: Layout, rows: Sequence[Row]) -> list[Row]:
     """One draft / verify / emit / resume cycle of every row; returns the rows done."""
     model, clock = run.model, run.clock
-    proposals = []
-    for row in rows:
-        evidence = None if row.pending is None else torch.tensor([[row.pending]])
-        evidence = None if evidence is None else evidence.to(model.backbone.device)
-        # positions that one pass verifies exactly (EvaByte: up to its window's end)
-        span = model.backbone.one_pass_span(row.processed, model.head.circuit.window)
-        proposals.append(run.proposer.draft(row, evidence, span))
+    device, window = model.backbone.device, model.head.circuit.window
+    evidence = [
+        None if row.pending is None else torch.tensor([[row.pending]], device=device)
+        for row in rows
+    ]  # (1, 1) each
+    # positions that one pass verifies exactly (EvaByte: up to its window's end)
+    spans = [model.backbone.one_pass_span(row.processed, window) for row in rows]
+    proposals = run.proposer.draft_rows(rows, evidence, spans)
     clock.lap("circuit")
     hidden, targets = verify_pass(run, layout, rows, proposals)
     clock.lap("model")
@@ -365,10 +372,15 @@ def cycle(run: Run, layout: Layout, rows: Sequence[Row]) -> list[Row]:
     layout.keep(going, keeps)
     clock.lap("cache")
     kept = resume(run, layout, going, kept, tokens, dropped)
-    for row, last in zip(going, layout.draft(going, kept), strict=True):
-        if last is not None:
-            row.state = run.head_state(last)
-            run.proposer.begin(row.state)
+    lasts = layout.draft(going, kept)  # (1, d) each, None: no new state
+    moved = [(row, last) for row, last in zip(going, lasts, strict=True) if last is not None]
+    if len(moved) > 1:  # the head's features of every new state at once (B, d)
+        features = model.draft_features(torch.cat([last for _, last in moved]))
+    for i, (row, last) in enumerate(moved):
+        row.state = run.head_state(last)
+        if len(moved) > 1:
+            row.state._features = features[i : i + 1]
+        run.proposer.begin(row.state)
     clock.lap("model")
     seconds = clock.split()
     run.clock.total += seconds

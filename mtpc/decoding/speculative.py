@@ -29,17 +29,19 @@ q(. | z): given x_1, z follows its posterior, independently of the target.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from mtpc.circuits.engine import categorical
 from mtpc.circuits.params import CircuitParams
 from mtpc.decoding.common import GenerationResult, Request
 from mtpc.decoding.loop import HeadState, Outcome, Proposal, Row, Run, decode
+from mtpc.decoding.settings import DraftRule
 from mtpc.decoding.verify import verify_greedy, verify_sampling_lazy
 
 Drafter = Callable[[CircuitParams, Tensor | None, int], Tensor]
@@ -211,6 +213,48 @@ class FirstMarginal:
         return self._first
 
 
+def zmap_rows(states: Sequence[HeadState], evidence: Sequence[Tensor | None]) -> list[Tensor]:
+    """The greedy latent-path draft (``zmap``, :func:`draft_step`) of B rows in one pass over
+    the head: their features ``(B, d)``, sum weights ``(B, U, r)``, the units' logits at
+    their pending tokens ``(B, 1, r)``, the most probable paths ``(B, n)``, then every unit's
+    logits at the drafted positions ``(B, m, r, V)`` (W's rows read once for all rows, not
+    one (V, d) row per row and position) and the path's argmax.
+
+    Args:
+        states: the rows' heads.
+        evidence: each row's pending token ``(1, 1)``; all None or none None.
+
+    Returns:
+        Each row's window ``(1, n)``: the pending token (if any), then the m drafts.
+    """
+    head, circuit = states[0].head, states[0].circuit
+    n, r = circuit.window, circuit.rank
+    pre = 0 if evidence[0] is None else 1
+    e = torch.cat([s.features for s in states])  # (B, d)
+    w = head.unembedding  # (n, r, V, d)
+    if pre == n:  # nothing to draft (n = 1 with a pending token)
+        return [ev for ev in evidence if ev is not None]
+    positions = torch.arange(pre, n, device=w.device)  # (m,)
+    if r == 1:  # one unit per position: the only path
+        logits = F.linear(e.to(w.dtype), w[positions, 0].reshape(-1, w.shape[-1]))
+        tokens = logits.view(len(states), n - pre, -1).float().argmax(-1)  # (B, m)
+    else:
+        leaves = None
+        if pre:  # each unit's logit at the pending token, no normaliser (as draft_step)
+            pending = torch.cat([ev[0] for ev in evidence if ev is not None])  # (B,)
+            rows = w[0][:, pending].transpose(0, 1)  # (B, r, d)
+            leaves = torch.einsum("bd,brd->br", e.to(w.dtype), rows).float()[:, None]
+        path = circuit.latent_path(head.sum_log_weights(e), leaves, most_probable=True)
+        logits = F.linear(e.to(w.dtype), w[positions].reshape(-1, w.shape[-1]))
+        logits = logits.view(len(states), n - pre, r, -1)  # (B, m, r, V)
+        units = path[:, pre:, None, None].expand(-1, -1, 1, logits.shape[-1])
+        tokens = logits.gather(2, units)[:, :, 0].float().argmax(-1)  # (B, m)
+    return [
+        tokens[b : b + 1] if ev is None else torch.cat([ev, tokens[b : b + 1]], 1)
+        for b, ev in enumerate(evidence)
+    ]
+
+
 class Chain:
     """The chain proposer: :func:`draft_step`'s window (or a test hook's), one branch of n
     positions, verified by exact match (greedy) or speculative sampling.
@@ -232,6 +276,24 @@ class Chain:
 
     def begin(self, state: HeadState) -> None:
         """Nothing: the draft step reads the head lazily."""
+
+    def draft_rows(
+        self, rows: Sequence[Row], evidence: Sequence[Tensor | None], spans: Sequence[int]
+    ) -> list[Proposal]:
+        """Every row's window: the greedy latent-path draft (``zmap``) of many rows at once
+        (:func:`zmap_rows`), else row by row (:meth:`draft`)."""
+        batched = self.rule == DraftRule.ZMAP and self.drafter is None and len(rows) > 1
+        out: list[Proposal | None] = [None] * len(rows)
+        for pre in (0, 1) if batched else ():
+            group = [i for i, ev in enumerate(evidence) if (ev is not None) == bool(pre)]
+            if len(group) > 1:
+                windows = zmap_rows([rows[i].head for i in group], [evidence[i] for i in group])
+                for i, window in zip(group, windows, strict=True):
+                    out[i] = Proposal(window[:, : spans[i]], pre, Draft(window))
+        return [
+            p if p is not None else self.draft(row, ev, span)
+            for p, row, ev, span in zip(out, rows, evidence, spans, strict=True)
+        ]
 
     def draft(self, row: Row, evidence: Tensor | None, span: int) -> Proposal:
         """The window from ``row.head``; its first ``span`` positions are verified."""

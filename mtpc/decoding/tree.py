@@ -23,6 +23,7 @@ distributed as p, and a descent needs it among the children).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -116,6 +117,12 @@ class Tree:
         )
         ids, mask, depth = verify_layout(tree, row.pending)
         return Proposal(ids[None], pre, tree, depth, mask)
+
+    def draft_rows(
+        self, rows: Sequence[Row], evidence: Sequence[Tensor | None], spans: Sequence[int]
+    ) -> list[Proposal]:
+        """Each row's tree (:meth:`draft`)."""
+        return [self.draft(*a) for a in zip(rows, evidence, spans, strict=True)]
 
     def verify(self, run: Run, row: Row, proposal: Proposal, target: Tensor) -> Outcome:
         """:func:`walk`; keeps the root and the accepted path; records the tree's nodes and
