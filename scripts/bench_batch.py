@@ -6,8 +6,7 @@ all prompts (B rows at once in one padded batch; a finished row's place goes to 
 prompt), autoregressively (``method="autoregressive"``, batched the same way) and
 speculatively (greedy; ``--sampling`` adds T = 1 sampling). It reports:
 
-* tokens/s: all rows' new tokens over the wall time of the whole call, prefills included
-  (at B > 1 a row's ``cycle_seconds`` are the batch's cycles, so rows' times do not add);
+* tokens/s: all rows' new tokens over the wall time of the whole call, prefills included;
 * SD/AR: the speed-up of speculative over autoregressive decoding at the same B;
 * x B=1: each method's tokens/s over its own at the smallest size (B = 1 when given);
 * tok/cyc: accepted tokens per cycle of a row (``sum(emitted) / len(emitted)``), the mean
@@ -16,7 +15,11 @@ speculatively (greedy; ``--sampling`` adds T = 1 sampling). It reports:
   from the smallest size's, which should be 0 in float64 and rare in float32);
 * the share of a speculative cycle spent per section (``profile=True``: model = the one
   batched trunk + tail pass and the head, circuit = drafting, verify = the acceptance tests,
-  cache = crops/commits, overhead = the rest of the loop; circuit and verify run row by row).
+  cache = crops/commits, overhead = the rest of the loop; the greedy draft runs for all rows
+  at once, sampled drafts and every acceptance test row by row);
+* ``--what regenerate``: rows/s of regeneration (``regenerate_rows``, as
+  ``scripts/regenerate.py batch_size=B`` runs it: greedy, speculative with the draft) of
+  ``--prompts`` synthetic rows at each B, and the rows that differ from B = 1's.
 
 Drafts: ``--draft DIR`` (exported, e.g. by ``python train.py``), else a BTree (n = 8, r = 8)
 built from the tiny target's pretrained MTP unembeddings (``head_init=pretrained``: it then
@@ -65,8 +68,10 @@ def _model(args: argparse.Namespace) -> tuple[str, Any]:
     if args.draft:
         path = Path(args.draft)
         name = path.name if path.name != "draft" else path.parent.name
-        return name, MTPCModel.from_pretrained(args.draft, device=args.device)
-    backbone = load_backbone("tiny", device=args.device)
+        return name, MTPCModel.from_pretrained(args.draft, device=args.device, dtype=args.dtype)
+    backbone = load_backbone(
+        "tiny", device=args.device, **({"dtype": args.dtype} if args.dtype else {})
+    )
     model = MTPCModel.from_backbone(backbone, "btree", args.window, args.rank, lora_layers=0)
     return (
         f"btree n={args.window} r={args.rank} (pretrained MTP init: its acceptance is FF's)",
@@ -172,8 +177,63 @@ def table_decoding(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def measure_regeneration(
+    model: Any, prompts: list[list[int]], args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """One row per B: rows/s of regeneration (``regenerate_rows``: every assistant turn of
+    ``--prompts`` synthetic rows rewritten by the target, greedy, speculative with the draft,
+    ``batch_size=B``), its new tokens/s, and whether the rows equal B = 1's."""
+    from mtpc.backbones.codecs import get_codec
+    from mtpc.data.sources import load_source
+    from mtpc.decoding.common import context_length
+    from mtpc.evaluation.regenerate import regenerate_rows
+    from mtpc.evaluation.settings import Settings
+
+    source = load_source("synthetic", None, num_rows=args.prompts, seed=0)
+    rows = list(enumerate(source))
+    codec, context = get_codec(model.backbone.codec), context_length(model)
+    settings = Settings(method="speculative", max_new_tokens=args.max_new_tokens)
+    for size in args.sizes:  # warm-up
+        regenerate_rows(model, codec, rows[:size], settings, context, size)
+    walls: dict[int, list[float]] = {size: [] for size in args.sizes}
+    outputs: dict[int, list[Any]] = {}
+    for k in range(args.repeats):
+        shift = k % len(args.sizes)
+        for size in args.sizes[shift:] + args.sizes[:shift]:
+            seconds, outputs[size] = timed(
+                lambda size=size: regenerate_rows(model, codec, rows, settings, context, size)
+            )
+            walls[size].append(seconds)
+    first = args.sizes[0]
+    out = []
+    for size in args.sizes:
+        wall = statistics.median(walls[size])
+        tokens = sum(sum(r.row["regenerated"]["new_tokens"]) for r in outputs[size] if r.row)
+        out.append({
+            "batch_size": size, "rows": len(rows), "seconds": walls[size],
+            "rows_s": len(rows) / wall, "tok_s": tokens / wall,
+            "x_first": statistics.median(walls[first]) / wall,
+            "differ_first": sum(a != b for a, b in zip(outputs[size], outputs[first], strict=True)),
+        })  # fmt: skip
+    return out
+
+
+def table_regeneration(rows: Sequence[dict[str, Any]]) -> str:
+    """The Markdown table of :func:`measure_regeneration`'s rows."""
+    first = rows[0]["batch_size"]
+    lines = [markdown_header("B", "rows", "rows/s", "new tok/s", f"x B={first}",
+                             f"rows != B={first}")]  # fmt: skip
+    for r in rows:
+        lines.append(markdown_row([
+            r["batch_size"], r["rows"], f"{r['rows_s']:.2f}", f"{r['tok_s']:.0f}",
+            f"{r['x_first']:.2f}", r["differ_first"],
+        ]))  # fmt: skip
+    return "\n".join(lines)
+
+
 WHAT: dict[str, tuple[Callable[..., list[dict[str, Any]]], Callable[..., str]]] = {
     "decode": (measure_decoding, table_decoding),
+    "regenerate": (measure_regeneration, table_regeneration),
 }
 """``--what``: what is measured at each B (its rows) and how its table is printed."""
 
@@ -194,6 +254,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument("--repeats", type=int, default=1, help="decode every cell this often")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default=None, help="the target's dtype (default: the draft's)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", default=None, help="write the rows as JSON here")
     args = parser.parse_args(argv)

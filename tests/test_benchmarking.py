@@ -71,7 +71,8 @@ def test_bench_batch_reports_every_size_and_method(
     prompts = [codec.generation_prompt([{"role": "user", "content": t}]) for t in texts]
     monkeypatch.setattr(bench_batch, "_prompts", lambda count, codec, max_len: prompts[:count])
     out = tmp_path / "rows.json"
-    argv = ["--prompts", "2", "--sizes", "1", "2", "--max-new-tokens", "4", "--sampling"]
+    argv = ["--prompts", "2", "--sizes", "1", "2", "--max-new-tokens", "4", "--sampling",
+            "--what", "decode", "regenerate"]  # fmt: skip
     threads = torch.get_num_threads()
     try:
         report = bench_batch.main([*argv, "--json", str(out)])
@@ -91,5 +92,8 @@ def test_bench_batch_reports_every_size_and_method(
     assert rows[0]["sd_differ_ar"] == rows[1]["sd_differ_ar"] == 0  # greedy SD is AR's
     assert rows[0]["tok_per_cycle"] == rows[1]["tok_per_cycle"]
     assert json.loads(out.read_text())["decode"][3]["batch_size"] == 2
+    regen = report["regenerate"]
+    assert [r["batch_size"] for r in regen] == [1, 2] and regen[0]["x_first"] == 1.0
+    assert all(r["rows"] == 2 and r["rows_s"] > 0 and r["differ_first"] == 0 for r in regen)
     table = capsys.readouterr().out
     assert "| greedy | 2 |" in table and "pretrained MTP init" in table

@@ -281,12 +281,14 @@ class Chain:
         self, rows: Sequence[Row], evidence: Sequence[Tensor | None], spans: Sequence[int]
     ) -> list[Proposal]:
         """Every row's window: the greedy latent-path draft (``zmap``) of many rows at once
-        (:func:`zmap_rows`), else row by row (:meth:`draft`)."""
+        (:func:`zmap_rows`) where they are at least r (it reads the r units' rows of W once
+        for all, where a row alone reads its path's one), else row by row (:meth:`draft`)."""
         batched = self.rule == DraftRule.ZMAP and self.drafter is None and len(rows) > 1
         out: list[Proposal | None] = [None] * len(rows)
+        least = max(2, rows[0].head.circuit.rank) if rows else 2
         for pre in (0, 1) if batched else ():
             group = [i for i, ev in enumerate(evidence) if (ev is not None) == bool(pre)]
-            if len(group) > 1:
+            if len(group) >= least:
                 windows = zmap_rows([rows[i].head for i in group], [evidence[i] for i in group])
                 for i, window in zip(group, windows, strict=True):
                     out[i] = Proposal(window[:, : spans[i]], pre, Draft(window))
