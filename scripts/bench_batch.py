@@ -68,7 +68,10 @@ def _model(args: argparse.Namespace) -> tuple[str, Any]:
     if args.draft:
         path = Path(args.draft)
         name = path.name if path.name != "draft" else path.parent.name
-        return name, MTPCModel.from_pretrained(args.draft, device=args.device, dtype=args.dtype)
+        model = MTPCModel.from_pretrained(args.draft, device=args.device)
+        if args.dtype:  # the target in another dtype (its identity is checked in its own)
+            model.backbone.hf_model.to(getattr(torch, args.dtype))
+        return name, model
     backbone = load_backbone(
         "tiny", device=args.device, **({"dtype": args.dtype} if args.dtype else {})
     )
