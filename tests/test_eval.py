@@ -347,6 +347,7 @@ def test_batched_evaluation_records_the_rows_of_batch_1(
     one = evaluate(eval_cfg(tmp_path, **base, output_dir=str(tmp_path / "one")))
     many = evaluate(eval_cfg(tmp_path, **base, batch_size=4, output_dir=str(tmp_path / "many")))
     assert one["folder"] != many["folder"]
+    assert "batch_size=4" in many["table"] and "batch_size" not in one["table"]
 
     def outputs(res: dict) -> dict:
         records = [json.loads(x) for x in (Path(res["folder"]) / "records.jsonl").open()]

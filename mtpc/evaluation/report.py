@@ -461,6 +461,8 @@ def title_of(manifest: Mapping[str, Any], rows: Sequence[Mapping[str, Any]] = ()
         title += f" | sources={','.join(s['sources'])}"
     if s.get("interleave"):
         title += " | interleaved"
+    if s.get("batch_size"):  # times are the rows' shares of batch cycles
+        title += f" | batch_size={s['batch_size']} (times: each row's share)"
     expected = max((r.get("prompts", 0) for r in rows), default=0)
     partial = [r["name"] for r in rows if "prompts" in r and r["prompts"] < expected]
     if partial:
