@@ -365,12 +365,14 @@ def test_kl_distillation_loss_trains_the_head(tmp_path: Path) -> None:
 
 def test_global_batch_size_sets_gradient_accumulation(tmp_path: Path) -> None:
     from mtpc.training.run import _accumulation
+    from mtpc.training.settings import TrainSettings
 
     cfg = _compose(tmp_path, ["global_batch_size=256", "data.batch_size=4"])
-    assert _accumulation(cfg, world_size=8) == 8  # 256 sequences = 4 x 8 ranks x 8 batches
-    assert _accumulation(cfg, world_size=1) == 64
+    settings = TrainSettings.from_cfg(cfg)
+    assert _accumulation(settings, world_size=8) == 8  # 256 sequences = 4 x 8 ranks x 8 batches
+    assert _accumulation(settings, world_size=1) == 64
     cfg.global_batch_size = None
-    assert _accumulation(cfg, world_size=8) == 1
+    assert _accumulation(TrainSettings.from_cfg(cfg), world_size=8) == 1
 
 
 def test_the_slurm_launcher_config_composes_and_writes_the_expected_submission(

@@ -175,12 +175,16 @@ def find_resume_checkpoint(
     return path, checkpoint
 
 
-def comparable_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """The settings that must match on resume, flattened to ``{dotted field: value}``."""
+def comparable_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings that must match on resume, flattened to ``{dotted field: value}``.
+
+    Args:
+        config: the whole config as plain values (``TrainSettings.resolved``): data here.
+    """
     flat: dict[str, Any] = {}
     for key in MATTERS:
-        if key in cfg:
-            _flatten(cfg[key], key, flat)
+        if key in config:
+            _flatten(config[key], key, flat)
     return {k: v for k, v in flat.items() if not k.startswith(FREE_TO_CHANGE)}
 
 

@@ -8,6 +8,7 @@ run folder has one), export the draft to ``<run dir>/draft`` and write ``metrics
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -20,7 +21,7 @@ import lightning as L
 import torch
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from mtpc.config import ConfigError, validate_train_config
 from mtpc.errors import UserError
@@ -39,33 +40,22 @@ from mtpc.training.resume import (
     restore_hydra,
     snapshot_hydra,
 )
+from mtpc.training.settings import CallbackSettings, RunSettings, TrainerSettings, TrainSettings
 
 log = logging.getLogger(__name__)
 
 LAST_CHECKPOINT = "last.ckpt"
 
 
-def model_arguments(cfg: DictConfig) -> dict[str, Any]:
-    """The flat arguments of :func:`build_model`: ``cfg.model``, ``cfg.circuit`` (its other keys
-    are the head's options), ``cfg.lora``, ``loss.chunk_size`` and ``trainer.accelerator``."""
-    circuit = OmegaConf.to_container(cfg.circuit, resolve=True)
-    assert isinstance(circuit, dict)
-    lora = cfg.lora
-    return {
-        "name": cfg.model.name,
-        "path": cfg.model.path,
-        "revision": cfg.model.get("revision"),
-        "dtype": cfg.model.dtype,
-        "attention_impl": cfg.model.get("attention_impl", "auto"),
-        "accelerator": cfg.trainer.get("accelerator"),
-        "chunk_size": int(cfg.loss.get("chunk_size") or 1024),
-        **{str(key): value for key, value in circuit.items()},
-        "lora_layers": lora.layers,
-        "lora_rank": lora.rank,
-        "lora_alpha": float(lora.alpha),
-        "lora_dropout": float(lora.dropout),
-        "lora_target_modules": list(lora.target_modules),
-    }
+def _settings(settings: TrainSettings | DictConfig) -> TrainSettings:
+    """``settings`` itself, or the settings of a composed config (for callers that hold a
+    config: ``scripts/check_gpu.py``)."""
+    return settings if isinstance(settings, TrainSettings) else TrainSettings.from_cfg(settings)
+
+
+def model_arguments(settings: TrainSettings | DictConfig) -> dict[str, Any]:
+    """The flat arguments of :func:`build_model` (:meth:`TrainSettings.model_arguments`)."""
+    return _settings(settings).model_arguments()
 
 
 def build_model(
@@ -226,72 +216,52 @@ def _load_matching(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> N
     module.load_state_dict(usable, strict=False)
 
 
-def _accumulation(cfg: DictConfig, world_size: int) -> int:
+def _accumulation(settings: TrainSettings, world_size: int) -> int:
     """Batches per optimizer step so that one step sees ``global_batch_size`` sequences."""
-    if cfg.get("global_batch_size") is None:
-        return int(cfg.trainer.get("accumulate_grad_batches") or 1)
-    per_step = int(cfg.data.batch_size) * world_size
-    return max(1, math.ceil(int(cfg.global_batch_size) / per_step))
+    global_batch_size = settings.run.global_batch_size
+    if global_batch_size is None:
+        return settings.trainer.accumulate_grad_batches
+    per_step = int(settings.sections.batch_size) * world_size  # type: ignore[arg-type]
+    return max(1, math.ceil(int(global_batch_size) / per_step))
 
 
-def _world_size(cfg: DictConfig) -> int:
-    devices = cfg.trainer.get("devices", 1)
-    nodes = int(cfg.trainer.get("num_nodes") or 1)
+def _world_size(trainer: TrainerSettings) -> int:
+    devices, nodes = trainer.devices, trainer.num_nodes
     if isinstance(devices, int) and devices > 0:
         return devices * nodes
-    if cfg.trainer.get("accelerator") == "gpu" and torch.cuda.is_available():
+    if trainer.accelerator == "gpu" and torch.cuda.is_available():
         return torch.cuda.device_count() * nodes
     return 1
 
 
-def _callbacks(cfg: DictConfig, checkpoint_dir: Path, record: L.Callback) -> list[L.Callback]:
-    every = cfg.callbacks.get("checkpoint_every_n_steps")
-    monitor = cfg.callbacks.get("monitor", "val/loss")
+def _callbacks(
+    callbacks: CallbackSettings, checkpoint_dir: Path, record: L.Callback
+) -> list[L.Callback]:
     last = ModelCheckpoint(
         dirpath=checkpoint_dir,
         save_last=True,
         save_top_k=0,
-        every_n_train_steps=every,
+        every_n_train_steps=callbacks.checkpoint_every_n_steps,
         save_on_train_epoch_end=True,
     )
     best = ModelCheckpoint(
         dirpath=checkpoint_dir,
         filename="best-{step}",
-        monitor=monitor,
+        monitor=callbacks.monitor,
         mode="min",
-        save_top_k=int(cfg.callbacks.get("save_top_k", 1)),
+        save_top_k=callbacks.save_top_k,
         auto_insert_metric_name=False,
     )
     return [last, best, RNGStateCallback(), record]
 
 
-def _run_dir(cfg: DictConfig) -> Path:
+def _run_dir(run: RunSettings) -> Path:
     try:
         from hydra.core.hydra_config import HydraConfig
 
         return Path(HydraConfig.get().runtime.output_dir)
     except ValueError:  # called outside @hydra.main (tests, notebooks)
-        return Path(cfg.get("run_dir") or Path.cwd() / "outputs" / "train" / cfg.run_name)
-
-
-def _plain(cfg: DictConfig) -> dict[str, Any]:
-    """The config as plain containers, resolved where it can be (``hydra:`` needs Hydra)."""
-    plain: dict[str, Any] = {}
-    for key in cfg:
-        node = cfg._get_node(str(key))
-        try:
-            plain[str(key)] = (
-                OmegaConf.to_container(cfg[key], resolve=True)
-                if OmegaConf.is_config(node)
-                else cfg[key]
-            )
-        except Exception:  # an interpolation only Hydra can resolve (``paths.output_dir``)
-            plain[str(key)] = (
-                OmegaConf.to_container(cfg[key], resolve=False)
-                if OmegaConf.is_config(node)
-                else None
-            )
-    return plain
+        return Path(run.run_dir or Path.cwd() / "outputs" / "train" / str(run.run_name))
 
 
 def _scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -314,10 +284,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
         CheckpointUnreadableError: no checkpoint of the folder can be read.
     """
     validate_train_config(cfg)
-    model_args = model_arguments(cfg)
+    settings = TrainSettings.from_cfg(cfg)  # the only reading of cfg
     # the frozen target stays in eval mode on purpose (no dropout in the verifier's states)
     warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
-    run_dir = _run_dir(cfg)
+    run_dir = _run_dir(settings.run)
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = RunLock(run_dir, enabled=is_global_zero())
     try:
@@ -326,41 +296,49 @@ def train(cfg: DictConfig) -> dict[str, float]:
         restore_hydra(run_dir)  # Hydra wrote this command's .hydra/ over the owner's
         raise
     try:
-        return _train_locked(cfg, run_dir, model_args)
+        return _train_locked(settings, run_dir)
     finally:
         lock.release()
 
 
-def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list[L.Callback]) -> L.Trainer:
-    """The Lightning trainer of ``cfg.trainer``; a setting Lightning refuses is a ConfigError.
+def build_trainer(
+    settings: TrainSettings | DictConfig, run_dir: Path, callbacks: list[L.Callback]
+) -> L.Trainer:
+    """The Lightning trainer of ``trainer.*``; a setting Lightning refuses is a ConfigError.
+
+    Args:
+        settings: the run's settings (or a composed config: ``scripts/check_gpu.py``).
+        run_dir: Lightning's ``default_root_dir``.
+        callbacks: the trainer's callbacks.
 
     Raises:
         ConfigError: Lightning rejected a ``trainer.*`` value (its message, one line).
     """
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-    trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
-    assert isinstance(trainer_cfg, dict)
-    trainer_cfg.pop("_target_", None)
-    accelerator = str(trainer_cfg.get("accelerator"))
+    settings = _settings(settings)
+    trainer = settings.trainer
+    keywords = copy.deepcopy(dict(trainer.fields))  # L.Trainer's: the section as given
+    keywords.pop("_target_", None)
+    accelerator = str(trainer.accelerator)
     if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
         raise ConfigError(
             f"trainer.accelerator={accelerator} needs CUDA GPUs and this machine has none; "
             "allowed here: trainer=cpu, trainer=ddp_cpu, trainer=fsdp_cpu (docs/TRAINING.md)"
         )
-    check_val_limit(trainer_cfg.get("limit_val_batches"))
-    world_size = _world_size(cfg)
-    options = trainer_cfg.get("strategy")
+    check_val_limit(trainer.limit_val_batches)
+    world_size = _world_size(trainer)
+    options = copy.deepcopy(trainer.strategy)
     if isinstance(options, dict):  # trainer=fsdp / fsdp_cpu: a strategy object
         if "data_parallel_size" in options and options["data_parallel_size"] is None:
             options["data_parallel_size"] = world_size  # FSDP2 over every process
-        trainer_cfg["strategy"] = instantiate(options)
-    trainer_cfg["accumulate_grad_batches"] = _accumulation(cfg, world_size)
-    fast = bool(cfg.trainer.get("fast_dev_run"))
-    logger = instantiate(cfg.logger) if cfg.get("logger") and not fast else False
+        keywords["strategy"] = instantiate(options)
+    keywords["accumulate_grad_batches"] = _accumulation(settings, world_size)
+    logger_section = settings.sections.logger
+    logger = instantiate(logger_section) if logger_section and not trainer.fast_dev_run else False
     try:
         return L.Trainer(
-            **{str(key): value for key, value in trainer_cfg.items()},
+            **{str(key): value for key, value in keywords.items()},
             default_root_dir=str(run_dir),
             logger=logger,
             callbacks=callbacks,
@@ -389,7 +367,7 @@ def check_val_limit(value: Any) -> None:
     )
 
 
-def check_steps_left(state: Mapping[str, Any], cfg: DictConfig, run_dir: Path) -> None:
+def check_steps_left(state: Mapping[str, Any], trainer: TrainerSettings, run_dir: Path) -> None:
     """Refuse a resume that asks for more steps than its epoch budget lets Lightning take.
 
     A run that ended at ``trainer.max_epochs`` (its checkpoint saved at an epoch's end) takes
@@ -398,10 +376,10 @@ def check_steps_left(state: Mapping[str, Any], cfg: DictConfig, run_dir: Path) -
 
     Args:
         state: the checkpoint to resume from (``global_step``, Lightning's ``loops``).
-        cfg: the run's config (``trainer.max_steps``, ``trainer.max_epochs``).
+        trainer: the run's ``trainer.max_steps`` and ``trainer.max_epochs``.
         run_dir: named in the message.
     """
-    max_steps, max_epochs = cfg.trainer.get("max_steps"), cfg.trainer.get("max_epochs")
+    max_steps, max_epochs = trainer.max_steps, trainer.max_epochs
     step = int(state.get("global_step", 0))
     if max_steps in (None, -1) or max_epochs in (None, -1) or step >= int(max_steps):
         return
@@ -417,45 +395,46 @@ def check_steps_left(state: Mapping[str, Any], cfg: DictConfig, run_dir: Path) -
         )
 
 
-def _train_locked(cfg: DictConfig, run_dir: Path, model_args: dict[str, Any]) -> dict[str, float]:
+def _train_locked(settings: TrainSettings, run_dir: Path) -> dict[str, float]:
     checkpoint_dir = run_dir / "checkpoints"
     for folder in (checkpoint_dir, run_dir, run_dir / "draft"):  # interrupted writes
         remove_stale_tmp(folder)
-    fast = bool(cfg.trainer.get("fast_dev_run"))
-    settings = comparable_config(_plain(cfg))
+    fast = settings.trainer.fast_dev_run
+    comparable = comparable_config(settings.resolved)
     resume = None if fast else find_resume_checkpoint(checkpoint_dir, LAST_CHECKPOINT)
-    init_metrics, new_lr = _check_resume(cfg, run_dir, settings, resume)
+    init_metrics, new_lr = _check_resume(settings, run_dir, comparable, resume)
     snapshot_hydra(run_dir)
     # the trainer first: Lightning's refusals (devices, precision, accelerator) in seconds
+    record = RunRecordCallback(comparable, init_metrics, new_lr)
     trainer = build_trainer(
-        cfg,
-        run_dir,
-        _callbacks(cfg, checkpoint_dir, RunRecordCallback(settings, init_metrics, new_lr)),
+        settings, run_dir, _callbacks(settings.callbacks, checkpoint_dir, record)
     )
-    L.seed_everything(int(cfg.seed), workers=True)
+    L.seed_everything(settings.run.seed, workers=True)
 
-    datamodule = instantiate(cfg.data)
+    sections, loss = settings.sections, settings.loss
+    datamodule = instantiate(sections.data)
+    model_args = settings.model_arguments()
     model = build_model(**model_args)
-    if cfg.get("init_from"):
-        load_initial_weights(model, cfg.init_from)
+    if settings.run.init_from:
+        load_initial_weights(model, settings.run.init_from)
     module = MTPCLightningModule(
         model,
-        loss=cfg.loss.name,
-        gamma=cfg.loss.get("gamma"),
-        normalise_discount=bool(cfg.loss.get("normalise_discount", False)),
-        chunk_size=model_args["chunk_size"],
-        optimizer=instantiate(cfg.optimizer),
-        scheduler=instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
+        loss=loss.name,
+        gamma=loss.gamma,
+        normalise_discount=loss.normalise_discount,
+        chunk_size=loss.chunk_size,
+        optimizer=instantiate(sections.optimizer),
+        scheduler=instantiate(sections.scheduler) if sections.scheduler else None,
     )
     ckpt_path = None if resume is None else str(resume[0])
-    metrics = _fit(cfg, trainer, module, datamodule, ckpt_path, init_metrics)
+    metrics = _fit(settings, trainer, module, datamodule, ckpt_path, init_metrics)
     if trainer.global_step == 0 and not fast:
         raise UserError(
             f"the run in {run_dir} took no optimizer step (trainer.max_steps="
-            f"{cfg.trainer.get('max_steps')}, {len(datamodule.datasets.get('train', []))} training "
+            f"{settings.trainer.max_steps}, {len(datamodule.datasets.get('train', []))} training "
             "sequences): nothing was trained, so no draft is exported"
         )
-    export = cfg.get("export", True) and not fast
+    export = settings.run.export and not fast
     if export and _sharded(module):  # every rank takes part in gathering the weights
         model = unsharded_copy(model_args, module)
     if trainer.is_global_zero:
@@ -463,18 +442,18 @@ def _train_locked(cfg: DictConfig, run_dir: Path, model_args: dict[str, Any]) ->
         if export:
             draft_dir = model.save_pretrained(
                 run_dir / "draft",
-                training_config=OmegaConf.to_container(cfg, resolve=False),
+                training_config=copy.deepcopy(dict(settings.recorded)),
                 metrics=metrics,
             )
-            _record_last_draft(cfg, Path(draft_dir))
+            _record_last_draft(settings.run.root_dir, Path(draft_dir))
             log.info("exported the draft to %s", draft_dir)
     return metrics
 
 
 def _check_resume(
-    cfg: DictConfig,
+    settings: TrainSettings,
     run_dir: Path,
-    settings: dict[str, Any],
+    comparable: dict[str, Any],
     resume: tuple[Path, dict[str, Any]] | None,
 ) -> tuple[dict[str, float], float | None]:
     """Refuses a resume with other settings or no steps left (:func:`check_resume_config`,
@@ -490,22 +469,21 @@ def _check_resume(
         changes = check_resume_config(
             resume[0],
             resume[1].get(CONFIG_KEY),
-            settings,
-            str(cfg.get("run_name")),
-            bool(cfg.get("allow_resume_changes", False)),
+            comparable,
+            str(settings.run.run_name),
+            settings.run.allow_resume_changes,
         )
     except Exception:
         restore_hydra(run_dir)
         raise
-    check_steps_left(resume[1], cfg, run_dir)
-    new_lr = (
-        float(cfg.optimizer.lr) if any(c.startswith("optimizer.lr:") for c in changes) else None
-    )
+    check_steps_left(resume[1], settings.trainer, run_dir)
+    lr = settings.sections.lr
+    new_lr = float(lr) if any(c.startswith("optimizer.lr:") for c in changes) else None
     return dict(resume[1].get("mtpc_init_metrics") or {}), new_lr
 
 
 def _fit(
-    cfg: DictConfig,
+    settings: TrainSettings,
     trainer: L.Trainer,
     module: MTPCLightningModule,
     datamodule: Any,
@@ -519,8 +497,8 @@ def _fit(
         ``init/...`` (a resumed run's from its start, kept in the checkpoint), the trainer's
         ``callback_metrics``, the final ``val/...`` and ``train/steps``.
     """
-    fast = bool(cfg.trainer.get("fast_dev_run"))
-    if ckpt_path is None and cfg.get("validate_before_training", True) and not fast:
+    fast = settings.trainer.fast_dev_run
+    if ckpt_path is None and settings.run.validate_before_training and not fast:
         initial = trainer.validate(module, datamodule=datamodule, verbose=False)
         init_metrics.update(
             {f"init/{k}": v for k, v in _scalars(initial[0]).items()} if initial else {}
@@ -563,8 +541,9 @@ def unsharded_copy(model_args: dict[str, Any], module: MTPCLightningModule) -> M
     return copy
 
 
-def _record_last_draft(cfg: DictConfig, draft_dir: Path) -> None:
-    """Remembers the newest export so that a bare ``python eval.py`` finds it."""
-    marker = Path(cfg.paths.root_dir) / "outputs" / "last_draft.txt"
+def _record_last_draft(root_dir: str, draft_dir: Path) -> None:
+    """Remembers the newest export (under ``paths.root_dir``) so that a bare ``python eval.py``
+    finds it."""
+    marker = Path(root_dir) / "outputs" / "last_draft.txt"
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.write_text(str(draft_dir.resolve()) + "\n")

@@ -1,0 +1,386 @@
+"""The settings of a training run (``train.py``), read from the Hydra config once, at the door.
+
+:meth:`TrainSettings.from_cfg` is the only reader of the raw config (through :func:`_get`):
+every field's default is written once, in the dataclasses below, and equals the value
+``train(cfg)`` took when the key is missing (``configs/`` set most of them; where a config file
+gives another value, the field's docstring says so). Values are kept as given: a bad one is
+refused, with one line naming the field, by :func:`mtpc.config.validate_train_config` (the
+door's check, run before the settings are read) or where it is used (Lightning's refusals).
+Below ``train(cfg)``, functions take these frozen objects or their named fields.
+
+Three kinds of fields hold config sections rather than named values, on purpose:
+
+* the sections Hydra instantiates (``data``, ``optimizer``, ``scheduler``, ``logger``): their
+  nodes, kept as :class:`~omegaconf.DictConfig` so that their interpolations (``${paths...}``,
+  ``${hydra:...}``) resolve as Hydra's ``instantiate`` resolves them;
+* ``trainer.fields``: the ``trainer`` section as plain values, passed to ``L.Trainer`` whole;
+* ``recorded`` and ``resolved``: the whole config as data, what the exported draft's
+  ``config.json`` records (``training_config``) and what a checkpoint records and a resume
+  compares (:func:`mtpc.training.resume.comparable_config`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""``lora.target_modules`` of ``configs/lora/default.yaml``."""
+
+
+def _plain_value(value: Any) -> Any:
+    """``value`` as plain Python (a config node resolved to dicts and lists)."""
+    if isinstance(value, DictConfig | ListConfig):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+def _get(cfg: DictConfig, key: str, default: Any = None) -> Any:
+    """``cfg``'s field ``key`` (dotted) as plain Python; ``default`` if missing.
+
+    A field present with value null is None, as ``DictConfig.get`` gives it.
+    """
+    return _plain_value(OmegaConf.select(cfg, key, default=default))
+
+
+def _node(cfg: DictConfig, key: str) -> Any:
+    """``cfg``'s section ``key`` as it is (a config node, unresolved); None if missing or empty."""
+    node = OmegaConf.select(cfg, key)
+    return node if node else None
+
+
+def resolved_config(cfg: DictConfig) -> dict[str, Any]:
+    """The config as plain containers, resolved where it can be (``hydra:`` needs Hydra)."""
+    plain: dict[str, Any] = {}
+    for key in cfg:
+        node = cfg._get_node(str(key))
+        try:
+            plain[str(key)] = (
+                OmegaConf.to_container(cfg[key], resolve=True)
+                if OmegaConf.is_config(node)
+                else cfg[key]
+            )
+        except Exception:  # an interpolation only Hydra can resolve (``paths.output_dir``)
+            plain[str(key)] = (
+                OmegaConf.to_container(cfg[key], resolve=False)
+                if OmegaConf.is_config(node)
+                else None
+            )
+    return plain
+
+
+def _recorded(cfg: DictConfig) -> dict[str, Any]:
+    """The config as written (interpolations kept), plain containers."""
+    recorded = OmegaConf.to_container(cfg, resolve=False)
+    assert isinstance(recorded, dict)
+    return {str(k): v for k, v in recorded.items()}
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """The target to load (``model.*``; ``configs/model/tiny.yaml``'s by default).
+
+    Attributes:
+        name: a registry name (``tiny``, ``evabyte``, ``llama3_byte``) or ``hf``.
+        path: a local checkpoint or hub id; None: the model's default.
+        revision: the hub revision, or None.
+        dtype: the target's weights' dtype.
+        attention_impl: EvaByte's attention path (auto | torch | triton).
+    """
+
+    name: str = "tiny"
+    path: str | None = None
+    revision: str | None = None
+    dtype: str = "float32"
+    attention_impl: str = "auto"
+
+
+@dataclass(frozen=True)
+class CircuitSettings:
+    """The head (``circuit.*``; ``configs/circuit/btree.yaml``'s by default).
+
+    Attributes:
+        kind: ff | cp | hmm | btree.
+        window: n, the bytes one draft proposes.
+        rank: r, the units per region.
+        options: the section's other keys, the head's options as given (``sum_init_std``,
+            ``identity_init``, ``extra_positions``; none by default, btree.yaml sets all three).
+    """
+
+    kind: str = "btree"
+    window: int = 8
+    rank: int = 8
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """LoRA on a draft copy of the last layers (``lora.*``; ``configs/lora/default.yaml``).
+
+    Attributes:
+        layers: k, the copied layers (0: heads only).
+        rank: the adapters' rank.
+        alpha: their scale numerator.
+        dropout: their dropout.
+        target_modules: the adapted projections.
+    """
+
+    layers: int = 0
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = LORA_MODULES
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """The training loss (``loss.*``; ``configs/loss/nll.yaml``).
+
+    Attributes:
+        name: nll | kl.
+        gamma: the window discount; None: the loss's default (0.8, or 0.9 when window > 8).
+        normalise_discount: divide the loss by the sum of the discounts.
+        chunk_size: positions per chunk of the memory-lean likelihood (a missing or null
+            value, or 0, is this default).
+    """
+
+    name: str = "nll"
+    gamma: float | None = None
+    normalise_discount: bool = False
+    chunk_size: int = 1024
+
+
+@dataclass(frozen=True)
+class CallbackSettings:
+    """The checkpoint policy (``callbacks.*``; ``configs/callbacks/default.yaml``).
+
+    Attributes:
+        checkpoint_every_n_steps: ``last.ckpt`` every this many optimizer steps as well as at
+            each epoch's end; None: at epochs' ends only (default.yaml sets 50).
+        monitor: the metric the best checkpoints are chosen by (lower is better).
+        save_top_k: best checkpoints kept.
+    """
+
+    checkpoint_every_n_steps: int | None = None
+    monitor: str = "val/loss"
+    save_top_k: int = 1
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    """The Lightning trainer (``trainer.*``): the fields ``train`` reads itself, and the section.
+
+    Attributes:
+        accelerator: cpu | gpu | cuda | auto; None when missing (configs/trainer/cpu.yaml: cpu).
+        devices: processes per node as given (an int, ``auto``, a list).
+        num_nodes: nodes (a missing or null value, or 0, is this default).
+        accumulate_grad_batches: batches per optimizer step without ``global_batch_size`` (a
+            missing or null value, or 0, is this default).
+        fast_dev_run: Lightning's smoke run (also: no checkpoint resumed, no export, no logger).
+        max_steps: the step budget as given (-1 or None: none; cpu.yaml sets 300).
+        max_epochs: the epoch budget as given (-1 or None: none; cpu.yaml sets 1).
+        limit_val_batches: the validation batches per validation, as given.
+        strategy: the section's ``strategy`` as given (a dict is instantiated).
+        fields: the whole section as plain values, ``L.Trainer``'s keywords (with ``_target_``).
+    """
+
+    accelerator: str | None = None
+    devices: Any = 1
+    num_nodes: int = 1
+    accumulate_grad_batches: int = 1
+    fast_dev_run: bool = False
+    max_steps: int | None = None
+    max_epochs: int | None = None
+    limit_val_batches: Any = None
+    strategy: Any = None
+    fields: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """The run's own fields (top-level keys of ``configs/train.yaml``).
+
+    Attributes:
+        run_name: the run's name (train.yaml builds it from the model, circuit, LoRA, stage).
+        run_dir: the run folder outside a Hydra run; None: ``outputs/train/<run_name>``.
+        root_dir: ``paths.root_dir``, where ``outputs/last_draft.txt`` is written
+            (``configs/paths/default.yaml``: ``$PROJECT_ROOT``, else this default).
+        seed: the seed of everything.
+        init_from: a previous stage's exported draft or checkpoint; None: a fresh draft.
+        export: write the exported draft to ``<run dir>/draft``.
+        validate_before_training: measure the untrained draft (``init/...``).
+        allow_resume_changes: resume a checkpoint although the settings changed.
+        global_batch_size: sequences per optimizer step; None: ``trainer.accumulate_grad_batches``.
+    """
+
+    run_name: str | None = None
+    run_dir: str | None = None
+    root_dir: str = "."
+    seed: int = 0
+    init_from: str | None = None
+    export: bool = True
+    validate_before_training: bool = True
+    allow_resume_changes: bool = False
+    global_batch_size: int | None = None
+
+
+@dataclass(frozen=True)
+class Sections:
+    """The sections Hydra instantiates, as config nodes, and the fields read from them.
+
+    Attributes:
+        data: ``data`` (the data module).
+        optimizer: ``optimizer`` (a partial of the parameters).
+        scheduler: ``scheduler``, or None.
+        logger: ``logger``, or None (``logger=none``).
+        batch_size: ``data.batch_size``, sequences per batch and rank (for global_batch_size).
+        lr: ``optimizer.lr`` as given (the new learning rate of a resume that changes it).
+    """
+
+    data: Any = None
+    optimizer: Any = None
+    scheduler: Any = None
+    logger: Any = None
+    batch_size: int | None = None
+    lr: Any = None
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """Everything ``train(cfg)`` reads from its config, read once by :meth:`from_cfg`.
+
+    Attributes:
+        model: the target.
+        circuit: the head.
+        lora: the LoRA copy.
+        loss: the loss.
+        callbacks: the checkpoint policy.
+        trainer: the Lightning trainer.
+        run: the run's own fields.
+        sections: the sections Hydra instantiates.
+        recorded: the whole config as written (unresolved): the exported draft's
+            ``training_config``.
+        resolved: the whole config as plain values, resolved where it can be: what a checkpoint
+            records and a resume compares, through ``comparable_config``.
+    """
+
+    model: ModelArgs = field(default_factory=ModelArgs)
+    circuit: CircuitSettings = field(default_factory=CircuitSettings)
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    loss: LossSettings = field(default_factory=LossSettings)
+    callbacks: CallbackSettings = field(default_factory=CallbackSettings)
+    trainer: TrainerSettings = field(default_factory=TrainerSettings)
+    run: RunSettings = field(default_factory=RunSettings)
+    sections: Sections = field(default_factory=Sections)
+    recorded: Mapping[str, Any] = field(default_factory=dict)
+    resolved: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_cfg(cls, cfg: DictConfig) -> TrainSettings:
+        """The settings of a composed training config (run after ``validate_train_config``)."""
+        m, lo, ls, cb, tr, rn = (
+            ModelArgs(), LoraSettings(), LossSettings(), CallbackSettings(),
+            TrainerSettings(), RunSettings(),
+        )  # fmt: skip
+        circuit = dict(_get(cfg, "circuit") or {})
+        ci = CircuitSettings()
+        return cls(
+            model=ModelArgs(
+                **{
+                    k: _get(cfg, f"model.{k}", getattr(m, k))
+                    for k in ModelArgs.__dataclass_fields__
+                }
+            ),
+            circuit=CircuitSettings(
+                kind=circuit.pop("kind", ci.kind),
+                window=circuit.pop("window", ci.window),
+                rank=circuit.pop("rank", ci.rank),
+                options={str(k): v for k, v in circuit.items()},
+            ),
+            lora=LoraSettings(
+                layers=_get(cfg, "lora.layers", lo.layers),
+                rank=_get(cfg, "lora.rank", lo.rank),
+                alpha=float(_get(cfg, "lora.alpha", lo.alpha)),
+                dropout=float(_get(cfg, "lora.dropout", lo.dropout)),
+                target_modules=tuple(_get(cfg, "lora.target_modules", lo.target_modules)),
+            ),
+            loss=LossSettings(
+                name=_get(cfg, "loss.name", ls.name),
+                gamma=_get(cfg, "loss.gamma", ls.gamma),
+                normalise_discount=bool(
+                    _get(cfg, "loss.normalise_discount", ls.normalise_discount)
+                ),
+                chunk_size=int(_get(cfg, "loss.chunk_size") or ls.chunk_size),
+            ),
+            callbacks=CallbackSettings(
+                checkpoint_every_n_steps=_get(
+                    cfg, "callbacks.checkpoint_every_n_steps", cb.checkpoint_every_n_steps
+                ),
+                monitor=_get(cfg, "callbacks.monitor", cb.monitor),
+                save_top_k=int(_get(cfg, "callbacks.save_top_k", cb.save_top_k)),
+            ),
+            trainer=TrainerSettings(
+                accelerator=_get(cfg, "trainer.accelerator", tr.accelerator),
+                devices=_get(cfg, "trainer.devices", tr.devices),
+                num_nodes=int(_get(cfg, "trainer.num_nodes") or tr.num_nodes),
+                accumulate_grad_batches=int(
+                    _get(cfg, "trainer.accumulate_grad_batches") or tr.accumulate_grad_batches
+                ),
+                fast_dev_run=bool(_get(cfg, "trainer.fast_dev_run", tr.fast_dev_run)),
+                max_steps=_get(cfg, "trainer.max_steps", tr.max_steps),
+                max_epochs=_get(cfg, "trainer.max_epochs", tr.max_epochs),
+                limit_val_batches=_get(cfg, "trainer.limit_val_batches", tr.limit_val_batches),
+                strategy=_get(cfg, "trainer.strategy", tr.strategy),
+                fields=dict(_get(cfg, "trainer") or {}),
+            ),
+            run=RunSettings(
+                **{k: _get(cfg, k, getattr(rn, k)) for k in ("run_name", "run_dir", "init_from")},
+                root_dir=_get(cfg, "paths.root_dir", rn.root_dir),
+                seed=int(_get(cfg, "seed", rn.seed)),
+                export=bool(_get(cfg, "export", rn.export)),
+                validate_before_training=bool(
+                    _get(cfg, "validate_before_training", rn.validate_before_training)
+                ),
+                allow_resume_changes=bool(
+                    _get(cfg, "allow_resume_changes", rn.allow_resume_changes)
+                ),
+                global_batch_size=_get(cfg, "global_batch_size", rn.global_batch_size),
+            ),
+            sections=Sections(
+                data=_node(cfg, "data"),
+                optimizer=_node(cfg, "optimizer"),
+                scheduler=_node(cfg, "scheduler"),
+                logger=_node(cfg, "logger"),
+                batch_size=_get(cfg, "data.batch_size"),
+                lr=_get(cfg, "optimizer.lr"),
+            ),
+            recorded=_recorded(cfg),
+            resolved=resolved_config(cfg),
+        )
+
+    def model_arguments(self) -> dict[str, Any]:
+        """The flat arguments of :func:`mtpc.training.run.build_model`: ``model.*``, the
+        ``circuit`` (its other keys are the head's options), ``lora.*``, ``loss.chunk_size``
+        and ``trainer.accelerator``."""
+        m, c, lora = self.model, self.circuit, self.lora
+        return {
+            "name": m.name,
+            "path": m.path,
+            "revision": m.revision,
+            "dtype": m.dtype,
+            "attention_impl": m.attention_impl,
+            "accelerator": self.trainer.accelerator,
+            "chunk_size": self.loss.chunk_size,
+            "kind": c.kind,
+            "window": c.window,
+            "rank": c.rank,
+            **dict(c.options),
+            "lora_layers": lora.layers,
+            "lora_rank": lora.rank,
+            "lora_alpha": lora.alpha,
+            "lora_dropout": lora.dropout,
+            "lora_target_modules": list(lora.target_modules),
+        }
