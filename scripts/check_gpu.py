@@ -465,13 +465,15 @@ def check_train_single(args: argparse.Namespace, root: Path) -> tuple[bool | Non
     from hydra.utils import instantiate
 
     from mtpc.training.module import MTPCLightningModule
-    from mtpc.training.run import build_model, build_trainer, model_arguments
+    from mtpc.training.run import build_model, build_trainer
+    from mtpc.training.settings import TrainSettings
 
     trainer_name = "gpu" if args.device.startswith("cuda") else "cpu"
     extra = [f"model.dtype={args.dtype}"]  # the script's dtype, whatever the model= default
     cfg = _compose([f"trainer={trainer_name}", *TRAIN_OVERRIDES, *extra, *args.overrides], root)
+    settings = TrainSettings.from_cfg(cfg)  # the config read once, as train(cfg) does
     L.seed_everything(0)
-    model = build_model(**model_arguments(cfg))
+    model = build_model(**settings.model_arguments())
     module = MTPCLightningModule(
         model, loss=cfg.loss.name, chunk_size=int(cfg.loss.chunk_size),
         optimizer=instantiate(cfg.optimizer),
@@ -508,7 +510,7 @@ def check_train_single(args: argparse.Namespace, root: Path) -> tuple[bool | Non
                            every_n_train_steps=3)  # fmt: skip
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
-    trainer = build_trainer(cfg, root / "single", [steps, last])
+    trainer = build_trainer(settings, root / "single", [steps, last])
     trainer.fit(module, datamodule=instantiate(cfg.data))
     moved = {n: float((p.detach().float() - start[n]).abs().max()) for n, p in trainable.items()}
     still = sorted(n for n, v in moved.items() if v == 0.0)

@@ -286,7 +286,10 @@ def test_result_records_timings_and_breakdown() -> None:
     "kwargs,match",
     [
         ({"prompt_ids": []}, "prompt_ids is empty"),
-        ({"prompt_ids": torch.zeros(2, 3, dtype=torch.long)}, "one prompt; a list of prompts for many"),
+        (
+            {"prompt_ids": torch.zeros(2, 3, dtype=torch.long)},
+            "one prompt; a list of prompts for many",
+        ),
         ({"prompt_ids": [1, V]}, "allowed: 0..47"),
         ({"prompt_ids": list(range(1, 40)) * 4}, "context is 128"),
         ({"max_new_tokens": 120}, "exceeds the target's context"),

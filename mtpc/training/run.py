@@ -47,17 +47,6 @@ log = logging.getLogger(__name__)
 LAST_CHECKPOINT = "last.ckpt"
 
 
-def _settings(settings: TrainSettings | DictConfig) -> TrainSettings:
-    """``settings`` itself, or the settings of a composed config (for callers that hold a
-    config: ``scripts/check_gpu.py``)."""
-    return settings if isinstance(settings, TrainSettings) else TrainSettings.from_cfg(settings)
-
-
-def model_arguments(settings: TrainSettings | DictConfig) -> dict[str, Any]:
-    """The flat arguments of :func:`build_model` (:meth:`TrainSettings.model_arguments`)."""
-    return _settings(settings).model_arguments()
-
-
 def build_model(
     name: str,
     kind: str,
@@ -73,7 +62,7 @@ def build_model(
     **options: Any,
 ) -> MTPCModel:
     """The draft to train: ``load_backbone``'s and ``MTPCModel.from_backbone``'s flat arguments
-    (``options``: ``lora_*`` and the head's), as :func:`model_arguments` reads them.
+    (``options``: ``lora_*`` and the head's), as :meth:`TrainSettings.model_arguments` reads them.
 
     The target is loaded first (on the CPU; EvaByte's attention path for the device
     ``accelerator`` runs on), then, before the head is allocated, its memory is checked
@@ -301,13 +290,11 @@ def train(cfg: DictConfig) -> dict[str, float]:
         lock.release()
 
 
-def build_trainer(
-    settings: TrainSettings | DictConfig, run_dir: Path, callbacks: list[L.Callback]
-) -> L.Trainer:
+def build_trainer(settings: TrainSettings, run_dir: Path, callbacks: list[L.Callback]) -> L.Trainer:
     """The Lightning trainer of ``trainer.*``; a setting Lightning refuses is a ConfigError.
 
     Args:
-        settings: the run's settings (or a composed config: ``scripts/check_gpu.py``).
+        settings: the run's settings.
         run_dir: Lightning's ``default_root_dir``.
         callbacks: the trainer's callbacks.
 
@@ -316,7 +303,6 @@ def build_trainer(
     """
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-    settings = _settings(settings)
     trainer = settings.trainer
     keywords = copy.deepcopy(dict(trainer.fields))  # L.Trainer's: the section as given
     keywords.pop("_target_", None)
