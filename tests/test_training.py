@@ -26,7 +26,8 @@ from mtpc.config import ConfigError
 from mtpc.data.datamodule import build_datamodule
 from mtpc.model import MTPCModel
 from mtpc.training.module import MTPCLightningModule, NonFiniteLossError
-from mtpc.training.run import build_model, model_arguments, train
+from mtpc.training.run import build_model, train
+from mtpc.training.settings import TrainSettings
 from tests.helpers import compose_train_cfg, require_extra
 
 REPO = Path(__file__).resolve().parents[1]
@@ -263,7 +264,9 @@ def _assert_same_training(tmp_path: Path, runs: dict[str, Path]) -> None:
     """Each run's head and LoRA weights equal 1 process x 4 sequences, 3 steps."""
     single_cfg = _compose(tmp_path, [*DDP_RUN, "data.batch_size=4"], "single", fast=[])
     L.seed_everything(0)  # train() seeds, then builds the draft: the weights every run starts from
-    start = MTPCLightningModule(build_model(**model_arguments(single_cfg))).trainable_state_dict()
+    start = MTPCLightningModule(
+        build_model(**TrainSettings.from_cfg(single_cfg).model_arguments())
+    ).trainable_state_dict()
     train(single_cfg)
     single = _trainable(tmp_path / "single")
     assert any("lora_A" in k for k in single) and any(".head." in k for k in single)

@@ -23,6 +23,7 @@ from mtpc.config import ConfigError
 from mtpc.heads import MTPCHead
 from mtpc.training.module import MTPCLightningModule
 from mtpc.training.run import build_trainer
+from mtpc.training.settings import TrainSettings
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["data.num_rows=300", "data.seq_len=96", "data.batch_size=2", "loss.chunk_size=128",
@@ -212,9 +213,9 @@ def test_gpu_trainers_bound_validation_and_cpu_keeps_the_whole_split() -> None:
 def test_a_wrong_validation_limit_is_refused_naming_the_field(value: str, tmp_path: Path) -> None:
     cfg = _compose([f"trainer.limit_val_batches={value}", "logger=none"])
     with pytest.raises(ConfigError, match=r"trainer.limit_val_batches=.*allowed: null"):
-        build_trainer(cfg, tmp_path, [])
+        build_trainer(TrainSettings.from_cfg(cfg), tmp_path, [])
 
 
 def test_the_validation_limit_bounds_every_validation(tmp_path: Path) -> None:
     cfg = _compose(["trainer.limit_val_batches=3", "logger=none"])
-    assert build_trainer(cfg, tmp_path, []).limit_val_batches == 3
+    assert build_trainer(TrainSettings.from_cfg(cfg), tmp_path, []).limit_val_batches == 3
