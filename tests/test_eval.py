@@ -334,7 +334,7 @@ def _save_target_in_memory() -> LlamaForCausalLM:
     return LlamaForCausalLM(config).eval()
 
 
-@pytest.mark.parametrize("interleave", [False, True])
+@pytest.mark.parametrize("interleave", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_batched_evaluation_records_the_rows_of_batch_1(
     tmp_path: Path, drafts: dict[str, Path], interleave: bool
 ) -> None:
