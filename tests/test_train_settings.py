@@ -36,7 +36,8 @@ def _compose(overrides: list[str] | None = None) -> DictConfig:
 
 
 def test_the_embedded_default_parses_to_the_documented_settings() -> None:
-    settings = TrainSettings.from_cfg(_compose())
+    cfg = _compose()
+    settings = TrainSettings.from_cfg(cfg)
     assert settings.model == ModelArgs()  # configs/model/tiny.yaml
     assert settings.circuit == CircuitSettings(
         options={"sum_init_std": 0.02, "identity_init": True, "extra_positions": "random"}
@@ -47,7 +48,9 @@ def test_the_embedded_default_parses_to_the_documented_settings() -> None:
     trainer = dataclasses.replace(settings.trainer, fields={})
     assert trainer == TrainerSettings(accelerator="cpu", max_steps=300, max_epochs=1)
     assert settings.trainer.fields["_target_"] == "lightning.Trainer"
-    assert settings.run == RunSettings(run_name="tiny-btree-n8-r8-k0-heads")
+    # root_dir: ${oc.env:PROJECT_ROOT,.}, which a test before this one may have set
+    root = cfg.paths.root_dir
+    assert settings.run == RunSettings(run_name="tiny-btree-n8-r8-k0-heads", root_dir=root)
     assert settings.sections.batch_size == 4 and settings.sections.lr == 3.0e-3
     assert settings.sections.scheduler is None
     assert isinstance(settings.sections.data, DictConfig)  # instantiated by Hydra, as given
