@@ -72,7 +72,7 @@ def generate(
     max_new_tokens: int = 64,
     method: str = "speculative",
     greedy: bool = True,
-    seed: int = 0,
+    seed: int | Sequence[int] = 0,
     policy: str = "condition",
     draft: str | None = None,
     proposal: str | None = None,
@@ -90,79 +90,69 @@ def generate(
 ) -> GenerationResult | list[GenerationResult]:
     """Generates a continuation of one prompt, or of each of many, with the target of ``model``.
 
-    The output is the target's: greedy speculative output equals greedy autoregressive
-    output token for token; sampled speculative output has the target's distribution
-    (policies ``condition`` and ``recompute``; ``drop`` is exact for greedy only).
+    The output is the target's: greedy, token for token; sampled, in distribution (policies
+    ``condition`` and ``recompute``; ``drop`` is exact for greedy only).
 
     Args:
         model: an ``MTPCModel`` (target + draft head; ``autoregressive`` uses the target only).
-        prompt_ids: one prompt (a list of ids, or a (T,) / (1, T) tensor), or a list of
-            prompts of any lengths (lists or tensors), decoded ``batch_size`` at a time.
+        prompt_ids: one prompt (ids, or a (T,) / (1, T) tensor), or a list of prompts.
         max_new_tokens: at most this many new ids (>= 1).
         method: ``speculative`` or ``autoregressive``.
         greedy: argmax decoding (exact match) or sampling (rejection + residual).
-        seed: RNG seed (sampling, ancestral drafts); with many prompts, one per prompt or
-            one for all. Each row draws from its own generator, so a row's output never
-            depends on the other rows.
-        policy: what happens to the verifier's correction / bonus token: ``condition``
-            (keep it, draft the next window conditioned on it; no extra pass), ``recompute``
-            (keep it, one extra trunk pass), ``drop`` (the paper's Alg. 2).
+        seed: RNG seed (sampling, ancestral drafts); many prompts: one for all or one each
+            (each row draws from its own generator: its output never depends on the others).
+        policy: the verifier's correction / bonus token: ``condition`` (kept, the next draft
+            conditioned on it), ``recompute`` (kept, one extra pass), ``drop`` (Alg. 2).
         draft: what a cycle drafts: ``path`` | ``map`` | ``chain`` | ``tree`` (with
-            ``tree_budget``); None: the measured default. The one table of the choices:
-            docs/DECODING.md, "Drafting".
+            ``tree_budget``); None: the measured default (docs/DECODING.md, "Drafting").
         proposal: sampling: what the drafts are verified against: ``path`` |
             ``first_marginal`` | ``marginal``; None: the family's measured default.
-        temperature: sampling temperature (> 0), applied to the target and to the draft's
-            input units.
-        top_k: keep the k most likely target tokens (sampling).
-        top_p: nucleus filtering of the target (sampling).
-        stop_ids: generation ends after one of these ids; None: the codec's stop ids
-            (``model.backbone.codec``); ``()``: never stop early.
+        temperature: sampling temperature (> 0), of the target and the draft's input units.
+        top_k, top_p: sampling: the target's k most likely tokens; its nucleus.
+        stop_ids: ids that end the generation; None: the codec's; ``()``: never stop early.
         suppress_eos: the target never emits a stop id (fixed-length generation, App. F).
         max_throughput: accept every draft (not lossless; the paper's max tok/s).
         profile: time each section of a cycle (``result.breakdown``).
         drafter: test hook replacing the circuit draft (``speculative.Drafter``).
-        tree_budget: nodes per token tree (``draft=tree``, implied when ``draft`` is None);
-            0 or None: a chain. A backbone without tree attention falls back to the chain,
-            with a log line; EvaByte's trees stop at the current EVA window's end.
+        tree_budget: nodes per token tree (``draft=tree``; 0 or None: a chain); a backbone
+            without tree attention verifies the chain; EvaByte's trees end with its window.
         tree_floor: token trees: leave out nodes whose draft probability q(path) is below
             it (adaptive tree size); in [0, 1); needs a ``tree_budget``.
+        batch_size: many prompts: rows decoded at once in one padded batch (a finished row's
+            place goes to the next prompt); None: all; 1: one at a time (EvaByte: only this).
 
     Returns:
-        A :class:`GenerationResult` (``tokens``, ``accepted``, ``seconds``, per-cycle data);
-        a list of them, in order, for a list of prompts. At ``batch_size`` > 1 a row's
-        ``cycle_seconds`` are its shares of the batch's cycles (a cycle's wall time over
-        the rows in it): the rows' ``seconds`` add up to the call's wall time.
+        A :class:`GenerationResult`; a list of them, in order, for a list of prompts (at
+        ``batch_size`` > 1 a row's times are its shares of the batch's cycles).
 
     Raises:
-        ValueError: bad arguments, an empty prompt or one that does not fit the target's
-            context (checked before decoding starts).
+        ValueError: bad arguments or prompts (empty, too long): before any decoding.
     """
-    stops = None if stop_ids is None else tuple(stop_ids)
-    first = seed[0] if isinstance(seed, list | tuple) and len(seed) else seed
-    settings = check_settings(  # model-free: the same refusals as generate_hetero, evaluate
-        method=method, max_new_tokens=max_new_tokens, greedy=greedy, seed=first, policy=policy,
-        draft=draft, proposal=proposal, temperature=temperature, top_k=top_k, top_p=top_p,
-        stop_ids=stops, suppress_eos=suppress_eos, max_throughput=max_throughput,
-        profile=profile, tree_budget=tree_budget, tree_floor=tree_floor,
-    )  # fmt: skip
     many = is_prompt_list(prompt_ids)
-    prompts, requests = checked_prompts(model, prompt_ids if many else [prompt_ids], settings,
-                                        seed, many)  # fmt: skip
+    items = list(prompt_ids) if many else [prompt_ids]
+    seeds = check_seeds(seed, len(items))
+    settings = check_settings(  # model-free: the same refusals as generate_hetero, evaluate
+        method=method, max_new_tokens=max_new_tokens, greedy=greedy, seed=seeds[0],
+        policy=policy, draft=draft, proposal=proposal, temperature=temperature, top_k=top_k,
+        top_p=top_p, stop_ids=None if stop_ids is None else tuple(stop_ids),
+        suppress_eos=suppress_eos, max_throughput=max_throughput, profile=profile,
+        tree_budget=tree_budget, tree_floor=tree_floor,
+    )  # fmt: skip
+    prompts, requests = checked_prompts(model, items, settings, seeds, many)
     if requests[0].tree_budget and drafter is not None:
         raise ValueError("drafter (a chain test hook) is not allowed with tree_budget > 0")
-    size = check_batch_size(model, batch_size, len(prompts))
-    out = _decode(model, prompts, requests, drafter, size)
+    out = _decode(
+        model, prompts, requests, drafter, check_batch_size(model, batch_size, len(items))
+    )
     return out if many else out[0]
 
 
 def checked_prompts(
-    model: Any, items: Sequence[Any], settings: DecodingSettings, seed: Any, many: bool
+    model: Any, items: Sequence[Any], settings: DecodingSettings, seeds: list[int], many: bool
 ) -> tuple[list[Tensor], list[Request]]:
     """Each prompt as ``(T,)`` ids and its request (its seed, checked for the model)."""
     from mtpc.decoding.common import check_request, prompt_tensor
 
-    seeds = check_seeds(seed, len(items))
     prompts, requests = [], []
     for i, item in enumerate(items):
         prompt = prompt_tensor(model, item, f"prompt_ids[{i}]" if many else "prompt_ids")

@@ -248,6 +248,25 @@ class Sections:
     lr: Any = None
 
 
+def _trainer(cfg: DictConfig) -> TrainerSettings:
+    """The ``trainer.*`` fields the run reads, and the section as given."""
+    tr = TrainerSettings()
+    return TrainerSettings(
+        accelerator=_get(cfg, "trainer.accelerator", tr.accelerator),
+        devices=_get(cfg, "trainer.devices", tr.devices),
+        num_nodes=int(_get(cfg, "trainer.num_nodes") or tr.num_nodes),
+        accumulate_grad_batches=int(
+            _get(cfg, "trainer.accumulate_grad_batches") or tr.accumulate_grad_batches
+        ),
+        fast_dev_run=bool(_get(cfg, "trainer.fast_dev_run", tr.fast_dev_run)),
+        max_steps=_get(cfg, "trainer.max_steps", tr.max_steps),
+        max_epochs=_get(cfg, "trainer.max_epochs", tr.max_epochs),
+        limit_val_batches=_get(cfg, "trainer.limit_val_batches", tr.limit_val_batches),
+        strategy=_get(cfg, "trainer.strategy", tr.strategy),
+        fields=dict(_get(cfg, "trainer") or {}),
+    )
+
+
 @dataclass(frozen=True)
 class TrainSettings:
     """Everything ``train(cfg)`` reads from its config, read once by :meth:`from_cfg`.
@@ -281,9 +300,8 @@ class TrainSettings:
     @classmethod
     def from_cfg(cls, cfg: DictConfig) -> TrainSettings:
         """The settings of a composed training config (run after ``validate_train_config``)."""
-        m, lo, ls, cb, tr, rn = (
-            ModelArgs(), LoraSettings(), LossSettings(), CallbackSettings(),
-            TrainerSettings(), RunSettings(),
+        m, lo, ls, cb, rn = (
+            ModelArgs(), LoraSettings(), LossSettings(), CallbackSettings(), RunSettings(),
         )  # fmt: skip
         circuit = dict(_get(cfg, "circuit") or {})
         ci = CircuitSettings()
@@ -322,20 +340,7 @@ class TrainSettings:
                 monitor=_get(cfg, "callbacks.monitor", cb.monitor),
                 save_top_k=int(_get(cfg, "callbacks.save_top_k", cb.save_top_k)),
             ),
-            trainer=TrainerSettings(
-                accelerator=_get(cfg, "trainer.accelerator", tr.accelerator),
-                devices=_get(cfg, "trainer.devices", tr.devices),
-                num_nodes=int(_get(cfg, "trainer.num_nodes") or tr.num_nodes),
-                accumulate_grad_batches=int(
-                    _get(cfg, "trainer.accumulate_grad_batches") or tr.accumulate_grad_batches
-                ),
-                fast_dev_run=bool(_get(cfg, "trainer.fast_dev_run", tr.fast_dev_run)),
-                max_steps=_get(cfg, "trainer.max_steps", tr.max_steps),
-                max_epochs=_get(cfg, "trainer.max_epochs", tr.max_epochs),
-                limit_val_batches=_get(cfg, "trainer.limit_val_batches", tr.limit_val_batches),
-                strategy=_get(cfg, "trainer.strategy", tr.strategy),
-                fields=dict(_get(cfg, "trainer") or {}),
-            ),
+            trainer=_trainer(cfg),
             run=RunSettings(
                 **{k: _get(cfg, k, getattr(rn, k)) for k in ("run_name", "run_dir", "init_from")},
                 root_dir=_get(cfg, "paths.root_dir", rn.root_dir),
