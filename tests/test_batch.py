@@ -251,3 +251,21 @@ def test_evabyte_refuses_batches_and_decodes_lists_one_at_a_time() -> None:
         mtpc.generate(model, p, 4, stop_ids=()).tokens  # type: ignore[union-attr]
         for p in ([1, 2], [3])
     ]
+
+
+def test_a_finished_rows_place_goes_to_a_waiting_prompt(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Continuous batching: with 2 places and 5 prompts, prompts are admitted while other
+    rows are still decoding (a version that waits for the whole batch admits only into an
+    empty one), and every prompt still equals its decoding alone."""
+    model = make_model("cp", 4, 3)
+    prompts = mixed_prompts(5, seed=6)
+    held: list[int] = []
+    admit = Padded.admit
+
+    def spy(self: Padded, rows, prompts):  # type: ignore[no-untyped-def]
+        held.append(len(self.rows))
+        return admit(self, rows, prompts)
+
+    monkeypatch.setattr(Padded, "admit", spy)
+    assert batched(model, prompts, 12, 2) == alone(model, prompts, 12)
+    assert held[0] == 0 and any(h > 0 for h in held[1:])
