@@ -1,17 +1,9 @@
-"""Deterministic packing of documents into fixed-length sequences.
+"""Deterministic best-fit-decreasing packing of documents into fixed-length sequences.
 
-Documents are placed by *best-fit decreasing*: longest first, each into the open sequence
-with the least room that still fits it (ties: the sequence opened last), else into a new
-sequence (``pack=False``: one document per sequence). It wastes far less padding than greedy filling (a few per mille on Tülu-like
-length distributions) and depends on the document lengths only, so the plan is
-deterministic and cacheable. A document longer than the sequence length is cut into
-``seq_len``-sized pieces (plus a remainder) that are packed as separate documents: each
-restarts its position ids, and windows do not cross from one piece into the next. With the
-paper's settings (``max_length == seq_len == 8192``) no document is cut.
-
-A plan is three flat arrays over segments (a segment is a document or a piece of one) and
-an offset array over sequences: sequence k holds segments
-``seq_offsets[k]:seq_offsets[k+1]``, in placement order.
+Longest first, each document goes into the open sequence with the least room that fits it
+(ties: the sequence opened last), else a new one; a document longer than ``seq_len`` is cut
+into ``seq_len``-sized pieces plus a remainder, packed as separate documents. The plan
+depends on the lengths only, so it is cacheable. See docs/DATA.md, "Preprocessing".
 """
 
 from __future__ import annotations
@@ -24,21 +16,16 @@ import numpy as np
 
 @dataclass(frozen=True)
 class PackPlan:
-    """Which pieces of which documents make up each packed sequence.
+    """Which pieces (segments) of which documents make up each packed sequence.
 
-    Attributes:
-        seq_len: L, the length of every packed sequence.
-        seq_offsets: (S+1,) int64; sequence k is segments ``seq_offsets[k]:seq_offsets[k+1]``.
-        seg_doc: (G,) int64, document index (into the split's document list) per segment.
-        seg_start: (G,) int64, first id of the segment within its document.
-        seg_len: (G,) int64, number of ids in the segment.
+    Sequence k holds segments ``seq_offsets[k]:seq_offsets[k+1]``, in placement order.
     """
 
-    seq_len: int
-    seq_offsets: np.ndarray
-    seg_doc: np.ndarray
-    seg_start: np.ndarray
-    seg_len: np.ndarray
+    seq_len: int  # L
+    seq_offsets: np.ndarray  # (S+1,) int64
+    seg_doc: np.ndarray  # (G,) int64, index into the split's document list
+    seg_start: np.ndarray  # (G,) int64, first id of the segment within its document
+    seg_len: np.ndarray  # (G,) int64
 
     @property
     def num_sequences(self) -> int:
@@ -102,17 +89,11 @@ class _Fenwick:
 
 
 def plan_packing(doc_lengths: np.ndarray, seq_len: int, pack: bool = True) -> PackPlan:
-    """Packs documents of the given lengths into sequences of ``seq_len`` ids.
+    """Plans (D,) documents of ``doc_lengths`` (split order) into sequences of ``seq_len``.
 
-    Args:
-        doc_lengths: (D,) length of each document, in split order.
-        seq_len: L.
-        pack: False puts every document (or piece of a long one) in a sequence of its own,
-            padded to L: for a target whose attention cannot keep packed documents apart
-            (EvaByte; docs/TRAINING.md).
-
-    Returns:
-        The plan; every id of every document appears in exactly one segment.
+    Every id of every document lands in exactly one segment. ``pack=False`` puts each
+    document (or piece) in a sequence of its own, for a target whose attention cannot keep
+    packed documents apart (EvaByte; docs/TRAINING.md).
 
     Raises:
         ValueError: ``seq_len`` < 1 or a non-positive document length.
@@ -186,19 +167,11 @@ def build_sequence(
 ) -> dict[str, np.ndarray]:
     """Materialises packed sequence ``index`` of ``plan``.
 
-    Args:
-        plan: the packing plan.
-        index: which sequence.
-        ids: (T,) ids of all documents back to back (the corpus store).
-        assistant: (T,) loss mask over the same ids.
-        doc_offsets: (D,) start of each of the split's documents in ``ids``.
-        doc_sources: (D,) source id of each of the split's documents.
-        pad_id: the id of padding positions.
-
-    Returns:
-        ``input_ids``, ``position_ids``, ``document_ids``, ``source_ids`` (int64) and
-        ``loss_mask`` (bool), each (L,). Padding: ``pad_id``, position 0, document -1,
-        source -1, loss False. Document ids count segments 0, 1, ... within the sequence.
+    ``ids`` / ``assistant`` (T,) are the corpus store; ``doc_offsets`` / ``doc_sources`` (D,)
+    are each split document's start in it and source id. Returns ``input_ids``,
+    ``position_ids``, ``document_ids`` (segments 0, 1, ... of the sequence), ``source_ids``
+    and ``loss_mask``, each (L,); padding is ``pad_id``, position 0, document and source
+    -1, loss False.
     """
     length = plan.seq_len
     out = {

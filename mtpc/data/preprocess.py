@@ -1,23 +1,10 @@
 """Chat rows -> byte ids with assistant masks, malformed rows counted, seeded 99 % / 1 % split.
 
-Paper Sec. 4.1: apply the target's chat template (through its codec), drop examples longer
-than the context limit (8192 bytes), shuffle with a fixed seed so that every task is
-sampled, then split the remaining examples 99 % / 1 % into train / validation, keeping each
-row's ``source`` for per-task metrics.
-
-A row is dropped, never crashing the run, for exactly one reason (the first that applies,
-in this order); counts per reason are logged and written to the cache's ``summary.json``:
-
-* ``invalid_json``: a line of a JSON-lines file that does not parse.
-* ``undecodable_text``: bytes that are not UTF-8 (a file line, or ``bytes`` content), or a
-  string that cannot be encoded as UTF-8 (lone surrogates such as ``"\\ud800"``).
-* ``no_messages``: ``messages`` missing, not a list, or empty (or the row is not a dict).
-* ``unknown_role``: a message that is not a dict or whose role is not system/user/assistant.
-* ``non_string_content``: a message whose ``content`` is not a string.
-* ``no_assistant_turn``: no assistant message at all (nothing to train on).
-* ``empty_assistant_turn``: an assistant message whose content is empty or whitespace.
-* ``too_long``: more than ``max_bytes`` ids after the chat template.
-* ``template_error``: the codec rejected the row for another reason (should stay 0).
+A row is dropped, never crashing the run, for the first reason of ``DROP_REASONS`` that
+applies; the counts go to the log and ``summary.json`` (docs/DATA.md, "Preprocessing").
+Beyond the names: ``undecodable_text`` also covers ``bytes`` content and strings with lone
+surrogates, ``no_messages`` a row that is not a dict, ``unknown_role`` a message that is
+not a dict, and ``template_error`` (should stay 0) any other rejection by the codec.
 """
 
 from __future__ import annotations
@@ -56,10 +43,7 @@ UNKNOWN_SOURCE = "unknown"
 
 
 def check_row(row: Any) -> str | None:
-    """The reason ``row`` must be dropped (one of ``DROP_REASONS``), or None if it is usable.
-
-    ``too_long`` needs the rendered ids and is checked by ``tokenize_rows``.
-    """
+    """The reason ``row`` must be dropped, or None; ``too_long`` is left to ``tokenize_rows``."""
     if not isinstance(row, Mapping):
         return "no_messages"
     if ERROR_KEY in row:
@@ -93,23 +77,14 @@ def check_row(row: Any) -> str | None:
 
 @dataclass
 class DropStats:
-    """What happened to the rows of one dataset.
-
-    Attributes:
-        rows_seen: rows read from the source.
-        rows_used: rows that became documents.
-        dropped: reason -> count (every reason of ``DROP_REASONS`` is present).
-        examples: reason -> ids of the first few dropped rows, to find them again.
-        used_bytes: total ids of the kept documents.
-        sources: source name -> kept documents.
-    """
+    """What happened to the rows of one dataset."""
 
     rows_seen: int = 0
     rows_used: int = 0
     dropped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DROP_REASONS, 0))
-    examples: dict[str, list[str]] = field(default_factory=dict)
-    used_bytes: int = 0
-    sources: dict[str, int] = field(default_factory=dict)
+    examples: dict[str, list[str]] = field(default_factory=dict)  # reason -> first row ids
+    used_bytes: int = 0  # ids of the kept documents
+    sources: dict[str, int] = field(default_factory=dict)  # source -> kept documents
 
     def drop(self, reason: str, row_id: str) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
@@ -144,23 +119,14 @@ class DropStats:
 
 @dataclass
 class TokenizedDocs:
-    """Documents in memory (the on-disk form lives in ``mtpc.data.cache``).
+    """Documents in memory (the on-disk form lives in ``mtpc.data.cache``)."""
 
-    Attributes:
-        ids: all documents' ids back to back; (T,) uint16.
-        assistant: True on assistant bytes and their end-of-turn ids; (T,) bool.
-        offsets: document d is ``ids[offsets[d]:offsets[d+1]]``; (D+1,) int64.
-        source_ids: index into ``source_names`` per document; (D,) int32.
-        source_names: sorted names of the sources seen.
-        row_positions: position of each document's row in the source; (D,) int64.
-    """
-
-    ids: np.ndarray
-    assistant: np.ndarray
-    offsets: np.ndarray
-    source_ids: np.ndarray
-    source_names: list[str]
-    row_positions: np.ndarray
+    ids: np.ndarray  # (T,) uint16, all documents back to back
+    assistant: np.ndarray  # (T,) bool, assistant bytes and their end-of-turn ids
+    offsets: np.ndarray  # (D+1,) int64, document d is ids[offsets[d]:offsets[d+1]]
+    source_ids: np.ndarray  # (D,) int32, index into source_names
+    source_names: list[str]  # sorted
+    row_positions: np.ndarray  # (D,) int64, the row's position in the source
 
     @property
     def num_docs(self) -> int:
@@ -175,20 +141,11 @@ def tokenize_rows(
     ids_file: BinaryIO | None = None,
     mask_file: BinaryIO | None = None,
 ) -> tuple[TokenizedDocs, DropStats]:
-    """Validates and renders rows with ``codec``'s chat template.
+    """Validates rows and renders them with ``codec``'s chat template, in source order.
 
-    Args:
-        rows: rows of the Tülu 3 schema, possibly malformed.
-        codec: the target model's codec.
-        max_bytes: longer documents (in ids) are dropped as ``too_long``.
-        stats: counts to add to (a fresh ``DropStats`` when None).
-        ids_file: when given, ids are streamed there as raw uint16 and the returned
-            ``ids`` is empty (keeps memory flat for the 939k Tülu rows); same for
-            ``mask_file`` (raw uint8) and ``assistant``.
-        mask_file: see ``ids_file``; give both or neither.
-
-    Returns:
-        The documents (in source order) and the drop statistics.
+    Rows over ``max_bytes`` ids are dropped as ``too_long``; counts are added to ``stats``.
+    With ``ids_file`` and ``mask_file`` (both or neither), ids and mask are streamed there as
+    raw uint16 / uint8 and the returned arrays are empty (flat memory for Tülu's 939k rows).
     """
     if (ids_file is None) != (mask_file is None):
         raise ValueError("give both ids_file and mask_file, or neither")
@@ -244,7 +201,7 @@ def _documents(
     id_chunks: list[np.ndarray],
     mask_chunks: list[np.ndarray],
 ) -> TokenizedDocs:
-    """The kept rows as documents (counted into ``stats``); empty ids when they were streamed."""
+    """The kept rows as documents (counted into ``stats``)."""
     stats.rows_used += len(lengths)
     stats.used_bytes += int(sum(lengths))
     counts = Counter(source_of)
@@ -269,9 +226,8 @@ def split_indices(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Shuffles ``range(num_docs)`` with ``seed`` and cuts it into (train, validation).
 
-    The validation split gets ``round(validation_fraction * num_docs)`` documents (at least one when
-    ``validation_fraction > 0`` and there are two or more documents); both index arrays keep the
-    shuffled order, so the training order is seeded as well.
+    Validation gets ``round(validation_fraction * num_docs)`` documents (at least one when the
+    fraction is > 0 and there are 2+ documents); both keep the shuffled order.
 
     Raises:
         ValueError: ``validation_fraction`` outside [0, 1).

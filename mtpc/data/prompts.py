@@ -1,19 +1,9 @@
 """Evaluation prompt sets from the validation split (paper Sec. 4.2 and App. F).
 
-A prompt is a validation conversation cut after its last user turn, rendered with the
-target's chat template plus the assistant header (the generation prompt); its reference
-is what the assistant answered to that turn. The paper reports mean +- std over three sets
-of 250 prompts (``PROMPT_SET_SEEDS``), from validation examples whose prompts and
-responses are English.
-
-English filter (a heuristic, not language identification): a text passes when at least
-``min_ascii_letters`` (95 %) of its letters are ASCII a-z / A-Z; the prompt (the user
-turns) must in addition contain English function words ("the", "is", "what", ...) in at
-least ``min_stopwords`` (3 %) of its words when it has 10 or more words. The first test
-rejects non-Latin scripts and heavily accented Latin text; the second rejects most
-French / Spanish / German prompts, whose letters are mostly ASCII. The answer is only held
-to the letter test, because code answers have no function words. Expect a few misses both
-ways.
+See docs/DATA.md, "Evaluation prompts". The English filter is a heuristic: the letter test
+(95 % ASCII) rejects non-Latin scripts and accented text; the function-word test (3 % of
+the words, prompts of 10+ words) rejects most French / Spanish / German prompts. Answers
+face the letter test only, as code has no function words. Expect a few misses both ways.
 """
 
 from __future__ import annotations
@@ -37,103 +27,24 @@ PROMPT_SET_SEEDS = (0, 1, 2)
 DEFAULT_NUM_PROMPTS = 250
 
 ENGLISH_STOPWORDS = frozenset(
-    [
-        "a",
-        "an",
-        "the",
-        "and",
-        "or",
-        "but",
-        "if",
-        "of",
-        "to",
-        "in",
-        "on",
-        "at",
-        "for",
-        "with",
-        "from",
-        "by",
-        "about",
-        "as",
-        "is",
-        "are",
-        "was",
-        "were",
-        "be",
-        "been",
-        "do",
-        "does",
-        "did",
-        "can",
-        "could",
-        "would",
-        "should",
-        "will",
-        "shall",
-        "may",
-        "might",
-        "must",
-        "have",
-        "has",
-        "had",
-        "not",
-        "no",
-        "this",
-        "that",
-        "these",
-        "those",
-        "it",
-        "its",
-        "i",
-        "you",
-        "he",
-        "she",
-        "we",
-        "they",
-        "me",
-        "my",
-        "your",
-        "our",
-        "their",
-        "what",
-        "which",
-        "who",
-        "whom",
-        "how",
-        "why",
-        "when",
-        "where",
-        "please",
-        "write",
-        "give",
-        "explain",
-        "there",
-        "here",
-        "than",
-        "then",
-        "so",
-    ]
+    """
+    a an the and or but if of to in on at for with from by about as is are was were be been
+    do does did can could would should will shall may might must have has had not no this
+    that these those it its i you he she we they me my your our their what which who whom
+    how why when where please write give explain there here than then so
+    """.split()
 )
 _WORD = re.compile(r"[A-Za-z]+")
 
 
 @dataclass(frozen=True)
 class EvalPrompt:
-    """One evaluation prompt.
-
-    Attributes:
-        id: the row id.
-        source: the row's task.
-        messages: the conversation up to and including the last user turn.
-        prompt_ids: ``messages`` rendered with the generation prompt (assistant header).
-        reference: the assistant's answer to the last user turn.
-    """
+    """One evaluation prompt; ``reference`` is the answer to the last user turn."""
 
     id: str
     source: str
-    messages: list[dict[str, str]]
-    prompt_ids: list[int]
+    messages: list[dict[str, str]]  # up to and including the last user turn
+    prompt_ids: list[int]  # messages with the generation prompt (assistant header)
     reference: str
 
 
@@ -166,11 +77,7 @@ def is_english(
 def split_at_last_user(
     messages: Sequence[Mapping[str, Any]],
 ) -> tuple[list[dict[str, str]], str] | None:
-    """(conversation up to the last user turn, the assistant answer after it), or None.
-
-    The answer joins the assistant turns that follow the last user turn; None when there is
-    no user turn or no answer after it.
-    """
+    """(conversation up to the last user turn, the assistant turns after it joined), or None."""
     last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=None)
     if last_user is None:
         return None
@@ -231,11 +138,9 @@ def build_prompt_sets(
 ) -> list[list[EvalPrompt]]:
     """One prompt set per seed, drawn from the validation rows.
 
-    Set k is a seeded sample of ``num_prompts`` prompts (``seeds[k]``) from the pool left
-    by the sets before it, so the sets are disjoint while the pool allows; a smaller pool
-    gives overlapping sets (sampled from the whole pool, with a warning) or, when it holds
-    fewer than ``num_prompts``, all of it in a seeded order. ``sources`` keeps only the
-    prompts of those ``source`` values (``synthetic/multi_answer``, a Tülu 3 subset, ...).
+    Set k is a seeded sample (``seeds[k]``) from the pool the sets before it left, so sets
+    are disjoint while the pool allows; a smaller pool gives overlapping sets (with a
+    warning), or all of it in a seeded order. ``sources`` keeps those ``source`` values.
 
     Raises:
         UnknownSourceError: a name in ``sources`` that no usable prompt has.

@@ -1,6 +1,4 @@
-"""The row types every data source yields: a chat row of the Tülu 3 schema and
-:class:`RowSource`, a re-iterable ordered collection of them (``mtpc.data.sources``,
-``mtpc.data.python_code``)."""
+"""The row types every data source yields: a Tülu 3 chat row and :class:`RowSource`."""
 
 from __future__ import annotations
 
@@ -16,19 +14,14 @@ class RowSource:
     """A re-iterable, ordered collection of chat rows.
 
     Attributes:
-        name: what error messages and the summary call the dataset.
         fingerprint: changes whenever the rows may have changed (part of the cache key).
-        iter_rows: returns a fresh iterator over all rows, in the same order every time.
-        num_rows: number of rows when known up front (None for streaming sources).
-        take_rows: optional fast random access ``positions -> rows``; without it ``take``
-            iterates once more over the source.
-        row_limit: the user's ``num_rows`` when it cut a local or hub dataset to its first
-            rows (reported as a limit in the log and ``summary.json``); None: every row.
-        split_mask: optional; returns one bool per row (True: validation), and the data
-            cache splits by it instead of its seeded fraction (``python_code`` splits by
-            file this way).
-        report: optional; returns what the source itself counted (e.g. malformed files),
-            written to the cache's ``summary.json`` as ``source_report``.
+        iter_rows: a fresh iterator over all rows, in the same order every time.
+        num_rows: the row count when known up front (None when streaming).
+        take_rows: fast random access ``positions -> rows`` (else ``take`` iterates).
+        row_limit: the user's ``num_rows`` when it cut the dataset (reported); None: all rows.
+        split_mask: one bool per row (True: validation); the cache then splits by it
+            instead of its seeded fraction.
+        report: what the source itself counted (``summary.json``'s ``source_report``).
     """
 
     name: str
