@@ -1,60 +1,11 @@
 """Loading hub remote code (EvaByte, tokenkit's byte Llama) under the pinned transformers 5.x.
 
-The remote modelling code of both real targets was written for transformers 4.4x. Every
-workaround for the pinned transformers lives in this module, each named after the failure it
-fixes (see ``docs/BACKBONES.md``, "Loading real checkpoints"):
-
-1. **Kernel packages imported at import time** (EvaByte: ``eva_prep_kv_kernel.py`` imports
-   ``triton`` unconditionally and ``multibyte_decoding_evabyte.py`` imports it, so the model
-   cannot be imported without triton). :func:`remote_imports` turns a remote module that fails
-   on an *optional* package into a placeholder whose functions raise when called, and can
-   *block* a package so that the remote ``try: import triton`` falls back to the pure-torch
-   path (``eva_pt_ref.py``). Any other missing package is a clear :class:`TargetLoadError`.
-2. **rope_scaling rewritten**: transformers 5 makes ``config.rope_scaling`` an alias of the
-   standardised ``rope_parameters`` (``{"rope_theta": ..., "rope_type": "default"}`` even when
-   ``config.json`` says ``null``); EvaByte's ``_init_rope`` then fails with ``KeyError:
-   'type'``. :func:`patch_remote_config` gives the remote config class back the 4.4x view
-   (``None`` for plain RoPE, ``{"type": ..., "factor": ...}`` otherwise).
-3. **No "default" RoPE initialiser**: transformers 5 dropped ``ROPE_INIT_FUNCTIONS["default"]``,
-   which tokenkit's rotary embedding looks up (``KeyError: 'default'``).
-   :func:`patch_remote_module` gives the remote module (only it) a copy with the closed form.
-4. **Config keys the config class lacks** (EvaByte reads ``num_pred_heads``, ``fp32_ln``,
-   ``fp32_logits``, ``fp32_skip_add``, ``mixedp_attn``; its class defines none of them). Hub
-   ``config.json`` files carry them; :data:`REMOTE_CONFIG_DEFAULTS` fills the ones a config lacks.
-5. **Non-persistent buffers left uninitialised**: transformers 5 builds every model on the
-   meta device and then gives non-persistent buffers (rotary ``inv_freq``, ``cos_cached``,
-   ``sin_cached``) ``torch.empty`` storage; only its own models recompute them. Remote models
-   therefore run with garbage. :func:`restore_non_persistent_buffers` rebuilds the model's
-   buffers by running its own ``__init__`` with parameters on the meta device (cheap) and
-   copies every non-persistent buffer (and plain tensor attributes such as
-   ``original_inv_freq``) into the loaded model.
-
-:func:`load_remote_causal_lm` applies all five (and 6 and 8 below) and is the only loader of
-remote code.
-
-Two more places follow transformers' renames instead of pinning a release:
-
-6. **Removed modules** that 4.4x remote code imports: transformers 5.24 removed
-   ``transformers.modeling_attn_mask_utils`` (tokenkit imports ``AttentionMaskConverter`` from
-   it). :func:`install_removed_module_shims` registers our own implementation of the names
-   such code uses (:mod:`mtpc.backbones.legacy_attn_mask`) only when the real module is gone.
-7. **The cache keyword of a decoder layer**: ``past_key_value`` (4.4x remote code),
-   ``past_key_values`` (transformers 5.0-5.23), ``cache`` (5.24 and later).
-   :func:`cache_keyword` reads it from the layer's signature once, at load time; a layer
-   that names none of them is refused with :class:`CacheInterfaceError`. A keyword the layer
-   accepts but ignores is caught by the per-pass cache guard (``Backbone.run_layers``), which
-   raises the same error before any token is returned.
-
-And one place wraps EvaByte's triton kernels (``docs/BACKBONES.md``, "The kernels on a CPU"):
-
-8. **EvaByte's kernel host wrappers** (:func:`prepare_eva_kernels`, every triton-path load):
-   their interface is checked at load time (:data:`KERNEL_INTERFACE`,
-   :class:`KernelInterfaceError`); a window / chunk size the blocks of the run GPU compute
-   wrongly is refused (:func:`check_kernel_blocks`, :class:`KernelBlockError`); the backward
-   of a row no longer than one window gets zero-length RFAs instead of ``None``, which the
-   remote code cannot take; and under triton's CPU interpreter (``TRITON_INTERPRET=1``,
-   float32, :func:`resolve_attention_impl`) each wrapper's call sees CUDA tensors and the
-   capability :func:`kernel_capability` (an H100's by default), for that call only.
+The remote code was written for transformers 4.4x; every workaround lives here, numbered by
+the failure it fixes (docs/BACKBONES.md, "Loading real checkpoints"): 1 optional kernel
+imports, 2 the 4.4x ``rope_scaling`` view, 3 the "default" RoPE initialiser, 4 config keys the
+class lacks, 5 non-persistent buffers left empty, 6 removed transformers modules, 7 the
+decoder layers' cache keyword ("Following transformers"), 8 EvaByte's triton kernels ("The
+kernels on a CPU"). :func:`load_remote_causal_lm` is the only loader of remote code.
 """
 
 from __future__ import annotations
@@ -81,23 +32,16 @@ from mtpc.errors import UserError
 
 log = logging.getLogger(__name__)
 
-# Values a remote config gets for keys its config.json lacks (the hub configs carry them).
-# EvaByte: fp32_* as EvaByte's own checkpoint converter writes them ("legacy attributes");
-# num_pred_heads = 1 is how EvaByteForCausalLM's constructor treats a missing key;
-# mixedp_attn = False keeps the attention in the model's dtype (unverified, docs/BACKBONES.md).
+# Values for keys a config.json lacks (4). EvaByte: fp32_* as its checkpoint converter writes
+# them; num_pred_heads = 1 as its constructor treats a missing key; mixedp_attn unverified.
 REMOTE_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
-    "evabyte": {
-        "num_pred_heads": 1,
-        "fp32_ln": True,
-        "fp32_logits": True,
-        "fp32_skip_add": False,
-        "mixedp_attn": False,
-    },
+    "evabyte": {"num_pred_heads": 1, "fp32_ln": True, "fp32_logits": True,
+                "fp32_skip_add": False, "mixedp_attn": False},
     "llama3_byte": {},
-}
+}  # fmt: skip
 
-# Packages a remote module may fail to import without the model being unusable: the remote
-# code has a fallback (EvaByte's pure-torch EVA) and only calls them on the GPU path.
+# Packages a remote module may fail to import (1): the remote code has a fallback
+# (EvaByte's pure-torch EVA) and only calls them on the GPU path.
 OPTIONAL_PACKAGES: dict[str, frozenset[str]] = {
     "evabyte": frozenset({"triton"}),
     "llama3_byte": frozenset(),
@@ -109,12 +53,7 @@ class TargetLoadError(RuntimeError):
 
 
 class CacheInterfaceError(UserError, RuntimeError):
-    """The installed transformers (or remote code) does not fill the KV cache as called.
-
-    Raised at load time when a decoder layer names no known cache keyword, and after a
-    cached pass whose native cache did not grow by what the pass fed it: one line naming the
-    backbone class, the installed transformers version and the keyword, never a wrong token.
-    """
+    """The installed transformers (or remote code) does not fill the KV cache as called (7)."""
 
 
 # ------------------------------------------------------------ 7. cache keyword ----
@@ -134,14 +73,8 @@ def transformers_version() -> str:
 def cache_keyword(layer_cls: type, default: str | None = None) -> str:
     """The keyword ``layer_cls.forward`` takes its KV cache by (first of :data:`CACHE_KEYWORDS`).
 
-    Args:
-        layer_cls: a decoder layer's (or a causal LM's) class.
-        default: returned when the signature names none (a stub taking ``**kwargs``);
-            ``None`` refuses such a class.
-
-    Raises:
-        CacheInterfaceError: the signature names none of them and there is no default (a
-            ``**kwargs`` catch-all is not trusted: a cache passed there may be dropped).
+    ``default`` is returned when the signature names none; without one, CacheInterfaceError
+    (a ``**kwargs`` catch-all is not trusted: a cache passed there may be dropped).
     """
     params = inspect.signature(layer_cls.forward).parameters  # type: ignore[attr-defined]
     for name in CACHE_KEYWORDS:
@@ -205,25 +138,11 @@ def triton_interpreter() -> bool:
 def resolve_attention_impl(
     requested: str, device: str | torch.device, dtype: torch.dtype | str | None = None
 ) -> str:
-    """EvaByte's attention path: ``triton`` (GPU kernels) or ``torch`` (``eva_pt_ref.py``).
+    """EvaByte's attention path for ``device``: ``"triton"`` (kernels) or ``"torch"``.
 
-    On a CPU, ``triton`` is accepted only in triton's interpreter mode (``TRITON_INTERPRET=1``
-    with triton installed), float32 only: the interpreter's bf16 arithmetic is wrong (triton
-    issue #11584). The interpreter runs the real kernels on CPU tensors, with the blocks of
-    :func:`kernel_capability`'s GPU (docs/BACKBONES.md, "The kernels on a CPU").
-
-    Args:
-        requested: ``auto`` (triton when a CUDA device is used and triton is installed, else
-            torch; never the interpreter), ``torch`` or ``triton``.
-        device: where the model will run.
-        dtype: the weights' dtype (checked in interpreter mode); ``None``: not checked.
-
-    Returns:
-        ``"torch"`` or ``"triton"``.
-
-    Raises:
-        AttentionImplError: unknown value, or ``triton`` where it cannot run (no triton; a CPU
-            without the interpreter; the interpreter with bf16 or fp16).
+    ``auto`` never picks triton's CPU interpreter; ``triton`` on a CPU needs it, in float32
+    (``dtype``; ``None``: not checked). Raises AttentionImplError where the path cannot run
+    (docs/BACKBONES.md, "The kernels on a CPU").
     """
     if requested not in ATTENTION_IMPLS:
         raise AttentionImplError(
@@ -301,12 +220,8 @@ class _StubOnOptionalImport(importlib.abc.Loader):
             reason = "disabled (model.attention_impl=torch)" if blocked else "not installed"
             module.__getattr__ = _unavailable(module.__name__, package, reason)  # type: ignore[method-assign]
             module.__mtpc_unavailable__ = package  # type: ignore[attr-defined]
-            log.info(
-                "%s imports %s (%s): its functions are placeholders",
-                module.__name__,
-                package,
-                reason,
-            )
+            message = "%s imports %s (%s): its functions are placeholders"
+            log.info(message, module.__name__, package, reason)
 
 
 class _RemoteModuleFinder(importlib.abc.MetaPathFinder):
@@ -334,11 +249,9 @@ def remote_imports(
 ) -> Iterator[None]:
     """Imports of remote code inside the block tolerate missing ``optional`` packages.
 
-    Args:
-        optional: packages a remote module may fail to import; that module becomes a
-            placeholder whose functions raise when called.
-        blocked: packages made unimportable inside the block (``import triton`` raises), so
-            remote ``try: import ...`` fallbacks take their pure-torch path. Restored after.
+    A remote module failing on one becomes a placeholder whose functions raise when called.
+    ``blocked`` packages are unimportable inside the block, so remote ``try: import ...``
+    fallbacks take their pure-torch path.
     """
     saved = {
         name: module
@@ -377,12 +290,8 @@ REMOVED_MODULES: dict[str, str] = {
 
 
 def install_removed_module_shims() -> list[str]:
-    """Registers our implementation of each :data:`REMOVED_MODULES` entry the installed
-    transformers no longer ships (a module it still ships is left alone).
-
-    Returns:
-        The module names now served by a shim.
-    """
+    """Serves each :data:`REMOVED_MODULES` entry the installed transformers no longer ships
+    with ours; returns the module names now served by a shim."""
     installed = []
     for name, ours in REMOVED_MODULES.items():
         current = sys.modules.get(name)
@@ -406,11 +315,8 @@ def install_removed_module_shims() -> list[str]:
 
 # ------------------------------------------------------------ 2./4. remote config ----
 def legacy_rope_scaling(rope_parameters: Any) -> dict[str, Any] | None:
-    """The 4.4x ``rope_scaling`` of transformers 5's standardised ``rope_parameters``.
-
-    ``None`` for plain RoPE; otherwise ``{"type": rope_type, <its other keys>}`` without
-    ``rope_theta`` (EvaByte reads ``["type"]`` and ``["factor"]``; tokenkit reads the type).
-    """
+    """The 4.4x ``rope_scaling`` of transformers 5's ``rope_parameters``: ``None`` for plain
+    RoPE, else ``{"type": rope_type, <other keys but rope_theta>}``."""
     if not isinstance(rope_parameters, dict):
         return None
     rope_type = rope_parameters.get("rope_type", rope_parameters.get("type", "default"))
@@ -420,26 +326,18 @@ def legacy_rope_scaling(rope_parameters: Any) -> dict[str, Any] | None:
     return {"type": rope_type, **{k: v for k, v in rope_parameters.items() if k not in dropped}}
 
 
-def _legacy_rope_scaling_property(base: Any) -> property:
-    setter = base.fset
-
-    def getter(config: Any) -> dict[str, Any] | None:
-        return legacy_rope_scaling(getattr(config, "rope_parameters", None))
-
-    return property(getter, setter, doc="rope_scaling as transformers 4.4x gave it (mtpc compat)")
-
-
 def patch_remote_config(config: Any, name: str) -> None:
-    """Makes a remote config read as its 4.4x code expects (in place; idempotent).
-
-    Gives the config's (remote) class the legacy ``rope_scaling`` view and sets
-    :data:`REMOTE_CONFIG_DEFAULTS` keys the config lacks.
-    """
+    """Makes a remote config read as its 4.4x code expects (in place; idempotent): the
+    class's legacy ``rope_scaling`` view, :data:`REMOTE_CONFIG_DEFAULTS` for missing keys."""
     cls = type(config)
     base = getattr(cls, "rope_scaling", None)
     is_remote = cls.__module__.startswith("transformers_modules.")
     if is_remote and isinstance(base, property) and not getattr(cls, "_mtpc_legacy_rope", False):
-        cls.rope_scaling = _legacy_rope_scaling_property(base)
+        cls.rope_scaling = property(
+            lambda config: legacy_rope_scaling(getattr(config, "rope_parameters", None)),
+            base.fset,
+            doc="rope_scaling as transformers 4.4x gave it (mtpc compat)",
+        )
         cls._mtpc_legacy_rope = True
     for key, value in REMOTE_CONFIG_DEFAULTS.get(name, {}).items():
         if not hasattr(config, key):
@@ -454,11 +352,8 @@ def compute_default_rope_parameters(
     layer_type: str | None = None,
     **_: Any,
 ) -> tuple[torch.Tensor, float]:
-    """Plain RoPE: ``inv_freq[i] = 1 / theta ** (2i / dim)`` (dim = head_dim x partial factor).
-
-    Returns:
-        (dim // 2,) float32 inverse frequencies and the attention scaling 1.0.
-    """
+    """Plain RoPE: (dim // 2,) float32 ``inv_freq[i] = 1 / theta ** (2i / dim)`` (dim =
+    head_dim x partial factor) and the attention scaling 1.0."""
     params = getattr(config, "rope_parameters", None) or {}
     base = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
     partial = float(params.get("partial_rotary_factor", 1.0))
@@ -517,15 +412,11 @@ def non_persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def restore_non_persistent_buffers(model: nn.Module, dtype: torch.dtype) -> list[str]:
-    """Recomputes ``model``'s non-persistent buffers with its own ``__init__`` (in place).
+    """Recomputes ``model``'s non-persistent buffers with its own ``__init__`` (in place);
+    returns the names replaced.
 
-    Builds the same class from a copy of its config with parameters on the meta device and
-    ``dtype`` as the default dtype (what ``from_pretrained`` sets while it builds), then copies
-    each non-persistent buffer, and the plain tensor attributes of the modules holding them
-    (``original_inv_freq``), into ``model`` on the device of the buffer they replace.
-
-    Returns:
-        The names of the buffers replaced.
+    The skeleton is built with ``dtype`` as default dtype (as ``from_pretrained`` does); the
+    plain tensor attributes of the buffers' modules (``original_inv_freq``) are copied too.
     """
     config = copy.deepcopy(model.config)
     build_dtype = dtype if dtype.is_floating_point else torch.float32
@@ -550,9 +441,8 @@ def restore_non_persistent_buffers(model: nn.Module, dtype: torch.dtype) -> list
 
 # ------------------------------------------------------------ 8. EVA's triton kernels ----
 INTERPRETER_CAPABILITY = (9, 0)
-"""The GPU whose kernel blocks triton's CPU interpreter mode uses: the CUDA compute capability
-the remote ``_get_config`` is told (9.0, an H100). ``MTPC_TRITON_CAPABILITY=8.0`` (an A100)
-overrides it; docs/BACKBONES.md, "The kernels on a CPU"."""
+"""The compute capability whose kernel blocks triton's CPU interpreter uses (an H100's);
+``MTPC_TRITON_CAPABILITY=8.0`` (an A100) overrides it."""
 
 CAPABILITY_ENV = "MTPC_TRITON_CAPABILITY"
 
@@ -579,8 +469,7 @@ KERNEL_INTERFACE: dict[str, dict[str, tuple[str, ...]]] = {
         ),
     },
 }  # fmt: skip
-"""The host wrappers of EvaByte's kernels (OpenEvaByte/evabyte @ 432331a) that
-:func:`prepare_eva_kernels` wraps, with their parameters: checked at load time."""
+"""The host wrappers of EvaByte's kernels (@ 432331a) compat wraps, with their parameters."""
 
 KERNEL_MODES = ("fwd", "bwd_dq", "bwd_dkdv", "bwd_drfa_kv")
 """The ``mode``s of ``eva_agg_kernel._get_config`` (one block table each)."""
@@ -598,12 +487,8 @@ class KernelBlockError(UserError, ValueError):
 
 
 def kernel_capability() -> tuple[int, int]:
-    """The compute capability the interpreter mode picks blocks for
-    (:data:`INTERPRETER_CAPABILITY`, or ``MTPC_TRITON_CAPABILITY=<major>.<minor>``).
-
-    Raises:
-        AttentionImplError: ``MTPC_TRITON_CAPABILITY`` is not ``<major>.<minor>``.
-    """
+    """The compute capability the interpreter picks blocks for (:data:`INTERPRETER_CAPABILITY`
+    or ``MTPC_TRITON_CAPABILITY=<major>.<minor>``; AttentionImplError if malformed)."""
     value = os.environ.get(CAPABILITY_ENV, "").strip()
     if not value:
         return INTERPRETER_CAPABILITY
@@ -622,9 +507,8 @@ _host_depth = 0
 @contextlib.contextmanager
 def _kernels_see_gpu(capability: tuple[int, int] | None, cpu_tensors: bool) -> Iterator[None]:
     """Inside the block, ``torch.cuda.get_device_capability()`` returns ``capability`` (unless
-    ``None``) and, with ``cpu_tensors``, every tensor answers ``is_cuda`` with ``True``: the
-    remote host wrappers' CUDA-only asserts and block lookup, for triton's interpreter. Both are
-    restored on leaving the outermost block."""
+    ``None``) and, with ``cpu_tensors``, every tensor is ``is_cuda``: what the host wrappers
+    assert and look up, for triton's interpreter. Restored on leaving the outermost block."""
     global _host_depth
     saved = torch.cuda.get_device_capability
     own = vars(torch.Tensor).get("is_cuda")  # None: TensorBase's, which the property shadows
@@ -647,11 +531,8 @@ def _kernels_see_gpu(capability: tuple[int, int] | None, cpu_tensors: bool) -> I
 
 
 def _kernel_modules(package: str) -> dict[str, ModuleType]:
-    """The remote package's kernel modules named in :data:`KERNEL_INTERFACE`.
-
-    Raises:
-        KernelInterfaceError: one is missing or a wrapper's parameters changed.
-    """
+    """The remote package's kernel modules named in :data:`KERNEL_INTERFACE`
+    (KernelInterfaceError: one is missing or a wrapper's parameters changed)."""
     found = {}
     for short, functions in KERNEL_INTERFACE.items():
         module = sys.modules.get(f"{package}.{short}")
@@ -697,17 +578,11 @@ def check_kernel_blocks(
     dtype: torch.dtype,
     head_dim: int,
 ) -> None:
-    """Refuses an EVA window / chunk size whose blocks the kernels compute wrongly or assert on.
+    """Refuses (KernelBlockError) an EVA window / chunk size the kernels' blocks compute wrongly.
 
-    Each program of the aggregation kernels handles rows (or keys) of one window only
-    (``offs_w = start_m * BLOCK_M // WINDOW_SIZE``), so ``BLOCK_M`` (and ``bwd_dkdv``'s key
-    block ``BLOCK_N``) must divide the window: a ``BLOCK_M`` larger than the window gives wrong
-    attention and nothing asserts it. The chunk loops need ``chunks_per_window`` a multiple of
-    ``BLOCK_N`` (the remote code asserts it, but only mid-run);
-    ``eva_prep_kv_kernel`` needs the chunk to divide its block of :data:`PREP_KV_BLOCK`.
-
-    Raises:
-        KernelBlockError: one line naming the sizes, the blocks and the GPU capability.
+    Each aggregation program handles rows (or keys) of one window only (``offs_w = start_m *
+    BLOCK_M // WINDOW_SIZE``): a ``BLOCK_M`` that does not divide the window gives wrong
+    attention and nothing asserts it (docs/BACKBONES.md, "The kernels on a CPU").
     """
     problems = []
     per_window = window // chunk if chunk else 0
@@ -738,9 +613,8 @@ def check_kernel_blocks(
 
 
 def _empty_rfa_backward(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``triton_eva_agg_bwd`` that takes ``rfa_k = rfa_v = None`` (no compressed chunk yet: a
-    row no longer than one window): the remote asserts on ``rfa_k.stride(-1)`` even then, so
-    zero-length RFA tensors are passed instead (its kernels skip them: ``empty_rfa_kv=1``)."""
+    """``triton_eva_agg_bwd`` taking ``rfa_k = rfa_v = None`` (a row no longer than a window):
+    the remote asserts on ``rfa_k.stride(-1)``, so zero-length RFAs go in (``empty_rfa_kv=1``)."""
 
     @functools.wraps(original)
     def backward(
@@ -772,21 +646,12 @@ def prepare_eva_kernels(
     dtype: torch.dtype,
     run_device: str | torch.device,
 ) -> dict[str, Any]:
-    """Readies EvaByte's remote kernels for a triton-path model (in place, idempotent).
+    """Readies EvaByte's remote kernels for a triton-path model (in place, idempotent): the
+    interface check, the block gate, the short-row backward and, on a CPU, the interpreter's
+    host shim (docs/BACKBONES.md, "What compat does to the remote kernels").
 
-    1. Checks the kernels' interface (:data:`KERNEL_INTERFACE`; :class:`KernelInterfaceError`).
-    2. Refuses an EVA window / chunk the blocks of the run device's GPU (the interpreter: of
-       :func:`kernel_capability`) compute wrongly (:func:`check_kernel_blocks`).
-    3. Wraps ``triton_eva_agg_bwd`` so that a row no longer than one window (no RFA yet) has
-       a backward (:func:`_empty_rfa_backward`; on GPUs too).
-    4. On a CPU (triton's interpreter): every host wrapper runs with
-       :func:`_kernels_see_gpu` for the duration of its call.
-
-    Every module of the remote package holding a wrapper gets the wrapped one.
-
-    Returns:
-        ``{"interpreter": bool, "capability": (major, minor) | None, "blocks": {mode: (M, N)}}``
-        (also stored as the model module's ``__mtpc_kernels__``).
+    Returns ``{"interpreter": bool, "capability": (major, minor) | None, "blocks": {mode: (M,
+    N)}}``, also stored as the model module's ``__mtpc_kernels__``.
     """
     package = model_module.__name__.rpartition(".")[0]
     modules = _kernel_modules(package)
@@ -839,8 +704,8 @@ def prepare_eva_kernels(
 
 
 def kernels_interpreted(model_module: ModuleType) -> bool | None:
-    """Whether the remote kernels were imported under triton's interpreter (``None``: unknown:
-    the package has no kernel module with a triton function)."""
+    """Whether the remote kernels were imported under triton's interpreter (``None``: no
+    kernel module with a triton function)."""
     package = model_module.__name__.rpartition(".")[0]
     module = sys.modules.get(f"{package}.eva_agg_kernel")
     for value in vars(module).values() if module is not None else ():
@@ -873,23 +738,11 @@ def load_remote_causal_lm(
     attention_impl: str = "auto",
     run_device: str | None = None,
 ) -> nn.Module:
-    """Loads a ``trust_remote_code`` causal LM with fixes 1-5, on ``device``, in eval mode.
+    """Loads a ``trust_remote_code`` causal LM with fixes 1-6 and 8, on ``device``, in eval mode.
 
-    Args:
-        name: registry name (``evabyte`` or ``llama3_byte``): picks the config defaults, the
-            optional packages and, for EvaByte, the attention path.
-        path: local checkpoint or hub id.
-        revision: hub revision.
-        dtype: the weights' dtype.
-        device: where the model runs.
-        attention_impl: EvaByte's attention path (``auto|torch|triton``); ignored otherwise.
-        run_device: where the model will run when that is not ``device`` (a trainer loads on
-            the CPU and moves the model to its GPU): the attention path is chosen for it.
-
-    Raises:
-        TargetLoadError: the remote code imports a package that is not installed, or the
-            checkpoint has no remote model class.
-        ValueError: ``attention_impl`` cannot run here.
+    ``name`` (``evabyte`` | ``llama3_byte``) picks the config defaults, optional packages and
+    EvaByte's attention path, chosen for ``run_device`` (default ``device``). Raises
+    TargetLoadError (a missing package, no remote model class) or AttentionImplError.
     """
     from transformers import AutoConfig
     from transformers.dynamic_module_utils import get_class_from_dynamic_module
