@@ -1,8 +1,5 @@
-"""Decoding: autoregressive baseline, exactly lossless self-speculative decoding (docs/DECODING.md).
-
-``generate`` is the entry point (``mtpc.generate``); the algorithms are functions of
-(model, prompt, checked request) in ``autoregressive`` and ``speculative``; the verification
-rules shared with the heterogeneous-vocabulary decoders are in ``verify``.
+"""Decoding: the AR baseline and exactly lossless self-speculative decoding; ``generate`` is
+``mtpc.generate``. See docs/DECODING.md, "API".
 """
 
 from __future__ import annotations
@@ -90,36 +87,20 @@ def generate(
 ) -> GenerationResult | list[GenerationResult]:
     """Generates a continuation of one prompt, or of each of many, with the target of ``model``.
 
-    The output is the target's: greedy, token for token; sampled, in distribution (policies
-    ``condition`` and ``recompute``; ``drop`` is exact for greedy only).
+    The output is the target's: greedy, token for token; sampled, in distribution (``drop`` is
+    exact for greedy only). The arguments: docs/DECODING.md, "API" and "Drafting".
 
     Args:
-        model: an ``MTPCModel`` (target + draft head; ``autoregressive`` uses the target only).
         prompt_ids: one prompt (ids, or a (T,) / (1, T) tensor), or a list of prompts.
-        max_new_tokens: at most this many new ids (>= 1).
-        method: ``speculative`` or ``autoregressive``.
-        greedy: argmax decoding (exact match) or sampling (rejection + residual).
-        seed: RNG seed (sampling, ancestral drafts); many prompts: one for all or one each
-            (each row draws from its own generator: its output never depends on the others).
-        policy: the verifier's correction / bonus token: ``condition`` (kept, the next draft
-            conditioned on it), ``recompute`` (kept, one extra pass), ``drop`` (Alg. 2).
-        draft: what a cycle drafts: ``path`` | ``map`` | ``chain`` | ``tree`` (with
-            ``tree_budget``); None: the measured default (docs/DECODING.md, "Drafting").
-        proposal: sampling: what the drafts are verified against: ``path`` |
-            ``first_marginal`` | ``marginal``; None: the family's measured default.
-        temperature: sampling temperature (> 0), of the target and the draft's input units.
-        top_k, top_p: sampling: the target's k most likely tokens; its nucleus.
-        stop_ids: ids that end the generation; None: the codec's; ``()``: never stop early.
-        suppress_eos: the target never emits a stop id (fixed-length generation, App. F).
-        max_throughput: accept every draft (not lossless; the paper's max tok/s).
-        profile: time each section of a cycle (``result.breakdown``).
+        seed: many prompts: one for all or one each (each row draws from its own generator:
+            its output never depends on the others).
+        draft, proposal: None: the family's measured default.
+        stop_ids: None: the codec's; ``()``: never stop early.
         drafter: test hook replacing the circuit draft (``speculative.Drafter``).
-        tree_budget: nodes per token tree (``draft=tree``; 0 or None: a chain); a backbone
-            without tree attention verifies the chain; EvaByte's trees end with its window.
-        tree_floor: token trees: leave out nodes whose draft probability q(path) is below
-            it (adaptive tree size); in [0, 1); needs a ``tree_budget``.
-        batch_size: many prompts: rows decoded at once in one padded batch (a finished row's
-            place goes to the next prompt); None: all; 1: one at a time (EvaByte: only this).
+        tree_budget: nodes per token tree (0 or None: a chain); a backbone without tree
+            attention verifies the chain.
+        batch_size: many prompts: rows decoded at once (a finished row's place goes to the
+            next prompt); None: all; 1: one at a time (EvaByte: only this).
 
     Returns:
         A :class:`GenerationResult`; a list of them, in order, for a list of prompts (at
@@ -182,8 +163,7 @@ def check_seeds(seed: Any, count: int) -> list[int]:
 
 
 def check_batch_size(model: Any, batch_size: Any, count: int) -> int:
-    """The rows decoded at once (None: every prompt); a backbone without a batched cache
-    takes 1 only."""
+    """The rows decoded at once (None: every prompt; a backbone without a batched cache: 1)."""
     if batch_size is None:
         batch_size = count if model.backbone.supports_batch else 1
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -198,8 +178,7 @@ def check_batch_size(model: Any, batch_size: Any, count: int) -> int:
 
 
 def _chain_without_tree_attention(model: Any, request: Request) -> Request:
-    """A tree request on a backbone without tree attention: its chain (the same draft rule),
-    with a log line; exact either way."""
+    """A tree request on a backbone without tree attention: its chain (same draft rule)."""
     if not request.tree_budget or model.backbone.supports_tree_mask:
         return request
     _log.warning(

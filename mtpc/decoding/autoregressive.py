@@ -1,10 +1,7 @@
 """Autoregressive decoding of the target with a KV cache: the STP baseline and the oracle.
 
-Runs the target through the same split interface as the speculative decoder (trunk, then
-the verifier tail with the LoRA adapter off, then the STP head) and the same layouts
-(``mtpc.decoding.layout``: one stream, or many rows in one padded batch), so both decoders
-see the same logits; speculative output is compared against this one token for token
-(greedy) or in distribution (sampling).
+The same split (trunk, verifier tail with LoRA off, STP head) and layouts as the speculative
+decoder, so both see the same logits.
 """
 
 from __future__ import annotations
@@ -24,17 +21,9 @@ from mtpc.decoding.loop import Layout, Row, Run, new_row, new_run, schedule
 def autoregressive_generate(
     model: Any, prompts: Sequence[Tensor], requests: Sequence[Request], size: int = 1
 ) -> list[GenerationResult]:
-    """One token per target pass for every row.
-
-    Args:
-        model: an ``MTPCModel`` (only the target path is used).
-        prompts: ``(T_b,)`` ids on the model's device.
-        requests: each prompt's checked arguments (``mtpc.decoding.common.check_request``).
-        size: rows decoded at once (1: each prompt in the model's own caches).
-
-    Returns:
-        One :class:`GenerationResult` per prompt, one cycle per generated token.
-    """
+    """One token per target pass for every row; ``prompts`` ``(T_b,)``, ``requests`` checked
+    (``check_request``); ``size``: rows at once (1: each prompt in the model's own caches).
+    One result per prompt, one cycle per token."""
     if size == 1:
         return [schedule(new_run(model, r, None), [p], [r], Stream(model), 1, prefill, step)[0]
                 for p, r in zip(prompts, requests, strict=True)]  # fmt: skip

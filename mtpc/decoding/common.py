@@ -1,17 +1,6 @@
-"""Pieces shared by the autoregressive and the self-speculative decoders.
-
-* :class:`GenerationResult`: what ``mtpc.generate`` and ``mtpc.generate_hetero`` return
-  (tokens, per-cycle counts and wall times, optional cycle breakdown; the heterogeneous
-  decoder's text and pass counts).
-* :func:`check_request`: what needs the model checked before any model work (the rest:
-  ``mtpc.decoding.settings.check_settings``), with messages that name the argument and the
-  allowed values.
-* :func:`cut_at_stop`: the one stop rule (``max_new_tokens``, the first stop id).
-* :class:`TargetRule`: how the target's logits become the next token (greedy argmax or the
-  processed sampling distribution, with end-of-sequence suppression), applied identically
-  by both decoders so that speculative output equals autoregressive output.
-* :class:`Stopwatch`: wall time with device synchronisation and an optional per-section
-  breakdown of a cycle.
+"""What the decoders share: the result, the model-dependent request check, the target's
+decision rule (applied identically by every decoder, so speculative output equals
+autoregressive output), the stop rule and the cycle stopwatch. See docs/DECODING.md.
 """
 
 from __future__ import annotations
@@ -33,46 +22,28 @@ SECTIONS = ("model", "head", "circuit", "verify", "cache")
 
 @dataclass
 class GenerationResult:
-    """Output of one prompt's decoding.
+    """Output of one prompt's decoding (``mtpc.generate``, ``mtpc.generate_hetero``).
 
     Attributes:
-        tokens: the new ids (after the prompt), at most ``max_new_tokens``; ends with the stop
-            id when one was generated.
-        accepted: drafted tokens accepted per cycle (0 for every autoregressive step).
-        emitted: tokens appended per cycle: ``accepted`` plus the kept correction or bonus
-            token (one per autoregressive step). The last cycle may be cut short by
-            ``max_new_tokens`` or a stop id; ``sum(emitted) == len(tokens)``.
-        drafted: drafted tokens verified per cycle (n, or n - 1 when the window's first
-            position is the previous cycle's correction, given as evidence).
-        offsets: window position (0-based) of the first verified draft per cycle (1 when
-            the first position was evidence); acceptance per window position uses it.
-        cycle_seconds: wall time per cycle (draft + verify + bookkeeping), synchronised.
-            Many prompts at once: the row's share of each batch cycle (its wall time over
-            the rows in it), so that the rows' seconds add up to the call's wall time.
-        prefill_seconds: wall time of the prompt pass (many prompts: the row's share).
-        seconds: total wall time (prefill + cycles).
+        tokens: the new ids, at most ``max_new_tokens``; ends with the stop id if one came.
+        accepted: drafts accepted per cycle (0 for every autoregressive step).
+        emitted: tokens appended per cycle (``accepted`` + the kept correction / bonus); the
+            last cycle may be cut by ``max_new_tokens`` or a stop id; sums to ``len(tokens)``.
+        drafted: drafts verified per cycle (n, or n - 1 when the window's first position is
+            the pending token, given as evidence; a tree's deepest node's depth).
+        offsets: window position of the first verified draft per cycle (1: after evidence).
+        cycle_seconds: synchronised wall time per cycle; many prompts at once: the row's
+            share of each batch cycle, so the rows' seconds add up to the call's wall time.
+        prefill_seconds: the prompt pass (many prompts: the row's share); ``seconds``: total.
         trunk_passes: trunk calls after the prefill (one per cycle, plus one per recompute).
-        stopped: a stop id ended the generation.
-        method: ``speculative``, ``autoregressive`` or ``hetero`` (``mtpc.generate_hetero``).
-        policy: resume policy (speculative).
-        draft_rule: the draft step's rule (speculative: a ``DraftRule`` value; ``tree<B>``
-            for trees).
-        draft: the drafting choice (speculative): ``path`` | ``map`` | ``chain`` | ``tree``.
-        proposal: what sampling verified against (``path`` | ``first_marginal`` |
-            ``marginal``); None when greedy or for trees.
-        breakdown: with ``profile=True``, seconds per section summed over cycles
-            (:data:`SECTIONS` plus ``overhead``).
-        nodes: token trees (``tree_budget``): draft nodes verified per cycle (``drafted``
-            is then the deepest node's depth).
+        draft_rule: a ``DraftRule`` value, or ``tree<B>``; ``draft``, ``proposal``: the
+            drafting choice (``proposal`` None when greedy or for trees).
+        breakdown: ``profile=True``: seconds per section (:data:`SECTIONS`, ``overhead``).
+        nodes: token trees: draft nodes verified per cycle.
         expected: token trees: per cycle, the circuit's predicted probability that at least
-            d drafts are accepted, d = 1..(verified depth) (sum of q over the nodes at depth
-            d); its sum is the expected accepted drafts (calibration against ``accepted``).
-        text: ``mtpc.generate_hetero``: the tokens' text (target tokenizer, specials skipped).
-        target_passes: ``mtpc.generate_hetero``: target forward passes, prefill included.
-        drafter_passes: ``mtpc.generate_hetero``: drafter forward passes (psi enumeration
-            included).
-        algorithm: ``mtpc.generate_hetero``: the algorithm (``slem``, ``tli``, ...; ``ar``
-            for the evaluation's autoregressive reference).
+            d drafts are accepted, d = 1..depth (sum of q over the depth-d nodes).
+        text, target_passes, drafter_passes, algorithm: ``mtpc.generate_hetero``'s (passes
+            with the prefill and psi enumeration; ``ar`` for the evaluation's reference).
     """
 
     tokens: list[int]
@@ -102,24 +73,12 @@ class GenerationResult:
     def num_cycles(self) -> int:
         return len(self.cycle_seconds)
 
-    @property
-    def tokens_per_cycle(self) -> float:
-        """Mean tokens appended per cycle (accepted drafts + kept correction/bonus)."""
-        return sum(self.emitted) / max(1, len(self.emitted))
-
 
 @dataclass(frozen=True)
 class Request(DecodingSettings):
     """Decoding settings checked for a model (:func:`check_request`): the drafting choice
-    resolved for the head's circuit family, the stop ids filled in.
-
-    Attributes:
-        draft: ``path`` | ``map`` | ``chain`` | ``tree``.
-        proposal: what a sampled chain's drafts are verified against (None: greedy, a tree).
-        tree_budget: nodes per token tree (0: a chain; always 0 autoregressive).
-        stop_ids: the ids that end the generation (the codec's when none were given).
-        draft_rule: the draft step's rule (a tree's: the chain it falls back to).
-    """
+    resolved for the head's circuit family (``proposal`` None: greedy or a tree;
+    ``tree_budget`` 0: a chain, always autoregressive), the stop ids filled in."""
 
     draft: str = "path"
     proposal: str | None = None
@@ -135,12 +94,8 @@ def context_length(model: Any) -> int | None:
 
 
 def default_stop_ids(model: Any) -> tuple[int, ...]:
-    """The stop ids of the target's byte codec (end of turn, eos).
-
-    A target without a byte codec (a generic HF model) stops on its
-    ``generation_config.eos_token_id`` (else ``config.eos_token_id``), as ``transformers``
-    does; () when it has neither.
-    """
+    """The stop ids of the target's byte codec (end of turn, eos); without one, its
+    ``generation_config`` (else ``config``) ``eos_token_id``, as ``transformers``; or ()."""
     from mtpc.backbones.codecs import get_codec
 
     backbone = model.backbone
@@ -160,12 +115,8 @@ def default_stop_ids(model: Any) -> tuple[int, ...]:
 
 
 def prompt_tensor(model: Any, prompt_ids: Any, name: str = "prompt_ids") -> Tensor:
-    """Normalises a prompt (list of ids, (T,) or (1, T) tensor) to a (1, T) long tensor.
-
-    Raises:
-        ValueError: empty prompt, a (B, T) tensor of B > 1 prompts, ids that are not integers
-            (floats are never truncated), or ids outside [0, V-1].
-    """
+    """A prompt (list of ids, (T,) or (1, T) tensor) as a (1, T) long tensor on the device;
+    ValueError for an empty one, B > 1 rows, non-integer ids (never truncated), ids >= V."""
     if isinstance(prompt_ids, Tensor):
         if prompt_ids.is_floating_point() or prompt_ids.is_complex():
             raise ValueError(
@@ -204,13 +155,9 @@ def prompt_tensor(model: Any, prompt_ids: Any, name: str = "prompt_ids") -> Tens
 
 
 def check_request(model: Any, prompt: Tensor, settings: DecodingSettings) -> Request:
-    """Completes the model-free check (:func:`mtpc.decoding.settings.check_settings`) with what
-    needs the model: a draft head for ``speculative``, the family's drafting defaults, stop
-    ids below the vocabulary, the prompt and the new tokens within the target's context.
-
-    Raises:
-        ValueError: naming the argument and the allowed values.
-    """
+    """Completes ``check_settings`` with what needs the model: a draft head for
+    ``speculative``, the family's drafting defaults, stop ids below the vocabulary, the prompt
+    and the new tokens within the context. ValueError naming the argument."""
     s = settings
     speculative = s.method == "speculative"
     if speculative and not hasattr(model, "head"):
@@ -245,10 +192,8 @@ def check_request(model: Any, prompt: Tensor, settings: DecodingSettings) -> Req
 
 @dataclass(frozen=True, eq=False)
 class TargetRule:
-    """The target's decision rule, shared by every decoder (heterogeneous ones included).
-
-    Greedy: argmax of the logits; sampling: ``process_logits`` (temperature, top-k, top-p).
-    """
+    """The target's decision rule, shared by every decoder (heterogeneous ones included):
+    argmax, or sampling ``process_logits`` (temperature, top-k, top-p)."""
 
     greedy: bool
     temperature: float = 1.0
@@ -297,12 +242,9 @@ class TargetRule:
 
 
 class Stopwatch:
-    """Synchronised wall time, with an optional per-section breakdown.
-
-    ``lap(section)`` charges the time since the previous lap to ``section`` (only when
-    profiling: then every lap synchronises the device); ``split()`` ends a cycle and
-    returns its wall time (always synchronised).
-    """
+    """Synchronised wall time. ``lap(section)`` charges the time since the last lap to
+    ``section`` (profiling only: then every lap synchronises); ``split()`` ends a cycle and
+    returns its wall time (always synchronised)."""
 
     def __init__(self, device: torch.device, profile: bool) -> None:
         self.cuda = device.type == "cuda"
@@ -341,12 +283,8 @@ class Stopwatch:
 def cut_at_stop(
     new: Sequence[int], room: int, stop_ids: Sequence[int] | set[int], ignore_stops: bool = False
 ) -> tuple[list[int], bool]:
-    """The stop rule of every decoder (autoregressive, speculative, tree, heterogeneous).
-
-    Returns:
-        (the first ``room`` ids of ``new``, cut after the first stop id unless
-        ``ignore_stops``; whether a stop id ended them).
-    """
+    """The stop rule of every decoder: the first ``room`` ids of ``new``, cut after the first
+    stop id unless ``ignore_stops``, and whether a stop id ended them."""
     kept = list(new[: max(room, 0)])
     if stop_ids and not ignore_stops:
         for i, tok in enumerate(kept):
@@ -358,12 +296,8 @@ def cut_at_stop(
 def emit(
     out: list[int], new: list[int], request: Request, ignore_stops: bool = False
 ) -> tuple[int, bool]:
-    """Appends ``new`` to ``out`` up to ``max_new_tokens`` and the first stop id
-    (:func:`cut_at_stop`).
-
-    Returns:
-        (tokens appended, stopped).
-    """
+    """Appends ``new`` to ``out`` up to ``max_new_tokens`` and the first stop id; returns
+    (tokens appended, stopped)."""
     kept, stopped = cut_at_stop(
         new, request.max_new_tokens - len(out), request.stop_ids, ignore_stops
     )
