@@ -1,13 +1,5 @@
-"""The same circuits as cirkit (libcirkit 0.3.1) symbolic circuits.
-
-Used to check smoothness and decomposability, to draw structures (``scripts/draw_circuit.py``)
-and, in tests, as an oracle: with the same (non-contextual) parameters, cirkit's compiled torch
-circuit and our engine agree on log-likelihoods and marginals.
-
-cirkit 0.3.1 has no per-example (contextual) parameters and its sampler does not take
-evidence, so the engine in ``mtpc.circuits.engine`` is the hot path; cirkit only sees one
-parameter set at a time. The layers map one to one: input fold -> ``CategoricalLayer`` with r
-units, product fold -> ``HadamardLayer``, sum fold -> ``SumLayer`` (arity 1).
+"""The same circuits as cirkit (libcirkit 0.3.1) symbolic circuits: structural checks,
+drawing and the tests' oracle, one parameter set at a time. See docs/CIRCUITS.md, "cirkit".
 """
 
 from __future__ import annotations
@@ -26,18 +18,11 @@ def to_cirkit(
     sum_weights: Tensor | np.ndarray | None = None,
     vocab_size: int | None = None,
 ) -> Any:
-    """Build ``structure`` as a cirkit symbolic circuit.
+    """Build ``structure`` as a cirkit symbolic circuit with one output unit.
 
-    Args:
-        structure: The layered structure.
-        input_probs: Optional fixed categorical probabilities ``(n, r, V)``; None: cirkit's
-            default (learnable, softmax-parameterised) categoricals.
-        sum_weights: Optional fixed sum weights ``(U, r)`` (rows as in
-            ``CircuitParams.sum_logw``, exponentiated); None: cirkit's default weights.
-        vocab_size: V when ``input_probs`` is None (default 2).
-
-    Returns:
-        A ``cirkit.symbolic.circuit.Circuit`` with one output unit.
+    ``input_probs`` ``(n, r, V)`` and ``sum_weights`` ``(U, r)`` (rows as in
+    ``CircuitParams.sum_logw``, exponentiated) fix the parameters; None: cirkit's defaults.
+    ``vocab_size``: V when ``input_probs`` is None (default 2).
     """
     from cirkit.symbolic.circuit import Circuit as SymbolicCircuit
     from cirkit.symbolic.initializers import ConstantTensorInitializer
@@ -65,7 +50,7 @@ def to_cirkit(
 
     built: list[list[Any]] = []
     in_layers: dict[Any, list[Any]] = {}
-    for lid, layer in enumerate(structure.layers):
+    for layer in structure.layers:
         row: list[Any] = []
         for f in range(layer.num_folds):
             if layer.kind == "input":
@@ -82,7 +67,6 @@ def to_cirkit(
                 in_layers[sl] = [_child(built, structure, slot, f) for slot in layer.slots]
             row.append(sl)
         built.append(row)
-        del lid
     layers = [sl for row in built for sl in row]
     return SymbolicCircuit(layers, in_layers, [built[-1][0]])
 

@@ -1,16 +1,7 @@
 """One generic engine that answers every query on any layered structure.
 
-Activations are log-values of shape ``(B, F, R, K)``: batch, folds of a layer, units, and K
-*query columns* that share the parameters of their row (K = 1 for a likelihood, K = n for the
-n prefix marginals, K = V for a conditional over the next token). Sum layers run in probability
-space after a per-column max shift, ``log(W @ exp(x - m)) + m``, which turns the contraction
-into one batched matmul; product layers add log-values.
-
-Top-down passes (sampling, max-product decoding) walk the layers backwards and keep one
-selected unit per fold: the circuit is tree-shaped, so each fold is reached exactly once.
-With evidence, a sum unit picks its child with probability proportional to its weight times
-the child's value under the evidence (the latent's exact posterior), so sampling with
-evidence draws exactly from ``q(x_{m+1..n} | x_{1..m})``.
+Activations are log-values ``(B, F, R, K)``: batch, folds, units and K query columns that
+share their row's parameters. See docs/CIRCUITS.md, "Queries".
 """
 
 from __future__ import annotations
@@ -51,11 +42,7 @@ class _Step(NamedTuple):
 
 
 class Circuit:
-    """Queries on a layered structure with contextual parameters.
-
-    Args:
-        structure: The layered structure (see ``mtpc.circuits.structure``).
-    """
+    """Queries on a layered structure with contextual parameters."""
 
     def __init__(self, structure: Structure) -> None:
         self.structure = structure
@@ -124,8 +111,6 @@ class Circuit:
                         self._kids.setdefault((lid, f), []).append((src, ch))
         self._prefix_plans: dict[int, tuple[_Step, ...] | None] = {}
 
-    # -- properties --------------------------------------------------------------------------
-
     @property
     def kind(self) -> str:
         """Family name."""
@@ -149,18 +134,8 @@ class Circuit:
     def __repr__(self) -> str:
         return f"Circuit({self.structure!r})"
 
-    # -- queries -----------------------------------------------------------------------------
-
     def log_prob(self, params: CircuitParams, x: Tensor) -> Tensor:
-        """Log-probability of full windows.
-
-        Args:
-            params: Parameters with batch B.
-            x: Tokens ``(B, n)``.
-
-        Returns:
-            ``log q(x_1..x_n)``, shape ``(B,)``.
-        """
+        """``(B,)`` log q(x_1..x_n) of full windows ``x`` ``(B, n)``."""
         lp, lw = self._unpack(params)
         self._check_tokens(x, "x", lp, exact=True)
         leaves = self._leaf_values(lp, x).unsqueeze(-1)  # (B, n, r, 1)
@@ -169,16 +144,9 @@ class Circuit:
     def prefix_log_prob(
         self, params: CircuitParams, x: Tensor, mask: Tensor | None = None
     ) -> Tensor:
-        """All n prefix marginals in one pass.
+        """All n prefix marginals in one pass: ``(B, n)``, column i = log q(x_1..x_{i+1}).
 
-        Args:
-            params: Parameters with batch B.
-            x: Tokens ``(B, n)``.
-            mask: Optional ``(B, n)`` bool: False marks a position as missing (marginalised in
-                every prefix; its token is not checked, e.g. padding past the sequence end).
-
-        Returns:
-            ``(B, n)``; column i is ``log q(x_1..x_{i+1})`` (missing positions summed out).
+        ``mask`` ``(B, n)``: False marks a missing position (summed out, its id unchecked).
         """
         lp, lw = self._unpack(params)
         if mask is not None:
@@ -191,15 +159,8 @@ class Circuit:
         return self.prefix_from_leaves(leaves, lw)
 
     def prefix_from_leaves(self, leaves: Tensor, sum_logw: Tensor | None) -> Tensor:
-        """Prefix marginals from input log-values at the observed tokens.
-
-        Args:
-            leaves: ``(B, n, r)`` log phi at the tokens (0 for a missing position).
-            sum_logw: ``(B, U, r)`` normalised sum log-weights or None.
-
-        Returns:
-            ``(B, n)`` prefix log-marginals.
-        """
+        """``(B, n)`` prefix log-marginals from ``leaves`` ``(B, n, r)``, log phi at the tokens
+        (0 for a missing position), and normalised ``sum_logw`` ``(B, U, r)`` or None."""
         if self._prefix_index is not None and self._prefix_index.shape[1] > 1:
             # First layer = products of consecutive inputs, read by nobody else: column k of
             # fold f is a prefix sum of its inputs, so gather from cumulative sums instead
@@ -216,16 +177,7 @@ class Circuit:
         return self._upward(cols, sum_logw)[0][:, 0]
 
     def marginal_log_prob(self, params: CircuitParams, x: Tensor, observed: Tensor) -> Tensor:
-        """Log-marginal of the observed positions (the others summed out).
-
-        Args:
-            params: Parameters with batch B.
-            x: Tokens ``(B, n)`` (values at unobserved positions are ignored).
-            observed: ``(B, n)`` bool.
-
-        Returns:
-            ``(B,)``.
-        """
+        """``(B,)`` log-marginal of the ``observed`` ``(B, n)`` positions of ``x`` ``(B, n)``."""
         lp, lw = self._unpack(params)
         self._check_shape(observed, "observed", (lp.shape[0], self.window))
         x = torch.where(observed, x, 0) if x.shape == observed.shape else x
@@ -234,15 +186,7 @@ class Circuit:
         return self._upward(leaves.unsqueeze(-1), lw)[0][:, 0, 0]
 
     def conditional_log_prob(self, params: CircuitParams, prefix: Tensor | None = None) -> Tensor:
-        """Distribution of the next position given a prefix.
-
-        Args:
-            params: Parameters with batch B.
-            prefix: Tokens ``(B, m)`` with ``0 <= m < n`` (None or m = 0: first position).
-
-        Returns:
-            ``(B, V)``: ``log q(x_{m+1} = v | x_1..x_m)``, normalised over v.
-        """
+        """``(B, V)`` log q(x_{m+1} = v | x_1..x_m) for ``prefix`` ``(B, m)``, 0 <= m < n."""
         lp, lw = self._unpack(params)
         B, n, r, _ = lp.shape
         m = self._check_evidence(prefix, lp, name="prefix", max_len=n - 1)
@@ -252,15 +196,10 @@ class Circuit:
     def conditional_from_leaves(
         self, leaves: Tensor, next_logp: Tensor, sum_logw: Tensor | None
     ) -> Tensor:
-        """The next position's conditional from the input units it reads, nothing more.
+        """``(B, V)`` log q(x_{m+1} = v | x_1..x_m) from the input units it reads, nothing more.
 
-        Args:
-            leaves: ``(B, m, r)`` log phi of the first m positions at their tokens.
-            next_logp: ``(B, r, V)`` normalised log phi of every unit at position m.
-            sum_logw: ``(B, U, r)`` normalised sum log-weights or None.
-
-        Returns:
-            ``(B, V)``: ``log q(x_{m+1} = v | x_1..x_m)``.
+        ``leaves`` ``(B, m, r)``: log phi of the first m positions at their tokens;
+        ``next_logp`` ``(B, r, V)``: every unit of position m.
         """
         # The circuit is linear in position m's input vector (smooth and decomposable: every
         # product path reads one of its units), so q(x_m = v | x_<m) is proportional to
@@ -294,49 +233,24 @@ class Circuit:
         generator: torch.Generator | None = None,
         evidence: Tensor | None = None,
     ) -> Tensor:
-        """Ancestral sampling (paper Alg. 1), exact under evidence.
+        """Ancestral sampling (paper Alg. 1): ``(B, n)``, an exact draw of q(. | evidence).
 
-        Args:
-            params: Parameters with batch B.
-            generator: Random generator (on the parameters' device) for reproducible draws.
-            evidence: Optional ``(B, m)`` tokens fixing the first ``m <= n`` positions; the
-                latents are drawn from their posterior given it, so the rest is an exact draw
-                from ``q(x_{m+1..n} | x_1..x_m)``.
-
-        Returns:
-            ``(B, n)`` tokens; the first m equal ``evidence``.
+        ``evidence`` ``(B, m)``, m <= n, fixes the first positions (returned as given).
         """
         lp, lw = self._unpack(params)
         m = self._check_evidence(evidence, lp, name="evidence", max_len=self.window)
-
         return self._top_down(lp, lw, evidence, m, generator, max_product=False)
 
     @torch.no_grad()
     def map_decode(self, params: CircuitParams, evidence: Tensor | None = None) -> Tensor:
-        """Max-product (approximate MAP) decoding: the mode of the joint over tokens and latents.
-
-        Args:
-            params: Parameters with batch B.
-            evidence: Optional ``(B, m)`` fixed first tokens.
-
-        Returns:
-            ``(B, n)`` tokens; the first m equal ``evidence``.
-        """
+        """``(B, n)`` max-product (approximate MAP) decoding: the mode over tokens and latents."""
         lp, lw = self._unpack(params)
         m = self._check_evidence(evidence, lp, name="evidence", max_len=self.window)
         return self._top_down(lp, lw, evidence, m, None, max_product=True)
 
     @torch.no_grad()
     def greedy_chain(self, params: CircuitParams, evidence: Tensor | None = None) -> Tensor:
-        """Greedy chain of exact conditionals: ``x_i = argmax q(x_i | x_<i)`` for i > m.
-
-        Args:
-            params: Parameters with batch B.
-            evidence: Optional ``(B, m)`` fixed first tokens.
-
-        Returns:
-            ``(B, n)`` tokens; the first m equal ``evidence``.
-        """
+        """``(B, n)`` greedy chain of exact conditionals: x_i = argmax q(x_i | x_<i), i > m."""
         lp, _ = self._unpack(params)
         m = self._check_evidence(evidence, lp, name="evidence", max_len=self.window)
         x = lp.new_zeros(lp.shape[0], 0, dtype=torch.long) if evidence is None else evidence
@@ -344,8 +258,6 @@ class Circuit:
             nxt = self.conditional_log_prob(params, x).argmax(-1, keepdim=True)  # (B, 1)
             x = torch.cat([x, nxt], 1)
         return x
-
-    # -- passes ------------------------------------------------------------------------------
 
     def _upward(
         self,
@@ -355,17 +267,9 @@ class Circuit:
         max_product: bool = False,
         first: Tensor | None = None,
     ) -> tuple[Tensor, list[Tensor | None]]:
-        """Bottom-up pass.
+        """Bottom-up pass over ``leaves`` ``(B, n, r, K)``; ``first``: layer 1's output, if known.
 
-        Args:
-            leaves: ``(B, n, r, K)`` input log-values.
-            sum_logw: ``(B, U, r)`` or None.
-            max_product: Max instead of sum in sum layers.
-            first: Precomputed output of layer 1 (then ``leaves`` is not read).
-
-        Returns:
-            Root log-values ``(B, 1, K)`` and, per layer, the sum layers' inputs
-            ``(B, F, r, K)`` (None for other layers).
+        Returns the root ``(B, 1, K)`` and per layer its sum inputs ``(B, F, r, K)`` (or None).
         """
         r = self.rank
         outs: list[Tensor] = [leaves]
@@ -431,7 +335,12 @@ class Circuit:
             free = lp[:, m:].amax(-1) if max_product else lp.new_zeros(B, n - m, r)
             parts.append(free)
             leaves = torch.cat(parts, 1) if len(parts) > 1 else parts[0]  # (B, n, r)
-        units = self._select_units(leaves, lw, B, lp.device, generator, max_product)  # (B, n)
+        if lw is None:  # no sum unit: one unit per position
+            units = torch.zeros(B, n, dtype=torch.long, device=lp.device)
+        else:  # every choice at once (leaves None: the prior); the walk down follows indices
+            scores = lw if leaves is None else self._posterior(leaves, lw, max_product=max_product)
+            choice = scores.argmax(-1) if max_product else categorical(scores, generator)
+            units = self._walk_down(choice)  # (B, n)
         free_lp = lp[:, m:]  # (B, n - m, r, V)
         if r == 1:
             logits = free_lp[:, :, 0]
@@ -454,26 +363,12 @@ class Circuit:
         generator: torch.Generator | None = None,
         batch_size: int = 1,
     ) -> Tensor:
-        """A latent path z given evidence: the input unit it selects at every window position.
+        """``(B, n)`` long: the input unit a latent path z ~ q(z | evidence) selects per position.
 
-        Needs only the sum weights and the input log-values at the evidence positions, never
-        the (B, n, r, V) table: the free positions are summed out (log 1, every input unit is
-        normalised). Given z the positions are independent, position i drawn from unit
-        ``z[:, i]`` of its input fold, so ``x ~ phi_{i, z_i}`` after ``z ~ q(z | evidence)`` is
-        an exact draw of ``q(x | evidence)`` (ancestral sampling, split in two).
-
-        Args:
-            sum_logw: ``(B, U, r)`` normalised sum log-weights, or None (no sum unit: ff).
-            evidence_leaves: Optional ``(B, m, r)`` log phi of every unit of the first m
-                positions at their observed tokens.
-            most_probable: False: z drawn from its posterior ``q(z | evidence)``; True: every
-                sum unit on the path takes its most probable child given the evidence (the
-                mode of the distribution the draw picks from, everything below summed out).
-            generator: RNG for the draw.
-            batch_size: B when neither tensor is given.
-
-        Returns:
-            ``(B, n)`` long: the selected unit of each position's input fold.
+        ``evidence_leaves`` ``(B, m, r)``: log phi of every unit of the first m positions at
+        their tokens. ``most_probable``: every sum unit on the path takes its most probable
+        child given the evidence instead. ``batch_size``: B when neither tensor is given.
+        x ~ phi_{i, z_i} after it is an exact draw of q(x | evidence).
         """
         n, r, U = self.window, self.rank, self.num_sum_units
         if sum_logw is not None:
@@ -508,11 +403,8 @@ class Circuit:
 
     def _prefix_plan(self, span: int) -> tuple[_Step, ...] | None:
         """The folds that depend on the first ``span`` positions, bottom-up, when evaluating
-        only them is cheaper than a layered pass; else None. Cached per span.
-
-        Every other fold has value log 1 for any query whose inputs beyond the prefix are
-        summed out (its inputs are normalised), so it never needs evaluating. A step is
-        ``(is_sum, fold, children that depend on the prefix, first weight row, units)``.
+        only them is cheaper than a layered pass; else None. Cached per span. Every other
+        fold is log 1 once the positions past the prefix are summed out.
         """
         if span not in self._prefix_plans:
             steps: list[_Step] = []
@@ -541,12 +433,8 @@ class Circuit:
     ) -> Tensor:
         """Log-values of the prefix's folds, bottom-up; returns the root's ``(B, 1, K)``.
 
-        Args:
-            plan: :meth:`_prefix_plan` of the prefix.
-            inputs: ``(0, position) -> (B or 1, r, 1 or K)`` log-values of the prefix's inputs.
-            lw: ``(B, U, r)`` normalised sum log-weights.
-            scores: When given (K = 1), every prefix sum unit's child log-scores
-                ``(B, R, r)`` are appended here, in weight-row order.
+        ``inputs``: ``(0, position) -> (B or 1, r, 1 or K)``. ``scores`` (K = 1): every prefix
+        sum unit's child log-scores ``(B, R, r)`` are appended to it, in weight-row order.
         """
         values = dict(inputs)
         fmin = torch.finfo(lw.dtype).min
@@ -572,17 +460,8 @@ class Circuit:
         return values[plan[-1].fold]  # the root: the last fold of a prefix's plan
 
     def _prefix_posterior(self, plan: tuple[_Step, ...], ev: Tensor, lw: Tensor) -> Tensor:
-        """:meth:`_posterior` given evidence on a prefix, over the prefix's ancestors only.
-
-        A sum unit picks child k in proportion to ``w_k`` times the child's value; the value
-        is 1 for a sub-circuit without evidence, so only the units above the prefix differ
-        from their weights.
-
-        Args:
-            plan: ``_prefix_plan(m)``.
-            ev: ``(B, m, r)`` log phi of every unit of the first m positions at their tokens.
-            lw: ``(B, U, r)`` normalised sum log-weights.
-        """
+        """:meth:`_posterior` given ``ev`` ``(B, m, r)`` on a prefix (``plan``: its
+        ``_prefix_plan(m)``): only the units above the prefix differ from their weights."""
         inputs = {(0, p): ev[:, p].unsqueeze(-1) for p in range(ev.shape[1])}
         scores: list[Tensor] = []
         self._prefix_values(plan, inputs, lw, scores)
@@ -610,27 +489,6 @@ class Circuit:
                 pieces.append((w + c[..., 0].unsqueeze(2)).view(B, F * R, r))
         return torch.cat(pieces, 1) if len(pieces) > 1 else pieces[0]
 
-    def _select_units(
-        self,
-        leaves: Tensor | None,
-        lw: Tensor | None,
-        B: int,
-        device: torch.device,
-        generator: torch.Generator | None,
-        max_product: bool,
-    ) -> Tensor:
-        """The unit of every input fold on one induced tree: ``(B, n)``.
-
-        Every sum unit's child choice is made at once (drawn in proportion to, or the argmax
-        of, :meth:`_posterior`; ``leaves`` None: the prior, weights only); the walk down from
-        the root then only follows indices.
-        """
-        if lw is None:  # no sum unit: one unit per position
-            return torch.zeros(B, self.window, dtype=torch.long, device=device)
-        scores = lw if leaves is None else self._posterior(leaves, lw, max_product=max_product)
-        choice = scores.argmax(-1) if max_product else categorical(scores, generator)  # (B, U)
-        return self._walk_down(choice)
-
     def _walk_down(self, choice: Tensor) -> Tensor:
         """``(B, n)`` input unit of each position on the induced tree of ``choice`` (B, U)."""
         device = choice.device
@@ -639,8 +497,6 @@ class Circuit:
             child = choice.gather(1, self._on(rows, device) + units)  # (B, n)
             units = child if has is None else torch.where(self._on(has, device), child, units)
         return units
-
-    # -- helpers -----------------------------------------------------------------------------
 
     def _on(self, t: Tensor, device: torch.device) -> Tensor:
         """A cached copy of a structure index tensor on ``device``."""
@@ -727,8 +583,7 @@ class Circuit:
 def categorical(logits: Tensor, generator: torch.Generator | None) -> Tensor:
     """One draw per row of unnormalised log-probabilities ``(..., C)`` by inverse CDF.
 
-    One uniform number per row (Gumbel-max would need one per entry, several times slower
-    on CPU for the small rows of batch-1 decoding).
+    One uniform per row (Gumbel-max needs one per entry: several times slower on CPU).
     """
     cdf = torch.softmax(logits, -1).cumsum(-1)  # (..., C)
     u = torch.rand((*cdf.shape[:-1], 1), generator=generator, device=cdf.device, dtype=cdf.dtype)

@@ -10,54 +10,36 @@ from torch import Tensor
 
 @dataclass
 class CircuitParams:
-    """Normalised, per-example parameters of a circuit (the head's output theta_t).
+    """Normalised, per-example parameters of a circuit (the head's output theta_t)."""
 
-    Attributes:
-        input_logp: Log-probabilities of the categorical input units,
-            ``(B, n, r, V)``, normalised over V (``log_softmax`` of the unembedding logits).
-        sum_logw: Log-weights of the sum units, ``(B, U, r)``, normalised over the last dim,
-            where row ``u`` is sum unit ``u`` of the structure (see ``Structure.sum_tie``);
-            ``None`` when the structure has no sum unit (ff).
-    """
-
-    input_logp: Tensor
-    sum_logw: Tensor | None = None
+    input_logp: Tensor  # (B, n, r, V) input units' log-probabilities, normalised over V
+    sum_logw: Tensor | None = None  # (B, U, r) row u: sum unit u's log-weights; None for ff
 
     @classmethod
     def from_logits(cls, input_logits: Tensor, sum_logits: Tensor | None = None) -> CircuitParams:
-        """Normalise unnormalised logits (in fp32 when given half precision).
-
-        Args:
-            input_logits: ``(B, n, r, V)``.
-            sum_logits: ``(B, U, r)`` or None.
-        """
+        """Normalise logits ``(B, n, r, V)`` and ``(B, U, r)`` or None (half precision: in fp32)."""
         lp = torch.log_softmax(_f32(input_logits), dim=-1)
         lw = None if sum_logits is None else torch.log_softmax(_f32(sum_logits), dim=-1)
         return cls(lp, lw)
 
     @property
     def batch_size(self) -> int:
-        """Number of rows B."""
         return self.input_logp.shape[0]
 
     @property
     def window(self) -> int:
-        """Window length n."""
         return self.input_logp.shape[1]
 
     @property
     def vocab_size(self) -> int:
-        """Vocabulary size V."""
         return self.input_logp.shape[-1]
 
     @property
     def dtype(self) -> torch.dtype:
-        """Dtype of the input log-probabilities."""
         return self.input_logp.dtype
 
     @property
     def device(self) -> torch.device:
-        """Device of the parameters."""
         return self.input_logp.device
 
     def __getitem__(self, index: int | slice | Tensor) -> CircuitParams:
@@ -73,7 +55,6 @@ class CircuitParams:
         return CircuitParams(self.input_logp.to(*args, **kwargs), lw)  # type: ignore[call-overload]
 
     def detach(self) -> CircuitParams:
-        """Detached copy (no autograd history)."""
         lw = None if self.sum_logw is None else self.sum_logw.detach()
         return CircuitParams(self.input_logp.detach(), lw)
 

@@ -1,22 +1,8 @@
 """Layered ("folded") circuit structures and the builders of the four MTPC families.
 
-A structure is a smooth, decomposable, tree-shaped circuit over the ``n`` window positions,
-grouped into layers of *folds*. Every node of the circuit is a vector of units (a region with
-``r`` units, the root has one unit):
-
-- layer 0 holds the ``n`` input folds (one per window position, ``r`` categorical units each);
-- a product layer multiplies, unit by unit (Hadamard), the ``A`` child folds of each fold;
-- a sum layer mixes the ``r`` units of one child fold into ``units`` outputs with convex
-  weights (one weight row of length ``r`` per output unit).
-
-Folds of a layer share their kind, arity and number of units, so the engine evaluates a whole
-layer with a handful of batched tensor operations; it loops over layers, never over units.
-Index tensors are computed once, here, at build time.
-
-A family is a builder: a function that creates nodes with :class:`StructureBuilder` and
-returns the root. ``build_structure`` dispatches on the family name; ``STRUCTURES`` is the
-registry a new region graph is added to, keyed by the public kinds ``choices.CIRCUIT_KINDS``
-(see ``docs/CIRCUITS.md``).
+Index tensors are computed once, here, at build time. A family is a builder that creates
+nodes with :class:`StructureBuilder` and returns the root; ``STRUCTURES`` is their registry.
+See docs/CIRCUITS.md, "Structures" and "Adding a structure".
 """
 
 from __future__ import annotations
@@ -35,90 +21,50 @@ LayerKind = Literal["input", "product", "sum"]
 
 @dataclass(frozen=True)
 class Slot:
-    """Where the ``a``-th child of every fold of a layer lives.
+    """Where the ``a``-th child of every fold of a layer lives."""
 
-    Attributes:
-        sources: Layer ids the children come from (usually one).
-        index: Fold index of each child in the concatenation of ``sources`` along the fold
-            dimension. Shape ``(F,)``.
-        start: If the children are the contiguous folds ``start, start + 1, ...`` of a single
-            source, ``start``; else ``None`` (then the engine gathers with ``index``).
-        parts: For top-down passes: ``(source, fold_positions, child_folds)`` triples, one per
-            source, mapping folds of this layer to folds of that source.
-    """
-
-    sources: tuple[int, ...]
-    index: Tensor
-    start: int | None
-    parts: tuple[tuple[int, Tensor, Tensor], ...]
+    sources: tuple[int, ...]  # layer ids the children come from (usually one)
+    index: Tensor  # (F,) each child's fold in the concatenation of ``sources``
+    start: int | None  # children = folds start, start + 1, ... of one source; None: gather
+    parts: tuple[tuple[int, Tensor, Tensor], ...]  # per source: (source, folds, child folds)
 
 
 @dataclass(frozen=True)
 class Layer:
-    """One layer of folded units.
-
-    Attributes:
-        kind: ``"input"``, ``"product"`` or ``"sum"``.
-        num_folds: Number of folds F.
-        num_units: Units per fold (``r``; 1 for the root).
-        slots: One :class:`Slot` per child (product arity A; 1 for sums; none for inputs).
-        view_start: Product layers only: if child ``a`` of fold ``f`` is fold
-            ``view_start + f * A + a`` of the single source ``slots[0].sources[0]``, the engine
-            reads the children with a reshape instead of a gather; else ``None``.
-        sum_offset: Sum layers only: first row of this layer in the flat table of sum-unit
-            weights; fold ``f`` unit ``j`` uses row ``sum_offset + f * num_units + j``.
-        scopes: The window positions each fold depends on.
-    """
+    """One layer of folded units."""
 
     kind: LayerKind
-    num_folds: int
-    num_units: int
-    slots: tuple[Slot, ...]
+    num_folds: int  # F
+    num_units: int  # r; 1 for the root
+    slots: tuple[Slot, ...]  # one per child: A for products, 1 for sums, none for inputs
+    # products: child a of fold f is fold view_start + f * A + a of the one source (a reshape)
     view_start: int | None
-    sum_offset: int
-    scopes: tuple[tuple[int, ...], ...]
+    sum_offset: int  # sums: fold f, unit j uses weight row sum_offset + f * num_units + j
+    scopes: tuple[tuple[int, ...], ...]  # the window positions each fold depends on
 
     @property
     def arity(self) -> int:
-        """Number of children per fold."""
         return len(self.slots)
 
 
 @dataclass(frozen=True)
 class Structure:
-    """A layered, smooth, decomposable, tree-shaped circuit over ``window`` positions.
-
-    Attributes:
-        kind: Family name.
-        window: Number of window positions n.
-        rank: Units per region r.
-        layers: ``layers[0]`` is the input layer; the last layer holds the single root unit.
-        num_sum_rows: Number of sum units U (rows of the sum-weight table, each of length r).
-        sum_tie: Parameter row of each sum unit, shape ``(U,)``: units with the same entry
-            share parameters (homogeneous HMM); ``arange(U)`` when nothing is tied.
-        num_param_rows: Number of distinct parameter rows P (``sum_tie.max() + 1``).
-        param_unit: For each parameter row, the index of the output unit it belongs to.
-            Shape ``(P,)``.
-        param_identity: For each parameter row, whether its natural initialisation is the
-            identity (weight on input ``param_unit``, e.g. HMM transitions). Shape ``(P,)``.
-        param_contextual: For each parameter row, whether it depends on the context (False
-            for the non-contextual HMM ablation). Shape ``(P,)``.
-    """
+    """A layered, smooth, decomposable, tree-shaped circuit over ``window`` positions."""
 
     kind: str
-    window: int
-    rank: int
-    layers: tuple[Layer, ...]
-    num_sum_rows: int
-    sum_tie: Tensor
-    num_param_rows: int
-    param_unit: Tensor
-    param_identity: Tensor
-    param_contextual: Tensor
+    window: int  # n
+    rank: int  # r
+    layers: tuple[Layer, ...]  # layers[0]: inputs; the last: the root alone
+    num_sum_rows: int  # U, rows of length r of the sum-weight table
+    sum_tie: Tensor  # (U,) each sum unit's parameter row (shared rows: homogeneous HMM)
+    num_param_rows: int  # P
+    param_unit: Tensor  # (P,) the output unit of each parameter row
+    param_identity: Tensor  # (P,) bool: identity-initialised (weight on input param_unit)
+    param_contextual: Tensor  # (P,) bool: depends on the context
 
     @property
     def depth(self) -> int:
-        """Number of inner (sum and product) layers."""
+        """Number of inner layers."""
         return len(self.layers) - 1
 
     def __repr__(self) -> str:
@@ -141,15 +87,7 @@ class _Node:
 
 
 class StructureBuilder:
-    """Creates the nodes of a circuit; :meth:`finish` folds them into layers.
-
-    Nodes ``0 .. window - 1`` are the input regions of the window positions.
-
-    Args:
-        kind: Family name stored on the structure.
-        window: Number of window positions n.
-        rank: Units per region r.
-    """
+    """Creates the nodes of a circuit (0 .. n - 1: the inputs); :meth:`finish` folds them."""
 
     def __init__(self, kind: str, window: int, rank: int) -> None:
         self.kind, self.window, self.rank = kind, window, rank
@@ -178,14 +116,10 @@ class StructureBuilder:
         identity: bool = False,
         contextual: bool = True,
     ) -> int:
-        """A sum region mixing the r units of ``child`` into ``units`` units.
+        """A sum region mixing the r units of ``child`` into ``units`` (default r) units.
 
-        Args:
-            child: The child node.
-            units: Output units (default r; the root has 1).
-            tie: Sum nodes with the same non-None key share their parameter rows.
-            identity: Initialise the weights at the identity (needs ``units == r``).
-            contextual: Whether the weights depend on the context.
+        Sums with the same non-None ``tie`` share their parameter rows; ``identity`` needs r
+        units.
         """
         units = self.rank if units is None else units
         node = _Node("sum", units, (child,), self.nodes[child].scope, tie, identity, contextual)
@@ -275,21 +209,14 @@ class StructureBuilder:
 
 @dataclass
 class _SumRows:
-    """The sum units' rows as :meth:`StructureBuilder.finish` lays them out, layer by layer.
+    """The sum units' rows as :meth:`StructureBuilder.finish` lays them out, layer by layer."""
 
-    Attributes:
-        count: Sum units so far (U).
-        tie: Parameter row of each sum unit (``Structure.sum_tie``).
-        unit, identity, contextual: Per parameter row (``Structure.param_*``).
-        rows: First parameter row of each tie key (a node alone, or a shared ``tie``).
-    """
-
-    count: int = 0
-    tie: list[int] = field(default_factory=list)
-    unit: list[int] = field(default_factory=list)
+    count: int = 0  # U so far
+    tie: list[int] = field(default_factory=list)  # Structure.sum_tie
+    unit: list[int] = field(default_factory=list)  # Structure.param_* per parameter row
     identity: list[bool] = field(default_factory=list)
     contextual: list[bool] = field(default_factory=list)
-    rows: dict[Hashable, int] = field(default_factory=dict)
+    rows: dict[Hashable, int] = field(default_factory=dict)  # first row of each tie key
 
     def add(self, b: StructureBuilder, members: list[int], units: int) -> int:
         """Lay out one sum layer's rows; its ``sum_offset``."""
@@ -339,10 +266,6 @@ def _view_start(children: list[list[tuple[int, int]]]) -> int | None:
     return flat[0] if flat == list(range(flat[0], flat[0] + len(flat))) else None
 
 
-# ---------------------------------------------------------------------------------------------
-# Families
-
-
 def build_ff(b: StructureBuilder) -> int:
     """FF: the n input distributions under one product (rank 1)."""
     return b.product(*(b.leaf(i) for i in range(b.window)))
@@ -360,18 +283,7 @@ def build_hmm(
     contextual: bool = True,
     identity: bool = True,
 ) -> int:
-    """HMM with r hidden states truncated to n steps (paper Eq. HMM).
-
-    Built backwards: ``beta_i = phi_i ⊙ T_i beta_{i+1}``; the root mixes ``beta_1`` with the
-    initial distribution. The sum of step ``i`` (output unit ``z_i``, inputs ``z_{i+1}``) holds
-    the transition matrix ``q(z_{i+1} | z_i)``.
-
-    Args:
-        b: The builder.
-        homogeneous: Share one transition matrix across steps.
-        contextual: Transitions depend on the context (False: only a learned bias).
-        identity: Identity-initialised transitions (paper App. E).
-    """
+    """HMM with r hidden states truncated to n steps, built backwards (docs/CIRCUITS.md)."""
     node = b.leaf(b.window - 1)
     for i in range(b.window - 2, -1, -1):
         trans = b.sum(
@@ -385,17 +297,7 @@ def build_hmm(
 
 
 def build_btree(b: StructureBuilder, *, identity: bool = False) -> int:
-    """BTree: balanced binary tree of latent variables, split recursively in halves.
-
-    Every internal region is a Hadamard product of its two halves followed by an r x r sum;
-    the root sum has one unit. The left half gets the extra position when the length is odd.
-
-    Args:
-        b: The builder.
-        identity: Identity-initialise the r x r sums (unit j of a region starts as the
-            product of unit j of its halves, a CP over the window, as HMM transitions do).
-    """
-
+    """BTree: regions split recursively in halves (the left one gets the odd position)."""
     if b.window == 1:
         return b.sum(b.leaf(0), 1)
 
@@ -436,17 +338,10 @@ def check_kind_window_rank(kind: str, window: int, rank: int) -> None:
 
 
 def build_structure(kind: str, window: int, rank: int, **options: object) -> Structure:
-    """Build the layered structure of a family.
+    """Build the layered structure of a family (``STRUCTURES``), with its ``options``.
 
-    Args:
-        kind: One of ``STRUCTURES`` (ff, cp, hmm, btree, or a registered builder).
-        window: Number of window positions n >= 1.
-        rank: Units per region r >= 1 (1 for ff).
-        **options: Family options (hmm: ``homogeneous``, ``contextual``, ``identity``).
-
-    Raises:
-        ValueError: For an unknown kind, window < 1, rank < 1, ff with rank != 1, or options
-            the family does not take.
+    Raises ValueError as :func:`check_kind_window_rank` does, or for options the family
+    does not take.
     """
     check_kind_window_rank(kind, window, rank)
     b = StructureBuilder(kind, window, rank)

@@ -1,20 +1,6 @@
 """Token trees from a circuit: the B most probable draft prefixes, found best-first.
 
-Under the draft q, the expected number of tree nodes that verification accepts is the sum over
-the nodes of q(the node's root path | evidence): a node is accepted exactly when its whole
-path is. So the best tree of B nodes is the set of the B most probable prefixes (of length
-1..depth); it is prefix-closed because a prefix is at least as probable as its extensions.
-
-:func:`build_tree` finds it with one batched circuit query per depth. Level d keeps the B most
-probable children of level d - 1's kept nodes (one ``conditional_log_prob`` call over all of
-them: the exact conditionals q(x_d | evidence, x_1..x_{d-1})); the tree is then the B most
-probable nodes over all levels. This is exact: a node among the global best B has at most
-B - 1 better nodes, so it is among the B best children at its level, and its parent (at
-least as probable) is among the global best B too. The search stops early once no kept
-node of the last level can beat the B-th best node found (its descendants cannot either).
-
-For ``ff`` (no sum units) the conditionals are the per-position marginals, computed once per
-depth, so the same search gives the Medusa-style tree of products of marginals.
+One batched circuit query per depth; why this is exact: docs/DECODING.md, "Token trees".
 """
 
 from __future__ import annotations
@@ -31,19 +17,12 @@ from mtpc.circuits.params import CircuitParams
 
 @dataclass(frozen=True)
 class TokenTree:
-    """Draft nodes below a root, in topological order (every parent before its children).
+    """Draft nodes below a root, in topological order (every parent before its children)."""
 
-    Attributes:
-        tokens: (T,) the node ids.
-        parents: (T,) index of each node's parent in ``tokens``, -1 below the root.
-        depths: (T,) depth below the root (1 for the root's children).
-        log_probs: (T,) log q(root path of the node | evidence).
-    """
-
-    tokens: Tensor
-    parents: Tensor
-    depths: Tensor
-    log_probs: Tensor
+    tokens: Tensor  # (T,) the node ids
+    parents: Tensor  # (T,) index of each node's parent in ``tokens``, -1 below the root
+    depths: Tensor  # (T,) depth below the root (1 for the root's children)
+    log_probs: Tensor  # (T,) log q(root path of the node | evidence)
 
     @classmethod
     def empty(cls, device: torch.device) -> TokenTree:
@@ -91,20 +70,11 @@ def build_tree(
     floor: float = 0.0,
     max_depth: int | None = None,
 ) -> TokenTree:
-    """The ``budget`` most probable draft prefixes under q(. | evidence), as a tree.
+    """The ``budget`` (>= 1) most probable draft prefixes under q(. | evidence), as a tree.
 
-    Args:
-        circuit: the head's ``Circuit`` (``conditional_log_prob`` and ``window``).
-        params: theta for one state (B = 1).
-        evidence: (1, m) fixed first window tokens (the pending token) or None; the tree
-            covers window positions m + 1..n (depth n - m).
-        budget: at most this many nodes (>= 1).
-        floor: nodes with q(path | evidence) below it are left out (adaptive size).
-        max_depth: at most this many drafted levels (default n - m); a backbone whose one
-            pass is exact only up to a boundary (EvaByte's EVA window) caps the depth there.
-
-    Returns:
-        The :class:`TokenTree` (at least one node unless every candidate is below ``floor``).
+    ``params``: theta of one state (B = 1); ``evidence``: (1, m) fixed first window tokens or
+    None, the tree covering positions m + 1..n; ``floor``: nodes with q(path | evidence)
+    below it are left out; ``max_depth``: a cap on the levels (EvaByte's EVA window).
     """
     n = circuit.window
     device = params.input_logp.device
