@@ -1,12 +1,6 @@
 """MTPC head: contextual features e_t -> circuit parameters theta_t (paper Sec. 3.3).
 
-The head holds the unembedding tensor ``W`` in ``R^{n x r x V x d}`` (input units) and the
-sum-unit projections ``R`` (one row of r logits per sum unit, plus a bias that carries the
-identity initialisation of HMM transitions). ``head(e)`` returns a
-:class:`~mtpc.circuits.CircuitParams` that every query of ``head.circuit`` takes.
-
-Training uses :func:`chunked_log_likelihood`: it never holds the ``(T, n, r, V)`` logits of a
-whole batch, only those of one chunk, recomputed in backward.
+See docs/CIRCUITS.md, "Head" and "Initialisation".
 """
 
 from __future__ import annotations
@@ -18,44 +12,17 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from mtpc.choices import EXTRA_POSITIONS
 from mtpc.circuits import Circuit, CircuitParams, build_structure
+from mtpc.circuits.params import _f32
 from mtpc.circuits.structure import check_kind_window_rank
 
 __all__ = ["EXTRA_POSITIONS", "MTPCHead", "chunked_log_likelihood"]
 
 
 class MTPCHead(nn.Module):
-    """Circuit head over a window of ``window`` tokens.
+    """Circuit head over a window of ``window`` tokens (options: docs/CIRCUITS.md, "Head").
 
-    Args:
-        kind: Circuit family: ``"ff"``, ``"cp"``, ``"hmm"`` or ``"btree"``.
-        window: Window length n >= 1.
-        rank: Units per region r >= 1 (must be 1 for ``ff``).
-        vocab_size: Vocabulary size V.
-        hidden_size: Feature size d of the embeddings e_t.
-        homogeneous: HMM only: one transition matrix shared by all steps (ablation).
-        contextual_transitions: HMM only: transitions depend on e_t (False: a learned bias
-            only, the non-contextual ablation).
-        identity_init: HMM and BTree: initialise the r x r sums (HMM transitions, BTree's
-            inner regions) at (near) identity through the bias, so unit j of a region
-            starts as unit j of its inputs (BTree then starts as a CP; the root stays
-            uniform or random).
-        identity_logit: Bias on the diagonal of identity-initialised sums
-            (weight ``1 / (1 + (r - 1) exp(-identity_logit))`` on the diagonal).
-        init_std: Std of the random normal initialisation of ``W``.
-        sum_init_std: Std of the random normal initialisation of the contextual sum-unit
-            projections ``R`` (0: uniform sums everywhere). Random ``R`` keeps the exact
-            step-0 equality with FF (units start identical, so any sum weights give FF's
-            distribution) but makes each unit's weight depend on the context, so the
-            identical units get different gradients and separate (docs/CIRCUITS.md).
-        extra_positions: What :meth:`from_pretrained_unembeddings` gives window positions
-            past the m pretrained heads (n = 16 on EvaByte's 8): ``"random"``
-            (``N(0, init_std^2)``, shared by the units of a position so the start stays FF;
-            the default, as the paper's reference code, and measured better) or
-            ``"repeat_last"`` (copy head m).
-
-    Raises:
-        ValueError: For an invalid kind, window, rank, vocab_size or hidden_size, or HMM
-            options given to another family.
+    ``identity_logit``: the diagonal bias of identity-initialised sums (weight
+    ``1 / (1 + (r - 1) exp(-identity_logit))`` on the diagonal).
     """
 
     def __init__(
@@ -163,12 +130,7 @@ class MTPCHead(nn.Module):
 
     @torch.no_grad()
     def reset_sum_parameters(self) -> None:
-        """Random projections ``R ~ N(0, sum_init_std^2)``, zero bias, identity transitions.
-
-        With ``sum_init_std = 0`` every sum starts uniform. Bias-only rows (the non-contextual
-        HMM transitions) start at the identity or uniform either way: they are broken out of
-        symmetry by the contextual root sum above them.
-        """
+        """Random projections ``R ~ N(0, sum_init_std^2)``, zero bias, identity transitions."""
         if self.sum_init_std > 0:
             self.sum_proj.normal_(0.0, self.sum_init_std)
         else:
@@ -183,21 +145,9 @@ class MTPCHead(nn.Module):
     def from_pretrained_unembeddings(
         self, unembeddings: Tensor, noise_std: float = 0.0, generator: torch.Generator | None = None
     ) -> MTPCHead:
-        """Initialise from pretrained (MTP or STP) unembeddings.
+        """Initialise W from ``(m, V, d)`` MTP or ``(V, d)`` STP unembeddings; returns self.
 
-        ``W[i, j] = U[i]`` for every unit j, and for positions ``i >= m`` past the pretrained
-        heads ``U[m - 1]`` or a random matrix (``extra_positions``) shared by the units;
-        sum projections drawn anew (:meth:`reset_sum_parameters`). The units of a region are
-        identical, so every family starts with exactly FF's distribution.
-
-        Args:
-            unembeddings: ``(m, V, d)`` (m pretrained heads) or ``(V, d)`` (one STP head).
-            noise_std: Std of Gaussian noise added to W to break the symmetry between units
-                (0 keeps the exact FF equivalence).
-            generator: Optional generator for the noise.
-
-        Returns:
-            ``self``.
+        Every family then starts as exactly FF, unless ``noise_std > 0`` (docs/CIRCUITS.md).
         """
         u = unembeddings
         if u.dim() == 2:
@@ -233,18 +183,10 @@ class MTPCHead(nn.Module):
         positions: Tensor | list[int] | None = None,
         units: Tensor | list[int] | None = None,
     ) -> Tensor:
-        """Unnormalised input logits, the whole table or only the rows of W asked for.
+        """Unnormalised input logits of ``e`` ``(B, d)``: ``(B, n, r, V)``, or only some rows of W.
 
-        Args:
-            e: Features ``(B, d)``.
-            positions: Optional window positions to compute (others skipped).
-            units: Optional units, one per entry of ``positions`` (needs ``positions``): only
-                the ``(position, unit)`` pairs are computed, ``len(positions)`` rows of
-                ``V x d`` weights instead of ``n r`` (a latent path's leaves).
-
-        Returns:
-            ``(B, n, r, V)``; ``(B, len(positions), r, V)`` with ``positions``;
-            ``(B, len(positions), V)`` with ``positions`` and ``units``.
+        With ``positions``: ``(B, k, r, V)``; with one unit per position too: ``(B, k, V)``,
+        only those ``(position, unit)`` rows of W (a latent path's leaves).
         """
         self._check_hidden(e)
         if units is None:
@@ -271,19 +213,10 @@ class MTPCHead(nn.Module):
         return torch.stack([F.linear(x, W[p, u]) for p, u in pairs], 1)  # (B, k, V)
 
     def token_logits(self, e: Tensor, positions: Tensor, tokens: Tensor) -> Tensor:
-        """Unnormalised input logits of every unit at given (position, token) pairs.
+        """``(B, k, r)`` unnormalised logits of every unit at ``(k,)`` (position, token) pairs.
 
-        Reads the r d-vectors ``W[p, :, x_p]`` per pair, not the r ``(V, d)`` rows, so it
-        gives no normaliser: enough to score units against each other when their
-        normalisers are ignored (the greedy ``zmap`` draft's pending token).
-
-        Args:
-            e: Features ``(B, d)``.
-            positions: ``(k,)`` window positions.
-            tokens: ``(k,)`` one token per position.
-
-        Returns:
-            ``(B, k, r)``.
+        Reads the r d-vectors ``W[p, :, x_p]`` per pair, so no normaliser (the greedy ``zmap``
+        draft's pending token).
         """
         self._check_hidden(e)
         if positions.shape != tokens.shape or positions.dim() != 1:
@@ -321,22 +254,14 @@ class MTPCHead(nn.Module):
         z = self.sum_logits(e)
         if z is None:
             return None
-        return torch.log_softmax(z.float() if z.dtype in (torch.float16, torch.bfloat16) else z, -1)
+        return torch.log_softmax(_f32(z), -1)
 
     def leaf_log_prob(self, e: Tensor, x: Tensor, mask: Tensor | None = None) -> Tensor:
-        """log phi at the tokens without building the normalised (B, n, r, V) tensor twice.
+        """``(B, n, r)`` log phi at tokens ``x`` ``(B, n)``; False in ``mask`` gives 0 (summed out).
 
-        Args:
-            e: ``(B, d)``.
-            x: Tokens ``(B, n)``.
-            mask: Optional ``(B, n)`` bool; False positions get 0 (marginalised).
-
-        Returns:
-            ``(B, n, r)``.
+        Never builds the normalised ``(B, n, r, V)`` table.
         """
-        logits = self.input_logits(e)
-        if logits.dtype in (torch.float16, torch.bfloat16):
-            logits = logits.float()
+        logits = _f32(self.input_logits(e))
         if mask is not None:
             x = torch.where(mask, x, 0)
         B, n, r, _ = logits.shape
@@ -370,24 +295,11 @@ def chunked_log_likelihood(
     chunk_size: int = 1024,
     checkpoint: bool = True,
 ) -> Tensor:
-    """Memory-lean prefix log-likelihoods of the target windows.
+    """``(T, n)`` prefix log-likelihoods of ``targets`` ``(T, n)`` given ``hidden`` ``(T, d)``.
 
-    Runs the head and the circuit on chunks of ``chunk_size`` rows; with ``checkpoint`` the
-    chunk's activations (its ``(chunk, n, r, V)`` logits) are freed after the forward pass
-    and recomputed in backward, so peak memory grows with the chunk, not with T.
-
-    Args:
-        head: The MTPC head.
-        hidden: Features ``(T, d)``.
-        targets: Target windows ``(T, n)`` (``targets[t, i]`` = token t + i + 1).
-        mask: Optional ``(T, n)`` bool validity; invalid positions are marginalised (their
-            ids are not checked, e.g. -100 padding).
-        chunk_size: Rows per chunk.
-        checkpoint: Recompute activations in backward (only when grad is enabled).
-
-    Returns:
-        ``(T, n)``: column i is ``log q(x_1..x_{i+1})``; the per-position conditional is the
-        difference of consecutive columns, the full-window ``log q`` is the last column.
+    Column i is log q(x_1..x_{i+1}); ``mask`` False positions are summed out (ids unchecked).
+    Runs per chunk of ``chunk_size`` rows, recomputed in backward with ``checkpoint``, so
+    only one chunk's ``(chunk, n, r, V)`` logits exist at a time.
     """
     T, n = targets.shape[0], head.window
     if hidden.dim() != 2 or hidden.shape[1] != head.hidden_size:
