@@ -1,21 +1,9 @@
-"""One interface for a decoder-only LM split at layer ``L - k``.
+"""One interface for a decoder-only LM split at layer ``L - k`` (:class:`Backbone`), and the
+KV cache of one component (:class:`LayerCache`).
 
-A :class:`Backbone` wraps a Hugging Face causal LM (never copies it) and exposes the
-pieces self-speculative decoding and training need:
-
-* ``embed(ids, past_ids)``: input embeddings; ``past_ids`` is the id history before
-  ``ids`` (the byte-level Llama needs it for its expansion embedding; others ignore it).
-* ``run_layers(hidden, start, end, positions, cache, adapter, tree_mask)``: layers
-  ``start..end-1`` on hidden states, appending to a :class:`LayerCache` when one is given;
-  ``adapter`` switches the LoRA draft adapter on (draft tail) or off (trunk, verifier tail);
-  ``tree_mask`` lets the new positions attend each other as a token tree.
-* ``norm(hidden)``: the final norm; ``stp_logits(features)``: the next-token head.
-* ``stp_unembedding()`` (V, d) and ``mtp_unembeddings()`` (m, V, d) or ``None``: what the
-  MTPC head is initialised from.
-
-Components (paper Sec. 3.4, App. D): trunk S = layers ``0..L-k-1``; verifier tail V and draft
-tail D = layers ``L-k..L-1`` with the adapter off / on. Each component owns a
-:class:`LayerCache` made by ``backbone.new_cache(start, end)``.
+The wrapped HF model is never copied. Trunk S = layers ``0..L-k-1``; verifier tail V and draft
+tail D = layers ``L-k..L-1`` with the LoRA adapter off / on (paper Sec. 3.4, App. D). See
+docs/BACKBONES.md, "The split" and "Interface".
 """
 
 from __future__ import annotations
@@ -36,18 +24,10 @@ DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_N
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
-    """Checks that ``dtype`` is one MTPC supports and that ``device`` can run it.
+    """The torch dtype of ``dtype`` (a :data:`DTYPES` name or a dtype), checked for ``device``.
 
-    Args:
-        dtype: a name from :data:`DTYPES` or a ``torch.dtype``.
-        device: where the model will run.
-
-    Returns:
-        The torch dtype.
-
-    Raises:
-        ValueError: unknown dtype or device, fp16 on CPU, bf16 on a GPU without bf16, or a
-            CUDA device on a machine without one. Raised before any weights are loaded.
+    Raises ValueError (before any weights are loaded): unknown dtype or device, fp16 on CPU,
+    bf16 where the device cannot run it, CUDA without a GPU.
     """
     names = {v: k for k, v in DTYPES.items()}
     if isinstance(dtype, torch.dtype):
@@ -92,54 +72,30 @@ def _cpu_runs_bf16() -> bool:
 def causal_mask(
     past: int, length: int, dtype: torch.dtype, device: torch.device, batch: int = 1
 ) -> torch.Tensor:
-    """Additive causal mask for ``length`` new queries after ``past`` cached keys.
-
-    Returns:
-        (batch, 1, length, past + length): 0 where query i may attend key j (j <= past + i),
-        the dtype's minimum elsewhere.
-    """
+    """Additive causal mask (batch, 1, length, past + length) for ``length`` new queries after
+    ``past`` cached keys: 0 where key j <= past + i, the dtype's minimum elsewhere."""
     q = torch.arange(length, device=device)[:, None] + past  # (T, 1)
     k = torch.arange(past + length, device=device)[None, :]  # (1, P + T)
-    mask = torch.zeros(length, past + length, dtype=dtype, device=device)
-    mask.masked_fill_(k > q, torch.finfo(dtype).min)
-    return mask[None, None].expand(batch, 1, length, past + length)
+    return additive_mask(k <= q, dtype)[None, None].expand(batch, 1, length, past + length)
 
 
 def document_mask(documents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Additive causal mask that keeps attention inside each document of packed rows.
+    """Additive causal mask (B, 1, T, T) inside each document of packed rows.
 
-    Args:
-        documents: (B, T) document index per position; padding (negative) attends only to
-            padding, so no row of the mask is empty.
-        dtype: the attention scores' dtype.
-
-    Returns:
-        (B, 1, T, T): 0 where query i may attend key j (j <= i, same document), the dtype's
-        minimum elsewhere.
+    ``documents`` (B, T): document index per position; padding (negative) attends only to
+    padding, so no row of the mask is empty.
     """
     t = documents.shape[1]
     causal = torch.ones(t, t, dtype=torch.bool, device=documents.device).tril()  # (T, T)
     same = documents[:, :, None] == documents[:, None, :]  # (B, T, T)
-    allowed = (same & causal)[:, None]  # (B, 1, T, T)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=documents.device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return additive_mask((same & causal)[:, None], dtype)  # (B, 1, T, T)
 
 
 def tree_attention_mask(
     past: int, tree_mask: torch.Tensor, dtype: torch.dtype, batch: int = 1
 ) -> torch.Tensor:
-    """Additive mask for T new tree nodes after ``past`` cached keys.
-
-    Args:
-        past: cached positions (always visible).
-        tree_mask: (T, T) bool, ``[i, j]`` True when node i may attend node j (its ancestors
-            and itself).
-        dtype: the attention scores' dtype.
-        batch: batch size.
-
-    Returns:
-        (batch, 1, T, past + T): 0 where allowed, the dtype's minimum elsewhere.
-    """
+    """Additive mask (batch, 1, T, past + T) for T new tree nodes after ``past`` cached keys
+    (always visible); ``tree_mask`` (T, T) bool: node i may attend node j."""
     t = tree_mask.shape[0]
     allowed = torch.cat(
         [tree_mask.new_ones(t, past, dtype=torch.bool), tree_mask.to(torch.bool)], 1
@@ -165,15 +121,9 @@ def check_tree_mask(tree_mask: torch.Tensor, length: int) -> None:
 
 
 class LayerCache:
-    """The KV cache of one component (layers ``start..end-1`` of a backbone).
-
-    Wraps the backbone's native cache object. Tracks the number of cached positions and the
-    ids that went through the component (the byte-level Llama's embedding needs the whole
-    id history). Supports append (through ``Backbone.run_layers``), ``crop`` to a shorter
-    length (rejected drafts), ``compact`` (keep an accepted path by index), reuse across
-    decoding cycles, ``clone`` and ``reset``. Both act on the native cache by index
-    (``Backbone.native_crop`` / ``native_compact``); nothing is replayed.
-    """
+    """The KV cache of one component (layers ``start..end-1``): the backbone's native cache,
+    the cached length and the id history (the byte Llama's embedding needs it). Crop and
+    compact act on the native cache by index; nothing is replayed."""
 
     def __init__(self, backbone: Backbone, start: int, end: int) -> None:
         if not 0 <= start <= end <= backbone.num_layers:
@@ -183,9 +133,7 @@ class LayerCache:
         self.backbone = backbone
         self.start = start
         self.end = end
-        self.native: Any = backbone.new_native_cache(start, end) if end > start else None
-        self.length = 0
-        self.ids: torch.Tensor | None = None  # (B, length) ids recorded with record_ids
+        self.reset()
 
     def __len__(self) -> int:
         return self.length
@@ -195,12 +143,8 @@ class LayerCache:
         self.ids = ids if self.ids is None else torch.cat([self.ids, ids], dim=1)
 
     def crop(self, length: int) -> None:
-        """Drops every cached position at or after ``length``.
-
-        Raises:
-            ValueError: ``length`` is negative or longer than the cache, or behind what the
-                native cache can still drop (EVA: positions compressed into chunk RFAs).
-        """
+        """Drops every cached position at or after ``length`` (ValueError: out of range, or
+        behind what the native cache can still drop: EVA's compressed chunks)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"crop length is {length}; allowed: 0 <= length <= {self.length}")
         if length == self.length:
@@ -214,14 +158,8 @@ class LayerCache:
     def compact(self, base: int, keep: torch.Tensor) -> None:
         """Keeps positions ``[0, base)`` and then ``base + keep``, in that order; drops the rest.
 
-        Args:
-            base: cached positions kept as they are.
-            keep: (K,) int64 offsets into what was appended after ``base``, strictly
-                increasing (an accepted path of a token tree). ``crop(length)`` is
-                ``compact(base, arange(length - base))``.
-
-        Raises:
-            ValueError: ``base`` or ``keep`` out of range, or ``keep`` not increasing.
+        ``keep`` (K,): strictly increasing offsets into what was appended after ``base`` (an
+        accepted path of a token tree); ValueError otherwise or when ``base`` is out of range.
         """
         if not 0 <= base <= self.length:
             raise ValueError(f"compact base is {base}; allowed: 0 <= base <= {self.length}")
@@ -254,25 +192,20 @@ class LayerCache:
 
     def reset(self) -> None:
         """Empties the cache (a fresh native cache object)."""
-        self.native = (
+        self.native: Any = (
             self.backbone.new_native_cache(self.start, self.end) if self.end > self.start else None
         )
         self.length = 0
-        self.ids = None
+        self.ids: torch.Tensor | None = None  # (B, length) ids recorded with record_ids
 
 
 class Backbone(nn.Module, ABC):
     """A decoder-only LM behind one split-at-layer interface.
 
-    Subclasses implement the model-specific pieces; this class owns the cache bookkeeping
-    and the LoRA switch. ``self.hf_model`` is the wrapped model (registered as a submodule,
-    so its weights exist once).
-
-    Attributes:
-        name: registry name (``tiny``, ``evabyte``, ``llama3_byte``, ``llama``).
-        codec: byte codec name (see ``mtpc.backbones.codecs``).
-        source: how to rebuild the target (``{"model": name, "path": ..., "revision": ...}``).
-        lora: the attached ``LoraTail`` or ``None``.
+    Subclasses implement the model-specific pieces; this class owns the cache bookkeeping and
+    the LoRA switch (``lora``: the attached ``LoraTail`` or ``None``). ``name``: registry name;
+    ``codec``: byte codec name; ``source``: how to rebuild the target (``{"model", "path",
+    "revision"}``).
     """
 
     needs_history = False
@@ -295,22 +228,18 @@ class Backbone(nn.Module, ABC):
     # --- model-specific pieces (defaults: the HF decoder layout ``hf_model.model.*``) ------
     @property
     def inner(self) -> Any:
-        """The decoder stack (``hf_model.model`` in HF causal LMs)."""
         return self.hf_model.model
 
     @property
     def layers(self) -> nn.ModuleList:
-        """The decoder layers, in order."""
         return self.inner.layers
 
     @property
     def final_norm(self) -> nn.Module:
-        """The norm applied after the last layer."""
         return self.inner.norm
 
     @property
     def config(self) -> Any:
-        """The wrapped model's config."""
         return self.hf_model.config
 
     @property
@@ -334,11 +263,8 @@ class Backbone(nn.Module, ABC):
         return next(self.hf_model.parameters()).device
 
     def embed(self, ids: torch.Tensor, past_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Input embeddings of ``ids`` (B, T) -> (B, T, d); ``past_ids`` (B, P) precede them.
-
-        The default looks ``ids`` up in the input embedding table; models whose embedding
-        reads the id history (the byte Llama's expansion) override it.
-        """
+        """Input embeddings of ``ids`` (B, T) -> (B, T, d); ``past_ids`` (B, P) precede them
+        (read only by an embedding of the id history: the byte Llama's expansion)."""
         return self.inner.embed_tokens(ids)  # (B, T, d)
 
     @abstractmethod
@@ -361,8 +287,8 @@ class Backbone(nn.Module, ABC):
     """How the native cache is handed to the layers (named by the cache guard's error)."""
 
     def native_length(self, native: Any, layer: int) -> int | None:
-        """Positions the native cache holds for ``layer`` as the layers themselves recorded
-        them, or ``None`` where this backbone keeps the count itself (no guard needed)."""
+        """Positions the layers recorded in the native cache for ``layer`` (``None``: the
+        backbone keeps the count itself, no guard)."""
         return None
 
     def native_compact(self, native: Any, base: int, keep: torch.Tensor) -> None:
@@ -402,14 +328,8 @@ class Backbone(nn.Module, ABC):
         tree_mask: torch.Tensor | None = None,
         attend: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Runs layers ``start..end-1``; ``native`` may be ``None`` (no cache).
-
-        ``documents`` (B, T), only without a cache: attention stays inside each document
-        of a packed row where the backbone supports it. ``tree_mask`` (T, T) bool, only with
-        a cache and ``supports_tree_mask``: new position i attends the cache and the new
-        positions j with ``tree_mask[i, j]``. ``attend`` (B, T, P + T) bool, only with a
-        cache and ``supports_batch``: which cached and new positions each new one attends.
-        """
+        """Runs layers ``start..end-1`` (arguments as :meth:`run_layers`; ``native`` is
+        ``None`` without a cache)."""
 
     # --- shared machinery ------------------------------------------------------------------
     def norm(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -453,21 +373,13 @@ class Backbone(nn.Module, ABC):
     ) -> torch.Tensor:
         """Runs layers ``start..end-1`` on ``hidden`` (B, T, d) -> (B, T, d).
 
-        Args:
-            hidden: hidden states entering layer ``start``.
-            start: first layer.
-            end: one past the last layer; ``start == end`` returns ``hidden`` unchanged.
-            positions: (B, T) or (T,) absolute positions; default ``cache.length + arange(T)``.
-            cache: appended to (the new positions follow the cached ones); cached runs are
-                inference and run without autograd. ``None`` runs without a cache (training).
-            adapter: LoRA adapter on (draft tail) or off (trunk, verifier tail).
-            documents: (B, T) document index of each position of packed training rows
-                (negative on padding); attention does not cross documents where the
-                backbone supports it. Only without a cache.
-            tree_mask: (T, T) bool over the new positions: ``tree_mask[i, j]`` is True when
-                new position i may attend new position j (its ancestors and itself); every
-                cached position is visible. ``None``: the causal chain. Only with a cache;
-                ``positions`` then gives each node's cache length + depth.
+        ``positions`` (B, T) or (T,), default ``cache.length + arange(T)``. A ``cache`` is
+        appended to, without autograd (inference); ``None`` is a training run. ``adapter``:
+        LoRA on (draft tail) or off. Only without a cache: ``documents`` (B, T) document index
+        of packed rows (negative on padding), attention kept inside each where supported.
+        Only with a cache: ``tree_mask`` (T, T) bool, new position i attends new position j
+        where True (cached ones always; ``None``: the causal chain; ``supports_tree_mask``);
+        ``attend`` (B, T, P + T) bool, per row (``supports_batch``).
         """
         b, t, _ = hidden.shape
         if tree_mask is not None:
@@ -500,13 +412,8 @@ class Backbone(nn.Module, ABC):
         return hidden
 
     def _guard_cache(self, cache: LayerCache) -> None:
-        """One length comparison: the native cache of the component's last layer must hold
-        every position fed to it, or the layers dropped the cache (a renamed keyword) and
-        any token computed from it would be wrong.
-
-        Raises:
-            CacheInterfaceError: the lengths differ (names the class, transformers, keyword).
-        """
+        """CacheInterfaceError unless the component's last layer holds every position fed to
+        it: otherwise the layers dropped the cache (a renamed keyword) and tokens are wrong."""
         if cache.native is None:
             return
         got = self.native_length(cache.native, cache.end - 1)
@@ -527,12 +434,8 @@ class Backbone(nn.Module, ABC):
 
 
 def weights_fingerprint(model: nn.Module, samples: int = 4096) -> str:
-    """Hashes names, shapes, dtypes and up to ``samples`` strided values of every tensor.
-
-    LoRA weights (names with ``lora_``) are left out, so attaching an adapter does not
-    change the target's identity. Costs one pass over a few thousand values per tensor,
-    not over the whole model.
-    """
+    """Hashes names, shapes, dtypes and up to ``samples`` strided values of every tensor;
+    LoRA weights are left out, so attaching an adapter keeps the target's identity."""
     import hashlib
 
     h = hashlib.sha256()
