@@ -1,29 +1,9 @@
 """Sequence-level self-distillation: the target rewrites the assistant turns of training rows.
 
-``scripts/regenerate.py`` (Hydra, ``configs/regenerate.yaml``) reads the rows ``train.py``
-would read (the ``data`` group), keeps every system and user turn, and has the target write
-every assistant turn, in order, each conditioned on the regenerated history rendered with the
-target's chat template (the generation prompt the evaluation uses). Decoding is our own
-exact decoder (:func:`mtpc.generate`): autoregressive, or speculative with an exported draft
-(lossless: the same output for greedy, the same distribution for sampling).
-
-Output folder (``output_dir``), per shard ``i`` of ``N`` (``shard=i num_shards=N`` takes the
-rows whose source index is ``i`` mod ``N``)::
-
-    shard-0000i-of-0000N.jsonl          Tülu-format rows (``data.path=<folder>`` reads them all)
-    shard-0000i-of-0000N.skipped.log    one JSON line per skipped row: index, id, reason
-    manifest-0000i-of-0000N.json        target fingerprint, settings, data, counts
-    .shard-0000i-of-0000N.lock          held (flock) while a process writes the shard
-
-A row line is ``{"id", "source", "messages", "regenerated": {"index", "truncated",
-"new_tokens", "byte_exact"}}``; ``index`` is the row's position in the source. Lines are
-appended and flushed as rows finish; a rerun of the same command drops a torn last line
-(a kill mid-write), skips the indices already written or skipped and goes on. Every turn
-draws from its own seed (``turn_seed(seed, index, turn)``), so a resumed row equals an
-uninterrupted one. A rerun with another target, other settings or other data is refused
-(:class:`RegenerateMismatchError`) instead of mixing rows. The folder is an append-only
-store (``mtpc.store.AppendStore``: lock, torn-line trim, flush per line), as an evaluation
-folder is.
+The job of ``scripts/regenerate.py``: output folder (per-shard rows, skip log, manifest, lock),
+resume, sharding and refusals are described in docs/DATA.md, "Self-distillation". Every turn
+draws from its own seed (:func:`turn_seed`), so a resumed or re-sharded row equals an
+uninterrupted one. The folder is an append-only store (``mtpc.store.AppendStore``).
 """
 
 from __future__ import annotations
@@ -44,13 +24,11 @@ from mtpc.data.preprocess import check_row
 from mtpc.errors import UserError
 from mtpc.evaluation.checks import check_batch_backbone, parse_regenerate
 from mtpc.evaluation.loading import load_target
-from mtpc.evaluation.settings import CHUNK_BATCHES, RegenerateSettings, Settings
+from mtpc.evaluation.settings import CHUNK_BATCHES, Settings
 from mtpc.files import BadJsonLine, read_json_lines
 from mtpc.store import AppendStore, changed, provenance, write_json
 
 FORMAT_VERSION = 1
-SKIP_REASONS = ("prompt_too_long",)
-"""Reasons of our own; a malformed row is skipped under ``check_row``'s reason."""
 IDENTITY = ("format", "target", "settings", "data", "num_shards")
 """Manifest fields that must agree between a folder's shards and on resume."""
 
@@ -71,13 +49,8 @@ def turn_seed(seed: int, index: int, turn: int) -> int:
 
 @dataclass
 class RowResult:
-    """One source row, regenerated or skipped.
-
-    Attributes:
-        index: the row's position in the source.
-        row: the Tülu-format row to write (None when skipped).
-        reason: why it was skipped (None when written).
-    """
+    """One source row (``index``: its position in the source): the row to write, or the
+    reason it was skipped."""
 
     index: int
     row: dict[str, Any] | None = None
@@ -106,8 +79,7 @@ def regenerate_row(
     settings: Settings,
     context: int | None,
 ) -> RowResult:
-    """Rewrites every assistant turn of ``row`` with the target, in order
-    (:func:`regenerate_rows` of one row)."""
+    """:func:`regenerate_rows` of one row."""
     return regenerate_rows(model, codec, [(index, row)], settings, context)[0]
 
 
@@ -172,19 +144,13 @@ def regenerate_rows(
     """Rewrites every assistant turn of each row with the target, in order: the rows' k-th
     turns are decoded together, ``batch_size`` at once (``mtpc.generate`` of a list).
 
-    Args:
-        model: an ``MTPCModel`` (its draft is used by ``speculative`` only).
-        codec: the target's byte codec (chat template, stop ids).
-        rows: (position in the source, which names its seeds; a Tülu-format row).
-        settings: how to decode.
-        context: the target's context length (None: unbounded).
-        batch_size: turns decoded at once.
-
-    Returns:
-        Per row, in order, the regenerated row or the reason it was skipped: a ``check_row``
-        reason (``no_assistant_turn``, ``unknown_role``, ...) or ``prompt_too_long`` (a
-        generation prompt leaves no room in the target's context).
+    ``rows``: (position in the source, which names the seeds; a Tülu-format row);
+    ``context``: the target's context length (None: unbounded). Returns per row, in order,
+    the regenerated row or the reason it was skipped (a ``check_row`` reason or
+    ``prompt_too_long``).
     """
+    from mtpc.decoding import generate
+
     lookahead = model.head.circuit.window if settings.method == "speculative" else 0
     states = [_Turns(index, row) for index, row in rows]
     going = [state for state in states if state.next_turn()]
@@ -200,54 +166,31 @@ def regenerate_rows(
             else:  # one call per budget (a prompt near the context has less room)
                 groups.setdefault(budget, []).append((state, prompt))
         for budget, group in groups.items():
-            results = _decode_turns(model, codec, group, budget, settings, batch_size)
+            results = generate(
+                model,
+                [prompt for _, prompt in group],
+                budget,
+                method=settings.method,
+                greedy=settings.greedy,
+                seed=[turn_seed(settings.seed, s.index, len(s.truncated)) for s, _ in group],
+                policy=settings.policy,
+                draft=settings.drafting,
+                proposal=settings.proposal,
+                temperature=settings.temperature,
+                top_k=settings.top_k,
+                top_p=settings.top_p,
+                stop_ids=codec.stop_ids,
+                batch_size=min(batch_size, len(group)),
+            )
+            assert isinstance(results, list)
             for (state, _), result in zip(group, results, strict=True):
                 state.answer(codec, result)
         going = [state for state in going if state.next_turn()]
     return [state.result() for state in states]
 
 
-def _decode_turns(
-    model: Any,
-    codec: ByteCodec,
-    group: Sequence[tuple[_Turns, list[int]]],
-    budget: int,
-    settings: Settings,
-    batch_size: int,
-) -> list[Any]:
-    """The next assistant turn of each row of ``group`` (its state, its prompt's ids)."""
-    from mtpc.decoding import generate
-
-    results = generate(
-        model,
-        [prompt for _, prompt in group],
-        budget,
-        method=settings.method,
-        greedy=settings.greedy,
-        seed=[turn_seed(settings.seed, s.index, len(s.truncated)) for s, _ in group],
-        policy=settings.policy,
-        draft=settings.drafting,
-        proposal=settings.proposal,
-        temperature=settings.temperature,
-        top_k=settings.top_k,
-        top_p=settings.top_p,
-        stop_ids=codec.stop_ids,
-        batch_size=min(batch_size, len(group)),
-    )
-    assert isinstance(results, list)
-    return results
-
-
-def shard_stem(shard: int, num_shards: int) -> str:
-    return f"shard-{shard:05d}-of-{num_shards:05d}"
-
-
 def _read_lines(path: Path) -> list[dict[str, Any]]:
-    """The JSON lines of ``path`` (complete lines only; trim a torn last line first).
-
-    Raises:
-        RegenerateMismatchError: a complete line does not parse (the file is damaged).
-    """
+    """The complete JSON lines of ``path``; a damaged line raises RegenerateMismatchError."""
     try:
         return read_json_lines(path)
     except BadJsonLine as bad:
@@ -294,11 +237,8 @@ class Counts:
 def refuse_other_regeneration(
     folder: Path, manifest: Mapping[str, Any], keys: Sequence[str] = IDENTITY
 ) -> None:
-    """Refuses a folder whose shard manifests differ from ``manifest`` in ``keys``.
-
-    Raises:
-        RegenerateMismatchError: naming the first changed fields.
-    """
+    """Refuses (RegenerateMismatchError) a folder whose shard manifests differ from
+    ``manifest`` in ``keys``."""
     for other in sorted(folder.glob("manifest-*.json")):
         diff = changed(json.loads(other.read_text(encoding="utf-8")), manifest, keys)
         if diff:
@@ -310,22 +250,14 @@ def refuse_other_regeneration(
 
 
 class ShardStore(AppendStore):
-    """One shard's output files, locked, read back for resume (see the module docstring).
-
-    Attributes:
-        folder: ``output_dir``.
-        shard: this shard's number ``i``.
-        num_shards: ``N``.
-        stem: ``shard-<i>-of-<N>``.
-        done: source indices already written or skipped.
-        counts: what the shard holds.
-    """
+    """One shard's output files, locked, read back for resume; ``done``: the source indices
+    already written or skipped."""
 
     def __init__(self, folder: Path, shard: int, num_shards: int) -> None:
         super().__init__()
         self.folder = folder
         self.shard, self.num_shards = shard, num_shards
-        self.stem = shard_stem(shard, num_shards)
+        self.stem = f"shard-{shard:05d}-of-{num_shards:05d}"
         self.rows_path = folder / f"{self.stem}.jsonl"
         self.skipped_path = folder / f"{self.stem}.skipped.log"
         self.manifest_path = folder / f"manifest-{shard:05d}-of-{num_shards:05d}.json"
@@ -334,13 +266,8 @@ class ShardStore(AppendStore):
         self.manifest: dict[str, Any] = {}
 
     def open(self, manifest: dict[str, Any]) -> ShardStore:
-        """Locks the shard, refuses a folder of another regeneration, reads back what is done.
-
-        Raises:
-            RegenerateBusyError: another process holds this shard.
-            RegenerateMismatchError: a manifest in the folder differs in target, settings,
-                data or sharding (the message names the first changed fields).
-        """
+        """Locks the shard (else RegenerateBusyError), refuses a folder of another
+        regeneration (RegenerateMismatchError), reads back what is done."""
         self.lock(
             self.folder / f".{self.stem}.lock",
             lambda _: RegenerateBusyError(
@@ -370,11 +297,8 @@ class ShardStore(AppendStore):
             else {}
         )
         self.manifest = {**manifest, "sessions": previous.get("sessions", [])}
-        write_json(self.manifest_path, self._full_manifest())
+        self.write_manifest()
         return self
-
-    def _full_manifest(self) -> dict[str, Any]:
-        return {**self.manifest, "counts": self.counts.as_dict(), "rows_file": self.rows_path.name}
 
     def append(self, result: RowResult, row_id: str | None = None) -> None:
         """Appends one finished row (or its skip line) and flushes it to the OS."""
@@ -389,7 +313,7 @@ class ShardStore(AppendStore):
     def write_manifest(self, **extra: Any) -> dict[str, Any]:
         """Rewrites the manifest (atomically) with the current counts and ``extra`` fields."""
         self.manifest |= extra
-        full = self._full_manifest()
+        full = {**self.manifest, "counts": self.counts.as_dict(), "rows_file": self.rows_path.name}
         write_json(self.manifest_path, full)
         return full
 
@@ -407,25 +331,9 @@ def read_folder(folder: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: int(r["regenerated"]["index"]))
 
 
-def load_model(job: RegenerateSettings) -> Any:
-    """The target (``model=``) as an ``MTPCModel``: with the exported draft for speculative
-    decoding (refused when it was trained for another target), else alone
-    (``MTPCModel.target_only``)."""
-    from mtpc.model import MTPCModel
-
-    backbone = load_target(job.model, job.device)
-    if job.decoder.draft is not None:
-        return MTPCModel.from_pretrained(job.decoder.draft, target=backbone)
-    return MTPCModel.target_only(backbone)
-
-
 def open_source(data: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """The ``data`` group's rows (``mtpc.data.sources.load_source``) and the manifest's
-    ``data`` entry (the group's fields, the source's fingerprint and name).
-
-    Args:
-        data: the ``data.*`` fields (``mtpc.evaluation.settings.REGENERATE_DATA``).
-    """
+    """The ``data.*`` fields' rows and the manifest's ``data`` entry (the fields, the
+    source's fingerprint and name)."""
     from mtpc.data.sources import load_source
 
     source = load_source(
@@ -441,19 +349,15 @@ def open_source(data: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
 
 
 def regenerate(cfg: Any) -> dict[str, Any]:
-    """The whole job of ``scripts/regenerate.py`` (see the module docstring).
+    """The whole job of ``scripts/regenerate.py``; returns the shard's manifest.
 
-    Returns:
-        The shard's manifest (counts, throughput).
-
-    Raises:
-        ConfigError: a wrong setting, before anything is loaded.
-        RegenerateMismatchError: ``output_dir`` holds rows of another regeneration.
+    Raises ConfigError (before anything loads) or RegenerateMismatchError.
     """
     import torch
 
     from mtpc.backbones.codecs import get_codec
     from mtpc.decoding.common import context_length
+    from mtpc.model import MTPCModel
 
     job = parse_regenerate(cfg)  # the one reading of cfg: below, the settings' named fields
     settings = job.decoder
@@ -470,7 +374,11 @@ def regenerate(cfg: Any) -> dict[str, Any]:
     }
     # settings, data and sharding are refused before the target loads; its weights after
     refuse_other_regeneration(out, manifest, [k for k in IDENTITY if k != "target"])
-    model = load_model(job)
+    backbone = load_target(job.model, job.device)
+    if settings.draft is not None:  # refused when trained for another target
+        model = MTPCModel.from_pretrained(settings.draft, target=backbone)
+    else:
+        model = MTPCModel.target_only(backbone)
     check_batch_backbone(job.batch_size, model, ConfigError)
     codec = get_codec(str(job.model.codec))
     manifest |= {
@@ -515,11 +423,8 @@ def regenerate_shard(
     batch_size: int = 1,
 ) -> tuple[int, int, float]:
     """Regenerates the rows of ``store``'s shard it holds no line of, appending each as it
-    finishes (``batch_size`` > 1: as each chunk of :data:`CHUNK_BATCHES` batches finishes).
-
-    Returns:
-        (rows decoded, new tokens, seconds) of this session.
-    """
+    finishes (``batch_size`` > 1: as each chunk of :data:`CHUNK_BATCHES` batches finishes);
+    returns this session's (rows decoded, new tokens, seconds)."""
     import torch
     from tqdm.auto import tqdm
 
@@ -566,13 +471,10 @@ def print_summary(
     rows_file: Path, c: Counts, settings: Settings, rows: int, seconds: float
 ) -> None:
     """The shard's counts and this session's throughput, on stdout."""
+    by_reason = ", ".join(f"{k}: {v}" for k, v in sorted(c.skipped.items()))
     print(
         f"{rows_file}: {c.written} rows written, {sum(c.skipped.values())} skipped"
-        + (
-            f" ({', '.join(f'{k}: {v}' for k, v in sorted(c.skipped.items()))})"
-            if c.skipped
-            else ""
-        )
+        + (f" ({by_reason})" if c.skipped else "")
         + f", {c.truncated_rows} truncated (a turn hit max_new_tokens={settings.max_new_tokens}); "
         f"this session {rows} rows in {seconds:.1f} s"
         + (f" ({rows / seconds:.2f} rows/s, {settings.method})" if seconds > 0 else "")
