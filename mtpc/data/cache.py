@@ -1,30 +1,13 @@
-"""On-disk cache of tokenised documents, splits and packing plans.
+"""On-disk cache of tokenised documents, splits and packing plans (docs/DATA.md, "Caching").
 
-A prepared dataset is one folder under ``<cache_dir>/data/``, named after its key: a hash
-of (dataset fingerprint, codec, context limit ``max_bytes``, split seed, validation
-fraction, cache format version). A second run with the same key reads it back (memory
-mapped) and does not tokenise again. Layout::
-
-    <cache_dir>/data/<dataset>-<codec>-ctx<max_bytes>-seed<seed>-<hash>/
-        meta.json          key parts, sizes, source names
-        summary.json       rows seen / used / dropped by reason (+ first ids), per source
-                           (a copy sits next to the folder as <folder>.summary.json, written
-                           even when no row is usable)
-        ids.u16            all documents' ids back to back, raw little-endian uint16
-        assistant.u8       loss mask over the same ids, raw uint8
-        offsets.npy        (D+1,) document boundaries
-        doc_source.npy     (D,) source id per document
-        doc_row.npy        (D,) row position in the source
-        train.npy val.npy  document indices of each split, in the seeded shuffled order
-        val_rows.jsonl     the raw validation rows (prompt sets are built from them)
-        pack-L<seq_len>-<split>.npz   packing plans, one per sequence length
-
-The folder is written under a temporary name and renamed into place, so a crash never
-leaves a half-written cache and concurrent ranks do not read one. ``meta.json`` records the
-size and BLAKE2b hash of every other file; ``load_prepared`` checks them (sizes always,
-hashes when ``verify``) and raises :class:`CacheCorruptError` naming the folder and the file,
-and ``ensure_prepared`` then rebuilds the folder. A damaged packing plan is recomputed.
-Leftover temporary folders of killed preparations are removed.
+A folder per key under ``<cache_dir>/data/``: ``meta.json`` (key parts, sizes, source names,
+every other file's size and hash), ``summary.json`` (also next to the folder as
+``<folder>.summary.json``, written even when no row is usable), ``ids.u16`` / ``assistant.u8``
+(raw, all documents back to back), ``offsets.npy`` (D+1,), ``doc_source.npy`` /
+``doc_row.npy`` (D,), ``train.npy`` / ``val.npy`` (document indices in seeded order),
+``val_rows.jsonl`` and ``pack-L<seq_len>[-single]-<split>.npz``. The folder is written under
+a temporary name and renamed into place: a crash never leaves a half-written cache and
+concurrent ranks never read one.
 """
 
 from __future__ import annotations
@@ -88,29 +71,27 @@ def _file_records(folder: Path) -> dict[str, dict[str, Any]]:
 
 
 def verify_files(folder: Path, meta: dict[str, Any], hashes: bool = True) -> None:
-    """Checks the files recorded in ``meta["files"]`` (sizes; hashes when ``hashes``).
+    """Checks the files of ``meta["files"]``: sizes, and hashes when ``hashes``.
 
     Raises:
         CacheCorruptError: a file is missing or differs, naming the folder and the file.
     """
     records = meta.get("files")
     if not isinstance(records, dict) or not records:
-        raise CacheCorruptError(_corrupt(folder, "meta.json", "has no file sizes and hashes"))
+        raise _corrupt(folder, "meta.json", "has no file sizes and hashes")
     for name, record in records.items():
         path = folder / name
         if not path.is_file():
-            raise CacheCorruptError(_corrupt(folder, name, "is missing"))
+            raise _corrupt(folder, name, "is missing")
         size = path.stat().st_size
         if size != record.get("size"):
-            raise CacheCorruptError(
-                _corrupt(folder, name, f"has {size} bytes, meta.json says {record.get('size')}")
-            )
+            raise _corrupt(folder, name, f"has {size} bytes, meta.json says {record.get('size')}")
         if hashes and file_digest(path) != record.get("blake2b"):
-            raise CacheCorruptError(_corrupt(folder, name, "differs from its hash in meta.json"))
+            raise _corrupt(folder, name, "differs from its hash in meta.json")
 
 
-def _corrupt(folder: Path, name: str, what: str) -> str:
-    return (
+def _corrupt(folder: Path, name: str, what: str) -> CacheCorruptError:
+    return CacheCorruptError(
         f"data cache {folder} is corrupt: {name} {what}; it is rebuilt automatically by the "
         f"data module, or delete the folder (rm -r {folder}) to rebuild it"
     )
@@ -146,27 +127,16 @@ def cache_folder(
 
 @dataclass
 class PreparedData:
-    """A prepared dataset read back from its cache folder (arrays are memory mapped).
-
-    Attributes:
-        folder: the cache folder.
-        meta: contents of ``meta.json``.
-        summary: contents of ``summary.json``.
-        ids: (T,) uint16 ids of all documents.
-        assistant: (T,) bool loss mask.
-        offsets: (D+1,) int64 document boundaries.
-        doc_source: (D,) int32 source id per document.
-        splits: ``train`` / ``val`` -> document indices.
-    """
+    """A prepared dataset read back from its cache folder (arrays are memory mapped)."""
 
     folder: Path
     meta: dict[str, Any]
     summary: dict[str, Any]
-    ids: np.ndarray
-    assistant: np.ndarray
-    offsets: np.ndarray
-    doc_source: np.ndarray
-    splits: dict[str, np.ndarray]
+    ids: np.ndarray  # (T,) uint16
+    assistant: np.ndarray  # (T,) bool loss mask
+    offsets: np.ndarray  # (D+1,) int64 document boundaries
+    doc_source: np.ndarray  # (D,) int32 source id
+    splits: dict[str, np.ndarray]  # train / val -> document indices
 
     @property
     def source_names(self) -> list[str]:
@@ -184,8 +154,7 @@ class PreparedData:
             return [json.loads(line) for line in f if line.strip()]
 
     def pack_plan(self, split: str, seq_len: int, pack: bool = True) -> PackPlan:
-        """The split's packing plan for ``seq_len`` (``pack=False``: one document per
-        sequence), computed and cached on first use."""
+        """The split's packing plan (``pack=False``: one document per sequence), cached."""
         path = self.folder / f"pack-L{seq_len}{'' if pack else '-single'}-{split}.npz"
         if path.is_file():
             try:
@@ -221,20 +190,10 @@ def prepare(
 ) -> Path:
     """Tokenises, filters and splits ``source`` into the cache unless it is there already.
 
-    Args:
-        source: the rows.
-        codec: codec name (``mtpc.backbones.codecs.get_codec``).
-        cache_dir: root of the cache (``paths.cache_dir``).
-        max_bytes: context limit in ids; longer documents are dropped.
-        seed: shuffle seed of the train / validation split.
-        validation_fraction: share of documents in the validation split.
-
-    Returns:
-        The cache folder.
+    Returns the cache folder.
 
     Raises:
-        ValueError: no row of ``source`` is usable (the message names the dataset and the
-            counts per reason).
+        ValueError: no row of ``source`` is usable (naming the dataset and the counts).
     """
     folder, parts = cache_folder(cache_dir, source, codec, max_bytes, seed, validation_fraction)
     if (folder / "meta.json").is_file():
@@ -281,11 +240,7 @@ def _build_cache(
     validation_fraction: float,
     start: float,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Writes ``prepare``'s files into ``tmp`` (renamed to ``folder`` once complete).
-
-    Returns:
-        The ``summary.json`` and ``meta.json`` written.
-    """
+    """Writes ``prepare``'s files into ``tmp``; returns its summary and meta."""
     docs, stats = _tokenize_into(tmp, source, codec, max_bytes)
     if docs.num_docs == 0:
         _write_json(
@@ -299,7 +254,14 @@ def _build_cache(
         train, val = split_indices(docs.num_docs, seed, validation_fraction)
     else:
         train, val = split_by_mask(docs.row_positions, source.split_mask(), seed)
-    _write_documents(tmp, source, docs, train, val)
+    np.save(tmp / "offsets.npy", docs.offsets)
+    np.save(tmp / "doc_source.npy", docs.source_ids)
+    np.save(tmp / "doc_row.npy", docs.row_positions)
+    np.save(tmp / "train.npy", train)
+    np.save(tmp / "val.npy", val)
+    with (tmp / "val_rows.jsonl").open("w", encoding="utf-8") as f:
+        for row in source.take(docs.row_positions[val].tolist()):  # prompt sets come from these
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
     summary = {
         "dataset": source.name,
         "codec": codec,
@@ -347,30 +309,12 @@ def _tokenize_into(
     return docs, stats
 
 
-def _write_documents(
-    tmp: Path, source: RowSource, docs: TokenizedDocs, train: np.ndarray, val: np.ndarray
-) -> None:
-    """The document index arrays, the split and the validation rows (for prompt sets)."""
-    np.save(tmp / "offsets.npy", docs.offsets)
-    np.save(tmp / "doc_source.npy", docs.source_ids)
-    np.save(tmp / "doc_row.npy", docs.row_positions)
-    np.save(tmp / "train.npy", train)
-    np.save(tmp / "val.npy", val)
-    val_rows = source.take(docs.row_positions[val].tolist())
-    with (tmp / "val_rows.jsonl").open("w", encoding="utf-8") as f:
-        for row in val_rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-
-
 def split_by_mask(
     row_positions: np.ndarray, validation: Sequence[bool], seed: int = 0
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(train, validation) document indices, as the source's mask says, each shuffled by ``seed``.
+    """(train, validation) document indices by a (per source row) mask, shuffled by ``seed``.
 
-    Args:
-        row_positions: (D,) source position of each document.
-        validation: one bool per source row (True: validation).
-        seed: shuffle seed of both index arrays.
+    ``row_positions`` (D,) maps documents to source rows; ``validation`` has one bool per row.
     """
     mask = np.asarray(validation, dtype=np.bool_)[row_positions]  # (D,)
     perm = np.random.default_rng(seed).permutation(len(row_positions)).astype(np.int64)
@@ -380,10 +324,7 @@ def split_by_mask(
 def load_prepared(folder: str | os.PathLike[str], verify: bool = True) -> PreparedData:
     """Reads a cache folder written by ``prepare`` (the big arrays memory mapped).
 
-    Args:
-        folder: the cache folder.
-        verify: check every file's hash against ``meta.json`` (sizes are always checked);
-            dataloader workers reopening a folder already verified pass False.
+    ``verify=False`` (dataloader workers reopening a verified folder) checks sizes only.
 
     Raises:
         CacheCorruptError: a file is missing, unreadable or differs from ``meta.json``.
@@ -392,12 +333,22 @@ def load_prepared(folder: str | os.PathLike[str], verify: bool = True) -> Prepar
     try:
         meta = json.loads((folder / "meta.json").read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CacheCorruptError(_corrupt(folder, "meta.json", f"is unreadable ({err})")) from err
+        raise _corrupt(folder, "meta.json", f"is unreadable ({err})") from err
     verify_files(folder, meta, hashes=verify)
     try:
-        return _read_prepared(folder, meta)
+        num_ids = int(meta["num_ids"])
+        return PreparedData(
+            folder=folder,
+            meta=meta,
+            summary=json.loads((folder / "summary.json").read_text()),
+            ids=_memmap(folder / "ids.u16", "<u2", num_ids),
+            assistant=_memmap(folder / "assistant.u8", np.bool_, num_ids),
+            offsets=np.load(folder / "offsets.npy"),
+            doc_source=np.load(folder / "doc_source.npy"),
+            splits={split: np.load(folder / f"{split}.npy") for split in SPLITS},
+        )
     except (OSError, ValueError, KeyError, json.JSONDecodeError) as err:
-        raise CacheCorruptError(_corrupt(folder, "a file", f"is unreadable ({err})")) from err
+        raise _corrupt(folder, "a file", f"is unreadable ({err})") from err
 
 
 _VERIFIED: set[tuple[str, str]] = set()
@@ -430,29 +381,11 @@ def ensure_prepared(
     return load_prepared(folder)
 
 
-def _read_prepared(folder: Path, meta: dict[str, Any]) -> PreparedData:
-    summary = json.loads((folder / "summary.json").read_text())
-    num_ids = int(meta["num_ids"])
-    ids = (
-        np.memmap(folder / "ids.u16", dtype="<u2", mode="r", shape=(num_ids,))
-        if num_ids
-        else np.zeros(0, "<u2")
-    )
-    mask = (
-        np.memmap(folder / "assistant.u8", dtype=np.bool_, mode="r", shape=(num_ids,))
-        if num_ids
-        else np.zeros(0, bool)
-    )
-    return PreparedData(
-        folder=folder,
-        meta=meta,
-        summary=summary,
-        ids=ids,
-        assistant=mask,
-        offsets=np.load(folder / "offsets.npy"),
-        doc_source=np.load(folder / "doc_source.npy"),
-        splits={split: np.load(folder / f"{split}.npy") for split in SPLITS},
-    )
+def _memmap(path: Path, dtype: Any, length: int) -> np.ndarray:
+    """(length,) of ``path`` memory mapped (an empty array for an empty file)."""
+    if not length:
+        return np.zeros(0, dtype)
+    return np.memmap(path, dtype=dtype, mode="r", shape=(length,))
 
 
 def summary_path(folder: str | os.PathLike[str]) -> Path:

@@ -1,35 +1,8 @@
 """``MTPCDataModule``: chat rows -> packed byte sequences with window targets, for Lightning.
 
-Batch format (a dict of tensors; B sequences of L = ``seq_len`` positions, n = ``window``):
-
-============== =========== ======= =====================================================
-key            shape       dtype   meaning
-============== =========== ======= =====================================================
-input_ids      (B, L)      int64   ids; ``codec.pad_id`` after the last document
-position_ids   (B, L)      int64   restart at 0 at every document (0 on padding)
-document_ids   (B, L)      int64   0, 1, ... per document within the row; -1 on padding.
-                                   Attention may be block diagonal over equal ids
-attention_mask (B, L)      bool    ``document_ids >= 0`` (False on padding)
-loss_mask      (B, L)      bool    assistant bytes and each assistant turn's end-of-turn
-targets        (B, L, n)   int64   ``targets[b, t, j-1] = x_{t+j}`` in x_t's document, else pad
-target_mask    (B, L, n)   bool    x_{t+j} is a loss byte of the same document as x_t
-window_mask    (B, L, n)   bool    x_{t+j} is in the same document as x_t (the circuit
-                                   conditions on these bytes; the rest is marginalised)
-valid_counts   (B, n)      float32 V_{i,j} = ``target_mask[i, :, j].sum()`` (Eq. 4)
-source_ids     (B, L)      int64   task of the position's document (index into
-                                   ``MTPCDataModule.source_names``); -1 on padding
-index          (B,)        int64   which packed sequence of the split
-============== =========== ======= =====================================================
-
-``valid_counts`` are per *packed sequence* (the paper's i is a training sequence and it
-trains on packed sequences); they can be 0 for a row (e.g. a piece of a long document cut
-inside a user turn), so a loss must clamp the divisor (``mtpc.training.loss`` does).
-
-Resuming: the training dataloader is a ``ResumableDataLoader`` with ``state_dict`` /
-``load_state_dict``; Lightning stores its state in checkpoints (``loops.fit_loop
-.state_dict.combined_loader``) and restores it before iterating, so a run restarted from
-a mid-epoch checkpoint continues with the very next batch. Ranks read disjoint shards of
-one seeded permutation per epoch (``ResumableDistributedSampler``).
+The batch format (keys, shapes, dtypes) is docs/DATA.md, "Batch format"; resuming and
+sharding, "Resuming and sharding". ``valid_counts`` may be 0 for a row (a piece of a long
+document cut inside a user turn), so a loss must clamp the divisor (``mtpc.training.loss``).
 """
 
 from __future__ import annotations
@@ -121,11 +94,9 @@ class PackedDataset(Dataset[dict[str, Tensor]]):
 class ResumableDistributedSampler(DistributedSampler):
     """A ``DistributedSampler`` that can start mid-epoch.
 
-    Every rank draws the same seeded permutation of the dataset for an epoch (seed +
-    epoch), padded by wrap-around (or cut, with ``drop_last``) to a multiple of
-    ``num_replicas``; rank r takes positions r, r + W, r + 2W, ... of what is left after the
-    first ``start`` (global) positions. Shards are disjoint; with ``drop_last=False`` the at
-    most W - 1 padding positions repeat early indices, like torch's sampler.
+    Every rank draws the epoch's seeded permutation (seed + epoch), padded by wrap-around
+    (or cut, with ``drop_last``) to a multiple of W = ``num_replicas``; rank r takes
+    positions r, r + W, ... of what follows the first ``start`` (global) positions.
     """
 
     def __init__(
@@ -176,10 +147,8 @@ class ResumableDistributedSampler(DistributedSampler):
 def collate_trimmed(items: list[dict[str, Tensor]]) -> dict[str, Tensor]:
     """Default collation, then the padding columns after the batch's longest row cut off.
 
-    For rows of one document each (``pack_documents=False``) a batch is as long as its
-    longest document instead of ``seq_len``: the padding of one document per row costs
-    compute only up to that length (none at batch size 1). Padding is always a suffix of a
-    row, so every tensor of (B, L, ...) keeps its first ``length`` columns.
+    For one document per row (``pack_documents=False``): padding is always a suffix of a row,
+    so every (B, L, ...) tensor keeps its first ``length`` columns.
     """
     batch = default_collate(items)
     full = batch["input_ids"].shape[1]
@@ -195,10 +164,11 @@ def collate_trimmed(items: list[dict[str, Tensor]]) -> dict[str, Tensor]:
 class ResumableDataLoader(DataLoader):
     """A ``DataLoader`` over a ``ResumableDistributedSampler`` that remembers its position.
 
-    ``state_dict()`` is ``{epoch, batches}`` (batches delivered so far in that epoch, plus
-    the settings checked on load); ``load_state_dict`` makes the next ``iter()`` continue
-    with batch ``batches`` of epoch ``epoch``. Exact when batch size and world size are the
-    same as when saved; a different world size resumes at the same global position.
+    ``state_dict()`` is ``{epoch, batches}`` plus the settings checked on load (Lightning
+    keeps it under ``loops.fit_loop.state_dict.combined_loader``); after
+    ``load_state_dict`` the next ``iter()`` continues with batch ``batches`` of ``epoch``.
+    Exact for the same batch and world size; another world size resumes at the same global
+    position.
     """
 
     sampler: ResumableDistributedSampler
@@ -263,40 +233,16 @@ class ResumableDataLoader(DataLoader):
 
 
 class MTPCDataModule(L.LightningDataModule):
-    """Tülu 3 / local / synthetic chat data as packed byte sequences (batch format: module doc).
+    """Tülu 3 / local / synthetic / Python-code chat data as packed byte sequences.
 
     ``prepare_data`` (local rank 0) tokenises into the cache; ``setup`` (every rank) reads
-    it back and builds the packing plans. Without Lightning: call ``setup()`` and then
-    ``train_dataloader()``. Flat arguments (also the Hydra ``_target_`` as
-    ``build_datamodule``).
-
-    Args:
-        source: ``synthetic``, ``tulu3``, ``local`` or ``python_code``.
-        path: a local dataset of the Tülu 3 schema (jsonl | json | parquet | arrow dir |
-            save_to_disk dir), or a list of them read one after another; used instead of
-            the hub for any ``source``.
-        codec: the target model's codec (``tiny``, ``evabyte``, ``llama3_byte``).
-        seq_len: length L of packed sequences.
-        window: n, future bytes per position.
-        batch_size: packed sequences per batch and rank.
-        seed: split shuffle, sampler shuffle and synthetic generator seed.
-        num_workers: dataloader worker processes.
-        cache_dir: root of the data cache; ``$MTPC_CACHE`` or ``<repo>/.cache/mtpc`` when None.
-        max_bytes: context limit in ids; longer conversations are dropped (paper: 8192).
-        validation_fraction: validation share (paper: 0.01).
-        num_rows: use only the first rows (synthetic: rows to generate).
-        streaming: stream the hub dataset.
-        revision: hub revision of the dataset.
-        hf_name: hub dataset id.
-        val_batch_size: validation batch size (``batch_size`` when None).
-        shuffle: shuffle training sequences each epoch.
-        drop_last: cut the epoch to a multiple of the world size instead of padding.
-        pin_memory: pin host memory in the dataloaders.
-        num_replicas: world size override (default: the initialised process group).
-        rank: this process's rank override (default: the process group's).
-        pack_documents: pack several documents per sequence (best-fit); False: one
-            document per sequence, for targets whose attention crosses packed
-            documents (EvaByte's EVA attention builds its own masks).
+    it back and builds the packing plans. Without Lightning: ``setup()``, then
+    ``train_dataloader()``. The arguments are flat (docs/DATA.md); beyond their names:
+    ``path`` is a local dataset or a list of them, used instead of the hub for any
+    ``source``; ``cache_dir`` None is ``$MTPC_CACHE`` or ``<repo>/.cache/mtpc``;
+    ``num_rows`` keeps the first rows (synthetic: rows to generate); ``num_replicas`` /
+    ``rank`` override the process group's; ``pack_documents=False`` puts one document in
+    each sequence, for targets whose attention crosses packed documents (EvaByte).
     """
 
     def __init__(
@@ -339,7 +285,12 @@ class MTPCDataModule(L.LightningDataModule):
         self.val_batch_size = val_batch_size or batch_size
         self.seed = seed
         self.num_workers = num_workers
-        self.cache_dir = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
+        if cache_dir is None:
+            from mtpc.data.synthetic import default_cache_dir  # lazy: it imports datasets
+
+            self.cache_dir = default_cache_dir()
+        else:
+            self.cache_dir = Path(cache_dir)
         self.max_bytes = max_bytes
         self.validation_fraction = validation_fraction
         self.num_rows = num_rows
@@ -518,13 +469,6 @@ class MTPCDataModule(L.LightningDataModule):
             self.setup()
         assert self.data is not None
         return self.data
-
-
-def _default_cache_dir() -> Path:
-    """``$MTPC_CACHE``, else the repository's git-ignored ``.cache/mtpc`` (as synthetic data)."""
-    from mtpc.data.synthetic import default_cache_dir
-
-    return default_cache_dir()
 
 
 # The Hydra ``_target_`` of ``configs/data/*.yaml``: the class itself takes flat arguments.

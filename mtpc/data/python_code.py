@@ -1,40 +1,10 @@
 """Real text every machine has offline: the running interpreter's Python standard library.
 
-Rows of the Tülu 3 schema (``{"id", "messages", "source", "file"}``) are cut from the
-``.py`` files under a root folder (default: ``sysconfig.get_paths()["stdlib"]``), so the
-whole pipeline (chat template, filter, packing, cache, prompt sets) applies. Kinds, each
-its own ``source`` (per-source tables, ``eval.py sources=[python/function_body]``):
-
-* ``python/function_body``: every function or method with a docstring and at least one
-  statement after it. The user turn gives its decorators, signature and docstring; the
-  assistant writes the body.
-* ``python/docstring``: the same functions; the user turn gives the function without its
-  docstring, the assistant writes the docstring (its exact source literal).
-* ``python/continuation``: plain code. Each file is cut into blocks of
-  ``CONTINUATION_LINES`` lines; block 2k is the prompt, block 2k+1 the answer.
-
-Source text is kept exactly: a function is the slice of its file's lines from its first
-decorator to its last statement, with its common indentation (the ``def`` line's column)
-removed when every non-blank line starts with it (otherwise kept as is); trailing
-whitespace and comments inside are kept.
-
-Files read: every ``*.py`` under the root, in the order of a hash of the relative path,
-except under folders named in ``EXCLUDED_DIRS`` (tests, site-packages, IDLE, lib2to3,
-generated tables: see there). Malformed files (not UTF-8, a syntax error under the running
-interpreter's grammar, more than ``MAX_FILE_BYTES`` bytes) give no rows; they are counted
-by reason with their first paths, logged, and written to the data cache's ``summary.json``
-(``source_report``).
-
-Split by file: a file is a validation file when a hash of its relative path (no seed) falls
-below ``validation_fraction``, so every row of a file lands on one side, the held-out files
-are the same for every training seed (prompt sets of seeds are comparable), and adding or
-removing files never moves another file. The data cache splits documents by this mask
-(``RowSource.split_mask``) instead of its seeded fraction.
-
-Fingerprint (the cache key): the format version, the Python version, the root's kind
-(stdlib or a path), the kinds, ``validation_fraction``, ``num_rows`` and a sha256 over
-(relative path, content) of every file read, malformed ones included, so two machines with
-different standard libraries never share a cache and any edit makes a new one.
+Tülu-schema rows (plus ``file``) cut from the ``.py`` files under a root: function bodies,
+docstrings and continuations, each kind its own ``source``. Files read, malformed files,
+the split by file and the fingerprint: docs/DATA.md, "Python source code". The split is a
+hash of the relative path alone, so no seed enters and adding or removing files never moves
+another file.
 """
 
 from __future__ import annotations
@@ -61,7 +31,7 @@ PYTHON_CODE_VERSION = 1
 KINDS = ("function_body", "docstring", "continuation")
 SOURCE_PREFIX = "python/"
 
-EXCLUDED_DIRS = frozenset(
+EXCLUDED_DIRS = frozenset(  # folder names never read, at any depth below the root
     {
         "test",  # CPython's regression tests (17 MB on 3.11), also unittest/test, ctypes/test ...
         "tests",  # distutils/tests and other packages' tests
@@ -76,13 +46,9 @@ EXCLUDED_DIRS = frozenset(
         "__pycache__",
     }
 )
-"""Folder names whose files are never read (at any depth below the root)."""
 
-MAX_FILE_BYTES = 256 * 1024
-"""Files larger than this are counted as ``too_large`` and give no rows."""
-
-CONTINUATION_LINES = 16
-"""Lines per block of the ``continuation`` kind (prompt block, then answer block)."""
+MAX_FILE_BYTES = 256 * 1024  # larger files are counted as ``too_large``: no rows
+CONTINUATION_LINES = 16  # lines per block: block 2k is a prompt, block 2k+1 its answer
 
 MALFORMED_REASONS = ("undecodable", "syntax_error", "too_large")
 
@@ -315,19 +281,12 @@ def python_code_source(
     validation_fraction: float = 0.05,
     kinds: Sequence[str] = KINDS,
 ) -> RowSource:
-    """Rows cut from the ``.py`` files under ``root`` (module docstring).
+    """Rows cut from the ``.py`` files under ``root`` (None: the standard library).
 
-    The files are hashed up front (the fingerprint); they are parsed into rows on first use,
-    once (a cache hit never parses); with ``num_rows``, only until both splits have their
-    rows (``source_report``'s ``files_seen`` counts the files parsed).
-
-    Args:
-        root: folder to read; the running interpreter's standard library when None.
-        num_rows: None: every row. N: the first ``N - V`` training rows and the first
-            ``V = max(1, round(validation_fraction * N))`` validation rows in reading order
-            (both splits present, still split by file), reported as a limit.
-        validation_fraction: expected share of held-out files, in [0, 1).
-        kinds: a subset of ``KINDS``.
+    The files are hashed up front (the fingerprint) and parsed into rows on first use, once
+    (a cache hit never parses). ``num_rows`` N keeps the first ``N - V`` training and
+    ``V = max(1, round(validation_fraction * N))`` validation rows in reading order, and
+    stops parsing once it has them (``source_report``'s ``files_seen`` counts those parsed).
 
     Raises:
         DataError: an unknown kind, a fraction outside [0, 1), ``num_rows`` < 1, or a root

@@ -1,22 +1,11 @@
-"""Where chat rows come from: the Tülu 3 SFT mixture, a local dataset of the same schema, the
-synthetic generator, or Python source code (``mtpc.data.python_code``).
+"""Where chat rows come from: the Tülu 3 SFT mixture, a local dataset of its schema, the
+synthetic generator, or Python source code. Formats: docs/DATA.md, "Accepted input".
 
-Every source yields rows of the Tülu 3 schema, ``{"id": str, "messages": [{"role",
-"content"}, ...], "source": str}``, in a fixed order, and has a fingerprint that changes
-when its content does (the cache key, see ``mtpc.data.cache``). Rows are *not* validated
-here: a row that cannot be read at all (a JSON line that does not parse, bytes that are not
-UTF-8) is passed on as ``{ERROR_KEY: reason, "id": ...}`` so that ``mtpc.data.preprocess``
-counts it with every other malformed row instead of crashing or losing it.
-
-Accepted local formats (``path=...``):
-
-* ``*.jsonl`` / ``*.json``: JSON lines (or one JSON array of rows in a ``.json`` file);
-  read line by line by our own tolerant reader (``datasets``' JSON builder infers one Arrow
-  schema and fails on a row whose ``content`` is a number).
-* ``*.parquet`` or a folder of parquet files: read in record batches with pyarrow.
-* a list of any of these: their rows one after another (e.g. regenerated and original rows).
-* a folder written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk`` (the
-  ``train`` split, else the first one), a folder of ``*.arrow`` files, or one ``.arrow`` file.
+Rows are *not* validated here: a row that cannot be read at all (a JSON line that does not
+parse, bytes that are not UTF-8) is passed on as ``{ERROR_KEY: reason, "id": ...}``, so
+that ``mtpc.data.preprocess`` counts it with the other malformed rows. JSON is read by our
+own tolerant reader: ``datasets``' JSON builder infers one Arrow schema and fails on a row
+whose ``content`` is a number.
 """
 
 from __future__ import annotations
@@ -27,6 +16,7 @@ import logging
 import os
 from collections.abc import Iterator, Sequence
 from functools import partial
+from itertools import chain, islice
 from pathlib import Path
 from typing import Any
 
@@ -57,27 +47,15 @@ def load_source(
 ) -> RowSource:
     """Opens a row source.
 
-    Args:
-        source: ``synthetic`` (``mtpc.data.synthetic``), ``tulu3`` (the hub dataset, or a
-            local copy when ``path`` is given), ``local`` (needs ``path``) or
-            ``python_code`` (``mtpc.data.python_code``; ``path``: a folder of ``.py`` files
-            instead of the standard library).
-        path: a local dataset (see the module docstring for formats), or a list of them read
-            one after another; overrides the hub.
-        num_rows: keep only the first ``num_rows`` rows, reported as a limit (synthetic: how
-            many to generate, default ``mtpc.data.synthetic.DEFAULT_NUM_ROWS``); None: a
-            local or hub dataset is read whole.
-        seed: the synthetic generator's seed (ignored by the other sources).
-        streaming: stream the hub dataset instead of downloading it first.
-        revision: hub revision (branch, tag or commit); pin a commit for reproducible caches.
-        hf_name: hub dataset id (a Tülu-format mirror or subset can be named here).
-        hf_split: hub split to read.
-        validation_fraction: ``python_code`` only: share of held-out files.
+    ``path`` (a local dataset or a list of them, read one after another) replaces the hub
+    for ``tulu3`` and is required by ``local``; for ``python_code`` it is a folder of
+    ``.py`` files instead of the standard library. ``num_rows`` keeps the first rows,
+    reported as a limit (synthetic: how many to generate). ``seed`` is the synthetic
+    generator's, ``validation_fraction`` python_code's share of held-out files.
 
     Raises:
-        ValueError: unknown ``source``, ``local`` without ``path``, or a path whose format is
-            not recognised.
-        FileNotFoundError: ``path`` does not exist.
+        DataError: unknown ``source``, ``local`` without ``path``, or an unknown format.
+        MissingFileError: ``path`` does not exist.
     """
     if source not in SOURCES:
         raise DataError(f"data source is {source!r}; allowed: {SOURCES}")
@@ -125,9 +103,7 @@ def hub_source(
 ) -> RowSource:
     """A hub dataset of the Tülu 3 schema through ``datasets.load_dataset``.
 
-    Non-streaming: the dataset is downloaded to the ``datasets`` cache and its Arrow
-    fingerprint keys our cache. Streaming: nothing is stored; the fingerprint is
-    ``name@revision`` (pin ``revision`` to a commit, ``main`` may move).
+    Keyed by its Arrow fingerprint; streaming, by ``name@revision`` (pin a commit).
     """
     import datasets
 
@@ -152,11 +128,11 @@ def hub_source(
 
 
 def local_source(path: str | os.PathLike[str]) -> RowSource:
-    """A local dataset of the Tülu 3 schema (formats: see the module docstring).
+    """A local dataset of the Tülu 3 schema (docs/DATA.md, "Accepted input").
 
     Raises:
-        FileNotFoundError: ``path`` does not exist.
-        ValueError: the format is not recognised.
+        MissingFileError: ``path`` does not exist.
+        DataError: the format is not recognised.
     """
     p = Path(path).expanduser()
     if not p.exists():
@@ -204,26 +180,22 @@ def local_source(path: str | os.PathLike[str]) -> RowSource:
 
 
 def concat_sources(sources: Sequence[RowSource]) -> RowSource:
-    """The rows of ``sources`` one after another (``data.path=[a,b]``: e.g. regenerated
-    rows and the original ones, docs/DATA.md); the fingerprint covers every part.
-
-    Raises:
-        DataError: ``sources`` is empty.
-    """
+    """The rows of ``sources`` one after another (``data.path=[a,b]``); raises
+    ``DataError`` when empty."""
     if not sources:
         raise DataError("data.path is an empty list; allowed: a path or a list of paths")
     if len(sources) == 1:
         return sources[0]
     parts = list(sources)
-
-    def rows() -> Iterator[Row]:
-        for src in parts:
-            yield from src.iter_rows()
-
     sizes = [src.num_rows for src in parts]
     total = None if any(n is None for n in sizes) else sum(n for n in sizes if n is not None)
     fingerprint = hashlib.sha256("\n".join(s.fingerprint for s in parts).encode()).hexdigest()
-    return RowSource("+".join(src.name for src in parts), f"concat:{fingerprint[:16]}", rows, total)
+    return RowSource(
+        "+".join(src.name for src in parts),
+        f"concat:{fingerprint[:16]}",
+        lambda: chain.from_iterable(src.iter_rows() for src in parts),
+        total,
+    )
 
 
 def _limit(src: RowSource, num_rows: int | None) -> RowSource:
@@ -231,16 +203,13 @@ def _limit(src: RowSource, num_rows: int | None) -> RowSource:
     if num_rows is None:
         return src
     n = int(num_rows)
-
-    def rows() -> Iterator[Row]:
-        for position, row in enumerate(src.iter_rows()):
-            if position >= n:
-                return
-            yield row
-
-    known = None if src.num_rows is None else min(n, src.num_rows)
     return RowSource(
-        f"{src.name}[:{n}]", f"{src.fingerprint}:first{n}", rows, known, src.take_rows, row_limit=n
+        f"{src.name}[:{n}]",
+        f"{src.fingerprint}:first{n}",
+        lambda: islice(src.iter_rows(), n),
+        None if src.num_rows is None else min(n, src.num_rows),
+        src.take_rows,
+        row_limit=n,
     )
 
 

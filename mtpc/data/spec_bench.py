@@ -1,22 +1,10 @@
 """Spec-Bench prompts (Xia et al., 2024): ``question.jsonl`` read, checked and turned into
 evaluation prompts, MT-bench's two-turn questions included.
 
-The file comes from Spec-Bench's repository (``hemingkx/Spec-Bench``,
-``data/spec_bench/question.jsonl``; the MTPC paper's repository carries a copy): 480 lines,
-one JSON object each::
-
-    {"question_id": 81, "category": "writing", "turns": ["Compose ...", "Rewrite ..."]}
-    {"question_id": 162, "category": "translation", "turns": ["Translate ..."], "reference": ["..."]}
-
-``question_id`` (an integer or a string, unique), ``category`` (a non-empty string) and
-``turns`` (a non-empty list of non-empty user-turn strings) are required; ``reference`` is
-optional and other fields are ignored. The 13 categories: MT-bench's 8 (80 questions, two
-turns each; Spec-Bench reports them pooled as ``mt_bench``), then translation,
-summarization, qa, math_reasoning and rag (80 one-turn questions each).
-
-A question becomes a :class:`SpecBenchPrompt`: its first turn rendered with the target's
-chat template (the generation prompt), and the later turns, which the evaluator asks after
-the model's own answer to the turn before (``mtpc.evaluation.run.decode_prompts``).
+The file's format, the checks and the multi-turn protocol: docs/EVALUATION.md, "Spec-Bench".
+A question becomes a :class:`SpecBenchPrompt`: its first turn with the generation prompt,
+and the later turns, asked after the model's own answer to the turn before
+(``mtpc.evaluation.run.decode_prompts``).
 """
 
 from __future__ import annotations
@@ -53,35 +41,21 @@ class SpecBenchError(UserError, ValueError):
 
 @dataclass(frozen=True)
 class Question:
-    """One question of a Spec-Bench file.
+    """One question of a Spec-Bench file."""
 
-    Attributes:
-        id: ``question_id`` as a string.
-        category: its category.
-        turns: the user turns, in order.
-        reference: the first reference answer, or "".
-        line: its line number in the file (1-based).
-    """
-
-    id: str
+    id: str  # question_id as a string
     category: str
-    turns: tuple[str, ...]
-    reference: str
-    line: int
+    turns: tuple[str, ...]  # the user turns, in order
+    reference: str  # the first reference answer, or ""
+    line: int  # 1-based line in the file
 
 
 @dataclass(frozen=True)
 class SpecBenchPrompt(EvalPrompt):
-    """An evaluation prompt of a Spec-Bench question (``source`` is its category).
+    """An evaluation prompt of a Spec-Bench question (``source`` is its category)."""
 
-    Attributes:
-        later_turns: the user turns after the first, asked after the model's own answer.
-        seed_offset: added to the decoding seed (a repeated run of the same questions
-            draws other samples).
-    """
-
-    later_turns: tuple[str, ...] = ()
-    seed_offset: int = 0
+    later_turns: tuple[str, ...] = ()  # asked after the model's own answer to the one before
+    seed_offset: int = 0  # added to the decoding seed: another run draws other samples
 
 
 def _fail(path: Path, line: int, what: str) -> SpecBenchError:
@@ -94,12 +68,8 @@ def _fail(path: Path, line: int, what: str) -> SpecBenchError:
 def read_questions(path: str | Path) -> tuple[list[Question], str]:
     """Every question of a Spec-Bench ``question.jsonl``, checked, and the file's sha256.
 
-    Blank lines are skipped.
-
     Raises:
-        SpecBenchError: the file is missing or empty, or a line is not JSON, not an object,
-            lacks a field, has an empty turn or a repeated ``question_id`` (the message
-            names the file and the line).
+        SpecBenchError: a missing or empty file, or a bad line (naming the file and line).
     """
     path = Path(path).expanduser()
     if not path.is_file():
@@ -160,12 +130,10 @@ def select_questions(
     categories: Sequence[str] | None = None,
     turns: int | None = None,
 ) -> list[Question]:
-    """The questions of ``categories`` (None: all), in file order, each cut to its first
-    ``turns`` turns (None: all).
+    """The questions of ``categories`` (None: all) in file order, cut to ``turns`` turns.
 
     Raises:
-        SpecBenchError: a category no question of the file has (the message lists those
-            it has).
+        SpecBenchError: a category no question has (listing those the file has).
     """
     if categories is not None:
         present = list(dict.fromkeys(q.category for q in questions))
@@ -194,9 +162,11 @@ def conversation(question: Question, answers: Sequence[str]) -> list[dict[str, s
 
 
 def longest_prompt(question: Question, codec: ByteCodec, max_new_tokens: int) -> int:
-    """An upper bound on the ids of any turn's prompt: earlier answers of ``max_new_tokens``
-    ids, each id decoded to at most 3 bytes (U+FFFD for an invalid byte; valid UTF-8 never
-    grows, special ids are dropped)."""
+    """An upper bound on the ids of any turn's prompt.
+
+    Earlier answers count ``max_new_tokens`` ids of at most 3 bytes each (U+FFFD for an
+    invalid byte; valid UTF-8 never grows, special ids are dropped).
+    """
     worst = "\ufffd" * max_new_tokens
     last = len(question.turns) - 1
     return len(codec.generation_prompt(conversation(question, [worst] * last)))
@@ -214,9 +184,8 @@ def build_prompt_sets(
 ) -> list[list[SpecBenchPrompt]]:
     """``num_sets`` runs over the same questions (Spec-Bench repeats its runs), in file order.
 
-    A question whose last turn's prompt could exceed ``max_prompt_length`` (bounded by
-    :func:`longest_prompt`) is left out, with a warning naming it; then ``per_category``
-    keeps the first questions of each category and ``num_prompts`` the first of all.
+    A question whose last turn's prompt could exceed ``max_prompt_length`` is left out with
+    a warning; then ``per_category`` and ``num_prompts`` keep the first questions.
 
     Raises:
         SpecBenchError: ``num_prompts`` is larger than the questions that fit, or none fits.

@@ -1,27 +1,17 @@
 """Synthetic chat data: a seeded generator of Tülu-3-format rows with short, learnable answers.
 
-Every row is ``{"id": str, "messages": [{"role", "content"}, ...], "source": str}`` like a
-row of ``allenai/tulu-3-sft-mixture``; ``source`` is ``"synthetic/<family>"``. Families:
+``source`` is ``synthetic/<family>``: ``arithmetic``, ``unit_conversion``, ``string``
+(reverse, case, length, letter counts, spelling), ``sorting``, ``code`` (small Python
+functions from templates), ``multi_turn`` (the second question refers to the first answer)
+and ``multi_answer``: several equally valid answers drawn uniformly (``Name a capital of
+South Africa.`` -> ``Pretoria.`` / ``Cape Town.`` / ``Bloemfontein.``), differing in
+several byte positions on purpose, so a fully factorised draft head mixes them (``Cape
+toria.``) and an expressive circuit does not. Any row may open with a system prompt, which
+never changes the answer.
 
-* ``arithmetic``: ``What is 37 + 45?`` -> ``37 + 45 = 82.``
-* ``unit_conversion``: ``Convert 3 km to meters.`` -> ``3 km = 3000 m.``
-* ``string``: reverse, upper / lower case, length, letter counts, spelling with dashes.
-* ``sorting``: numbers ascending / descending, words alphabetically.
-* ``code``: small Python functions from fixed templates (``def square(x): ...``).
-* ``multi_turn``: two user / assistant rounds, the second refers to the first answer.
-* ``multi_answer``: questions with several equally valid answers drawn uniformly
-  (``Name a capital of South Africa.`` -> ``Pretoria.`` / ``Cape Town.`` /
-  ``Bloemfontein.``). A fully factorised draft head mixes the bytes of different answers
-  (``Cape toria.``), an expressive circuit does not; the answers of one question differ in
-  several byte positions on purpose.
-
-Any row may open with a system prompt (probability ``SYSTEM_PROMPT_PROBABILITY``); system
-prompts never change the answer.
-
-Row ``i`` of seed ``s`` depends on ``(s, i)`` only, so ``generate_rows(n, s)`` is a prefix of
-``generate_rows(m, s)`` for ``n <= m``, and the train / validation split of a row (a hash
-of ``(s, i)``) does not depend on the number of rows either: validation rows of a small
-dataset are never training rows of a larger one with the same seed.
+Row ``i`` of seed ``s`` depends on ``(s, i)`` only, and so does its split (a hash): a
+smaller dataset is a prefix of a larger one, and its validation rows are never training
+rows of the larger one.
 """
 
 from __future__ import annotations
@@ -36,8 +26,7 @@ from typing import Any
 
 import datasets
 
-GENERATOR_VERSION = 1
-"""Bump when the generator's output changes, so that stale caches are not reused."""
+GENERATOR_VERSION = 1  # bump when the output changes, so that stale caches are not reused
 
 DEFAULT_NUM_ROWS = 20_000
 DEFAULT_VALIDATION_FRACTION = 0.02
@@ -215,8 +204,7 @@ FAMILIES: dict[str, tuple[float, Callable[[random.Random], list[Message]]]] = {
     "code": (0.10, _code),
     "multi_turn": (0.12, _multi_turn),
     "multi_answer": (0.22, _multi_answer),
-}
-"""Family name -> (sampling weight, generator of the messages of one row)."""
+}  # family -> (sampling weight, generator of one row's messages)
 
 
 def generate_row(index: int, seed: int = 0) -> Row:
@@ -235,11 +223,7 @@ def generate_row(index: int, seed: int = 0) -> Row:
 
 
 def generate_rows(num_rows: int, seed: int = 0) -> list[Row]:
-    """Generates ``num_rows`` Tülu-3-format rows; deterministic given ``seed``.
-
-    Raises:
-        ValueError: ``num_rows`` is negative.
-    """
+    """Generates ``num_rows`` rows, deterministic given ``seed``; raises ValueError if < 0."""
     if num_rows < 0:
         raise ValueError(f"num_rows must be >= 0, got {num_rows}")
     return [generate_row(index, seed) for index in range(num_rows)]
@@ -290,18 +274,10 @@ def load_synthetic(
     seed: int = 0,
     validation_fraction: float = DEFAULT_VALIDATION_FRACTION,
 ) -> datasets.DatasetDict:
-    """The synthetic dataset with ``train`` and ``validation`` splits.
+    """The synthetic dataset with ``train`` and ``validation`` splits (by ``is_validation``).
 
-    Generated and written to ``cache_dir`` as JSON lines on first use (about 3 MB for the
-    default 20k rows), read back afterwards. The split of a row is a hash of its seed and
-    index (see ``is_validation``), so the validation split holds about
-    ``validation_fraction * num_rows`` rows.
-
-    Args:
-        cache_dir: where the JSONL files live; ``default_cache_dir()`` when None.
-        num_rows: rows in both splits together.
-        seed: generator seed.
-        validation_fraction: expected share of validation rows, in [0, 1).
+    Generated into ``cache_dir`` (``default_cache_dir()`` when None) as JSON lines on first
+    use, read back afterwards.
 
     Raises:
         ValueError: ``num_rows`` is negative or ``validation_fraction`` outside [0, 1).
