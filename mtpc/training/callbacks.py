@@ -1,11 +1,6 @@
-"""Fault tolerance for training runs: atomic checkpoints and RNG state in checkpoints.
-
-* :class:`AtomicCheckpointIO` writes a checkpoint to a temporary file in the same folder
-  and renames it into place, so a run killed mid-write leaves the previous ``last.ckpt``
-  intact (``os.replace`` is atomic on POSIX).
-* :class:`RNGStateCallback` stores the Python, NumPy and torch RNG states in every
-  checkpoint and restores them on resume, so a resumed run draws the same dropout masks
-  and samples as an uninterrupted one.
+"""Checkpoint callbacks: atomic writes (temp file + ``os.replace``, so a kill mid-write keeps
+the previous ``last.ckpt``), RNG states and the run's record. See docs/TRAINING.md, "Runs,
+outputs, resume".
 """
 
 from __future__ import annotations
@@ -38,7 +33,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 class RNGStateCallback(L.Callback):
-    """Saves and restores the global RNG states with each checkpoint."""
+    """Saves and restores the global RNG states with each checkpoint, so a resumed run draws
+    the same dropout masks and samples as an uninterrupted one."""
 
     def on_save_checkpoint(
         self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
@@ -73,19 +69,11 @@ class RNGStateCallback(L.Callback):
 
 
 class RunRecordCallback(L.Callback):
-    """Stores the run's settings and its untrained draft's metrics in every checkpoint.
+    """Stores the run's comparable settings (``{dotted field: value}``) and its untrained
+    draft's metrics in every checkpoint, and puts ``new_lr`` (a changed ``optimizer.lr`` under
+    ``allow_resume_changes=true``) into restored optimizer states.
 
-    A resumed run compares its settings with ``checkpoint["mtpc_config"]``
-    (``mtpc.training.resume``) and reports the ``init/...`` metrics measured when the run
-    started (``checkpoint["mtpc_init_metrics"]``), not none. With
-    ``allow_resume_changes=true`` and a changed ``optimizer.lr``, the restored optimizer
-    takes the new learning rate instead of silently keeping the checkpoint's.
-
-    Args:
-        config: the comparable settings (``{dotted field: value}``, plain values).
-        init_metrics: the untrained draft's metrics; the dict is read at every save, so it
-            may be filled after the callback is built.
-        new_lr: the learning rate to put into restored optimizer states, or None.
+    ``init_metrics`` is read at every save, so it may be filled after the callback is built.
     """
 
     def __init__(

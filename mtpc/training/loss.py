@@ -1,16 +1,8 @@
-"""Training objectives for MTPC heads (paper Eq. 4 and App. G, Eq. 5).
+"""Training objectives for MTPC heads: the composite NLL (paper Eq. 4) and the forward KL
+(App. G, Eq. 5), both from per-window-position terms. See docs/TRAINING.md, "Objective".
 
-Both losses work on per-window-position terms, for window position j = 1..n:
-
-* ``nll``: the conditional log q(x_{t+j} | x_{t+1..t+j-1}, x_{<=t}), obtained from the
-  circuit's prefix marginals as log q(x_{1..j}) - log q(x_{1..j-1}); summed over the
-  positions t of sequence i, divided by V_{i,j} (the number of valid targets of sequence
-  i at window position j), averaged over the N sequences of the batch, and discounted by
-  gamma^{j-1}. Because the conditionals come from the joint's prefix marginals, it is the
-  circuit's joint distribution that is trained.
-* ``kl``: forward KL(p || q) between the target model's next-byte distribution p and the
-  draft's conditional at the same window position, both conditioned on the gold data,
-  with the same normalisation and discount.
+The NLL's conditionals are differences of the circuit's prefix marginals, so it is the
+circuit's joint distribution that is trained.
 """
 
 from __future__ import annotations
@@ -44,15 +36,10 @@ def conditionals_from_prefix(prefix_log_probs: Tensor) -> Tensor:
 
 @dataclass
 class LossOutput:
-    """A loss and its per-window-position terms.
+    """A loss and its per-window-position terms."""
 
-    Attributes:
-        loss: the discounted total sum_j gamma^{j-1} L_j (scalar, differentiable).
-        per_position: L_j for j = 1..n, detached; (n,).
-    """
-
-    loss: Tensor
-    per_position: Tensor
+    loss: Tensor  # the discounted total sum_j gamma^{j-1} L_j (scalar, differentiable)
+    per_position: Tensor  # L_j for j = 1..n, detached; (n,)
 
 
 def _normalised_sum(
@@ -60,12 +47,9 @@ def _normalised_sum(
 ) -> LossOutput:
     """-(1/N) sum_i (1/V_{i,j}) sum_t terms, discounted over j.
 
-    Args:
-        terms: per-position log-likelihood-like terms; (N, L, n). Larger is better.
-        target_mask: which terms are valid targets; (N, L, n) bool.
-        gamma: discount; None for the paper's default.
-        normalise_discount: divide the discounted total by sum_j gamma^{j-1}, so the loss
-            is a weighted mean of the L_j (same optimum, a scale independent of n).
+    ``terms`` (N, L, n) are log-likelihood-like (larger is better), ``target_mask`` (N, L, n)
+    marks the valid ones. ``normalise_discount`` divides by sum_j gamma^{j-1}: a weighted mean
+    of the L_j (same optimum, a scale independent of n).
     """
     mask = target_mask.to(terms.dtype)
     valid_counts = mask.sum(dim=1)  # (N, n): V_{i,j}
@@ -86,13 +70,9 @@ def composite_nll(
 ) -> LossOutput:
     """The discounted composite NLL over overlapping windows (paper Eq. 4).
 
-    Args:
-        prefix_log_probs: log q(x_{t+1..t+j} | x_{<=t}) for every sequence i, position t
-            and window position j; (N, L, n).
-        target_mask: True where x_{t+j} is a valid target (an assistant byte of the same
-            document); (N, L, n).
-        gamma: discount factor; None for 0.8 (n <= 8) or 0.9 (n > 8).
-        normalise_discount: divide by sum_j gamma^{j-1} (the paper's Eq. 4 does not).
+    ``prefix_log_probs``: log q(x_{t+1..t+j} | x_{<=t}) for every sequence i, position t and
+    window position j; (N, L, n). ``target_mask``: True where x_{t+j} is a valid target (an
+    assistant byte of the same document); (N, L, n). ``gamma``: None for the paper's default.
     """
     if prefix_log_probs.shape != target_mask.shape:
         raise ValueError(
@@ -112,13 +92,9 @@ def distillation_kl(
 ) -> LossOutput:
     """Forward KL(p || q) per window position, normalised like Eq. 4 (paper App. G, Eq. 5).
 
-    Args:
-        teacher_log_probs: the target's log p(. | x_{<t+j}) for the byte at window position
-            j of position t; (N, L, n, V).
-        draft_log_conditionals: the draft's log q(. | x_{t+1..t+j-1}, x_{<=t}); (N, L, n, V).
-        target_mask: (N, L, n).
-        gamma: discount factor; None for the paper's default.
-        normalise_discount: divide by sum_j gamma^{j-1}.
+    ``teacher_log_probs``: the target's log p(. | x_{<t+j}) for the byte at window position j
+    of position t; (N, L, n, V). ``draft_log_conditionals``: the draft's
+    log q(. | x_{t+1..t+j-1}, x_{<=t}); (N, L, n, V). ``target_mask``: (N, L, n).
     """
     teacher = teacher_log_probs.float()
     kl = (teacher.exp() * (teacher - draft_log_conditionals.float())).sum(dim=-1)  # (N, L, n)

@@ -1,16 +1,8 @@
 """``MTPCLightningModule``: trains an MTPC draft (head, and LoRA tail for k > 0).
 
-The module receives a built :class:`~mtpc.model.MTPCModel` (builders with flat arguments
-live in :mod:`mtpc.training.run`). Only the head and the LoRA weights are trainable and
-only they are written to checkpoints: a checkpoint of an EvaByte draft is megabytes, not
-the 13 GB of the frozen target, which is rebuilt from its config on resume.
-
-Logged metrics (``train/`` and ``val/`` prefixes): ``loss`` (the discounted total),
-``loss_j`` per window position j (the undiscounted L_j of Eq. 4), ``top1_j`` (the share of
-valid targets where the draft's most likely byte at position j, given the true bytes
-before it, is the data's byte) and ``expected_accepted`` (sum_j q(x_{1..j}) over the
-leading valid run: the drafts a sampled window would get accepted if the target agreed
-with the data).
+Only the head and the LoRA weights are trainable, and only they are checkpointed; the frozen
+target is rebuilt from its config on resume. The logged metrics (``loss``, ``loss_j``,
+``top1_j``, ``expected_accepted``): docs/TRAINING.md, "Objective".
 """
 
 from __future__ import annotations
@@ -38,16 +30,9 @@ class NonFiniteLossError(RuntimeError):
 class MTPCLightningModule(L.LightningModule):
     """Lightning wrapper around an :class:`MTPCModel` and the MTPC losses.
 
-    Args:
-        model: the draft model (frozen target + head + optional LoRA tail).
-        loss: ``nll`` (paper Eq. 4) or ``kl`` (paper App. G).
-        gamma: window discount; None for 0.8 (n <= 8) or 0.9 (n > 8).
-        normalise_discount: divide the discounted loss by sum_j gamma^{j-1} (the paper's
-            Eq. 4 does not; the reference code offers it).
-        chunk_size: positions per chunk of the memory-lean likelihood.
-        optimizer: a partial optimizer taking the trainable parameters (Adam by default).
-        scheduler: an optional partial LR scheduler taking the optimizer.
-        top1_positions: positions per validation batch used for the top-1 metric.
+    ``optimizer`` and ``scheduler`` are partials taking the trainable parameters and the
+    optimizer (None: Adam at 3e-4, no scheduler); ``top1_positions``: positions per validation
+    batch used for the top-1 metric.
     """
 
     def __init__(
@@ -84,9 +69,8 @@ class MTPCLightningModule(L.LightningModule):
     # -- objective ---------------------------------------------------------------------
     def _window_log_probs(self, batch: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, Any]:
         """Prefix log-probs (B, L, n) of the data windows and the model output."""
-        ids = batch["input_ids"]
         out = self.model(
-            ids,
+            batch["input_ids"],
             return_verifier_logits=self.loss_name == "kl",
             positions=batch.get("position_ids"),  # restart at every packed document
             documents=batch.get("document_ids"),  # attention stays inside a document
@@ -102,25 +86,20 @@ class MTPCLightningModule(L.LightningModule):
         return prefix.reshape(B, L, n), features, out
 
     def _objective(self, batch: Mapping[str, Tensor]) -> tuple[LossOutput, Tensor, Tensor]:
+        """The loss, the prefix log-probs (B, L, n) and the draft features (B, L, d)."""
         prefix, features, out = self._window_log_probs(batch)
         mask = batch["target_mask"]
         if self.loss_name == "nll":
             result = composite_nll(prefix, mask, self.gamma, self.normalise_discount)
         else:
-            result = distillation_kl(
-                self._teacher_log_probs(out.verifier_logits),
-                self._draft_conditionals(features, batch),
-                mask,
-                self.gamma,
-                self.normalise_discount,
-            )
+            teacher = self._teacher_log_probs(out.verifier_logits)
+            draft = self._draft_conditionals(features, batch)
+            result = distillation_kl(teacher, draft, mask, self.gamma, self.normalise_discount)
         return result, prefix, features
 
     def _teacher_log_probs(self, verifier_logits: Tensor) -> Tensor:
         """The target's next-byte log-probs for window position j of every t; (B, L, n, V).
-
-        The byte x_{t+j} is predicted by the target at position t+j-1.
-        """
+        The byte x_{t+j} is predicted by the target at position t+j-1."""
         n = self.head.window
         log_p = torch.log_softmax(verifier_logits.float(), dim=-1)  # (B, L, V)
         padded = torch.nn.functional.pad(log_p, (0, 0, 0, n - 1))  # (B, L+n-1, V)
@@ -157,38 +136,19 @@ class MTPCLightningModule(L.LightningModule):
     def validation_step(self, batch: Mapping[str, Tensor], batch_idx: int) -> None:
         result, prefix, features = self._objective(batch)
         self._log_losses("val", result, batch)
-        mask = batch["target_mask"]
         batch_size = batch["input_ids"].shape[0]
-        self.log(
-            "val/expected_accepted",
-            expected_accepted(prefix, mask),
-            batch_size=batch_size,
-            sync_dist=True,
-        )
+        accepted = expected_accepted(prefix, batch["target_mask"])
+        self.log("val/expected_accepted", accepted, batch_size=batch_size, sync_dist=True)
         for j, accuracy in enumerate(self._top1(features, batch), start=1):
             self.log(f"val/top1_{j}", accuracy, batch_size=batch_size, sync_dist=True)
 
     def _log_losses(self, stage: str, result: LossOutput, batch: Mapping[str, Tensor]) -> None:
-        batch_size = batch["input_ids"].shape[0]
-        on_step = stage == "train"
-        self.log(
-            f"{stage}/loss",
-            result.loss.detach(),
-            batch_size=batch_size,
-            prog_bar=True,
-            on_step=on_step,
-            on_epoch=True,
-            sync_dist=True,
-        )
+        size = batch["input_ids"].shape[0]
+        self.log(f"{stage}/loss", result.loss.detach(), batch_size=size, prog_bar=True,
+                 on_step=stage == "train", on_epoch=True, sync_dist=True)  # fmt: skip
         for j, value in enumerate(result.per_position, start=1):
-            self.log(
-                f"{stage}/loss_{j}",
-                value,
-                batch_size=batch_size,
-                on_step=False,
-                on_epoch=True,
-                sync_dist=True,
-            )
+            self.log(f"{stage}/loss_{j}", value, batch_size=size, on_step=False, on_epoch=True,
+                     sync_dist=True)  # fmt: skip
 
     @torch.no_grad()
     def _top1(self, features: Tensor, batch: Mapping[str, Tensor]) -> Tensor:
@@ -225,9 +185,8 @@ class MTPCLightningModule(L.LightningModule):
     def gathered_trainable_state(self) -> dict[str, Tensor]:
         """The trainable weights as whole tensors on CPU, for a checkpoint or an export.
 
-        Collective under FSDP2 (every rank calls it; rank 0 gets the tensors, the others
-        ``{}``); elsewhere a plain CPU copy. The frozen trunk is dropped *before* the
-        gather (``ignore_frozen_params``), so a save moves megabytes, not the 13 GB target.
+        Collective under FSDP2 (rank 0 gets the tensors, the others ``{}``). The frozen trunk
+        is dropped *before* the gather, so a save moves megabytes, not the 13 GB target.
         """
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -260,14 +219,10 @@ class MTPCLightningModule(L.LightningModule):
     def configure_model(self) -> None:
         """FSDP2 under ``ModelParallelStrategy`` (``trainer=fsdp_cpu``); a no-op otherwise.
 
-        Every decoder layer is its own ``fully_shard`` unit (frozen weights beside the LoRA
-        weights of the tail: FSDP2 shards per parameter, so mixed ``requires_grad`` is
-        allowed); the draft model is the root (embeddings, final norm, head). The root keeps
-        its parameters gathered from forward to backward, so the head's methods called
-        after ``forward`` (the chunked likelihood) see whole tensors.
-
-        Lightning calls this hook on every ``validate`` and ``fit`` (``train`` runs validate,
-        fit, validate); the model is sharded on the first call only.
+        Every decoder layer is a ``fully_shard`` unit, the draft model the root, which keeps
+        its parameters gathered from forward to backward, so the chunked likelihood after
+        ``forward`` sees whole tensors. Called on every ``validate`` and ``fit``; shards once.
+        See docs/TRAINING.md, "Scale".
         """
         mesh = self.device_mesh  # set by ModelParallelStrategy, None otherwise
         if mesh is None:
@@ -276,7 +231,6 @@ class MTPCLightningModule(L.LightningModule):
 
         if isinstance(self.model, FSDPModule):  # sharded by an earlier validate / fit
             return
-
         data_parallel = mesh["data_parallel"]
         for layer in self.model.backbone.layers:
             fully_shard(layer, mesh=data_parallel)
@@ -284,16 +238,10 @@ class MTPCLightningModule(L.LightningModule):
 
 
 def upcast_trainable(model: MTPCModel) -> list[str]:
-    """Makes every trainable tensor (head and LoRA) float32, whatever the trunk's dtype.
+    """Makes every trainable tensor (head and LoRA) float32 and returns the names cast.
 
-    LoRA weights are created in the dtype of the layer they adapt; on a bf16 trunk they were
-    bf16, and ``bf16-mixed`` keeps no float32 master copy, so Adam's small updates (lr 3e-4
-    x ~1 against weights of ~1e-2, below bf16's 2^-8 relative step) rounded away. The
-    frozen trunk keeps its dtype; peft casts the bf16 activations to the adapter's float32
-    and its output back (``peft.tuners.lora.Linear.forward``).
-
-    Returns:
-        The names of the tensors that were cast.
+    ``bf16-mixed`` keeps no float32 master copy, so on a bf16 trunk Adam's small updates to
+    bf16 LoRA weights rounded away (docs/TRAINING.md, "What is trained").
     """
     trainable = {id(p) for p in model.trainable_parameters()}
     cast = []

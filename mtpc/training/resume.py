@@ -1,16 +1,6 @@
-"""One run per folder: the run-folder lock, picking the checkpoint to resume, config checks.
-
-* :class:`RunLock` holds an exclusive ``flock`` on ``<run dir>/.lock`` for the whole run
-  (global rank 0 only), so a second job on the same folder stops at once with a message
-  naming the folder and the holder, instead of interleaving logs and checkpoints.
-* :func:`find_resume_checkpoint` opens ``checkpoints/last.ckpt``; when it is unreadable
-  (truncated, say) it falls back to the newest readable checkpoint of the folder and says
-  so, and stops with a message naming the file when there is none.
-* :func:`config_changes` compares the settings that shape the result (model, circuit,
-  LoRA, loss, optimizer, data, seed, ...) with the ones stored in the checkpoint; the run
-  refuses to resume on a change unless ``allow_resume_changes=true``.
-* The ``.hydra/`` files of the run that owns the folder are kept in ``.mtpc/hydra`` and
-  put back when a refused command has overwritten them (Hydra writes them first).
+"""One run per folder: the run-folder lock, the checkpoint to resume, the settings compared on
+resume, and the owner's ``.hydra/`` files (kept in ``.mtpc/hydra`` and put back when a refused
+command overwrote them). See docs/TRAINING.md, "Runs, outputs, resume".
 """
 
 from __future__ import annotations
@@ -30,46 +20,22 @@ from mtpc.files import FolderBusy, FolderLock
 log = logging.getLogger(__name__)
 
 LOCK_NAME = ".lock"
-CONFIG_KEY = "mtpc_config"
-"""Checkpoint key of the settings that wrote it (``callbacks.RunRecordCallback``)."""
+CONFIG_KEY = "mtpc_config"  # the settings that wrote a checkpoint (RunRecordCallback)
 
 MATTERS = (
-    "model",
-    "circuit",
-    "lora",
-    "loss",
-    "optimizer",
-    "scheduler",
-    "data",
-    "seed",
-    "stage",
-    "init_from",
-    "global_batch_size",
-    "trainer",
-)
+    "model", "circuit", "lora", "loss", "optimizer", "scheduler", "data", "seed", "stage",
+    "init_from", "global_batch_size", "trainer",
+)  # fmt: skip
 """Top-level config keys whose values shape the trained draft."""
 
 FREE_TO_CHANGE = (
-    "data.num_workers",
-    "data.cache_dir",
-    "data.pin_memory",
-    "model.device",
-    "trainer.max_steps",
-    "trainer.max_epochs",
-    "trainer.max_time",
-    "trainer.accelerator",
-    "trainer.devices",
-    "trainer.num_nodes",
-    "trainer.strategy",
-    "trainer.enable_progress_bar",
-    "trainer.log_every_n_steps",
-    "trainer.val_check_interval",
-    "trainer.check_val_every_n_epoch",
-    "trainer.limit_val_batches",
-    "trainer.num_sanity_val_steps",
-    "trainer.deterministic",
-    "trainer.fast_dev_run",
-)
+    "data.num_workers", "data.cache_dir", "data.pin_memory", "model.device",
+    "trainer.max_steps", "trainer.max_epochs", "trainer.max_time",
+    "trainer.accelerator", "trainer.devices", "trainer.num_nodes", "trainer.strategy",
+    "trainer.enable_progress_bar", "trainer.log_every_n_steps", "trainer.val_check_interval",
+    "trainer.check_val_every_n_epoch", "trainer.limit_val_batches",
+    "trainer.num_sanity_val_steps", "trainer.deterministic", "trainer.fast_dev_run",
+)  # fmt: skip
 """Dotted fields that may differ on resume (budget, hardware, logging)."""
 
 
@@ -86,21 +52,13 @@ class CheckpointUnreadableError(UserError):
 
 
 class RunLock(FolderLock):
-    """An exclusive lock on a run folder (``flock`` on ``<folder>/.lock``; no-op off rank 0).
-
-    The lock is released when the process ends, however it ends, so a killed run never
-    leaves a stale lock behind.
-    """
+    """An exclusive lock on a run folder (``flock`` on ``<folder>/.lock``; no-op off rank 0)."""
 
     def __init__(self, folder: Path, enabled: bool = True) -> None:
         super().__init__(folder / LOCK_NAME, enabled)
 
     def acquire(self) -> None:
-        """Takes the lock.
-
-        Raises:
-            RunFolderBusyError: another process holds it (the message names the folder).
-        """
+        """Takes the lock; :class:`RunFolderBusyError` when another process holds it."""
         try:
             super().acquire()
         except FolderBusy as busy:
@@ -108,10 +66,6 @@ class RunLock(FolderLock):
                 f"run folder {self.path.parent} is in use by another run ({busy.holder}); wait "
                 "for it to finish, or give this run another folder (run_name=<new name>)"
             ) from None
-
-    def __enter__(self) -> RunLock:
-        self.acquire()
-        return self
 
 
 def is_global_zero() -> bool:
@@ -136,12 +90,9 @@ def find_resume_checkpoint(
 ) -> tuple[Path, dict[str, Any]] | None:
     """The checkpoint to resume from and its contents, or None when the folder has none.
 
-    ``last.ckpt`` first; if it cannot be read, the readable checkpoint with the highest
-    global step is used, with a warning (every rank makes the same choice; the next save
-    overwrites the unreadable ``last.ckpt``).
-
-    Raises:
-        CheckpointUnreadableError: checkpoints exist but none can be read (names the file).
+    ``last.ckpt`` first, else the readable checkpoint with the highest global step, with a
+    warning (every rank makes the same choice). Raises :class:`CheckpointUnreadableError`
+    when none can be read.
     """
     last = checkpoint_dir / last_name
     if not last.exists():
@@ -176,11 +127,8 @@ def find_resume_checkpoint(
 
 
 def comparable_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The settings that must match on resume, flattened to ``{dotted field: value}``.
-
-    Args:
-        config: the whole config as plain values (``TrainSettings.resolved``): data here.
-    """
+    """The settings that must match on resume, flattened to ``{dotted field: value}``, from
+    the whole config as plain values (``TrainSettings.resolved``)."""
     flat: dict[str, Any] = {}
     for key in MATTERS:
         if key in config:
@@ -215,20 +163,12 @@ def check_resume_config(
     run_name: str,
     allow: bool,
 ) -> list[str]:
-    """Refuses to resume a checkpoint written with other settings (unless ``allow``).
+    """Refuses to resume a checkpoint written with other settings, with a
+    :class:`ResumeConfigError` naming the fields and the ways out, unless ``allow``
+    (``allow_resume_changes=true``: a warning). Returns the changes.
 
-    Args:
-        checkpoint_path: the checkpoint (named in the message).
-        saved: its comparable config (None: written before configs were stored).
-        current: this run's comparable config.
-        run_name: this run's name, for the suggested new name.
-        allow: ``allow_resume_changes=true``: resume anyway, with a warning.
-
-    Returns:
-        The changes (empty when the settings match).
-
-    Raises:
-        ResumeConfigError: naming the fields that differ and the ways out.
+    ``saved`` is the checkpoint's comparable config (None: written before configs were stored);
+    ``run_name`` gives the suggested new name.
     """
     if saved is None:
         log.warning(

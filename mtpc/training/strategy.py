@@ -1,12 +1,8 @@
-"""``trainer=fsdp`` / ``fsdp_cpu``: FSDP2 whose checkpoints gather only what is trained.
+"""``trainer=fsdp`` / ``fsdp_cpu``: FSDP2 whose checkpoints gather only the trained weights.
 
-Lightning's ``ModelParallelStrategy`` with ``save_distributed_checkpoint: false`` gathers the
-whole model on rank 0 at every save (``get_model_state_dict(full_state_dict=True)``): for
-EvaByte the 13 GB frozen trunk, all-gathered and copied to CPU, then dropped by
-``MTPCLightningModule.on_save_checkpoint``. :class:`TrainedOnlyModelParallelStrategy`
-gathers the trainable weights only (``MTPCLightningModule.gathered_trainable_state``); the
-optimizer state holds only those weights anyway. Loading is Lightning's: a checkpoint's
-state dict is loaded non-strictly (``strict_loading = False``), so ``last.ckpt`` resumes.
+Lightning's ``ModelParallelStrategy`` gathers the whole model on rank 0 at every full-state
+save (for EvaByte the 13 GB frozen trunk, then dropped); this one gathers the trainable
+weights only. Loading stays Lightning's (non-strict). See docs/TRAINING.md, "Scale".
 """
 
 from __future__ import annotations
