@@ -1,31 +1,7 @@
-"""Uncertainty of comparisons: paired bootstrap intervals over prompts, and merging over seeds.
+"""Uncertainty of comparisons: paired bootstrap intervals over prompts (:func:`paired_rows`),
+and drafts merged over training seeds (:func:`seed_rows`), all from the prompt records.
 
-Every number is a function of the per-prompt records (``mtpc.evaluation.records``), so
-``report=<folder>`` rebuilds it without decoding.
-
-**Paired comparisons** (:func:`paired_rows`). Two drafts evaluated on the same prompts are
-compared prompt by prompt (paired by the record's set, index and prompt id). The statistics
-are the main table's, computed on the prompts both decoded:
-
-* ``delta_mu_acc``: tokens per cycle of the draft minus the reference's, per prompt set
-  (cycles pooled over the set's prompts: Σ new tokens / Σ cycles), averaged over the sets;
-* ``ratio_tok_s``: tok/s of the draft over the reference's, per set (Σ new tokens /
-  Σ cycle seconds, the prefill excluded), averaged over the sets (the table's ``x baseline``);
-* ``speedup_ar``: the same ratio against the AR records of the draft's own folder (the
-  table's ``x AR``).
-
-Their 95 % intervals are percentile intervals of a paired bootstrap: :data:`RESAMPLES`
-resamples, each drawing every set's prompts with replacement (the same draws for both
-sides of a comparison: paired; sets are kept apart: stratified), the statistic recomputed on
-each, the 2.5th and 97.5th percentiles reported. The generator is numpy's PCG64 seeded with
-:data:`SEED` afresh for every comparison, so the intervals are deterministic and every
-comparison uses the same draws (common random numbers). A draft compared with an identical
-one under greedy decoding gives exactly 0 and [0, 0].
-
-**Seeds** (:func:`seed_rows`). Drafts whose training config (recorded in the draft's model
-card; :func:`training_config`) differs only in ``seed`` form one configuration; each
-configuration with several seeds gets one row: the mean ± std over seeds (sample std) of
-each seed's table value (itself the mean over prompt sets) and of its paired difference.
+See docs/EVALUATION.md, "Comparisons: paired intervals, seeds, interleaved timing".
 """
 
 from __future__ import annotations
@@ -46,12 +22,9 @@ from mtpc.training.resume import FREE_TO_CHANGE, MATTERS
 
 logger = logging.getLogger(__name__)
 
-RESAMPLES = 10_000
-"""Bootstrap resamples of every paired interval."""
-SEED = 0
-"""Seed of the bootstrap's generator (numpy PCG64), the same for every comparison."""
-LEVEL = 0.95
-"""Coverage of the percentile intervals."""
+RESAMPLES = 10_000  # bootstrap resamples of every paired interval
+SEED = 0  # of the bootstrap's generator (numpy PCG64), the same for every comparison
+LEVEL = 0.95  # coverage of the percentile intervals
 
 PAIRED_COLUMNS = (
     ("name", "draft", "{}"),
@@ -89,9 +62,8 @@ BUDGET = ("trainer.max_steps", "trainer.max_epochs", "trainer.max_time", "traine
 """Fields that a resumed run may change but that shape the trained draft (its step budget)."""
 
 SEED_FREE = ("seed", *(f for f in FREE_TO_CHANGE if f not in BUDGET))
-"""Training fields that may differ between drafts merged over seeds: the seed, and the
-hardware, logging and validation fields a resumed run may change too
-(``mtpc.training.resume.FREE_TO_CHANGE``), less the budget (:data:`BUDGET`)."""
+"""Training fields that may differ between drafts merged over seeds: the seed and the fields
+a resumed run may change, less the budget."""
 
 
 # ------------------------------------------------------------------------- bootstrap ----
@@ -112,21 +84,12 @@ def paired_bootstrap(
     seed: int = SEED,
     level: float = LEVEL,
 ) -> tuple[float, float, float]:
-    """A statistic of two paired samples and its bootstrap percentile interval.
+    """``(estimate, low, high)`` of a statistic of two paired samples and its bootstrap
+    percentile interval; NaN when there is nothing to pair.
 
-    Per set k: ``combine(Σ num_a / Σ den_a, Σ num_b / Σ den_b)`` over the set's prompts; the
-    statistic is its mean over sets. Each resample draws every set's prompts with
-    replacement (indices shared by a and b: paired).
-
-    Args:
-        pairs: per set, the four per-prompt arrays (:data:`Pairs`).
-        combine: ``np.subtract`` (a difference) or ``np.divide`` (a ratio).
-        resamples: bootstrap resamples.
-        seed: the generator's seed (a fresh PCG64 per call: deterministic).
-        level: the interval's coverage.
-
-    Returns:
-        ``(estimate, low, high)``; NaN when there is nothing to pair.
+    Per set k: ``combine(Σ num_a / Σ den_a, Σ num_b / Σ den_b)`` (``np.subtract`` or
+    ``np.divide``); the statistic is its mean over sets. Each resample draws every set's
+    prompts with replacement (indices shared by a and b: paired).
     """
     sets = [k for k in sorted(pairs) if len(pairs[k][0])]
     if not sets:
@@ -168,13 +131,10 @@ def pair_records(
     out: dict[int, list[list[float]]] = defaultdict(lambda: [[], [], [], []])
     for r in sorted(a, key=_prompt_key):
         other = by_key.get(_prompt_key(r))
-        if other is None:
-            continue
-        cols = out[r["set"]]
-        for j, value in enumerate(
-            (r[numerator], r[denominator], other[numerator], other[denominator])
-        ):
-            cols[j].append(float(value))
+        if other is not None:
+            values = (r[numerator], r[denominator], other[numerator], other[denominator])
+            for column, value in zip(out[r["set"]], values, strict=True):
+                column.append(float(value))
     return {
         k: (np.array(v[0]), np.array(v[1]), np.array(v[2]), np.array(v[3])) for k, v in out.items()
     }
@@ -185,17 +145,9 @@ def compare(
     b: Sequence[Mapping[str, Any]],
     ar: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
-    """The paired statistics of draft records ``a`` against reference records ``b``.
-
-    Args:
-        a: the draft's prompt records (one pass).
-        b: the reference draft's prompt records.
-        ar: the AR records of ``a``'s folder (``speedup_ar``); none: left out.
-
-    Returns:
-        ``prompts`` (paired), ``delta_mu_acc``, ``ratio_tok_s`` and, with ``ar``,
-        ``speedup_ar``, each with ``*_low`` and ``*_high`` (the interval).
-    """
+    """The paired statistics of draft records ``a`` (one pass) against reference records
+    ``b``: ``prompts`` (paired), ``delta_mu_acc``, ``ratio_tok_s`` and, with ``ar`` (the AR
+    records of ``a``'s folder), ``speedup_ar``, each with ``*_low`` and ``*_high``."""
     tokens = pair_records(a, b, "new_tokens", "cycles")
     out: dict[str, Any] = {"prompts": sum(len(v[0]) for v in tokens.values())}
     stats = [
@@ -211,14 +163,9 @@ def compare(
 
 # ---------------------------------------------------------------------- paired table ----
 def reference_of(rows: Sequence[Mapping[str, Any]], folders: Sequence[int]) -> list[int | None]:
-    """The index of each row's reference: its folder's (first) baseline draft, else the
-    first baseline of all folders, else the first draft row; None for AR, drafter=hetero
-    and the reference itself.
-
-    Args:
-        rows: the report's rows.
-        folders: the folder index of each row.
-    """
+    """The index of each report row's reference: its folder (``folders[i]``)'s first
+    baseline draft, else the first baseline of all folders, else the first draft row; None
+    for AR, drafter=hetero and the reference itself."""
     drafts = [i for i, r in enumerate(rows) if r.get("kind") != "ar" and r.get("pass") is not None]
     base = [i for i in drafts if rows[i].get("baseline")]
     own: dict[int, int] = {}
@@ -238,14 +185,8 @@ def paired_rows(
     ar_records: Sequence[Sequence[Mapping[str, Any]]],
     folders: Sequence[int],
 ) -> list[dict[str, Any]]:
-    """One paired comparison per draft row against its reference (:func:`reference_of`).
-
-    Args:
-        rows: the report's rows.
-        records: each row's prompt records (its draft and pass).
-        ar_records: the AR prompt records of each row's folder.
-        folders: the folder index of each row.
-    """
+    """One paired comparison per draft row against its reference (:func:`reference_of`);
+    per row: its prompt records, its folder's AR records, its folder index."""
     out = []
     for i, ref in enumerate(reference_of(rows, folders)):
         if ref is None:
@@ -306,13 +247,11 @@ def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
 def configuration(
     training: Mapping[str, Any] | None, trainings: Mapping[str, Any] | None = None, depth: int = 0
 ) -> dict[str, Any] | None:
-    """The settings that shape a trained draft but its seed, flattened (``{field: value}``),
-    or None without a recorded ``seed``.
+    """The settings that shape a trained draft but its seed (``MATTERS`` less
+    :data:`SEED_FREE`), flattened, or None without a recorded ``seed``.
 
-    The top-level keys of ``mtpc.training.resume.MATTERS`` (model, circuit, LoRA, loss,
-    optimizer, data, stage, trainer, ...), less :data:`SEED_FREE`. ``init_from`` (a LoRA
-    stage started from a heads draft) is replaced by that draft's own configuration when
-    its card is readable, so the seeds of a two-stage recipe group too.
+    ``init_from`` is replaced by that draft's own configuration when its card is readable,
+    so the seeds of a two-stage recipe group too.
     """
     if not training or "seed" not in training:
         return None
@@ -343,16 +282,9 @@ def seed_rows(
 ) -> list[dict[str, Any]]:
     """Draft rows merged over seeds: one row per configuration with two or more drafts.
 
-    Args:
-        rows: the report's rows (one per draft and pass).
-        trainings: each draft path's recorded training config (None: not recorded).
-        paired: :func:`paired_rows`' comparisons (their Δ and ratio are merged too).
-
-    Returns:
-        Per configuration: ``name`` (circuit, n, r, k and, where two configurations share
-        that, the fields that tell them apart), ``seeds``, ``drafts``, ``members`` and, for
-        mu_acc, mu_acc_drafts, tok_s, speedup_ar, speedup_baseline, delta_mu_acc and
-        ratio_tok_s, the mean and ``*_std`` over seeds, ``*_values`` the seeds' values.
+    ``trainings``: each draft path's recorded training config; ``paired``:
+    :func:`paired_rows`' comparisons (their Δ and ratio are merged too). Each statistic gets
+    its mean, ``*_std`` and ``*_values`` over seeds.
     """
     groups: dict[tuple[str, Any], list[dict[str, Any]]] = defaultdict(list)
     configs: dict[tuple[str, Any], dict[str, Any]] = {}
@@ -372,14 +304,9 @@ def seed_rows(
     for label in set(labels.values()):
         same = [k for k in merged if labels[k] == label]
         if len(same) > 1:  # name the fields that tell these configurations apart
-            fields = sorted(
-                {f for k in same for f in configs[k]}
-                - {
-                    f
-                    for f in configs[same[0]]
-                    if all(configs[k].get(f, ...) == configs[same[0]][f] for k in same)
-                }
-            )
+            first = configs[same[0]]
+            common = {f for f in first if all(configs[k].get(f, ...) == first[f] for k in same)}
+            fields = sorted({f for k in same for f in configs[k]} - common)
             for k in same:
                 shown = ", ".join(f"{f}={configs[k].get(f)}" for f in fields[:3])
                 labels[k] = f"{label} [{shown}{', ...' if len(fields) > 3 else ''}]"
