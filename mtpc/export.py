@@ -1,22 +1,8 @@
 """Save and load trained drafts: head + LoRA adapter, never the frozen target.
 
-An exported draft is a folder::
-
-    config.json           format, circuit (kind, n, r, V, d), LoRA settings, head init,
-                          target identity (model, path/hub id, revision, weights
-                          fingerprint, layer count), codec
-    head.safetensors      the MTPCHead state dict
-    adapter.safetensors   LoRA weights under peft's names (only when k > 0)
-    README.md             model card: the settings above, training config and metrics
-
-This module reads and writes those files and checks them; ``MTPCModel.from_pretrained``
-builds the model from them: it rebuilds the target from the recorded identity (or attaches
-to a given ``target``), refuses a target whose fingerprint differs (:func:`check_target`
-names both) or whose codec differs from the recorded one (:func:`check_codec`: the codec is
-the target's, never the draft's), and loads the circuit and LoRA tensors only after
-:func:`read_head` / :func:`read_adapter` checked them against the config: an unreadable
-file, a shape that does not match the circuit, or a NaN / inf weight is a
-:class:`~mtpc.errors.DraftError` naming the file.
+The folder's files: docs/BACKBONES.md, "Export". This module writes and checks them; an
+unreadable file, a shape that does not match the circuit, a NaN / inf weight or a codec that
+is not the target's is a :class:`~mtpc.errors.DraftError` naming the file.
 """
 
 from __future__ import annotations
@@ -138,16 +124,9 @@ def save_draft(
     training_config: dict[str, Any] | None = None,
     metrics: dict[str, Any] | None = None,
 ) -> Path:
-    """Writes the draft of ``model`` to ``path`` (created if needed).
+    """Writes the draft of ``model`` to the folder ``path`` (created if needed); returns it.
 
-    Args:
-        model: the trained ``MTPCModel``.
-        path: output folder.
-        training_config: recorded in the model card (e.g. the resolved Hydra config).
-        metrics: recorded in the model card (e.g. validation loss, acceptance).
-
-    Returns:
-        The folder.
+    ``training_config`` and ``metrics`` go into the model card.
     """
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
@@ -165,12 +144,7 @@ def save_draft(
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
-    """Reads and checks an exported draft's ``config.json``.
-
-    Raises:
-        DraftError: not an MTPC draft folder (a training run folder: the message names its
-            ``draft/``), unreadable JSON, or a field is missing.
-    """
+    """Reads and checks an exported draft's ``config.json`` (DraftError if it is not one)."""
     folder = Path(path)
     file = folder / CONFIG_NAME
     if not file.is_file():
@@ -194,12 +168,7 @@ def read_config(path: str | Path) -> dict[str, Any]:
 
 
 def read_tensors(file: str | Path, device: str = "cpu") -> dict[str, torch.Tensor]:
-    """Reads a draft's safetensors file, refusing unreadable files and non-finite weights.
-
-    Raises:
-        DraftError: the file is missing, is not a safetensors file (truncated, say), or a
-            tensor holds NaN or inf; the message names the file (and the tensor).
-    """
+    """Reads a draft's safetensors file, refusing missing or unreadable files and NaN / inf."""
     file = Path(file)
     if not file.is_file():
         raise DraftError(f"{file} does not exist; re-export the draft")
@@ -219,14 +188,7 @@ def read_tensors(file: str | Path, device: str = "cpu") -> dict[str, torch.Tenso
 
 
 def check_target(expected: dict[str, Any], backbone: Any) -> str:
-    """Refuses a target whose identity differs from the recorded one.
-
-    Returns:
-        The target's weights fingerprint.
-
-    Raises:
-        TargetMismatchError: naming the recorded target and the given one.
-    """
+    """The target's weights fingerprint; TargetMismatchError when it is not the recorded one."""
     got = target_identity(backbone, backbone.weights_fingerprint())
     if got["weights_fingerprint"] != expected.get("weights_fingerprint") or got[
         "num_layers"
@@ -241,11 +203,7 @@ def check_target(expected: dict[str, Any], backbone: Any) -> str:
 def check_head_state(
     config: dict[str, Any], state: dict[str, torch.Tensor], head: torch.nn.Module
 ) -> None:
-    """Checks that the saved head tensors match the circuit in ``config``.
-
-    Raises:
-        DraftError: naming the circuit field and the tensor that differs.
-    """
+    """Checks that the saved head tensors match the circuit in ``config`` (else DraftError)."""
     own = head.state_dict()
     c = config["circuit"]
     circuit = f"kind={c['kind']!r}, window={c['window']}, rank={c['rank']}"
@@ -263,11 +221,7 @@ def check_head_state(
 
 
 def check_codec(config: dict[str, Any], backbone: Any, folder: Path) -> None:
-    """Refuses a draft whose recorded codec is not its target's (the codec is the target's).
-
-    Raises:
-        DraftError: naming both codecs and the fix.
-    """
+    """Refuses a draft whose recorded codec is not its target's (the codec is the target's)."""
     if config["codec"] != backbone.codec:
         raise DraftError(
             f"{folder / CONFIG_NAME} names codec {config['codec']!r} but its target "
@@ -279,23 +233,14 @@ def check_codec(config: dict[str, Any], backbone: Any, folder: Path) -> None:
 def read_head(
     folder: Path, config: dict[str, Any], head: torch.nn.Module, device: Any
 ) -> dict[str, torch.Tensor]:
-    """The head tensors of a draft on ``device``, checked against ``head`` (built from
-    ``config``).
-
-    Raises:
-        DraftError: unreadable or non-finite tensors, or tensors that do not match the circuit.
-    """
+    """The head tensors of a draft on ``device``, checked against ``head`` (from ``config``)."""
     state = read_tensors(folder / HEAD_NAME, device=str(device))
     check_head_state(config, state, head)
     return state
 
 
 def read_adapter(folder: Path, layers: int, device: Any) -> dict[str, torch.Tensor]:
-    """The LoRA tensors of a draft with ``lora.layers = layers`` (> 0).
-
-    Raises:
-        DraftError: the adapter file is missing, unreadable or holds non-finite tensors.
-    """
+    """The LoRA tensors of a draft with ``lora.layers = layers`` (> 0)."""
     file = folder / ADAPTER_NAME
     if not file.is_file():
         raise DraftError(f"{file} is missing but config.json lora.layers is {layers}")

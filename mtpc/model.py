@@ -1,14 +1,7 @@
 """MTPCModel: a frozen target + its STP head (verifier) + an MTPC head (draft) + LoRA tail.
 
-Data flow (docs/DESIGN.md, paper Sec. 3.4)::
-
-    ids -> trunk (layers 0..L-k-1, cache S)
-             |-> verifier tail (layers L-k..L-1, adapter off, cache V) -> norm -> STP logits
-             '-> draft tail    (same layers, adapter on, cache D)      -> norm -> MTPC head
-
-``k = lora_layers``. With ``k = 0`` both tails are empty and draft and verifier read the
-trunk's last hidden state. Hidden states returned by ``trunk``/``*_tail`` are pre-norm;
-``verifier_logits`` and ``draft_params`` apply the final norm.
+Data flow: docs/BACKBONES.md and docs/DESIGN.md (paper Sec. 3.4). Hidden states returned by
+``trunk``/``*_tail`` are pre-norm; ``verifier_logits`` and ``draft_params`` apply the norm.
 """
 
 from __future__ import annotations
@@ -40,11 +33,9 @@ if TYPE_CHECKING:
 def assign_codec(backbone: Backbone) -> None:
     """Only byte models get a byte codec.
 
-    A generic HF Llama (``backbone.name == "llama"``) is wrapped with the tiny target's
-    codec by default; it keeps it only when its vocabulary is that codec's (a byte Llama of
-    EvaByte's layout). Any other vocabulary (BPE, a toy vocabulary) gets ``codec = None``,
-    and decoding then stops on the model's ``generation_config.eos_token_id``, as
-    ``transformers`` does (``mtpc.decoding.common.default_stop_ids``).
+    A generic HF Llama keeps the tiny target's default codec only when its vocabulary is that
+    codec's; any other gets ``codec = None`` (decoding then stops on the model's
+    ``generation_config.eos_token_id``, ``mtpc.decoding.common.default_stop_ids``).
     """
     if backbone.name != "llama" or backbone.codec is None:
         return
@@ -77,17 +68,14 @@ class Caches:
         return iter((self.trunk, self.verifier, self.draft))
 
     def crop(self, length: int) -> None:
-        """Crops every cache that is longer than ``length`` to ``length``."""
+        """Crops every cache longer than ``length``."""
         for c in self:
             if len(c) > length:
                 c.crop(length)
 
     def compact(self, base: int, keep: torch.Tensor) -> None:
-        """Keeps positions [0, base) and ``base + keep`` of the trunk and verifier caches.
-
-        The accepted root path of a verified token tree (``LayerCache.compact``); the draft
-        cache is not touched (the draft tail runs on the kept states afterwards).
-        """
+        """Keeps positions [0, base) and ``base + keep`` of the trunk and verifier caches (a
+        verified tree's accepted path); the draft tail runs on the kept states afterwards."""
         self.trunk.compact(base, keep)
         self.verifier.compact(base, keep)
 
@@ -101,29 +89,16 @@ class Caches:
 
 @dataclass
 class MTPCOutput:
-    """Training forward output.
+    """Training forward output."""
 
-    Attributes:
-        draft_features: (B, T, d) normed draft hidden states; ``model.head(x.reshape(-1, d))``
-            gives theta_t for every position (feed chunks of them to the loss).
-        verifier_logits: (B, T, V) target STP logits (no grad), when asked for (KL loss).
-    """
-
-    draft_features: torch.Tensor
-    verifier_logits: torch.Tensor | None = None
+    draft_features: torch.Tensor  # (B, T, d) normed draft hidden states, the head's input
+    verifier_logits: torch.Tensor | None = None  # (B, T, V) STP logits, no grad (KL loss)
 
 
 class MTPCModel(nn.Module):
     """Backbone + STP head (verifier) + MTPC head (draft) + LoRA draft tail.
 
-    Build with :meth:`from_hf`, :meth:`from_config` or :meth:`from_backbone`. Only the head
-    and the LoRA weights are trainable.
-
-    Attributes:
-        backbone: the wrapped target (:class:`~mtpc.backbones.base.Backbone`).
-        head: the :class:`~mtpc.heads.MTPCHead`.
-        lora: LoRA settings (``lora.layers`` is k).
-        split: ``L - k``, the first tail layer.
+    Only the head and the LoRA weights are trainable; ``split`` = L - k is the first tail layer.
     """
 
     def __init__(
@@ -137,7 +112,6 @@ class MTPCModel(nn.Module):
         self.split = backbone.num_layers - lora.layers
         self._fingerprint: str | None = None
 
-    # --- construction ----------------------------------------------------------------------
     @classmethod
     def from_backbone(
         cls,
@@ -156,24 +130,9 @@ class MTPCModel(nn.Module):
     ) -> MTPCModel:
         """Attaches a head (and LoRA on the last ``lora_layers`` layers) to a backbone.
 
-        Args:
-            backbone: the target.
-            kind: circuit family (``ff``, ``cp``, ``hmm``, ``btree``).
-            window: n, bytes drafted per step.
-            rank: r, units per region.
-            lora_layers: k, layers of the draft tail (0 = heads only).
-            lora_rank: LoRA rank.
-            lora_alpha: LoRA alpha.
-            lora_dropout: LoRA dropout.
-            lora_target_modules: linear modules of a layer that get LoRA.
-            head_init: ``pretrained`` (MTP unembeddings if the target has them, else the STP
-                unembedding), ``stp`` or ``random``.
-            head_dtype: dtype of the head's parameters.
-            **head_options: passed to ``MTPCHead`` (HMM options, ``init_std``).
-
-        Raises:
-            ValueError: k outside 0..L, unknown LoRA target modules, unknown ``head_init``,
-                before anything is attached.
+        ``head_init``: ``pretrained`` (MTP unembeddings if the target has them, else the STP
+        one), ``stp`` or ``random``; ``head_options`` go to ``MTPCHead``. Bad settings raise
+        ValueError before anything is attached.
         """
         from mtpc.heads import MTPCHead
 
@@ -216,16 +175,8 @@ class MTPCModel(nn.Module):
     ) -> MTPCModel:
         """Wraps a loaded HF causal LM (Llama family, EvaByte, the byte Llama, a TinyTarget).
 
-        Args:
-            hf_causal_lm: the target; it is frozen, LoRA is injected into its last k layers
-                (off unless the draft tail runs), its weights are never copied.
-            kind: circuit family.
-            window: n.
-            rank: r.
-            lora_layers: k.
-            mtp_unembeddings: (m * V, d) MTP unembeddings kept beside the model (EvaByte
-                layout), for Llama-family targets that do not carry them.
-            **kwargs: see :meth:`from_backbone`.
+        ``mtp_unembeddings``: (m * V, d) MTP unembeddings kept beside a Llama-family target
+        (EvaByte layout); ``kwargs``: see :meth:`from_backbone`.
         """
         backbone = backbone_from_hf(hf_causal_lm, mtp_unembeddings)
         return cls.from_backbone(backbone, kind, window, rank, lora_layers, **kwargs)
@@ -251,11 +202,7 @@ class MTPCModel(nn.Module):
         attention_impl: str = "auto",
         **kwargs: Any,
     ) -> MTPCModel:
-        """Flat builder for Hydra: loads ``model`` (see ``load_backbone``) and attaches a head.
-
-        Every setting is checked (dtype on the device, k, LoRA modules via the layer count
-        once loaded, circuit via the head) before training starts.
-        """
+        """Flat builder for Hydra: loads ``model`` (see ``load_backbone``) and attaches a head."""
         backbone = load_backbone(
             model,
             path=path,
@@ -266,7 +213,6 @@ class MTPCModel(nn.Module):
         )
         return cls.from_backbone(backbone, kind, window, rank, lora_layers, **kwargs)
 
-    # --- components ------------------------------------------------------------------------
     @property
     def k(self) -> int:
         return self.lora.layers
@@ -288,12 +234,9 @@ class MTPCModel(nn.Module):
     ) -> torch.Tensor:
         """Embeds ``ids`` (B, T) and runs layers 0..L-k-1 -> pre-norm hidden (B, T, d).
 
-        With a cache, ``ids`` follow the cached ones (and are recorded: the byte Llama's
-        embedding reads the history). With ``tree_mask`` (T, T) (see
-        ``Backbone.run_layers``) the ids are the nodes of a token tree in topological order;
-        a node's history is the cache and its ancestors. ``attend`` (B, T, P + T): batched
-        decoding's per-row visibility (``Backbone.run_layers``); ``hidden``: the ids'
-        embeddings when the caller made them (:meth:`embed`, a row at a time).
+        With a cache, ``ids`` follow the cached ones and are recorded (the byte Llama's
+        embedding reads the history); ``tree_mask`` and ``attend``: ``Backbone.run_layers``;
+        ``hidden``: the ids' embeddings when the caller made them (:meth:`embed`).
         """
         if hidden is None:
             hidden = self.embed(ids, None if cache is None else cache.ids, tree_mask)
@@ -363,7 +306,6 @@ class MTPCModel(nn.Module):
         tree_mask: torch.Tensor | None,
         attend: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Layers L-k..L-1, adapter on or off: (B, T, d) -> (B, T, d)."""
         return self.backbone.run_layers(
             hidden,
             self.split,
@@ -398,9 +340,8 @@ class MTPCModel(nn.Module):
     ) -> MTPCOutput:
         """Training forward (no cache): ids (B, T) -> draft features, optional verifier logits.
 
-        The frozen trunk runs without autograd; gradients reach the LoRA tail and the head.
-        For packed rows pass ``positions`` (restarting per document) and ``documents``
-        (B, T): attention then stays inside each document where the backbone supports it.
+        The trunk runs without autograd. Packed rows pass ``positions`` (restarting per
+        document) and ``documents`` (B, T).
         """
         with torch.no_grad():
             trunk = self.trunk(ids, None, positions, documents)  # (B, T, d)
@@ -429,7 +370,6 @@ class MTPCModel(nn.Module):
             self._fingerprint = self.backbone.weights_fingerprint()
         return self._fingerprint
 
-    # --- export ----------------------------------------------------------------------------
     def save_pretrained(self, path: str | Path, **card: Any) -> Path:
         """Writes head + LoRA safetensors, config.json and README.md (see ``mtpc.export``)."""
         return save_draft(self, path, **card)
@@ -442,19 +382,10 @@ class MTPCModel(nn.Module):
         device: str | None = None,
         dtype: str | None = None,
     ) -> MTPCModel:
-        """Rebuilds an exported draft against its target (the files: ``mtpc.export``).
+        """Rebuilds an exported draft against ``target`` (HF model, ``TinyTarget`` or
+        ``Backbone``), or against its recorded target loaded on ``device`` in ``dtype``.
 
-        Args:
-            path: the exported folder.
-            target: an already loaded target (HF model, ``TinyTarget`` or ``Backbone``) to
-                attach to; ``None`` rebuilds it from the recorded identity (``load_backbone``).
-            device: where to load the target when rebuilding it (default ``cpu``).
-            dtype: the target's dtype when rebuilding it (default: the recorded one).
-
-        Raises:
-            DraftError: bad folder, unreadable or non-finite tensors, circuit/LoRA tensors that
-                do not match the config, a codec that is not the target's.
-            TargetMismatchError: ``target`` (or the rebuilt one) is not the recorded target.
+        Raises DraftError or TargetMismatchError (``mtpc.export``).
         """
         folder = Path(path)
         config = read_config(folder)
@@ -483,11 +414,7 @@ class MTPCModel(nn.Module):
 
 
 def _recorded_target(t: dict[str, Any], device: str | None, dtype: str | None) -> Backbone:
-    """The target a draft's ``config.json`` records (``target``), loaded again.
-
-    Raises:
-        ValueError: an in-memory HF target (no path) or an unknown target model.
-    """
+    """The target a draft's ``config.json`` records (``target``), loaded again."""
     if t.get("model") == "hf":
         if not t.get("path"):
             raise ValueError(

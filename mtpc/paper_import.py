@@ -1,40 +1,10 @@
 """Import the MTPC paper's released drafts (april-tools/mtpc checkpoints) exactly.
 
-A released draft folder holds the paper code's resolved Hydra ``config.yaml`` and one or
-more ``model@<step>.pt`` files: ``{global_step, model_state_dict, optimizer_state_dict,
-scheduler_state_dict}``, read here with ``torch.load(weights_only=True)``. Its
-``model_state_dict`` (the paper's ``MultiTokenLM``) holds:
-
-- ``mt_head._categorical_log_probs_heads.0.head.proj``: ``(n, r, V, d)``, fold ``f`` of the
-  circuit's (folded) input layer, unit ``j``: ``log_softmax(proj[f, j] @ e)`` over V;
-- ``mt_head._sum_weights_heads.{k}.head.proj``: ``(F, K_out, K_in, d)`` for the k-th sum
-  layer in the compiled circuit's topological order: ``softmax(proj[f, o] @ e)`` over K_in;
-  no bias, no norm (the linear expander with ``transformer_n_layer = 0``);
-- ``circuit.*``: buffers only (cirkit's folded circuit): the input layer's ``_scope_idx``
-  ``(n, 1)`` gives the window position of each input fold (the HMM's run n-1, ..., 0), and
-  the address book's ``_in_fold_idx_{i}_0`` ``(F, H)`` gives which folds of the layer before
-  feed each fold (how BTree regions are folded);
-- ``lm._lm.base_model.model.<...>.lora_{A,B}.default.weight``: peft LoRA on the last k layers
-  (r = 16, alpha = 16); every other ``lm.*`` key (the frozen LM) is stored with value None.
-
-:func:`read_paper_draft` reads and checks all of it without the LM; :func:`head_state` maps
-the head into an :class:`~mtpc.heads.MTPCHead` state dict by matching each sum fold's scope
-(the window positions below it) with ours, so the mapping is a permutation and a reshape:
-their ``proj[f, o, i]`` is our ``sum_proj`` row ``(u * r + i)`` for our sum unit ``u`` with
-the same scope and output unit ``o``, and every bias is zero. :func:`import_paper_draft`
-loads the target (the config's hub id or a given path), attaches the head and the LoRA with
-the paper's alpha, and writes our draft format (``mtpc.export.save_draft``) with the target's
-weights fingerprint and where the draft came from (``config.json`` field ``imported``).
-
-What cannot be mapped exactly is refused in one line (:class:`PaperImportError`), before
-the LM loads: an unknown ``mt_head`` key (an MLP or transformer expander, a norm), an
-identity-initialised HMM (``init_hmm_identity=true`` or any extra key: the bias of paper App. E,
-whose form the released head code does not show), ``n_repetition > 1``,
-a BTree whose halves differ from ours (their split is ``round(len / 2)``, half to even; ours
-gives the left half the extra position: they differ at lengths 5, 9, 13, ...; BTree imports
-need n a power of two), the random
-BTree, shared or non-contextual HMM weights, LoRA on other than the last k layers, LM weights
-stored in the checkpoint (a fine-tuned LM). docs/EVALUATION.md, "The paper's drafts".
+:func:`read_paper_draft` reads and checks a folder (``config.yaml``, ``model@<step>.pt``)
+without the LM; :func:`head_state` maps the head onto ours by matching sum folds by scope (a
+permutation and a reshape); :func:`import_paper_draft` writes our draft format. What is mapped
+and what is refused (one line, :class:`PaperImportError`, before the LM loads):
+docs/EVALUATION.md, "The paper's drafts".
 """
 
 from __future__ import annotations
@@ -77,47 +47,26 @@ class PaperImportError(UserError, ValueError):
 
 @dataclass
 class PaperDraft:
-    """A paper draft folder, read and checked (no LM loaded).
-
-    Attributes:
-        folder: the folder.
-        checkpoint: the ``model@<step>.pt`` file read.
-        step: its global step.
-        config: the paper's resolved config (``config.yaml``).
-        kind: our circuit family (``ff``, ``cp``, ``hmm``, ``btree``).
-        window: n.
-        rank: r.
-        vocab_size: V.
-        hidden_size: d.
-        dtype: the head's dtype (the projections' own, bf16 in the released drafts).
-        categorical: ``(n, r, V, d)`` input projections, in their fold order.
-        scope_idx: ``(n,)`` window position of each input fold.
-        sums: per sum layer (topological order) its ``(F, K_out, K_in, d)`` projections.
-        sum_scopes: per sum layer, per fold, the window positions below it.
-        lora: peft LoRA weights by our (the HF model's) names; empty for k = 0.
-        lora_layers: the layers carrying LoRA (the last k of the target).
-        lora_settings: ``rank``, ``alpha``, ``dropout``, ``target_modules`` of their adaptor.
-        lm_id: the config's LM hub id (``lm.model.from_huggingface``), or None.
-    """
+    """A paper draft folder, read and checked (no LM loaded)."""
 
     folder: Path
-    checkpoint: Path
+    checkpoint: Path  # the model@<step>.pt read
     step: int
-    config: dict[str, Any]
-    kind: str
+    config: dict[str, Any]  # the paper's resolved config.yaml
+    kind: str  # our family
     window: int
     rank: int
     vocab_size: int
     hidden_size: int
-    dtype: torch.dtype
-    categorical: Tensor
-    scope_idx: Tensor
-    sums: list[Tensor]
-    sum_scopes: list[list[frozenset[int]]]
-    lora: dict[str, Tensor] = field(default_factory=dict)
-    lora_layers: list[int] = field(default_factory=list)
-    lora_settings: dict[str, Any] = field(default_factory=dict)
-    lm_id: str | None = None
+    dtype: torch.dtype  # the projections' own (bf16 in the released drafts)
+    categorical: Tensor  # (n, r, V, d) input projections, in their fold order
+    scope_idx: Tensor  # (n,) window position of each input fold
+    sums: list[Tensor]  # per sum layer (topological order): (F, K_out, K_in, d)
+    sum_scopes: list[list[frozenset[int]]]  # per sum layer, per fold: the positions below it
+    lora: dict[str, Tensor] = field(default_factory=dict)  # by the HF model's names
+    lora_layers: list[int] = field(default_factory=list)  # the last k of the target
+    lora_settings: dict[str, Any] = field(default_factory=dict)  # rank, alpha, dropout, modules
+    lm_id: str | None = None  # lm.model.from_huggingface
 
     def provenance(self) -> dict[str, Any]:
         """Where the draft came from (recorded in the imported draft's ``config.json``)."""
@@ -131,7 +80,6 @@ class PaperDraft:
         }
 
 
-# ------------------------------------------------------------------------------ reading ----
 def _field(config: Mapping[str, Any], dotted: str, default: Any = ...) -> Any:
     node: Any = config
     for part in dotted.split("."):
@@ -282,17 +230,8 @@ def _chain_scopes(
 ) -> list[list[frozenset[int]]]:
     """Fold scopes of every inner layer of a chain (each layer reads the one before it).
 
-    Args:
-        scope_idx: (n,) window position of each input fold.
-        book: stored fold-index tensors (F, H) by entry (1 = the first inner layer).
-        kinds: the inner layers' kinds in order (``product`` | ``sum``).
-
-    Returns:
-        The fold scopes of each inner layer.
-
-    Raises:
-        PaperImportError: an index past the layer before, a sum reading more than one fold,
-            or overlapping children (not decomposable).
+    ``book``: the stored (F, H) fold-index tensors by entry (1 = the first inner layer);
+    ``kinds``: the inner layers' kinds in order.
     """
     prev = [frozenset([int(p)]) for p in scope_idx.tolist()]
     out = []
@@ -364,15 +303,9 @@ def _check_scopes(
 
 
 def read_paper_draft(folder: str | Path, step: int | None = None) -> PaperDraft:
-    """Reads and checks a paper draft folder (no LM is loaded).
+    """Reads and checks a paper draft folder at ``step`` (default: the highest), no LM.
 
-    Args:
-        folder: the folder with ``config.yaml`` and ``model@<step>.pt``.
-        step: which checkpoint (default: the highest step).
-
-    Raises:
-        MissingFileError: no such folder, no config, no checkpoint.
-        PaperImportError: anything that cannot be mapped exactly (module docstring).
+    Raises MissingFileError (no folder, config or checkpoint) or PaperImportError.
     """
     folder = Path(folder)
     if not folder.is_dir():
@@ -479,12 +412,8 @@ def _check_tensors(
     scope_keys: list[str],
     state: Mapping[str, Any],
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
-    """Checks the head's tensors against the config's n, r and one another.
-
-    Returns:
-        The ``(n, r, V, d)`` input projections, the ``(n,)`` window position of each input
-        fold, and the sum projections in topological order.
-    """
+    """Checks the head's tensors against the config's n, r and one another; returns the
+    ``(n, r, V, d)`` input projections, their ``(n,)`` positions and the sum projections."""
     if categorical is None:
         raise PaperImportError(f"{file}: key {CAT_KEY} is missing")
     if categorical.dim() != 4 or categorical.shape[:2] != (n, r):
@@ -549,18 +478,12 @@ def _lora_config(
     return settings, layers
 
 
-# ------------------------------------------------------------------------------ mapping ----
 def head_state(draft: PaperDraft, structure: Any) -> dict[str, Tensor]:
     """Our ``MTPCHead`` state dict (``unembedding``, ``sum_proj``, ``sum_bias``) of a paper draft.
 
-    Args:
-        draft: the read draft.
-        structure: our :class:`~mtpc.circuits.structure.Structure` of the same family, n, r
-            (every sum contextual, nothing tied).
-
-    Raises:
-        PaperImportError: a sum fold of ours has no paper fold with the same scope (or the
-            units differ): the circuits are not the same.
+    ``structure``: ours of the same family, n, r (every sum contextual, nothing tied). Their
+    ``proj[f, o, i]`` is our ``sum_proj`` row ``u * r + i`` for our sum unit ``u`` with the
+    same scope and output unit ``o``; every bias is zero.
     """
     r, d = draft.rank, draft.hidden_size
     unembedding = torch.empty_like(draft.categorical)  # (n, r, V, d)
@@ -603,7 +526,6 @@ def head_state(draft: PaperDraft, structure: Any) -> dict[str, Tensor]:
     }
 
 
-# ------------------------------------------------------------------------------- import ----
 def _target_name(
     draft: PaperDraft, model: str | None, model_path: str | None
 ) -> tuple[str, str | None]:
@@ -631,26 +553,11 @@ def import_paper_draft(
     device: str = "cpu",
     dtype: str | None = None,
 ) -> Path:
-    """Imports a paper draft folder into our draft format at ``out``.
+    """Imports a paper draft folder into our draft format at ``out``; returns ``out``.
 
-    Args:
-        folder: the paper draft (``config.yaml``, ``model@<step>.pt``).
-        out: the draft folder to write (``eval.py draft=<out>``).
-        step: which checkpoint (default: the highest step).
-        model: our target name (``tiny``, ``evabyte``, ``llama3_byte``); default: from the
-            config's LM hub id.
-        model_path: a local checkpoint or hub id of the target (default: the config's id).
-        revision: hub revision of the target.
-        target: an already loaded target (HF model or ``Backbone``) instead of loading one.
-        device: where to load the target.
-        dtype: the target's dtype (default: the model's config, bf16 for the real targets).
-
-    Returns:
-        ``out``.
-
-    Raises:
-        MissingFileError, PaperImportError: before the target loads (module docstring);
-            PaperImportError after it loads when V, d or the LoRA layers do not fit it.
+    The target: ``target`` (loaded), else ``model`` / ``model_path`` (default: from the
+    config's LM hub id) in ``dtype`` (default bf16 for the real targets). PaperImportError
+    also after it loads, when V, d or the LoRA layers do not fit it.
     """
     from mtpc.export import CONFIG_NAME, save_draft
     from mtpc.model import MTPCModel
@@ -731,7 +638,6 @@ def _check_target_fits(draft: PaperDraft, backbone: Any) -> None:
         )
 
 
-# ---------------------------------------------------------------------------------- CLI ----
 def main(argv: list[str] | None = None) -> Path:
     """``scripts/import_paper_draft.py``: a user error is one line on stderr, exit code 2."""
     import argparse
