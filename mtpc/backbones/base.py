@@ -433,6 +433,16 @@ class Backbone(nn.Module, ABC):
         return weights_fingerprint(self.hf_model)
 
 
+def hf_source(hf_model: nn.Module, model: str | None = None) -> dict[str, Any]:
+    """The identity of an HF model: its name, name_or_path and commit hash, when known."""
+    config: Any = getattr(hf_model, "config", None)
+    return {
+        "model": model or getattr(hf_model, "_mtpc_model_name", None) or "hf",
+        "path": getattr(config, "_name_or_path", None) or None,
+        "revision": getattr(config, "_commit_hash", None),
+    }
+
+
 def weights_fingerprint(model: nn.Module, samples: int = 4096) -> str:
     """Hashes names, shapes, dtypes and up to ``samples`` strided values of every tensor;
     LoRA weights are left out, so attaching an adapter keeps the target's identity."""

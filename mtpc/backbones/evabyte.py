@@ -1,36 +1,8 @@
-"""EvaByte-SFT (``EvaByte/EvaByte-SFT``, remote code ``evabyte_hf``) behind the backbone interface.
+"""EvaByte-SFT (remote code ``evabyte_hf`` of OpenEvaByte/evabyte @ 432331ad) as a backbone.
 
-Written against ``evabyte_hf/modeling_evabyte.py``, ``eva.py``, ``eva_pt_ref.py``,
-``eva_cache.py`` and ``multibyte_decoding_evabyte.py`` of OpenEvaByte/evabyte (432331ad):
-
-* ``lm_head`` is ``Linear(d, num_pred_heads * V)``; rows ``i*V..(i+1)*V-1`` are MTP head
-  ``i`` (head 0 is the next-byte head). They initialise the MTPC head.
-* EVA attention: position p attends exactly to the positions of its own window
-  (``window_size`` W, windows aligned at multiples of W from position 0) up to itself, and to
-  one random-feature summary (RFA: key ``rfa_k``, value ``rfa_v``) per ``chunk_size`` chunk of
-  every earlier window.
-* **Cached runs (decoding) take one pass per call**, the way EvaByte's own multibyte decoding
-  verifies a Medusa tree: each layer is called with ``multibyte_decoding=True`` and a boolean
-  mask over ``[RFAs of past windows | the window's kept positions | the new positions]``
-  (True = attend; the new positions see each other under ``tree_mask``, a causal chain by
-  default). The new keys/values are written into the window buffer after the kept ones
-  without being kept (:class:`EvaWindowCache`, the layout of the remote
-  ``EvaStaticCacheForTriton``). ``native_compact`` then keeps the accepted positions by index
-  (``multi_byte_pred_update_cache``) and compresses the window into RFAs when it is full.
-  Triton path: the remote ``EvaAttention._multibyte_decoding_forward`` and
-  ``triton_eva_prep_kv_fwd``. Torch path (CPU, tests; the remote ``eva_pt_ref.py`` has no
-  multibyte forward): :func:`multibyte_attention` and :func:`compress_window`, the same math
-  as ``eva_pt_ref.py`` (``attention_op``, ``_generate_feature_map``,
-  ``_calculate_chunk_rfa_cache``).
-* A pass never crosses a window boundary: positions after it would need the RFAs of the
-  window being verified. A causal run that crosses one (a prefill, a draft tail) is cut there,
-  the first piece kept and compressed, and the rest run as a second pass. A verify pass is
-  trimmed by the decoder to :meth:`EvaByteBackbone.one_pass_span` positions, as the remote
-  ``multi_byte_generate`` trims its candidates.
-* The first cached run of the triton path (the prefill) goes through the remote prefill
-  (``_triton_forward`` on a throwaway ``EvaStaticCacheForTriton`` writing into our buffers).
-* Without a cache (training forward), a throwaway remote cache is used, as EvaByte's own
-  inference forward does: the model's own prefill path.
+``lm_head`` rows ``i*V..(i+1)*V-1`` are MTP head ``i`` (head 0: the next byte). Every cached
+run is one multibyte pass per EVA window (:class:`EvaWindowCache`, kept by index); cache-free
+runs take the model's own prefill path. See docs/BACKBONES.md, "EvaByte: one pass per cycle".
 """
 
 from __future__ import annotations
@@ -44,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mtpc.backbones.base import Backbone
+from mtpc.backbones.base import Backbone, hf_source
 from mtpc.backbones.compat import kernels_path, load_remote_causal_lm
 
 HUB_ID = "EvaByte/EvaByte-SFT"
@@ -56,12 +28,11 @@ _NO_SLOTS = torch.zeros(0, dtype=torch.long)  # keep nothing past base (a crop, 
 class EvaWindowCache:
     """EVA decoding state of layers ``layers`` (the remote ``EvaStaticCacheForTriton`` layout).
 
-    Per layer ``l`` (lists indexed by the global layer number, ``None`` outside ``layers``):
-    ``past_window_k[l]``/``past_window_v[l]`` (B, h, W + room, hd) rotated keys and values of
-    the current window, ``past_window_pos[l]`` how many of them are kept, ``rfa_k[l]`` /
-    ``rfa_v[l]`` (B, h, C, hd) the RFAs of the C chunks of the windows before (``None`` before
-    the first window is full). ``committed`` positions are kept; ``length - committed`` more
-    were written by the last pass after them and await ``select`` (keep by index).
+    Per global layer ``l`` (``None`` outside ``layers``): ``past_window_k/v[l]`` (B, h, W +
+    room, hd) the current window's rotated keys/values, ``past_window_pos[l]`` how many are
+    kept, ``rfa_k/v[l]`` (B, h, C, hd) the earlier windows' chunk RFAs (``None`` before the
+    first is full). ``committed`` positions are kept; ``length - committed`` more were written
+    by the last pass and await ``_select`` (keep by index).
     """
 
     def __init__(
@@ -137,10 +108,8 @@ def multibyte_attention(
 ) -> tuple[torch.Tensor, None, Any]:
     """Pure-torch ``EvaAttention._multibyte_decoding_forward`` (eva.py) with eva_pt_ref's math.
 
-    Reads the cache, writes the new keys/values after the kept window positions without
-    keeping them. ``attention_mask`` (B, 1, T, C + pos + T) bool, True = attend, over
-    ``[RFAs | window | new]``; scores as ``eva_pt_ref.attention_op`` (fp32 when
-    ``config.mixedp_attn``, masked with ``MASK_MIN_VALUE``).
+    Writes the new keys/values after the kept window positions without keeping them.
+    ``attention_mask`` (B, 1, T, C + pos + T) bool over ``[RFAs | window | new]``.
     """
     assert use_cache and multibyte_decoding and attention_mask is not None
     assert cos is not None and sin is not None
@@ -171,17 +140,9 @@ def multibyte_attention(
 def compress_window(
     attn: Any, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunk RFAs of one full window, eva_pt_ref's ``_generate_feature_map`` and
-    ``_calculate_chunk_rfa_cache`` (what ``triton_eva_prep_kv_fwd`` computes with no mask).
-
-    Args:
-        attn: the layer's ``EvaAttention`` (``adaptive_mu_k``, ``adaptive_phi`` (1, h, 1, 1, hd)).
-        k, v: (B, h, W, hd) rotated keys and values of the window.
-
-    Returns:
-        ``rfa_k``, ``rfa_v`` (B, h, W / c, hd): per chunk, the keys weighted by
-        softmax(mu_k . k) and the values weighted by softmax(scale * (phi . k - |k|^2 / 2)).
-    """
+    """Chunk RFAs (B, h, W / c, hd) of one full window's keys/values ``k``, ``v`` (B, h, W, hd):
+    eva_pt_ref's ``_generate_feature_map`` + ``_calculate_chunk_rfa_cache`` (what
+    ``triton_eva_prep_kv_fwd`` computes with no mask)."""
     b, h, w, hd = k.shape
     c = attn.chunk_size
     rf_k = k.reshape(b, h, w // c, c, hd)  # (B, h, chunks, c, hd)
@@ -208,16 +169,10 @@ class EvaByteBackbone(Backbone):
     def __init__(
         self, hf_model: nn.Module, source: dict[str, Any] | None = None, cache_batch_size: int = 1
     ) -> None:
-        """``cache_batch_size``: rows of the decoding caches (:meth:`new_native_cache`); a
-        cache-free run (training, ``reference_logits``) sizes its throwaway cache from its
-        own batch."""
+        """``cache_batch_size``: rows of the decoding caches; a cache-free run sizes its
+        throwaway cache from its own batch."""
         config: Any = hf_model.config
-        source = source or {
-            "model": "evabyte",
-            "path": getattr(config, "_name_or_path", None) or None,
-            "revision": getattr(config, "_commit_hash", None),
-        }
-        super().__init__(hf_model, "evabyte", "evabyte", source)
+        super().__init__(hf_model, "evabyte", "evabyte", source or hf_source(hf_model, "evabyte"))
         self.remote = sys.modules[type(self.inner).__module__]
         self.use_triton = bool(getattr(self.remote, "USE_TRITON_IMPL", False))
         self.attention_path = (
@@ -247,10 +202,8 @@ class EvaByteBackbone(Backbone):
 
     @torch.no_grad()
     def reference_logits(self, ids: torch.Tensor) -> torch.Tensor:
-        """STP logits of the remote model's own forward (B, T) -> (B, T, V), run in eval mode:
-        in training mode its cache-free path is taken, and ``eva_pt_ref.py`` (4d019e0 and
-        later) raises ``UnboundLocalError`` there (``prev_causal_mask``); our training runs the
-        cached path (:meth:`_run_remote`) and never reaches it."""
+        """STP logits of the remote model's own forward, in eval mode: in training mode it takes
+        the cache-free path, where ``eva_pt_ref.py`` (since 4d019e0) raises UnboundLocalError."""
         modes = [(module, module.training) for module in self.hf_model.modules()]
         self.hf_model.eval()
         try:
@@ -260,38 +213,27 @@ class EvaByteBackbone(Backbone):
                 module.training = training
 
     def one_pass_span(self, length: int, count: int) -> int:
-        """New positions after ``length`` cached ones that one pass verifies exactly: up to the
-        end of the current EVA window (``multi_byte_generate``'s trim)."""
+        """Up to the end of the current EVA window (``multi_byte_generate``'s trim)."""
         return min(count, self.window_size - length % self.window_size)
 
     # --- caches --------------------------------------------------------------------------------
     def new_native_cache(self, start: int, end: int) -> EvaWindowCache:
-        config: Any = self.hf_model.config
-        heads = int(config.num_attention_heads)
+        heads = int(self.config.num_attention_heads)
         return EvaWindowCache(
-            range(start, end),
-            self.cache_batch_size,
-            heads,
-            self.window_size,
-            self.hidden_size // heads,
-            self.dtype,
-            self.device,
-        )
+            range(start, end), self.cache_batch_size, heads, self.window_size,
+            self.hidden_size // heads, self.dtype, self.device,
+        )  # fmt: skip
 
     def _remote_cache(self, start: int, batch: int) -> Any:
         """A throwaway remote cache (the model's own prefill path) for layers from ``start``,
         sized for the ``batch`` rows of the run (the triton cache's buffers are per row)."""
-        config: Any = self.hf_model.config
+        config: Any = self.config
         if self.use_triton:
             native = self.remote.EvaStaticCacheForTriton(
-                batch,
-                config.num_attention_heads,
-                self.window_size + TREE_ROOM,
-                config.hidden_size // config.num_attention_heads,
-                config.num_hidden_layers,
-                self.dtype,
-                self.device,
-            )
+                batch, config.num_attention_heads, self.window_size + TREE_ROOM,
+                config.hidden_size // config.num_attention_heads, config.num_hidden_layers,
+                self.dtype, self.device,
+            )  # fmt: skip
         else:
             native = self.remote.EvaCache()
         for value in vars(native).values():  # per-layer lists that grow by append
@@ -309,14 +251,12 @@ class EvaByteBackbone(Backbone):
         return compress_window(attn, k, v)
 
     def _select(self, native: EvaWindowCache, base: int, keep: torch.Tensor) -> None:
-        """Keeps window-buffer slots ``[0, base)`` in place and moves the slots ``keep``
-        (offsets from the window start, increasing, each >= ``base``) to ``base, base + 1,
-        ...``; drops the rest; compresses the window into RFAs when it becomes full
-        (``multi_byte_pred_update_cache``).
+        """Keeps window slots ``[0, base)`` in place, moves slots ``keep`` (offsets from the
+        window start, increasing, each >= ``base``) to ``base, base + 1, ...``, drops the rest
+        and compresses a full window into RFAs (``multi_byte_pred_update_cache``).
 
-        Only the moved slots are written: ``len(keep)`` per layer at most, none for a run
-        kept whole or a chain's accepted prefix (``keep[i] == base + i``, skipped when ``keep``
-        is on the host; a device ``keep`` is moved as it is, without a sync).
+        Only moved slots are written: none for a chain's accepted prefix (``keep[i] == base +
+        i``, skipped when ``keep`` is on the host; a device ``keep`` moves as it is, no sync).
         """
         w, start, m = self.window_size, native.window_start, int(keep.numel())
         count = base + m
@@ -376,10 +316,6 @@ class EvaByteBackbone(Backbone):
             for attn in attns:
                 del attn.forward
 
-    def _rotary(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[Any, Any]:
-        cos, sin = self.inner.rotary_emb(hidden, seq_len=int(positions.max()) + 1)
-        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # (B, 1, T, hd)
-
     def _pass(
         self,
         hidden: torch.Tensor,
@@ -414,7 +350,8 @@ class EvaByteBackbone(Backbone):
         multibyte: bool,
     ) -> torch.Tensor:
         """Layers ``start..end-1`` called as the remote model calls them -> (B, T, d)."""
-        cos, sin = self._rotary(hidden, positions)
+        cos, sin = self.inner.rotary_emb(hidden, seq_len=int(positions.max()) + 1)
+        cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # (B, 1, T, hd)
         for layer in self.layers[start:end]:
             hidden = layer(
                 hidden,
@@ -515,21 +452,10 @@ def load_evabyte(
     attention_impl: str = "auto",
     run_device: str | None = None,
 ) -> EvaByteBackbone:
-    """Loads EvaByte-SFT (remote code) from the hub or a local checkpoint and checks it.
+    """Loads EvaByte-SFT (remote code, default :data:`HUB_ID`) and checks it (TargetLoadError).
 
-    Args:
-        path: local checkpoint or hub id (default :data:`HUB_ID`).
-        revision: hub revision.
-        dtype: the weights' dtype.
-        device: where the weights are loaded.
-        attention_impl: ``auto`` (triton kernels on a GPU with triton, else the pure-torch
-            EVA of ``eva_pt_ref.py``), ``torch`` or ``triton``; the choice is logged.
-        run_device: where the model will run (default ``device``); the attention path is
-            chosen for it. A triton-path model loaded on the CPU is checked on its run device
-            (moved there for the load-time check and back), since its kernels need a GPU.
-
-    Raises:
-        TargetLoadError: the checkpoint cannot be loaded or fails the load-time check.
+    The attention path is chosen for ``run_device`` (default ``device``); a triton-path model
+    loaded on the CPU is moved there for the load-time check and back (its kernels need a GPU).
     """
     from mtpc.backbones.sanity import check_target
 

@@ -1,15 +1,10 @@
 """HF Llama family behind the backbone interface (the tiny target, byte-vocabulary Llamas).
 
-Works with ``transformers``' ``LlamaForCausalLM`` (decoder layers take ``cache`` from 5.24,
-``past_key_values`` before, and return a tensor) and with Llama-shaped remote code of the 4.4x
-era such as tokenkit's ``TPULlamaForCausalLM`` (layers take ``past_key_value`` and return a
-tuple). The keyword is read from the layer's signature once, at load time
-(:func:`~mtpc.backbones.compat.cache_keyword`), and every cached pass checks that the cache
-grew by what it was fed (:meth:`LlamaBackbone.native_length`, ``Backbone.run_layers``). The native
-cache is a ``DynamicCache``; one per component, indexed by the global layer number (the
-layers below ``start`` stay empty), cropped with ``DynamicCache.crop(-n)`` and compacted by
-index (token trees: the accepted path's keys and values) with ``index_select``. Token trees
-are verified through the layers' 4D additive-mask path (``tree_mask``).
+``transformers``' ``LlamaForCausalLM`` and Llama-shaped 4.4x remote code (tokenkit's
+``TPULlamaForCausalLM``: layers return a tuple); the cache keyword is read from the layer's
+signature. One ``DynamicCache`` per component, indexed by global layer number; token trees go
+through the 4D additive-mask path. See docs/BACKBONES.md, "Caches" and "Following
+transformers".
 """
 
 from __future__ import annotations
@@ -26,6 +21,7 @@ from mtpc.backbones.base import (
     additive_mask,
     causal_mask,
     document_mask,
+    hf_source,
     tree_attention_mask,
 )
 from mtpc.backbones.compat import cache_keyword
@@ -34,13 +30,9 @@ _FAST_CAUSAL = ("sdpa", "flash_attention_2", "flash_attention_3")
 
 
 class LlamaBackbone(Backbone):
-    """A ``LlamaForCausalLM``-compatible model: ``model.embed_tokens/layers/norm/rotary_emb``,
-    ``lm_head``.
-
-    MTP unembeddings (a (m * V, d) tensor in EvaByte's layout: rows ``i*V..(i+1)*V-1`` are
-    head ``i``), given as ``extra_mtp`` or carried by the model as ``mtp_unembeddings``,
-    initialise the MTPC head; otherwise the STP unembedding does.
-    """
+    """A ``LlamaForCausalLM``-compatible model (``model.embed_tokens/layers/norm/rotary_emb``,
+    ``lm_head``). MTP unembeddings (m * V, d) in EvaByte's layout come from ``extra_mtp`` or
+    the model's ``mtp_unembeddings``."""
 
     def __init__(
         self,
@@ -49,7 +41,7 @@ class LlamaBackbone(Backbone):
         codec: str = "tiny",
         source: dict[str, Any] | None = None,
     ) -> None:
-        super().__init__(hf_model, name, codec, source or _hf_source(hf_model))
+        super().__init__(hf_model, name, codec, source or hf_source(hf_model))
         self.extra_mtp: torch.Tensor | None = None  # MTP unembeddings kept beside the model
         inner: Any = hf_model.model
         layer_cls = type(inner.layers[0])
@@ -64,11 +56,9 @@ class LlamaBackbone(Backbone):
         return self.hf_model.lm_head.weight[: self.vocab_size]  # type: ignore[union-attr,index]
 
     def mtp_unembeddings(self) -> torch.Tensor | None:
-        mtp = (
-            self.extra_mtp
-            if self.extra_mtp is not None
-            else getattr(self.hf_model, "mtp_unembeddings", None)
-        )
+        mtp = self.extra_mtp
+        if mtp is None:
+            mtp = getattr(self.hf_model, "mtp_unembeddings", None)
         if mtp is None:
             return None
         w: Any = mtp.weight if isinstance(mtp, nn.Module) else mtp
@@ -182,13 +172,3 @@ def _filled(native: Any) -> list[Any]:
         and getattr(layer, "keys", None) is not None
         and layer.keys.dim() == 4
     ]
-
-
-def _hf_source(hf_model: nn.Module) -> dict[str, Any]:
-    """The identity of an HF model: its name_or_path and commit hash, when known."""
-    config: Any = getattr(hf_model, "config", None)
-    return {
-        "model": getattr(hf_model, "_mtpc_model_name", None) or "hf",
-        "path": getattr(config, "_name_or_path", None) or None,
-        "revision": getattr(config, "_commit_hash", None),
-    }

@@ -1,17 +1,9 @@
 """The byte-level Llama 3.2 3B Instruct (``benjamin/Llama3-2-3B-IT-Byte``, tokenkit).
 
-Its remote code (tokenkit ``TPULlamaForCausalLM``) adds an *expansion embedding* to the
-byte embeddings: for every position, the longest run of recent ids (most recent first, at
-most ``config.expand_input_ids_maxlen`` of them) found in ``expand_input_ids_dict`` picks a
-row of ``model.expand_embed_tokens``. The embedding of a position therefore depends on the
-ids before it, so :meth:`Llama3ByteBackbone.embed` needs the id history (``past_ids``), and
-the trunk's :class:`~mtpc.backbones.base.LayerCache` records it.
-
-The lookup is :class:`ExpansionLookup`: the table compiled once into a trie and walked in
-torch, all positions at once, on the ids' device (the remote ``torch_expand_input_ids`` and
-:func:`expand_input_ids`, the same rule in Python, loop over every id: ~0.1 s per 8192-id
-row). Decoding expands only the new positions, from the last ``maxlen - 1`` ids before them
-(on the CPU, a step of at most 16 new ids takes the Python rule: cheaper for so few).
+Its remote code adds an *expansion embedding*: the longest run of recent ids (most recent
+first, at most ``expand_input_ids_maxlen``) found in ``expand_input_ids_dict`` picks a row of
+``model.expand_embed_tokens``, so :meth:`Llama3ByteBackbone.embed` needs the id history. See
+docs/BACKBONES.md, "The byte Llama's input expansion".
 """
 
 from __future__ import annotations
@@ -26,8 +18,8 @@ from mtpc.backbones.llama import LlamaBackbone
 
 HUB_ID = "benjamin/Llama3-2-3B-IT-Byte"
 HOST_RULE_MAX_POSITIONS = 16
-"""Up to this many positions of a CPU tensor, the Python rule (a few dict look-ups per
-position) beats the trie walk's fixed torch overhead (0.01 ms against 0.3 ms for one id)."""
+"""Up to this many positions of a CPU tensor, the Python rule beats the trie walk's fixed
+torch overhead (0.01 ms against 0.3 ms for one id)."""
 
 
 def expand_input_ids(
@@ -63,13 +55,9 @@ def expand_input_ids(
 class ExpansionLookup:
     """tokenkit's expansion rule (:func:`expand_input_ids`), vectorised over positions.
 
-    The table's keys (shifted ids, most recent first, at most ``maxlen`` long) form a trie;
-    node ``u``'s child by shifted id ``x`` is the edge key ``u * K + x`` (K = the largest id
-    in a key + 1), held sorted. Every position walks the trie with its history, one depth per
-    step (``torch.searchsorted`` over the edges), and keeps the value of the deepest node that
-    is a key: the longest matching suffix. A position whose most recent shifted id is in
-    ``singles`` takes that id's own entry instead, as the rule says. Exactly the rule's
-    output (tested against it on random histories and tables).
+    The table's keys form a trie: node ``u``'s child by shifted id ``x`` is the sorted edge key
+    ``u * K + x`` (K = the largest id in a key + 1). Every position walks it with its history,
+    one depth per ``searchsorted`` step, keeping the deepest node that is a key.
     """
 
     def __init__(self, expand_dict: tuple[Mapping[tuple[int, ...], int], set[int]], maxlen: int):
@@ -163,11 +151,8 @@ class Llama3ByteBackbone(LlamaBackbone):
         self._lookup: ExpansionLookup | None = None  # built on the first expansion
 
     def expand_ids(self, history: torch.Tensor, last_n: int | None = None) -> torch.Tensor:
-        """Expanded ids of ``history`` (B, S) -> (B, S) (zeros before ``S - last_n``), on its
-        device, by :class:`ExpansionLookup`; a host tensor with at most
-        :data:`HOST_RULE_MAX_POSITIONS` positions to expand (a decoding step on the CPU) by
-        :func:`expand_input_ids`, which is cheaper there for so few (measured in
-        docs/BACKBONES.md)."""
+        """Expanded ids of ``history`` (B, S) -> (B, S) (zeros before ``S - last_n``): the trie
+        walk, or the Python rule for at most :data:`HOST_RULE_MAX_POSITIONS` on the CPU."""
         positions = history.shape[1] if last_n is None else min(last_n, history.shape[1])
         if history.device.type == "cpu" and positions <= HOST_RULE_MAX_POSITIONS:
             return expand_input_ids(history, self.inner.expand_input_ids_dict, self.maxlen, last_n)
@@ -185,12 +170,6 @@ class Llama3ByteBackbone(LlamaBackbone):
         expanded = self.expand_ids(history, last_n=t)[:, -t:]  # (B, T): the new positions only
         return emb + self.inner.expand_embed_tokens(expanded)
 
-    @torch.no_grad()
-    def reference_logits(self, ids: torch.Tensor) -> torch.Tensor:
-        out = self.hf_model(input_ids=ids, use_cache=False)
-        logits = out.logits if hasattr(out, "logits") else out[0]
-        return logits[..., : self.vocab_size]
-
 
 def load_llama3_byte(
     path: str | None = None,
@@ -198,11 +177,7 @@ def load_llama3_byte(
     dtype: torch.dtype = torch.bfloat16,
     device: str = "cpu",
 ) -> Llama3ByteBackbone:
-    """Loads the byte-level Llama (remote code) from the hub or a local checkpoint and checks it.
-
-    Raises:
-        TargetLoadError: the checkpoint cannot be loaded or fails the load-time check.
-    """
+    """Loads the byte-level Llama (remote code) and checks it (TargetLoadError)."""
     from mtpc.backbones.compat import load_remote_causal_lm
     from mtpc.backbones.sanity import check_target
 
