@@ -1,13 +1,10 @@
 """The settings of an evaluation (``eval.py``) and of a regeneration (``scripts/regenerate.py``),
-read from the Hydra config once, at the door.
+read from the Hydra config once, at the door (docs/DESIGN.md).
 
-:meth:`EvalSettings.from_cfg` and :meth:`RegenerateSettings.from_cfg` are the only readers of
-the raw config (the dotted getter :func:`get_field` is used here and nowhere else): every field's
-default is written once, in the dataclasses below, and equals ``configs/eval.yaml``'s
-(``configs/regenerate.yaml``'s). The values are kept as given (a bad one is refused, with one
-line naming the field, by ``mtpc.evaluation.checks``: :func:`~mtpc.evaluation.checks.parse_eval`
-and :func:`~mtpc.evaluation.checks.parse_regenerate` read and check); below the entry points,
-functions take these frozen objects or their named fields.
+The ``from_cfg`` methods are the only readers of the raw config (:func:`get_field` is used here
+and nowhere else, a test greps for it); each default is written once, below, and equals
+``configs/eval.yaml``'s (``configs/regenerate.yaml``'s), where each field is described. Values
+are kept as given: ``mtpc.evaluation.checks`` refuses a bad one.
 """
 
 from __future__ import annotations
@@ -47,6 +44,16 @@ def _read(cfg: Any, key: str, default: Any = None) -> Any:
     return plain(get_field(cfg, key, default))
 
 
+def _read_all(cls: type, cfg: Any, prefix: str = "", skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Every field of dataclass ``cls`` but ``skip``, read at ``prefix + name`` with its default."""
+    default = cls()
+    return {
+        k: _read(cfg, prefix + k, getattr(default, k))
+        for k in cls.__dataclass_fields__
+        if k not in skip
+    }
+
+
 def _output_dir(cfg: Any) -> str | None:
     """``output_dir``; None also when it cannot resolve (``${hydra:...}`` outside a Hydra run)."""
     try:
@@ -54,11 +61,6 @@ def _output_dir(cfg: Any) -> str | None:
     except Exception:
         return None
     return None if out is None else str(out)
-
-
-def _root_dir(cfg: Any) -> Path:
-    root = get_field(cfg, "paths.root_dir")
-    return Path(root) if root else PROJECT_ROOT
 
 
 CHUNK_BATCHES = 4
@@ -81,17 +83,8 @@ manifest's order. ``batch_size`` > 1 is added to them (another timing protocol).
 @dataclass(frozen=True)
 class ModelSettings:
     """The target (``model.*``; after :func:`mtpc.evaluation.loading.resolve_target`, the one
-    the drafts were exported for).
-
-    Attributes:
-        name: a registry name (``tiny``, ``evabyte``, ...) or ``hf``.
-        path: a local checkpoint or hub id; None: the model's default.
-        revision: the hub revision, or None.
-        dtype: the weights' dtype.
-        codec: the byte codec.
-        attention_impl: EvaByte's attention path.
-        fields: every ``model.*`` field as given (the manifest's ``target``).
-    """
+    the drafts were exported for). ``fields``: every ``model.*`` field as given (the
+    manifest's ``target``)."""
 
     name: str = "tiny"
     path: str | None = None
@@ -105,33 +98,14 @@ class ModelSettings:
     def from_fields(cls, fields: Mapping[str, Any] | None) -> ModelSettings:
         """The settings of a ``model`` section (a plain mapping)."""
         f = dict(fields or {})
-        d = cls()
-        return cls(
-            name=f.get("name", d.name), path=f.get("path", d.path),
-            revision=f.get("revision", d.revision), dtype=f.get("dtype", d.dtype),
-            codec=f.get("codec", d.codec), attention_impl=f.get("attention_impl", d.attention_impl),
-            fields=f,
-        )  # fmt: skip
+        return cls(**_read_all(cls, f, skip=("fields",)), fields=f)
 
 
 @dataclass(frozen=True)
 class EvalDecoding:
     """How every prompt is decoded (``mtpc.generate``'s keywords; docs/DECODING.md).
-
-    Attributes:
-        max_new_tokens: ids per prompt (per turn).
-        greedy: argmax decoding; False: speculative sampling.
-        policy: condition | recompute | drop.
-        temperature: sampling temperature (a number > 0 even when greedy ignores it).
-        top_k: keep the k most likely ids (sampling), or None.
-        top_p: nucleus filtering (sampling), or None.
-        suppress_eos: decode past EOS (fixed-length generation, paper App. F).
-        seed: set k, prompt i decodes with seed + i (+ the prompt's offset).
-        drafting: the chain's draft: path | map | chain; None: the family default.
-        proposal: sampling's proposal; None: the family default.
-        tree_budget: None, an int or a list: one ``tree<B>`` row per positive budget.
-        tree_floor: token trees leave out nodes with q(path) below it.
-    """
+    ``temperature`` is a number > 0 even when greedy ignores it; prompt i of a set decodes
+    with ``seed`` + i (+ the prompt's offset)."""
 
     max_new_tokens: int = 128
     greedy: bool = True
@@ -149,15 +123,8 @@ class EvalDecoding:
 
 @dataclass(frozen=True)
 class SpecBench:
-    """``prompts=spec_bench`` (configs/prompts/spec_bench.yaml).
-
-    Attributes:
-        name: ``spec_bench``.
-        path: the question.jsonl (relative to the project root, as ``draft=`` is).
-        categories: only these categories (a name or a list); None: all.
-        per_category: the first N questions of each category; None: all.
-        turns: the first N turns of each question; None: all.
-    """
+    """``prompts=spec_bench`` (configs/prompts/spec_bench.yaml); ``path`` is relative to the
+    project root, as ``draft=`` is."""
 
     name: Any = None
     path: Any = None
@@ -168,16 +135,7 @@ class SpecBench:
 
 @dataclass(frozen=True)
 class EvalPrompts:
-    """Which prompts are decoded.
-
-    Attributes:
-        num_prompts: prompts per set (Spec-Bench: questions, None: all).
-        num_prompt_sets: prompt sets, seeds seed..seed+sets-1.
-        english_only: only English prompts.
-        sources: only prompts of these sources (a name or a list); None: all.
-        max_prompt_length: longest prompt in ids; None: the target's context allows.
-        spec_bench: Spec-Bench's questions instead of the data group's; None: the data group's.
-    """
+    """Which prompts are decoded; ``spec_bench`` None: the data group's."""
 
     num_prompts: int | None = 8
     num_prompt_sets: int = 1
@@ -194,19 +152,8 @@ class EvalPrompts:
 
 @dataclass(frozen=True)
 class EvalRun:
-    """How the passes run and are timed.
-
-    Attributes:
-        device: cpu | cuda | cuda:<i>.
-        num_threads: CPU threads; None: torch's default.
-        warmup: untimed runs of each warm-up prompt before each timed pass.
-        warmup_window: also warm up on a prompt longer than one attention window.
-        max_throughput: also run accepting every draft.
-        interleave: decode every draft (and AR) prompt by prompt, alternating their order.
-        progress: a progress bar per draft and pass.
-        batch_size: prompts decoded at once (1: the paper's protocol); > 1 is part
-            of the folder's identity (the times are a batch's shares).
-    """
+    """How the passes run and are timed; ``batch_size`` > 1 is part of the folder's identity
+    (the times are a batch's shares)."""
 
     device: str = "cpu"
     num_threads: int | None = 1
@@ -220,16 +167,8 @@ class EvalRun:
 
 @dataclass(frozen=True)
 class EvalOutput:
-    """Where the records and tables go.
-
-    Attributes:
-        root_dir: the project root (``paths.root_dir``): relative paths start there.
-        output_dir: the evaluation folder (or the merged report's); None: named from the
-            drafts and settings under ``outputs/eval``.
-        report: a folder or a list (globs allowed): rebuild the tables, no decoding; None: decode.
-        resume: auto | force | never.
-        plots: write the plots.
-    """
+    """Where the records and tables go; relative paths start at ``root_dir``
+    (``paths.root_dir``)."""
 
     root_dir: Path = PROJECT_ROOT
     output_dir: str | None = None
@@ -241,17 +180,8 @@ class EvalOutput:
 @dataclass(frozen=True)
 class Drafter:
     """``drafter=hetero`` (configs/drafter/hetero.yaml): a drafter of another vocabulary.
-
-    Attributes:
-        model: a local HF causal-LM folder or ``fixture:<name>``.
-        tokenizer: its tokenizer (folder or codec name); None: the model folder's.
-        algorithm: slem | tli | slrs | union | standard.
-        lookahead: drafter tokens per cycle.
-        look_behind: slem's re-encoded target tokens; None: ``generate_hetero``'s default.
-        max_psi_paths: slrs's bound on drafter passes; None: ``generate_hetero``'s default.
-        psi: slrs's psi method; None: ``generate_hetero``'s default.
-        fields: every ``drafter.*`` field as given (the manifest's record).
-    """
+    None: ``generate_hetero``'s default; ``fields``: every ``drafter.*`` field as given (the
+    manifest's record)."""
 
     model: Any = None
     tokenizer: Any = None
@@ -267,19 +197,9 @@ class Drafter:
 class EvalSettings:
     """Everything an evaluation reads from its config (``configs/eval.yaml``), parsed once.
 
-    Attributes:
-        draft: the exported draft folder(s) (a path or a list); None: the last trained one.
-        baseline: an FF draft folder (or a list) for the ``x baseline`` column, or None.
-        model: the target.
-        data: the ``data`` group (instantiated for the prompts), or None.
-        decoding: how each prompt is decoded.
-        prompts: which prompts.
-        run: how the passes run.
-        output: where the results go.
-        drafter: ``drafter=hetero``'s drafter, or None.
-        given: the measurement's settings as the config gives them (:data:`IDENTITY_FIELDS`,
-            None where missing): the manifest records exactly these, so a folder written
-            before this settings layer resumes.
+    ``given``: the measurement's settings as the config gives them (:data:`IDENTITY_FIELDS`,
+    None where missing): the manifest records exactly these, so a folder written before this
+    settings layer resumes.
     """
 
     draft: Any = None
@@ -296,66 +216,34 @@ class EvalSettings:
     @classmethod
     def from_cfg(cls, cfg: Any) -> EvalSettings:
         """Reads every field the evaluation uses (unchecked: ``checks.parse_eval`` checks)."""
-        dec, pro, run, out = EvalDecoding(), EvalPrompts(), EvalRun(), EvalOutput()
-        floor = _read(cfg, "tree_floor", dec.tree_floor)
-        decoding = EvalDecoding(
-            max_new_tokens=_read(cfg, "max_new_tokens", dec.max_new_tokens),
-            greedy=_read(cfg, "greedy", dec.greedy),
-            policy=_read(cfg, "policy", dec.policy),
-            temperature=_read(cfg, "temperature", dec.temperature),
-            top_k=_read(cfg, "top_k", dec.top_k),
-            top_p=_read(cfg, "top_p", dec.top_p),
-            suppress_eos=_read(cfg, "suppress_eos", dec.suppress_eos),
-            seed=_read(cfg, "seed", dec.seed),
-            drafting=_read(cfg, "drafting", dec.drafting),
-            proposal=_read(cfg, "proposal", dec.proposal),
-            tree_budget=_read(cfg, "tree_budget", dec.tree_budget),
-            tree_floor=dec.tree_floor if floor is None else floor,  # null: no floor
-        )
+        decoding = _read_all(EvalDecoding, cfg)
+        if decoding["tree_floor"] is None:  # null: no floor
+            decoding["tree_floor"] = EvalDecoding.tree_floor
         spec = None
         if get_field(cfg, "prompts") is not None:
-            spec = SpecBench(
-                **{k: _read(cfg, f"prompts.{k}") for k in SpecBench.__dataclass_fields__}
-            )
-        prompts = EvalPrompts(
-            num_prompts=_read(cfg, "num_prompts", pro.num_prompts),
-            num_prompt_sets=_read(cfg, "num_prompt_sets", pro.num_prompt_sets),
-            english_only=_read(cfg, "english_only", pro.english_only),
-            sources=_read(cfg, "sources", pro.sources),
-            max_prompt_length=_read(cfg, "max_prompt_length", pro.max_prompt_length),
-            spec_bench=spec,
-        )
-        run_settings = EvalRun(
-            **{k: _read(cfg, k, getattr(run, k)) for k in EvalRun.__dataclass_fields__}
-        )
-        output = EvalOutput(
-            root_dir=_root_dir(cfg),
-            output_dir=_output_dir(cfg),
-            report=_read(cfg, "report", out.report),
-            resume=_read(cfg, "resume", out.resume),
-            plots=_read(cfg, "plots", out.plots),
-        )
+            spec = SpecBench(**_read_all(SpecBench, cfg, "prompts."))
         drafter = None
         if get_field(cfg, "drafter") is not None:
             fields = _read(cfg, "drafter")
-            d = Drafter()
             drafter = Drafter(
-                **{
-                    k: _read(cfg, f"drafter.{k}", getattr(d, k))
-                    for k in Drafter.__dataclass_fields__
-                    if k != "fields"
-                },
+                **_read_all(Drafter, cfg, "drafter.", skip=("fields",)),
                 fields=fields if isinstance(fields, Mapping) else {},
             )
+        root = get_field(cfg, "paths.root_dir")
+        output = _read_all(EvalOutput, cfg, skip=("root_dir", "output_dir"))
         return cls(
             draft=_read(cfg, "draft"),
             baseline=_read(cfg, "baseline"),
             model=ModelSettings.from_fields(_read(cfg, "model")),
             data=_read(cfg, "data"),
-            decoding=decoding,
-            prompts=prompts,
-            run=run_settings,
-            output=output,
+            decoding=EvalDecoding(**decoding),
+            prompts=EvalPrompts(
+                **_read_all(EvalPrompts, cfg, skip=("spec_bench",)), spec_bench=spec
+            ),
+            run=EvalRun(**_read_all(EvalRun, cfg)),
+            output=EvalOutput(
+                **output, root_dir=Path(root) if root else PROJECT_ROOT, output_dir=_output_dir(cfg)
+            ),
             drafter=drafter,
             given={k: _read(cfg, k) for k in IDENTITY_FIELDS},
         )
@@ -368,7 +256,6 @@ def explicit_model_fields(overrides: list[str], cfg: Any) -> dict[str, Any]:
     Args:
         overrides: Hydra's task overrides (``HydraConfig.get().overrides.task``), e.g.
             ``["draft=d", "model=evabyte", "model.path=/ckpt"]``.
-        cfg: the composed config.
     """
     fields: dict[str, Any] = {}
     for override in overrides:
@@ -392,22 +279,8 @@ def hydra_model_overrides(cfg: Any) -> dict[str, Any] | None:
 # ---------------------------------------------------------------------- regeneration ----
 @dataclass(frozen=True)
 class Settings:
-    """How every assistant turn of a regeneration is decoded (part of the manifest's identity).
-
-    Attributes:
-        method: ``autoregressive`` or ``speculative`` (needs ``draft``).
-        draft: the exported draft folder (speculative), else None.
-        greedy: argmax decoding; False: sampling.
-        temperature: sampling temperature (> 0).
-        top_k: keep the k most likely ids (sampling), or None.
-        top_p: nucleus filtering (sampling), or None.
-        max_new_tokens: at most this many ids per assistant turn (fewer where the context ends).
-        seed: base seed of the per-turn seeds.
-        policy: speculative decoding's correction policy.
-        drafting: speculative decoding's draft (docs/DECODING.md, "Drafting"; None: the
-            family default).
-        proposal: speculative sampling's proposal (None: the family default).
-    """
+    """How every assistant turn of a regeneration is decoded (part of the manifest's identity;
+    fields: configs/regenerate.yaml). ``method`` speculative needs ``draft``."""
 
     method: str = "autoregressive"
     draft: str | None = None
@@ -467,20 +340,9 @@ fingerprint and name)."""
 class RegenerateSettings:
     """Everything a regeneration reads from its config (``configs/regenerate.yaml``), parsed once.
 
-    Attributes:
-        decoder: how every assistant turn is decoded (the manifest's ``settings`` and ``decoder``).
-        model: the target.
-        data: the ``data.*`` fields of :data:`REGENERATE_DATA` (None where missing).
-        shard: this process writes the rows whose index % num_shards == shard.
-        num_shards: the number of shards.
-        output_dir: the output folder (``output_dir``; null:
-            ``outputs/regenerate/<model>-<data source>-<greedy | t<T>>-seed<seed>``).
-        root_dir: the project root (``paths.root_dir``); None: the working directory.
-        device: cpu | cuda | cuda:<i>.
-        num_threads: CPU threads; None: torch's default.
-        progress: a tqdm bar.
-        batch_size: rows decoded at once (1: the paper's protocol); not part of the manifest
-            (the rows do not depend on it).
+    ``decoder``: the manifest's ``settings`` and ``decoder``; ``data``: the fields of
+    :data:`REGENERATE_DATA` (None where missing); ``root_dir`` None: the working directory;
+    ``batch_size`` is not part of the manifest (the rows do not depend on it).
     """
 
     decoder: Settings = field(default_factory=Settings)
@@ -499,7 +361,7 @@ class RegenerateSettings:
     def from_cfg(cls, cfg: Any) -> RegenerateSettings:
         """Reads every field a regeneration uses (``mtpc.config.validate_regenerate_config``
         checks them first: ``checks.parse_regenerate``)."""
-        d, s = Settings(), cls()
+        d = Settings()
         draft = _read(cfg, "draft")
         top_p = _read(cfg, "top_p", d.top_p)
         decoder = Settings(
@@ -516,15 +378,10 @@ class RegenerateSettings:
             proposal=_read(cfg, "proposal", d.proposal),
         )
         return cls(
+            **_read_all(cls, cfg, skip=("decoder", "model", "data", "output_dir", "root_dir")),
             decoder=decoder,
             model=ModelSettings.from_fields(_read(cfg, "model")),
             data={k: _read(cfg, f"data.{k}") for k in REGENERATE_DATA},
-            shard=_read(cfg, "shard", s.shard),
-            num_shards=_read(cfg, "num_shards", s.num_shards),
             output_dir=_read(cfg, "output_dir") or _regenerate_folder(cfg, decoder),
-            root_dir=_read(cfg, "paths.root_dir", s.root_dir),
-            device=_read(cfg, "device", s.device),
-            num_threads=_read(cfg, "num_threads", s.num_threads),
-            progress=_read(cfg, "progress", s.progress),
-            batch_size=_read(cfg, "batch_size", s.batch_size),
+            root_dir=_read(cfg, "paths.root_dir", cls.root_dir),
         )
