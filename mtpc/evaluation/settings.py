@@ -44,7 +44,7 @@ def _read(cfg: Any, key: str, default: Any = None) -> Any:
     return plain(get_field(cfg, key, default))
 
 
-def _read_all(cls: type, cfg: Any, prefix: str = "", skip: tuple[str, ...] = ()) -> dict[str, Any]:
+def _read_all(cls: Any, cfg: Any, prefix: str = "", skip: tuple[str, ...] = ()) -> dict[str, Any]:
     """Every field of dataclass ``cls`` but ``skip``, read at ``prefix + name`` with its default."""
     default = cls()
     return {
