@@ -1,38 +1,8 @@
-"""The evaluation folder: its manifest, its streamed per-prompt records, resume and provenance.
+"""The evaluation folder: its manifest, its streamed per-prompt records, resume and merging.
 
-An evaluation folder (``outputs/eval/<drafts>-<mode>-<sets>x<prompts>x<bytes>-<key>/``)
-holds::
-
-    manifest.json    what is measured: settings, target, data, drafts (+ fingerprints),
-                     the device and the provenance of every session that decoded records
-    records.jsonl    one JSON object per line, appended and flushed as each prompt finishes
-    .lock            held (flock) while an evaluation writes here
-    results.json     tables, rows and provenance, rebuilt from the records (strict JSON)
-    results.csv, by_source.csv, tradeoff.png, acceptance.png
-
-``<key>`` hashes the manifest's ``identity`` (settings, target, data, drafts, device), so
-the same command finds the same folder (and resumes) and any change gets a new folder: no
-evaluation overwrites another. A folder given with ``output_dir=`` whose manifest differs
-is refused, naming the fields, unless ``resume=force``.
-
-Record lines (``type`` first):
-
-* ``prompt``: ``draft`` (row name), ``draft_path`` (None for AR), ``pass`` (``ar`` |
-  ``speculative`` | ``max_throughput``), ``set``, ``index``, ``prompt_id``, ``source``,
-  ``seed``, ``tokens_sha1`` (of the new ids), ``equal_reference`` (greedy speculative: the
-  output equals the AR output of the same prompt; None where not checked), ``draft_rule``
-  (speculative), and the measurements of :func:`mtpc.evaluation.metrics.prompt_record`;
-  a question of several turns (``prompts=spec_bench``) also ``turns``: each turn's
-  ``tokens_sha1``, ``prompt_tokens``, ``equal_reference`` and scalar measurements, the
-  record's own measurements pooling them (``mtpc.evaluation.run.decode_prompts``);
-  ``interleave=true`` adds ``slot`` (the record's place among its prompt's lanes) and, for a
-  greedy drafting pass decoded before AR on that prompt, ``check_pending`` (its
-  ``equal_reference`` is null; the report compares ``tokens_sha1`` with AR's record).
-* ``pass``: a finished pass of one draft over every prompt: ``draft_path``, ``pass``,
-  ``peak_memory_mb``.
-
-A SIGKILL loses at most the line being written; :meth:`RecordStore.open` drops such a
-partial last line before appending.
+The folder's name and key, its files and the record lines are described in
+docs/EVALUATION.md, "One folder per evaluation" and "Records". A SIGKILL loses at most the
+line being written; :meth:`RecordStore.open` drops such a partial last line before appending.
 """
 
 from __future__ import annotations
@@ -61,10 +31,8 @@ class RecordsError(UserError, ValueError):
 
 
 def draft_fingerprint(path: Path) -> str:
-    """A fast fingerprint of an exported draft: its config.json and its head file's size and ends.
-
-    Re-exporting a draft into the same folder changes it, so its records are not reused.
-    """
+    """A fast fingerprint of an exported draft: its config.json and its head file's size and
+    ends (a re-export into the same folder changes it, so its records are not reused)."""
     h = hashlib.sha256((path / "config.json").read_bytes())
     for head in sorted(path.glob("*.safetensors")):
         size = head.stat().st_size
@@ -99,11 +67,8 @@ def folder_name(manifest: Mapping[str, Any]) -> str:
 
 
 def read_records(folder: Path) -> list[dict[str, Any]]:
-    """Every complete record of ``folder`` (a partial last line, from a kill, is skipped).
-
-    Raises:
-        RecordsError: a line other than the last does not parse (the file is damaged).
-    """
+    """Every complete record of ``folder`` (a partial last line, from a kill, is skipped);
+    RecordsError when another line does not parse."""
     try:
         return [_current(record) for record in read_json_lines(folder / RECORDS)]
     except BadJsonLine as bad:
@@ -113,11 +78,7 @@ def read_records(folder: Path) -> list[dict[str, Any]]:
 
 
 def read_manifest(folder: Path) -> dict[str, Any]:
-    """The manifest of an evaluation folder.
-
-    Raises:
-        RecordsError: ``folder`` is not an evaluation folder.
-    """
+    """The manifest of an evaluation folder (RecordsError when there is none)."""
     path = folder / MANIFEST
     if not path.is_file():
         raise RecordsError(f"{folder} is not an evaluation folder (no {MANIFEST})")
@@ -161,20 +122,14 @@ def equal_turns(hashes: Sequence[str], reference: Sequence[str]) -> list[bool]:
 
 
 class MemoryRecords:
-    """Prompt records held in memory: what was measured, and what is still to decode
-    (``evaluate_hetero`` uses it as it is; :class:`RecordStore` adds the folder).
-
-    Attributes:
-        records: every record held, in order.
-        done: keys (:func:`record_key`) of the prompt records held.
-    """
+    """Prompt records held in memory (``records``, in order; ``done``: the :func:`record_key`
+    of each prompt record), and what is still to decode. :class:`RecordStore` adds the folder."""
 
     def __init__(self, records: Iterable[dict[str, Any]] = ()) -> None:
         self.records: list[dict[str, Any]] = list(records)
         self.done = {record_key(r) for r in self.records if r.get("type") == "prompt"}
 
     def append(self, record: dict[str, Any]) -> None:
-        """Holds one more record."""
         self.records.append(record)
         if record.get("type") == "prompt":
             self.done.add(record_key(record))
@@ -192,14 +147,8 @@ class MemoryRecords:
 
 
 class RecordStore(MemoryRecords, AppendStore):
-    """An evaluation folder open for appending records (see the module docstring).
-
-    Attributes:
-        folder: the evaluation folder.
-        manifest: its manifest (this session's provenance appended to ``sessions``).
-        records: every record read at open, then every record appended.
-        done: keys (:func:`record_key`) of the prompt records held.
-    """
+    """An evaluation folder open for appending records; ``manifest`` has this session's
+    provenance appended to ``sessions``."""
 
     def __init__(self, folder: Path, manifest: dict[str, Any]) -> None:
         AppendStore.__init__(self)
@@ -208,16 +157,11 @@ class RecordStore(MemoryRecords, AppendStore):
 
     @classmethod
     def open(cls, folder: Path, manifest: dict[str, Any], force: bool = False) -> RecordStore:
-        """Opens (or creates) ``folder`` for the evaluation ``manifest`` describes.
+        """Opens (or creates) ``folder`` for the evaluation ``manifest`` (``identity`` fields
+        plus ``sessions``) describes.
 
-        Args:
-            folder: the evaluation folder.
-            manifest: ``identity`` fields plus ``sessions`` (this session's provenance).
-            force: resume even when the folder's manifest differs (``resume=force``).
-
-        Raises:
-            RecordsError: another evaluation holds the folder, or its records were measured
-                with other settings, drafts, target, data or device (the message lists them).
+        Raises RecordsError when another evaluation holds the folder, or (unless ``force``)
+        its records were measured with another identity (the message lists the fields).
         """
         store = cls(folder, manifest)
         store.lock(
@@ -254,17 +198,13 @@ class RecordStore(MemoryRecords, AppendStore):
 
 
 def hetero_draft_path(drafter: Mapping[str, Any]) -> str:
-    """The ``draft_path`` of a ``drafter=hetero`` evaluation's records (its ``drafter.*``
-    settings): ``drafter:<model>``."""
+    """The ``draft_path`` of a ``drafter=hetero`` evaluation's records: ``drafter:<model>``."""
     return f"drafter:{drafter.get('model')}"
 
 
 def check_mergeable(manifests: Sequence[Mapping[str, Any]], folders: Sequence[Path]) -> None:
-    """Refuses to merge folders measured on different targets, data, devices or settings.
-
-    Raises:
-        RecordsError: names the folders and the fields that differ, or a draft in two folders.
-    """
+    """Refuses (RecordsError) to merge folders measured differently (but in their drafts) or
+    holding the same draft."""
     keys = [k for k in IDENTITY if k != "drafts"]
     seen: dict[str, Path] = {}
     for manifest, folder in zip(manifests, folders, strict=True):
@@ -285,11 +225,8 @@ def check_mergeable(manifests: Sequence[Mapping[str, Any]], folders: Sequence[Pa
 
 
 def expand_folders(patterns: Iterable[str], root: Path) -> list[Path]:
-    """Evaluation folders named by paths or glob patterns (relative to ``root``), in order.
-
-    Raises:
-        RecordsError: a pattern matches no evaluation folder.
-    """
+    """Evaluation folders named by paths or glob patterns (relative to ``root``), in order;
+    RecordsError when a pattern matches none."""
     out: list[Path] = []
     for pattern in patterns:
         base = Path(pattern) if Path(pattern).is_absolute() else root / pattern
