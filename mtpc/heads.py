@@ -92,10 +92,8 @@ class MTPCHead(nn.Module):
         # (P_ctx * r, d): sum-unit projections R (random: context-dependent sums; zero: uniform)
         self.sum_proj = nn.Parameter(torch.zeros(ctx_rows.numel() * rank, hidden_size))
         self.sum_bias = nn.Parameter(torch.zeros(s.num_param_rows, rank))  # (P, r)
-        # FF has no sums: its (0, d) / (0, r) tensors stay (exported drafts keep their names)
-        # but are frozen, since a trainable parameter that never gets a gradient stalls
-        # DDP's gradient reduction ("Expected to have finished reduction") and is dead
-        # weight for the optimizer
+        # FF has no sums: its (0, d) / (0, r) tensors keep their names in exported drafts but
+        # are frozen (a parameter that never gets a gradient stalls DDP's gradient reduction)
         for param in (self.sum_proj, self.sum_bias):
             param.requires_grad_(param.numel() > 0)
         self.reset_sum_parameters()

@@ -559,11 +559,21 @@ def import_paper_draft(
     config's LM hub id) in ``dtype`` (default bf16 for the real targets). PaperImportError
     also after it loads, when V, d or the LoRA layers do not fit it.
     """
+    from mtpc.backbones import backbone_from_hf, load_backbone
     from mtpc.export import CONFIG_NAME, save_draft
     from mtpc.model import MTPCModel
 
     draft = read_paper_draft(folder, step)
-    backbone = _load_target(draft, model, model_path, revision, target, device, dtype)
+    if target is not None:
+        backbone = backbone_from_hf(target)
+    else:
+        name, path = _target_name(draft, model, model_path)
+        kwargs: dict[str, Any] = {"path": path, "revision": revision, "device": device}
+        if dtype is not None:
+            kwargs["dtype"] = dtype
+        elif name != "tiny":
+            kwargs["dtype"] = "bfloat16"
+        backbone = load_backbone(name, **kwargs)
     _check_target_fits(draft, backbone)
     options: dict[str, Any] = {}
     if draft.kind in ("hmm", "btree"):
@@ -597,29 +607,6 @@ def import_paper_draft(
     config["imported"] = provenance
     file.write_text(json.dumps(config, indent=2, default=str) + "\n", encoding="utf-8")
     return outdir
-
-
-def _load_target(
-    draft: PaperDraft,
-    model: str | None,
-    model_path: str | None,
-    revision: str | None,
-    target: Any,
-    device: str,
-    dtype: str | None,
-) -> Any:
-    """The target ``Backbone``: ``target`` wrapped, or loaded (``import_paper_draft``'s args)."""
-    from mtpc.backbones import backbone_from_hf, load_backbone
-
-    if target is not None:
-        return backbone_from_hf(target)
-    name, path = _target_name(draft, model, model_path)
-    kwargs: dict[str, Any] = {"path": path, "revision": revision, "device": device}
-    if dtype is not None:
-        kwargs["dtype"] = dtype
-    elif name != "tiny":
-        kwargs["dtype"] = "bfloat16"
-    return load_backbone(name, **kwargs)
 
 
 def _check_target_fits(draft: PaperDraft, backbone: Any) -> None:

@@ -1,11 +1,6 @@
 """Contextual tensorised probabilistic circuits in plain torch (no Lightning / Hydra).
 
-- ``structure``: layered ("folded") structures and the family builders (ff, cp, hmm, btree);
-- ``params``: ``CircuitParams``, the per-example parameters a head produces;
-- ``engine``: ``Circuit``, one engine that answers every query on any structure;
-- ``cirkit_bridge``: ``to_cirkit``, the same circuit as a cirkit symbolic circuit.
-
-See ``docs/CIRCUITS.md``.
+The modules: docs/CIRCUITS.md.
 """
 
 from mtpc.circuits.engine import Circuit

@@ -59,20 +59,10 @@ class Circuit:
                 src = la.slots[0].sources[0]
                 whole = la.view_start == 0 and self.layers[src].num_folds == la.num_folds * la.arity
                 view = (src, not whole, la.view_start)
-            lo = la.sum_offset
-            hi = lo + la.num_folds * la.num_units
+            F, R, lo, slots = la.num_folds, la.num_units, la.sum_offset, tuple(la.slots)
+            is_sum = la.kind == "sum"
             self._plan.append(
-                _LayerStep(
-                    is_sum=la.kind == "sum",
-                    num_folds=la.num_folds,
-                    num_units=la.num_units,
-                    arity=la.arity,
-                    slot0=la.slots[0],
-                    view=view,
-                    lo=lo,
-                    hi=hi,
-                    slots=tuple(la.slots),
-                )
+                _LayerStep(is_sum, F, R, la.arity, slots[0], view, lo, lo + F * R, slots)
             )
         # prefix fast path: layer 1 multiplies consecutive inputs and nobody else reads them
         self._prefix_index: Tensor | None = None
@@ -237,16 +227,12 @@ class Circuit:
 
         ``evidence`` ``(B, m)``, m <= n, fixes the first positions (returned as given).
         """
-        lp, lw = self._unpack(params)
-        m = self._check_evidence(evidence, lp, name="evidence", max_len=self.window)
-        return self._top_down(lp, lw, evidence, m, generator, max_product=False)
+        return self._top_down(params, evidence, generator, max_product=False)
 
     @torch.no_grad()
     def map_decode(self, params: CircuitParams, evidence: Tensor | None = None) -> Tensor:
         """``(B, n)`` max-product (approximate MAP) decoding: the mode over tokens and latents."""
-        lp, lw = self._unpack(params)
-        m = self._check_evidence(evidence, lp, name="evidence", max_len=self.window)
-        return self._top_down(lp, lw, evidence, m, None, max_product=True)
+        return self._top_down(params, evidence, None, max_product=True)
 
     @torch.no_grad()
     def greedy_chain(self, params: CircuitParams, evidence: Tensor | None = None) -> Tensor:
@@ -313,15 +299,15 @@ class Circuit:
 
     def _top_down(
         self,
-        lp: Tensor,
-        lw: Tensor | None,
+        params: CircuitParams,
         evidence: Tensor | None,
-        m: int,
         generator: torch.Generator | None,
         *,
         max_product: bool,
     ) -> Tensor:
         """Select one unit per fold from the root down, then the free tokens."""
+        lp, lw = self._unpack(params)
+        m = self._check_evidence(evidence, lp, name="evidence", max_len=self.window)
         B, n, r, V = lp.shape
         if m == n:
             assert evidence is not None

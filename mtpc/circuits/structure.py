@@ -62,11 +62,6 @@ class Structure:
     param_identity: Tensor  # (P,) bool: identity-initialised (weight on input param_unit)
     param_contextual: Tensor  # (P,) bool: depends on the context
 
-    @property
-    def depth(self) -> int:
-        """Number of inner layers."""
-        return len(self.layers) - 1
-
     def __repr__(self) -> str:
         inner = ", ".join(f"{la.kind}[{la.num_folds}x{la.num_units}]" for la in self.layers[1:])
         return (
