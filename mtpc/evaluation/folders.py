@@ -16,40 +16,27 @@ from mtpc.evaluation.loading import (
     spec_bench_questions,
 )
 from mtpc.evaluation.records import (
+    FORMAT_VERSION,
     MANIFEST,
     RecordsError,
     RecordStore,
+    draft_fingerprint,
+    folder_name,
 )
 from mtpc.evaluation.settings import IDENTITY_FIELDS, EvalSettings
 from mtpc.evaluation.statistics import training_config
 
 logger = logging.getLogger(__name__)
 
-
-SETTINGS = IDENTITY_FIELDS
-"""Settings that define a measurement (their change starts another evaluation folder);
-``batch_size`` > 1 is added to them (a batch's times are another protocol)."""
-
-
 DATA_IGNORED = ("cache_dir", "num_workers", "batch_size", "streaming", "pack_documents")
 """Data fields that do not change the prompts."""
-
-
-def _draft_name(path: Path) -> str:
-    return path.name if path.name != "draft" else path.parent.name
 
 
 def build_manifest(
     settings: EvalSettings | Any, drafts: Sequence[Path], baselines: Sequence[Path]
 ) -> dict[str, Any]:
-    """What an evaluation measures (settings, target, data, drafts, device) and its provenance.
-
-    Args:
-        settings: the evaluation's settings (a raw config: read first, as ``evaluate`` does).
-        drafts: the drafts.
-        baselines: the baselines.
-    """
-    from mtpc.evaluation.records import FORMAT_VERSION, draft_fingerprint
+    """What an evaluation measures (settings, target, data, drafts, device) and its provenance
+    (``settings`` may be a raw config: read first, as ``evaluate`` does)."""
     from mtpc.export import read_config
     from mtpc.store import device_name, provenance
 
@@ -65,15 +52,15 @@ def build_manifest(
         # measurement (another folder), never resumed into the old records
         rule = chain_rule(c["kind"], greedy, d.drafting, d.proposal)
         entries.append(
-            {"path": str(path), "name": _draft_name(path), "kind": c["kind"],
-             "window": c["window"], "rank": c["rank"], "lora_layers": config["lora"]["layers"],
-             "baseline": i >= len(drafts), "fingerprint": draft_fingerprint(path),
-             "draft_rule": rule}
+            {"path": str(path), "name": path.parent.name if path.name == "draft" else path.name,
+             "kind": c["kind"], "window": c["window"], "rank": c["rank"],
+             "lora_layers": config["lora"]["layers"], "baseline": i >= len(drafts),
+             "fingerprint": draft_fingerprint(path), "draft_rule": rule}
         )  # fmt: skip
     data = dict(s.data or {})
     device = str(s.run.device)
     # the settings as given (not as defaulted): the same bytes, the same folder key
-    settings_record = {k: s.given.get(k) for k in SETTINGS}
+    settings_record = {k: s.given.get(k) for k in IDENTITY_FIELDS}
     settings_record.update(asked(d.drafting, d.proposal))
     if s.drafter is not None:  # drafter=hetero: another drafter, another folder
         settings_record["drafter"] = dict(s.drafter.fields)
@@ -111,14 +98,9 @@ def build_manifest(
 
 
 def warn_other_data(training: Mapping[str, Any], source: str) -> list[str]:
-    """Warn (once per draft) when a draft was trained on another named data source than the
-    prompts come from: a code draft evaluated without ``data=python_code`` reads synthetic
-    chat prompts. Allowed (a cross-domain evaluation is a choice), but said. Drafts trained
-    on local files (``data.path``) or without a recorded config are not checked.
-
-    Returns:
-        The paths warned about.
-    """
+    """Warns (once per draft) when a draft was trained on another named data source than the
+    prompts come from (allowed, but said); returns the paths warned about. Drafts trained on
+    local files or without a recorded config are not checked."""
     warned = []
     for path, config in training.items():
         trained = ((config or {}).get("data") or {}).get("source")
@@ -133,8 +115,6 @@ def warn_other_data(training: Mapping[str, Any], source: str) -> list[str]:
 
 def eval_folder(s: EvalSettings, manifest: Mapping[str, Any]) -> Path:
     """``output_dir`` when given, else ``outputs/eval/<name from the drafts and settings>``."""
-    from mtpc.evaluation.records import folder_name
-
     out = s.output.output_dir
     return Path(out) if out else s.output.root_dir / "outputs" / "eval" / folder_name(manifest)
 
