@@ -42,8 +42,7 @@ from mtpc.files import remove_stale_tmp
 
 logger = logging.getLogger(__name__)
 
-CACHE_VERSION = 2
-"""Bump when the on-disk format or the preprocessing changes (2: file hashes in meta.json)."""
+CACHE_VERSION = 2  # bump when the format or the preprocessing changes (2: file hashes)
 
 SPLITS = ("train", "val")
 
@@ -71,11 +70,8 @@ def _file_records(folder: Path) -> dict[str, dict[str, Any]]:
 
 
 def verify_files(folder: Path, meta: dict[str, Any], hashes: bool = True) -> None:
-    """Checks the files of ``meta["files"]``: sizes, and hashes when ``hashes``.
-
-    Raises:
-        CacheCorruptError: a file is missing or differs, naming the folder and the file.
-    """
+    """Checks the files of ``meta["files"]`` (sizes; hashes when ``hashes``), or raises
+    ``CacheCorruptError`` naming the folder and the file."""
     records = meta.get("files")
     if not isinstance(records, dict) or not records:
         raise _corrupt(folder, "meta.json", "has no file sizes and hashes")
@@ -188,13 +184,8 @@ def prepare(
     seed: int = 0,
     validation_fraction: float = DEFAULT_VALIDATION_FRACTION,
 ) -> Path:
-    """Tokenises, filters and splits ``source`` into the cache unless it is there already.
-
-    Returns the cache folder.
-
-    Raises:
-        ValueError: no row of ``source`` is usable (naming the dataset and the counts).
-    """
+    """Tokenises, filters and splits ``source`` into its cache folder (returned) unless it is
+    there already; ``DataError`` when no row is usable (naming the dataset and the counts)."""
     folder, parts = cache_folder(cache_dir, source, codec, max_bytes, seed, validation_fraction)
     if (folder / "meta.json").is_file():
         logger.info("data cache hit: %s", folder)
@@ -325,9 +316,7 @@ def load_prepared(folder: str | os.PathLike[str], verify: bool = True) -> Prepar
     """Reads a cache folder written by ``prepare`` (the big arrays memory mapped).
 
     ``verify=False`` (dataloader workers reopening a verified folder) checks sizes only.
-
-    Raises:
-        CacheCorruptError: a file is missing, unreadable or differs from ``meta.json``.
+    Raises ``CacheCorruptError`` when a file is missing, unreadable or differs from meta.json.
     """
     folder = Path(folder)
     try:

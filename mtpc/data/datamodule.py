@@ -19,7 +19,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_collate
 
 from mtpc.backbones.codecs import get_codec
-from mtpc.data.cache import PreparedData, cache_folder, ensure_prepared, load_prepared
+from mtpc.data.cache import PreparedData, ensure_prepared, load_prepared
 from mtpc.data.packing import PackPlan, build_sequence
 from mtpc.data.preprocess import DEFAULT_MAX_BYTES, DEFAULT_VALIDATION_FRACTION
 from mtpc.data.prompts import PROMPT_SET_SEEDS, EvalPrompt, build_prompt_sets
@@ -108,14 +108,7 @@ class ResumableDistributedSampler(DistributedSampler):
         seed: int = 0,
         drop_last: bool = False,
     ) -> None:
-        super().__init__(
-            dataset,
-            num_replicas=num_replicas,
-            rank=rank,
-            shuffle=shuffle,
-            seed=seed,
-            drop_last=drop_last,
-        )
+        super().__init__(dataset, num_replicas, rank, shuffle, seed, drop_last)
         self.start = 0  # global positions of this epoch's permutation already consumed
 
     def global_indices(self) -> list[int]:
@@ -306,7 +299,6 @@ class MTPCDataModule(L.LightningDataModule):
         self.data: PreparedData | None = None
         self.datasets: dict[str, PackedDataset] = {}
         self._row_source: RowSource | None = None
-        self._train_loader: ResumableDataLoader | None = None
 
     # -- preparation ------------------------------------------------------------------
 
@@ -324,18 +316,6 @@ class MTPCDataModule(L.LightningDataModule):
                 validation_fraction=self.validation_fraction,
             )
         return self._row_source
-
-    def cache_folder(self) -> Path:
-        """Where this configuration's prepared data lives."""
-        folder, _ = cache_folder(
-            self.cache_dir,
-            self.row_source(),
-            self.codec_name,
-            self.max_bytes,
-            self.seed,
-            self.validation_fraction,
-        )
-        return folder
 
     def prepare_data(self) -> None:
         data = self._ensure_prepared()
@@ -411,7 +391,7 @@ class MTPCDataModule(L.LightningDataModule):
         sampler = ResumableDistributedSampler(
             dataset, world, rank, shuffle=self.shuffle, seed=self.seed, drop_last=self.drop_last
         )
-        self._train_loader = ResumableDataLoader(
+        return ResumableDataLoader(
             dataset,
             sampler,
             self.batch_size,
@@ -420,7 +400,6 @@ class MTPCDataModule(L.LightningDataModule):
             persistent_workers=self.num_workers > 0,
             **self._collate(),
         )
-        return self._train_loader
 
     def _collate(self) -> dict[str, Any]:
         """One document per row: batches cut to their longest row (:func:`collate_trimmed`)."""
@@ -454,14 +433,9 @@ class MTPCDataModule(L.LightningDataModule):
         sources: Sequence[str] | None = None,
     ) -> list[list[EvalPrompt]]:
         """Evaluation prompt sets from the validation split (``mtpc.data.prompts``)."""
+        rows = self._prepared().val_rows()
         return build_prompt_sets(
-            self._prepared().val_rows(),
-            self.codec,
-            num_prompts=num_prompts,
-            seeds=seeds,
-            english_only=english_only,
-            max_prompt_length=max_prompt_length,
-            sources=sources,
+            rows, self.codec, num_prompts, seeds, english_only, max_prompt_length, sources
         )
 
     def _prepared(self) -> PreparedData:

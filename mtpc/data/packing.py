@@ -9,7 +9,7 @@ depends on the lengths only, so it is cacheable. See docs/DATA.md, "Preprocessin
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -37,23 +37,12 @@ class PackPlan:
         return float(self.seg_len.sum() / total) if total else 0.0
 
     def to_arrays(self) -> dict[str, np.ndarray]:
-        return {
-            "seq_len": np.asarray(self.seq_len),
-            "seq_offsets": self.seq_offsets,
-            "seg_doc": self.seg_doc,
-            "seg_start": self.seg_start,
-            "seg_len": self.seg_len,
-        }
+        return {f.name: np.asarray(getattr(self, f.name)) for f in fields(self)}
 
     @classmethod
     def from_arrays(cls, arrays: Mapping[str, np.ndarray]) -> PackPlan:
-        return cls(
-            seq_len=int(arrays["seq_len"]),
-            seq_offsets=np.asarray(arrays["seq_offsets"], dtype=np.int64),
-            seg_doc=np.asarray(arrays["seg_doc"], dtype=np.int64),
-            seg_start=np.asarray(arrays["seg_start"], dtype=np.int64),
-            seg_len=np.asarray(arrays["seg_len"], dtype=np.int64),
-        )
+        segments = (np.asarray(arrays[f.name], dtype=np.int64) for f in fields(cls)[1:])
+        return cls(int(arrays["seq_len"]), *segments)
 
 
 class _Fenwick:
@@ -93,10 +82,8 @@ def plan_packing(doc_lengths: np.ndarray, seq_len: int, pack: bool = True) -> Pa
 
     Every id of every document lands in exactly one segment. ``pack=False`` puts each
     document (or piece) in a sequence of its own, for a target whose attention cannot keep
-    packed documents apart (EvaByte; docs/TRAINING.md).
-
-    Raises:
-        ValueError: ``seq_len`` < 1 or a non-positive document length.
+    packed documents apart (EvaByte; docs/TRAINING.md). ``ValueError`` for ``seq_len`` < 1 or
+    a non-positive document length.
     """
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")

@@ -23,19 +23,11 @@ from mtpc.data.sources import ERROR_KEY
 logger = logging.getLogger(__name__)
 
 DROP_REASONS = (
-    "invalid_json",
-    "undecodable_text",
-    "no_messages",
-    "unknown_role",
-    "non_string_content",
-    "no_assistant_turn",
-    "empty_assistant_turn",
-    "too_long",
-    "template_error",
-)
+    "invalid_json", "undecodable_text", "no_messages", "unknown_role", "non_string_content",
+    "no_assistant_turn", "empty_assistant_turn", "too_long", "template_error",
+)  # fmt: skip
 
-DEFAULT_MAX_BYTES = 8192
-"""The paper's context limit in bytes (ids, counting the template's special ids)."""
+DEFAULT_MAX_BYTES = 8192  # the paper's context limit (ids, the template's special ids too)
 
 DEFAULT_VALIDATION_FRACTION = 0.01
 MAX_EXAMPLES_PER_REASON = 5
@@ -227,10 +219,8 @@ def split_indices(
     """Shuffles ``range(num_docs)`` with ``seed`` and cuts it into (train, validation).
 
     Validation gets ``round(validation_fraction * num_docs)`` documents (at least one when the
-    fraction is > 0 and there are 2+ documents); both keep the shuffled order.
-
-    Raises:
-        ValueError: ``validation_fraction`` outside [0, 1).
+    fraction is > 0 and there are 2+ documents); both keep the shuffled order. ``ValueError``
+    for a ``validation_fraction`` outside [0, 1).
     """
     if not 0.0 <= validation_fraction < 1.0:
         raise ValueError(f"validation_fraction must be in [0, 1), got {validation_fraction}")

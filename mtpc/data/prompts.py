@@ -21,19 +21,20 @@ from mtpc.data.preprocess import check_row
 
 logger = logging.getLogger(__name__)
 
-PROMPT_SET_SEEDS = (0, 1, 2)
-"""Seeds of the three prompt sets (paper App. F: three runs with different prompts)."""
-
+PROMPT_SET_SEEDS = (0, 1, 2)  # paper App. F: three runs with different prompts
 DEFAULT_NUM_PROMPTS = 250
 
 ENGLISH_STOPWORDS = frozenset(
-    """
-    a an the and or but if of to in on at for with from by about as is are was were be been
-    do does did can could would should will shall may might must have has had not no this
-    that these those it its i you he she we they me my your our their what which who whom
-    how why when where please write give explain there here than then so
-    """.split()
-)
+    (
+        "a", "an", "the", "and", "or", "but", "if", "of", "to", "in", "on", "at", "for", "with",
+        "from", "by", "about", "as", "is", "are", "was", "were", "be", "been", "do", "does", "did",
+        "can", "could", "would", "should", "will", "shall", "may", "might", "must", "have", "has",
+        "had", "not", "no", "this", "that", "these", "those", "it", "its", "i", "you", "he", "she",
+        "we", "they", "me", "my", "your", "our", "their", "what", "which", "who", "whom", "how",
+        "why", "when", "where", "please", "write", "give", "explain", "there", "here", "than",
+        "then", "so",
+    )
+)  # fmt: skip
 _WORD = re.compile(r"[A-Za-z]+")
 
 
@@ -140,10 +141,8 @@ def build_prompt_sets(
 
     Set k is a seeded sample (``seeds[k]``) from the pool the sets before it left, so sets
     are disjoint while the pool allows; a smaller pool gives overlapping sets (with a
-    warning), or all of it in a seeded order. ``sources`` keeps those ``source`` values.
-
-    Raises:
-        UnknownSourceError: a name in ``sources`` that no usable prompt has.
+    warning), or all of it in a seeded order. ``sources`` keeps those ``source`` values; one
+    that no usable prompt has raises ``UnknownSourceError``.
     """
     pool = make_prompts(rows, codec, english_only, max_prompt_length)
     if sources is not None:

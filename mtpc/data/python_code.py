@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import sysconfig
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import cache
@@ -25,8 +26,7 @@ from mtpc.errors import DataError, MissingFileError
 
 logger = logging.getLogger(__name__)
 
-PYTHON_CODE_VERSION = 1
-"""Bump when the rows change for the same files, so that stale caches are not reused."""
+PYTHON_CODE_VERSION = 1  # bump when the rows change for the same files (stale caches)
 
 KINDS = ("function_body", "docstring", "continuation")
 SOURCE_PREFIX = "python/"
@@ -251,8 +251,7 @@ def _build(
         keep = sorted(keep_val + keep_train)
         rows = [rows[i] for i in keep]
         validation = [validation[i] for i in keep]
-    for row in rows:
-        report.rows[row["source"]] = report.rows.get(row["source"], 0) + 1
+    report.rows = dict(Counter(row["source"] for row in rows))
     bad = {k: v for k, v in report.malformed_files.items() if v}
     if bad:
         logger.warning(
@@ -287,11 +286,8 @@ def python_code_source(
     (a cache hit never parses). ``num_rows`` N keeps the first ``N - V`` training and
     ``V = max(1, round(validation_fraction * N))`` validation rows in reading order, and
     stops parsing once it has them (``source_report``'s ``files_seen`` counts those parsed).
-
-    Raises:
-        DataError: an unknown kind, a fraction outside [0, 1), ``num_rows`` < 1, or a root
-            with no ``.py`` file.
-        MissingFileError: ``root`` is not a folder.
+    ``DataError`` for an unknown kind, a fraction outside [0, 1), ``num_rows`` < 1 or a root
+    without ``.py`` files; ``MissingFileError`` when ``root`` is not a folder.
     """
     unknown = [k for k in kinds if k not in KINDS]
     if unknown or not kinds:
@@ -324,9 +320,7 @@ def python_code_source(
         f"kinds={','.join(kinds)}:val{validation_fraction:g}:n{num_rows}:"
         f"{content.hexdigest()[:32]}"
     )
-
     build = cache(lambda: _build(folder, files, kinds, num_rows, validation_fraction, label))
-
     return RowSource(
         name=label if num_rows is None else f"{label}[:{num_rows}]",
         fingerprint=fingerprint,

@@ -25,12 +25,8 @@ from mtpc.errors import DataError, MissingFileError
 
 logger = logging.getLogger(__name__)
 
-TULU3_DATASET = "allenai/tulu-3-sft-mixture"
-"""The Hugging Face hub id of the Tülu 3 SFT mixture (939,344 rows, 18 sources)."""
-
-ERROR_KEY = "__mtpc_error__"
-"""Key of the placeholder row for a row that could not be read; its value is the reason."""
-
+TULU3_DATASET = "allenai/tulu-3-sft-mixture"  # 939,344 rows, 18 sources
+ERROR_KEY = "__mtpc_error__"  # marks a row that could not be read; its value is the reason
 SOURCES = ("synthetic", "tulu3", "local", "python_code")
 
 
@@ -52,10 +48,8 @@ def load_source(
     ``.py`` files instead of the standard library. ``num_rows`` keeps the first rows,
     reported as a limit (synthetic: how many to generate). ``seed`` is the synthetic
     generator's, ``validation_fraction`` python_code's share of held-out files.
-
-    Raises:
-        DataError: unknown ``source``, ``local`` without ``path``, or an unknown format.
-        MissingFileError: ``path`` does not exist.
+    ``DataError`` for an unknown ``source``, ``local`` without ``path`` or an unknown format;
+    ``MissingFileError`` for a ``path`` that does not exist.
     """
     if source not in SOURCES:
         raise DataError(f"data source is {source!r}; allowed: {SOURCES}")
@@ -130,9 +124,7 @@ def hub_source(
 def local_source(path: str | os.PathLike[str]) -> RowSource:
     """A local dataset of the Tülu 3 schema (docs/DATA.md, "Accepted input").
 
-    Raises:
-        MissingFileError: ``path`` does not exist.
-        DataError: the format is not recognised.
+    ``MissingFileError`` when ``path`` does not exist, ``DataError`` for an unknown format.
     """
     p = Path(path).expanduser()
     if not p.exists():

@@ -23,14 +23,10 @@ from mtpc.errors import UserError
 
 logger = logging.getLogger(__name__)
 
-NAME = "spec_bench"
-"""``prompts=spec_bench``: the value of ``prompts.name``."""
-
-MT_BENCH_CATEGORIES = (
+NAME = "spec_bench"  # the value of ``prompts.name``
+MT_BENCH_CATEGORIES = (  # Spec-Bench's "Multi-turn Conversation" task (``mt_bench``)
     "writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities",
 )  # fmt: skip
-"""MT-bench's categories: Spec-Bench's "Multi-turn Conversation" task (``mt_bench``)."""
-
 MT_BENCH = "mt_bench"
 OVERALL = "overall"
 
@@ -68,8 +64,7 @@ def _fail(path: Path, line: int, what: str) -> SpecBenchError:
 def read_questions(path: str | Path) -> tuple[list[Question], str]:
     """Every question of a Spec-Bench ``question.jsonl``, checked, and the file's sha256.
 
-    Raises:
-        SpecBenchError: a missing or empty file, or a bad line (naming the file and line).
+    ``SpecBenchError`` for a missing or empty file, or a bad line (naming the file and line).
     """
     path = Path(path).expanduser()
     if not path.is_file():
@@ -132,8 +127,7 @@ def select_questions(
 ) -> list[Question]:
     """The questions of ``categories`` (None: all) in file order, cut to ``turns`` turns.
 
-    Raises:
-        SpecBenchError: a category no question has (listing those the file has).
+    ``SpecBenchError`` for a category no question has (listing those the file has).
     """
     if categories is not None:
         present = list(dict.fromkeys(q.category for q in questions))
@@ -186,9 +180,7 @@ def build_prompt_sets(
 
     A question whose last turn's prompt could exceed ``max_prompt_length`` is left out with
     a warning; then ``per_category`` and ``num_prompts`` keep the first questions.
-
-    Raises:
-        SpecBenchError: ``num_prompts`` is larger than the questions that fit, or none fits.
+    ``SpecBenchError`` when ``num_prompts`` exceeds the questions that fit, or none fits.
     """
     fit = [
         q

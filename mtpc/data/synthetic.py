@@ -277,10 +277,8 @@ def load_synthetic(
     """The synthetic dataset with ``train`` and ``validation`` splits (by ``is_validation``).
 
     Generated into ``cache_dir`` (``default_cache_dir()`` when None) as JSON lines on first
-    use, read back afterwards.
-
-    Raises:
-        ValueError: ``num_rows`` is negative or ``validation_fraction`` outside [0, 1).
+    use, read back afterwards. ``ValueError`` for a negative ``num_rows`` or a
+    ``validation_fraction`` outside [0, 1).
     """
     if num_rows < 0:
         raise ValueError(f"num_rows must be >= 0, got {num_rows}")
@@ -296,15 +294,9 @@ def load_synthetic(
         # validation first: train.jsonl is written last, so its presence marks a complete cache
         write_jsonl((r for r, v in zip(rows, flags, strict=True) if v), paths["validation"])
         write_jsonl((r for r, v in zip(rows, flags, strict=True) if not v), paths["train"])
-    features = datasets.Features(
-        {
-            "id": datasets.Value("string"),
-            "messages": datasets.List(
-                {"role": datasets.Value("string"), "content": datasets.Value("string")}
-            ),
-            "source": datasets.Value("string"),
-        }
-    )
+    text = datasets.Value("string")
+    messages = datasets.List({"role": text, "content": text})
+    features = datasets.Features({"id": text, "messages": messages, "source": text})
     return datasets.DatasetDict(
         {
             split: datasets.Dataset.from_list(read_jsonl(path), features=features)
