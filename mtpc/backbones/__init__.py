@@ -1,8 +1,7 @@
 """HF backbones behind one split-at-k interface, byte codecs and chat templates.
 
-``load_backbone(name, path, revision, dtype, device)`` is the Hydra builder
-(``model=tiny|evabyte|llama3_byte``); ``backbone_from_hf(hf_model)`` wraps an already
-loaded model. See ``docs/BACKBONES.md``.
+``load_backbone`` is the Hydra builder (``model=tiny|evabyte|llama3_byte``);
+``backbone_from_hf`` wraps an already loaded model. See docs/BACKBONES.md.
 """
 
 from __future__ import annotations
@@ -32,12 +31,8 @@ __all__ = [
 
 
 def run_device_for(accelerator: str | None) -> str:
-    """The device a trainer with ``trainer.accelerator`` runs the model on.
-
-    ``gpu`` / ``cuda`` (and ``auto`` with a GPU) -> ``cuda:<LOCAL_RANK>`` (the GPU of this
-    DDP / FSDP rank; 0 for one process), anything else -> ``cpu``. The trainer loads the
-    target on the CPU and moves it there; the loader picks EvaByte's attention path for it.
-    """
+    """The device a trainer with ``trainer.accelerator`` runs the model on: ``gpu`` / ``cuda``
+    (and ``auto`` with a GPU) -> ``cuda:<LOCAL_RANK>``, anything else -> ``cpu``."""
     import os
 
     name = str(accelerator or "cpu").lower()
@@ -58,36 +53,14 @@ def load_backbone(
 ) -> Backbone:
     """Loads a target by registry name (flat arguments for Hydra ``model=`` configs).
 
-    Args:
-        name: ``tiny`` (the bundled target), ``evabyte`` or ``llama3_byte``.
-        path: local checkpoint or hub id; ``None``: the bundled assets / the hub id.
-        revision: hub revision (ignored for ``tiny``).
-        dtype: ``float32``, ``bfloat16`` or ``float16`` (checked against ``device`` first).
-        device: ``cpu`` or ``cuda[:i]``.
-        attention_impl: EvaByte's attention path, ``auto`` (triton kernels on a GPU with
-            triton, else pure torch), ``torch`` or ``triton``; ignored by the other targets.
-        run_device: where the model will run, when it is loaded elsewhere (a trainer loads
-            on ``cpu`` and runs on ``run_device_for(trainer.accelerator)``): EvaByte's
-            attention path is chosen for it. ``None``: ``device``.
-        **_: other ``model.*`` config fields (``codec``, ``trust_remote_code``) are ignored.
-
-    Real targets (``evabyte``, ``llama3_byte``) are loaded through
-    :mod:`mtpc.backbones.compat` and checked by :func:`mtpc.backbones.sanity.check_target`.
-
-    Raises:
-        ValueError: unknown name, a dtype the device cannot run, or an attention path that
-            cannot run here, before loading anything.
-        TargetLoadError: a real target cannot be loaded or fails its load-time check.
+    ``path``: checkpoint or hub id (``None``: the bundled assets / the hub id).
+    ``attention_impl`` (EvaByte only) is chosen for ``run_device`` (default ``device``), where
+    a model loaded elsewhere will run. Other ``model.*`` fields are ignored. Raises ValueError
+    before loading anything (name, dtype, attention path), TargetLoadError after.
     """
     if name not in BACKBONES:
         raise ValueError(f"model.name is {name!r}; allowed: {list(BACKBONES)}")
     torch_dtype = resolve_dtype(dtype, device)
-    if name == "evabyte":
-        from mtpc.backbones.compat import resolve_attention_impl
-
-        resolve_attention_impl(
-            attention_impl, run_device or device, torch_dtype
-        )  # before any download
     if name == "tiny":
         from mtpc.backbones.tiny import load_tiny_target
 
@@ -95,8 +68,10 @@ def load_backbone(
         target.model.to(device)  # type: ignore[arg-type]
         return tiny_backbone(target.model, target.mtp_unembeddings.to(device), path)
     if name == "evabyte":
+        from mtpc.backbones.compat import resolve_attention_impl
         from mtpc.backbones.evabyte import load_evabyte
 
+        resolve_attention_impl(attention_impl, run_device or device, torch_dtype)  # no download yet
         return load_evabyte(path, revision, torch_dtype, device, attention_impl, run_device)
     from mtpc.backbones.llama3_byte import load_llama3_byte
 
@@ -126,15 +101,9 @@ def _is_bundled_tiny(hf_model: nn.Module) -> bool:
 
 
 def backbone_from_hf(target: Any, mtp_unembeddings: torch.Tensor | None = None) -> Backbone:
-    """Wraps a loaded HF causal LM (or a ``TinyTarget``) in the matching backbone.
-
-    Dispatch: ``config.model_type == "evabyte"`` -> EvaByte; a config with
-    ``expand_input_ids`` -> the byte-level Llama; any other model with
-    ``model.layers``/``model.norm``/``lm_head`` -> the Llama family.
-
-    Raises:
-        ValueError: the object is not a supported decoder-only LM.
-    """
+    """Wraps a loaded HF causal LM (or a ``TinyTarget``) in the matching backbone: EvaByte by
+    ``model_type``, the byte Llama by ``expand_input_ids``, else the Llama family (ValueError
+    without ``model.layers/norm/embed_tokens`` and ``lm_head``)."""
     if isinstance(target, Backbone):
         return target
     if (

@@ -1,22 +1,10 @@
 """Byte codecs: text <-> ids and chat templates for the byte-level targets.
 
-A codec is the small, exact piece of a tokenizer that MTPC needs: which id a byte gets,
-which ids are special, and how a conversation becomes ids with an assistant mask (the
-bytes the loss is computed on). Two layouts exist:
-
-* ``evabyte`` (also the bundled tiny target): byte ``b`` is id ``b + 64``; ids 0-63 are
-  specials (0 ``<pad>``, 1 ``<bos>``, 2 ``<eos>``, 3 ``<unk>``, 4 ``<sep>``, 5-63
-  ``<extra_id_i>`` of which 9/10/11 are ``<|start_header_id|>``, ``<|end_header_id|>``,
-  ``<|eot_id|>``). Vocabulary 320. Source: ``evabyte_hf/tokenization_evabyte.py`` of
-  OpenEvaByte/evabyte (``offset = 5 + 59 = 64``; the chat template always opens with a
-  system block, empty when the conversation has no system message).
-* ``llama3_byte`` (benjamin/Llama3-2-3B-IT-Byte, made with tokenkit's
-  ``to_byte_level_tokenizer``): byte ``b`` is id ``b``; the tokens kept from the Llama 3
-  chat template follow in sorted order: 256 ``<|begin_of_text|>``, 257
-  ``<|end_header_id|>``, 258 ``<|end_of_text|>``, 259 ``<|eot_id|>``, 260
-  ``<|start_header_id|>``, 261 ``assistant``, 262 ``system``, 263 ``user``, 264 ``\\n\\n``.
-  The last four are multi-byte tokens used by the template (role names and the blank line
-  after each header); message contents are encoded byte by byte.
+A codec is the exact piece of a tokenizer MTPC needs: byte ids, special ids, and a
+conversation as ids with an assistant mask. Layouts: ``evabyte`` (also the tiny target; byte
+``b`` is id ``b + 64``) and ``llama3_byte`` (byte ``b`` is id ``b``, then the Llama 3 template
+tokens); sources in docs/BACKBONES.md, "The real configs". EvaByte's template always opens
+with a system block, empty without a system message.
 """
 
 from __future__ import annotations
@@ -30,13 +18,8 @@ ROLES = ("system", "user", "assistant")
 
 @dataclass(frozen=True)
 class ChatEncoding:
-    """A conversation rendered by a chat template.
-
-    Attributes:
-        ids: token ids of the whole conversation.
-        assistant_mask: one flag per id; True on the bytes of every assistant message and on
-            the end-of-turn id that closes it (what the model must learn to produce).
-    """
+    """A conversation rendered by a chat template: ``ids`` and ``assistant_mask``, True on the
+    bytes of every assistant message and the end-of-turn id that closes it."""
 
     ids: list[int]
     assistant_mask: list[bool]
@@ -98,11 +81,8 @@ class ByteCodec(ABC):
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = False
     ) -> ChatEncoding:
-        """Renders ``messages`` ([{role, content}]) with the target's chat template.
-
-        Raises:
-            ValueError: a message has an unknown role or non-string content.
-        """
+        """Renders ``messages`` ([{role, content}]) with the target's chat template (ValueError:
+        an unknown role or non-string content)."""
         ids: list[int] = []
         mask: list[bool] = []
 

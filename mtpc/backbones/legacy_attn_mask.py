@@ -1,13 +1,9 @@
-"""``transformers.modeling_attn_mask_utils`` for remote code written against transformers 4.4x.
+"""``transformers.modeling_attn_mask_utils`` (removed in 5.24) for 4.4x remote code (tokenkit).
 
-transformers 5.24 removed the module; tokenkit's ``modelling_tpu_llama.py`` (the byte-level
-Llama 3.2 3B) still imports ``AttentionMaskConverter`` from it and calls
-``_ignore_causal_mask_sdpa`` and ``_unmask_unattended``. This is our implementation of the
-names 4.4x-era modelling code imports from it, with the semantics those releases documented;
-:func:`mtpc.backbones.compat.install_removed_module_shims` registers it under the old name
-only when the installed transformers no longer has the module.
-
-Masks are additive: 0 where a query may attend a key, the dtype's minimum elsewhere.
+Our implementation of the names such code imports, with the semantics 4.4x documented;
+``compat.install_removed_module_shims`` serves it when transformers lacks the module (docs/
+BACKBONES.md, "Following transformers"). Masks are additive: 0 where a query may attend a key,
+the dtype's minimum elsewhere.
 """
 
 from __future__ import annotations
@@ -29,8 +25,8 @@ def causal_4d(
     past: int = 0,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """(batch, 1, length, past + length) additive causal mask; query i sits at ``past + i``
-    and, with a sliding window, sees only the ``sliding_window`` keys before it and itself."""
+    """(batch, 1, length, past + length) causal mask; query i sits at ``past + i`` and, with a
+    sliding window, sees only the ``sliding_window`` keys before it and itself."""
     q = torch.arange(length, device=device)[:, None] + past  # (T, 1)
     k = torch.arange(past + length, device=device)[None, :]  # (1, P + T)
     blocked = k > q

@@ -1,17 +1,13 @@
-"""LoRA on the draft tail: the last k layers, one copy of the base weights.
+"""LoRA on the draft tail: peft on layers ``L-k..L-1``, one copy of the base weights.
 
-peft injects LoRA into the target modules of layers ``L-k..L-1`` only
-(``layers_to_transform``). The draft tail runs those layers with the adapter on; the
-verifier tail runs the *same modules* with the adapter off, so the base weights exist once.
-The adapter is off by default (and after every draft call), so the wrapped HF model keeps
-computing the target's own outputs. LoRA parameters keep peft's names
-(``...q_proj.lora_A.default.weight``).
+The adapter is on only while the draft tail runs, so the wrapped HF model keeps computing the
+target; LoRA parameters keep peft's names. See docs/BACKBONES.md, "The split".
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 from peft import LoraConfig, inject_adapter_in_model
@@ -19,14 +15,8 @@ from peft.tuners.lora import LoraLayer
 from torch import nn
 
 DEFAULT_TARGET_MODULES = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-)
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -40,21 +30,12 @@ class LoraSettings:
     target_modules: tuple[str, ...] = field(default=DEFAULT_TARGET_MODULES)
 
     def to_dict(self) -> dict[str, object]:
-        return {
-            "layers": self.layers,
-            "rank": self.rank,
-            "alpha": self.alpha,
-            "dropout": self.dropout,
-            "target_modules": list(self.target_modules),
-        }
+        return {**asdict(self), "target_modules": list(self.target_modules)}
 
 
 def validate_lora(settings: LoraSettings, layers: nn.ModuleList) -> None:
-    """Checks k, rank, alpha, dropout and the target modules against the layers.
-
-    Raises:
-        ValueError: naming the field and the allowed values, before anything is built.
-    """
+    """Checks k, rank, dropout and the target modules against the layers (ValueError naming
+    the field and the allowed values, before anything is built)."""
     n = len(layers)
     if not 0 <= settings.layers <= n:
         raise ValueError(f"lora.layers (k) is {settings.layers}; allowed: 0..{n} (the layer count)")
@@ -71,13 +52,8 @@ def validate_lora(settings: LoraSettings, layers: nn.ModuleList) -> None:
         raise ValueError(f"lora.dropout is {settings.dropout}; allowed: 0 <= dropout < 1")
     if not settings.target_modules:
         raise ValueError("lora.target_modules is empty; name at least one linear module")
-    available = sorted(
-        {
-            name.rsplit(".", 1)[-1]
-            for name, m in layers[n - 1].named_modules()
-            if isinstance(m, nn.Linear)
-        }
-    )
+    last = layers[n - 1].named_modules()
+    available = sorted({name.rsplit(".", 1)[-1] for name, m in last if isinstance(m, nn.Linear)})
     missing = [t for t in settings.target_modules if t not in available]
     if missing:
         raise ValueError(
@@ -125,11 +101,7 @@ class LoraTail:
         return {n: p.detach() for n, p in self.named_parameters()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Loads LoRA weights by peft name; every name must match.
-
-        Raises:
-            ValueError: missing or unexpected names, or shapes that differ.
-        """
+        """Loads LoRA weights by peft name (ValueError: missing or unexpected names, shapes)."""
         own = dict(self.named_parameters())
         missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
         if missing or unexpected:

@@ -1,16 +1,8 @@
 """Load-time sanity check of a real target: silent garbage must fail before training starts.
 
-:func:`check_target` runs right after a real checkpoint is loaded (``load_backbone`` for
-``evabyte`` and ``llama3_byte``) and raises :class:`~mtpc.backbones.compat.TargetLoadError`
-naming the model and what is wrong when
-
-* a tensor is still on the meta device;
-* a rotary table differs from its closed form: ``inv_freq[i] = 1 / theta ** (2i / dim)`` (or
-  the config's RoPE variant through transformers' ``ROPE_INIT_FUNCTIONS``), and
-  ``cos_cached``/``sin_cached`` = cos/sin of ``positions x inv_freq`` (positions divided by
-  the factor for linear scaling);
-* the logits of a short fixed prompt, through the backbone's own split path, are not finite
-  or are constant.
+:func:`check_target` raises TargetLoadError on meta tensors, rotary tables that differ from
+their closed form, or non-finite / constant logits of a fixed prompt. See docs/BACKBONES.md,
+"Load-time check".
 """
 
 from __future__ import annotations
@@ -106,15 +98,8 @@ def prompt_logits(backbone: Any) -> torch.Tensor:
 
 
 def check_target(backbone: Any, label: str) -> None:
-    """Raises if the loaded target is not the real model (see the module docstring).
-
-    Args:
-        backbone: the loaded :class:`~mtpc.backbones.base.Backbone`.
-        label: how to name it in the error (``model=evabyte (path=...)``).
-
-    Raises:
-        TargetLoadError: every problem found, with the model's name.
-    """
+    """Raises TargetLoadError naming ``label`` (``model=evabyte (path=...)``) and every
+    problem found if the loaded backbone is not the real model."""
     hf_model = backbone.hf_model
     problems = [f"{name} is still on the meta device" for name in meta_tensors(hf_model)[:5]]
     problems += rotary_problems(hf_model)

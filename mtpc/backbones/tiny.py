@@ -1,29 +1,13 @@
-"""The bundled tiny targets: EvaByte-like byte LMs shipped in ``assets/<name>/``.
+"""The bundled tiny targets: EvaByte-like byte LMs in ``assets/tiny_target`` (``model=tiny``,
+synthetic chat) and ``assets/tiny_code`` (Python code, bf16), trained by
+``scripts/pretrain_tiny_target.py``: a ``LlamaForCausalLM`` with EvaByte's 320-id layout and
+chat template, plus 8 fully factorised MTP unembeddings. ``generation_config`` stops at
+``[11, 2]`` (``<|eot_id|>``, ``<eos>``).
 
-``assets/tiny_target`` (``model=tiny``, the default) stands in for EvaByte-SFT wherever a
-test or the quickstart needs a model: a ``transformers.LlamaForCausalLM`` with EvaByte's
-vocabulary layout (320 ids, byte ``b`` is id ``b + 64``) and chat template
-(``get_codec("tiny")``), plus 8 fully factorised MTP unembeddings in EvaByte's layout,
-pretrained jointly with the trunk by ``scripts/pretrain_tiny_target.py`` on the synthetic
-chat data. ``assets/tiny_code`` (``model=tiny_code``) has the same layout, larger, trained by
-the same script on Python source code (``--data python_code``) and stored in bfloat16. Both
-load with :func:`load_tiny_target` (``path``: the asset folder); ``BUNDLED_TARGETS`` names
-them.
-
-Special ids: pad 0, bos 1, eos 2 (``config.eos_token_id``, as in EvaByte's tokenizer); the
-end of an assistant turn is ``<|eot_id|>`` = 11, so ``generation_config.eos_token_id`` is
-``[11, 2]`` (the codec's ``stop_ids``) and ``model.generate`` stops at the end of a turn.
-
-Asset layout (``TINY_TARGET_DIR``)::
-
-    config.json              LlamaConfig (LlamaForCausalLM.from_pretrained loads the folder)
-    generation_config.json   eos [11, 2], pad 0, bos 1
-    model.safetensors        trunk + lm_head (fp32, or bf16: loading casts to ``dtype``)
-    mtp_heads.safetensors    "mtp_unembeddings": (8 * 320, d); rows k*320..(k+1)*320-1
-                             predict byte t+1+k from the final (normed) hidden state at t;
-                             block 0 equals lm_head.weight
-    metadata.json            training command and settings, steps, wall time, validation
-                             loss / bits per byte, sha256 of every other file
+Asset folder: ``config.json``, ``generation_config.json``, ``model.safetensors`` (fp32 or
+bf16: loading casts), ``mtp_heads.safetensors`` (``mtp_unembeddings`` (8 * 320, d): rows
+k*320..(k+1)*320-1 predict byte t+1+k from the normed hidden state at t; block 0 equals
+``lm_head.weight``) and ``metadata.json`` (training settings, metrics, sha256 of the others).
 """
 
 from __future__ import annotations
@@ -66,15 +50,8 @@ class TinyTargetAssetError(RuntimeError):
 
 @dataclass
 class TinyTarget:
-    """The loaded tiny target.
-
-    Attributes:
-        model: the causal LM, in eval mode.
-        mtp_unembeddings: (8 * 320, d) MTP unembeddings in EvaByte's layout; block 0 is
-            ``model.lm_head.weight``.
-        metadata: the contents of ``metadata.json``.
-        path: the asset folder it was loaded from.
-    """
+    """The loaded tiny target: ``model`` in eval mode, ``mtp_unembeddings`` (8 * 320, d),
+    ``metadata.json``'s contents and the asset folder."""
 
     model: LlamaForCausalLM
     mtp_unembeddings: torch.Tensor
@@ -93,12 +70,8 @@ def build_tiny_config(
     intermediate_size: int = 352,
     max_position_embeddings: int = 1024,
 ) -> LlamaConfig:
-    """A Llama config with EvaByte's vocabulary (320 ids) and special ids.
-
-    Raises:
-        ValueError: a size is not positive, or ``hidden_size`` is not divisible by
-            ``num_heads``.
-    """
+    """A Llama config with EvaByte's vocabulary (320 ids) and special ids (ValueError: a size
+    is not positive, or ``hidden_size`` is not divisible by ``num_heads``)."""
     sizes = {
         "hidden_size": hidden_size,
         "num_layers": num_layers,
@@ -157,11 +130,7 @@ def save_tiny_target(
 ) -> Path:
     """Writes the asset folder (see the module docstring); returns its path.
 
-    Args:
-        model: the trained causal LM.
-        mtp_unembeddings: (8 * V, d); block 0 must equal ``model.lm_head.weight``.
-        path: the folder to write.
-        metadata: extra entries for ``metadata.json`` (command, metrics, ...).
+    ``mtp_unembeddings`` (8 * V, d): block 0 must equal ``model.lm_head.weight``.
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -190,18 +159,13 @@ def rebuild_command(folder: Path) -> str:
 
 
 def _asset_error(file: Path, problem: str) -> TinyTargetAssetError:
+    folder = file.parent.resolve()
+    relative = folder.relative_to(REPO_ROOT) if folder.is_relative_to(REPO_ROOT) else file.parent
     return TinyTargetAssetError(
         f"tiny target asset {file} {problem}. Rebuild the assets from the repository root "
         f"with: {rebuild_command(file.parent)} (or restore them with: git checkout -- "
-        f"{_repo_relative(file.parent)})"
+        f"{relative})"
     )
-
-
-def _repo_relative(path: Path) -> str:
-    try:
-        return str(path.resolve().relative_to(REPO_ROOT))
-    except ValueError:
-        return str(path)
 
 
 def load_tiny_target(
@@ -211,15 +175,9 @@ def load_tiny_target(
 ) -> TinyTarget:
     """Loads the tiny target offline in one call.
 
-    Args:
-        path: asset folder (``TINY_TARGET_DIR`` when None), or the name of a bundled one
-            (``BUNDLED_TARGETS``: ``tiny_code``) when no such folder exists here.
-        dtype: dtype of the model and the MTP unembeddings.
-        verify: check every weight file against the sha256 in ``metadata.json``.
-
-    Raises:
-        TinyTargetAssetError: a file is missing or corrupt; the message names the file and
-            the command that rebuilds it.
+    ``path``: asset folder (``TINY_TARGET_DIR`` when None), or a ``BUNDLED_TARGETS`` name when
+    no such folder exists here. ``verify`` checks the weight files' sha256. Raises
+    TinyTargetAssetError naming the file and the command that rebuilds it.
     """
     folder = TINY_TARGET_DIR if path is None else Path(path)
     if path is not None and not folder.exists() and str(path) in BUNDLED_TARGETS:
@@ -257,15 +215,8 @@ def load_tiny_target(
 
 
 def mtp_log_probs(hidden: torch.Tensor, mtp_unembeddings: torch.Tensor) -> torch.Tensor:
-    """Log-probabilities of the fully factorised MTP heads.
-
-    Args:
-        hidden: (..., d) final (normed) hidden states.
-        mtp_unembeddings: (K * V, d) in EvaByte's layout.
-
-    Returns:
-        (..., K, V); ``[..., k, :]`` is the distribution of the byte k + 1 positions ahead.
-    """
+    """Log-probabilities (..., K, V) of the MTP heads (K * V, d) on normed ``hidden`` (..., d);
+    ``[..., k, :]`` is the distribution of the byte k + 1 positions ahead."""
     vocab = mtp_unembeddings.shape[0] // NUM_MTP_HEADS
     logits = hidden @ mtp_unembeddings.T  # (..., K * V)
     return logits.unflatten(-1, (-1, vocab)).log_softmax(-1)  # (..., K, V)
@@ -292,12 +243,9 @@ def validation_metrics(
 ) -> dict[str, float]:
     """Next-byte loss of ``model`` on chat rows, one row per sequence (no packing).
 
-    Returns:
-        ``loss`` / ``bits_per_byte``: mean next-token NLL (nats / bits) over every target
-        after the first id; ``assistant_loss`` / ``assistant_bits_per_byte``: over the
-        assistant targets only (assistant bytes and their ``<|eot_id|>``); with
-        ``mtp_unembeddings``, ``mtp_loss_k`` for k = 1..7: NLL of head k (byte t+1+k) over
-        every target.
+    Returns ``loss`` / ``bits_per_byte`` (mean NLL, nats / bits, every target after the first
+    id), ``assistant_loss`` / ``assistant_bits_per_byte`` (assistant bytes and their
+    ``<|eot_id|>``) and, with ``mtp_unembeddings``, ``mtp_loss_k`` (head k, byte t+1+k).
     """
     model.eval()
     device = next(model.parameters()).device
