@@ -1,15 +1,13 @@
-"""Startup validation of composed Hydra configs.
+"""Startup validation of composed Hydra configs (torch-free).
 
-Every entry point calls :func:`validate_train_config` / :func:`validate_eval_config`
-before it loads a model or a dataset, so a wrong value fails in milliseconds with a
-message that names the field and what is allowed, instead of an obscure error an hour
-into a cluster job. Unknown config *group options* (``circuit=foo``) are already rejected
-by Hydra itself, with the list of available options.
+Every entry point validates its config before it loads a model or a dataset, so a wrong value
+fails in milliseconds with one line naming the field and what is allowed. Hydra itself rejects
+unknown config group options (``circuit=foo``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -160,14 +158,9 @@ def _check_optimizer(cfg: Mapping[str, Any]) -> None:
     betas = _get(cfg, "optimizer.betas")
     if betas is _MISSING or betas is None:
         return
-    values = list(betas) if isinstance(betas, list | tuple | ListConfig) else None
-    if (
-        values is None
-        or len(values) != 2
-        or not all(
-            not isinstance(b, bool) and isinstance(b, int | float) and 0 <= b < 1 for b in values
-        )
-    ):
+    values = list(betas) if isinstance(betas, list | tuple | ListConfig) else []
+    valid = [not isinstance(b, bool) and isinstance(b, int | float) and 0 <= b < 1 for b in values]
+    if len(values) != 2 or not all(valid):
         raise ConfigError(
             f"optimizer.betas={betas!r} is not allowed; allowed: two numbers in [0, 1), "
             "e.g. [0.9, 0.999]"
@@ -215,29 +208,11 @@ def _check_data(cfg: Mapping[str, Any]) -> None:
     _check_float(cfg, "data.validation_fraction", 0.0, 1.0, low_open=True, high_open=True)
 
 
-def _run_checks(
-    cfg: DictConfig | Mapping[str, Any], checks: Iterable[Callable[[Mapping[str, Any]], None]]
-) -> None:
-    for check in checks:
-        check(cfg)
-
-
 def validate_train_config(cfg: DictConfig | Mapping[str, Any]) -> None:
     """Raises :class:`ConfigError` naming the first invalid field of a training config."""
-    _run_checks(
-        cfg,
-        (
-            _check_model,
-            _check_circuit,
-            _check_lora,
-            _check_loss,
-            _check_optimizer,
-            _check_scheduler,
-            _check_stage,
-            _check_data,
-        ),
-    )
-    _check_schedule(cfg)
+    checks = (_check_model, _check_circuit, _check_lora, _check_loss, _check_optimizer)
+    for check in (*checks, _check_scheduler, _check_stage, _check_data, _check_schedule):
+        check(cfg)
     _check_int(cfg, "seed", 0)
     _check_int(cfg, "global_batch_size", 1, optional=True)
 
@@ -253,7 +228,8 @@ def _check_eval(cfg: Mapping[str, Any]) -> None:
 
 def validate_eval_config(cfg: DictConfig | Mapping[str, Any]) -> None:
     """Raises :class:`ConfigError` naming the first invalid field of an evaluation config."""
-    _run_checks(cfg, (_check_model, _check_data, _check_eval))
+    for check in (_check_model, _check_data, _check_eval):
+        check(cfg)
 
 
 def _check_regenerate(cfg: Mapping[str, Any]) -> None:
@@ -302,4 +278,5 @@ def _check_regenerate_drafting(cfg: Mapping[str, Any]) -> None:
 
 def validate_regenerate_config(cfg: DictConfig | Mapping[str, Any]) -> None:
     """Raises :class:`ConfigError` naming the first invalid field of a regeneration config."""
-    _run_checks(cfg, (_check_model, _check_data, _check_regenerate))
+    for check in (_check_model, _check_data, _check_regenerate):
+        check(cfg)

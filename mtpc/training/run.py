@@ -1,9 +1,8 @@
 """``train(cfg)``: the whole training job behind ``python train.py`` and sweeps.
 
-Order of work: validate the config (fails in milliseconds), build the data module and
-the model, optionally load the previous stage's weights (``init_from``), measure the
-untrained draft on validation, fit with Lightning (resuming from ``last.ckpt`` when the
-run folder has one), export the draft to ``<run dir>/draft`` and write ``metrics.json``.
+Validate the config, build the data module and the model (``init_from``: the previous
+stage's weights), measure the untrained draft, fit (resuming from ``last.ckpt`` when the run
+folder has one), export the draft and write ``metrics.json``. See docs/TRAINING.md.
 """
 
 from __future__ import annotations
@@ -44,8 +43,6 @@ from mtpc.training.settings import CallbackSettings, RunSettings, TrainerSetting
 
 log = logging.getLogger(__name__)
 
-LAST_CHECKPOINT = "last.ckpt"
-
 
 def build_model(
     name: str,
@@ -61,13 +58,12 @@ def build_model(
     chunk_size: int,
     **options: Any,
 ) -> MTPCModel:
-    """The draft to train: ``load_backbone``'s and ``MTPCModel.from_backbone``'s flat arguments
-    (``options``: ``lora_*`` and the head's), as :meth:`TrainSettings.model_arguments` reads them.
+    """The draft to train, from :meth:`TrainSettings.model_arguments` (``options``: ``lora_*``
+    and the head's).
 
-    The target is loaded first (on the CPU; EvaByte's attention path for the device
-    ``accelerator`` runs on), then, before the head is allocated, its memory is checked
-    against that device's (:func:`check_head_memory`, with the loss's ``chunk_size``) and the
-    ``lora.*`` settings against the target (k past its layer count, modules it lacks).
+    The target is loaded first (on the CPU; EvaByte's attention path for ``accelerator``'s
+    device), then, before the head is allocated, the head's memory and the ``lora.*`` settings
+    are checked against the device and the target.
     """
     from mtpc.backbones import load_backbone, run_device_for
     from mtpc.backbones.lora import as_settings, validate_lora
@@ -88,24 +84,8 @@ def build_model(
 GIB = 1024**3
 
 
-def head_memory_bytes(
-    window: int, rank: int, vocab_size: int, hidden_size: int, chunk_size: int
-) -> dict[str, int]:
-    """Estimated training memory of an MTPC head, in bytes (float32).
-
-    Returns:
-        ``parameters`` (the unembedding tensor W of n * r * V * d entries), ``optimizer``
-        (its gradient and Adam's two moments: 3x the parameters) and ``logits`` (one loss
-        chunk's (chunk, n, r, V) logits, their log-softmax and its gradient: 3x).
-    """
-    params = window * rank * vocab_size * hidden_size * 4
-    logits = chunk_size * window * rank * vocab_size * 4 * 3
-    return {"parameters": params, "optimizer": 3 * params, "logits": logits}
-
-
 def available_memory(accelerator: str | None) -> tuple[str, int | None]:
-    """The name and free memory in bytes (None when unknown) of the device ``trainer.accelerator``
-    trains on."""
+    """The name and free bytes (None: unknown) of the device ``trainer.accelerator`` names."""
     accelerator = str(accelerator or "cpu")
     if accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available():
         free, _ = torch.cuda.mem_get_info()
@@ -123,38 +103,31 @@ def available_memory(accelerator: str | None) -> tuple[str, int | None]:
 def check_head_memory(
     n: int, r: int, chunk: int, accelerator: str | None, vocab_size: int, hidden_size: int
 ) -> None:
-    """Refuses a head (``circuit.window`` n, ``circuit.rank`` r, ``loss.chunk_size``) whose
-    estimated training memory exceeds the free memory of the device ``accelerator`` names.
-
-    Raises:
-        ConfigError: with the estimate, its parts and the free memory.
+    """Refuses (ConfigError) a head whose estimated float32 training memory exceeds the free
+    memory of ``accelerator``'s device: the n*r*V*d unembedding, its gradient and Adam's two
+    moments (3x), and one loss chunk's (chunk, n, r, V) logits, log-softmax and gradient (3x).
     """
-    need = head_memory_bytes(n, r, vocab_size, hidden_size, chunk)
+    params = n * r * vocab_size * hidden_size * 4
+    optimizer = 3 * params
+    logits = chunk * n * r * vocab_size * 4 * 3
     device, free = available_memory(accelerator)
-    total = sum(need.values())
+    total = params + optimizer + logits
     if free is None or total <= free:
         return
     raise ConfigError(
         f"circuit.window={n} circuit.rank={r} needs about {total / GIB:.1f} GiB to train "
         f"(n*r*V*d = {n}*{r}*{vocab_size}*{hidden_size} = {n * r * vocab_size * hidden_size:.3g} "
-        f"parameters: {need['parameters'] / GIB:.1f} GiB, gradient and Adam state "
-        f"{need['optimizer'] / GIB:.1f} GiB, loss.chunk_size={chunk} logits "
-        f"{need['logits'] / GIB:.1f} GiB) but {device} has {free / GIB:.1f} GiB free; "
+        f"parameters: {params / GIB:.1f} GiB, gradient and Adam state "
+        f"{optimizer / GIB:.1f} GiB, loss.chunk_size={chunk} logits "
+        f"{logits / GIB:.1f} GiB) but {device} has {free / GIB:.1f} GiB free; "
         "lower circuit.rank, circuit.window or loss.chunk_size"
     )
 
 
 def load_initial_weights(model: MTPCModel, init_from: str | Path) -> None:
-    """Loads a previous stage's head (and LoRA weights if their shapes match).
-
-    Args:
-        model: the freshly built draft.
-        init_from: an exported draft folder (``config.json`` + ``head.safetensors``) or a
-            Lightning checkpoint written by this trainer.
-
-    Raises:
-        ConfigError: the path does not exist, or its circuit differs from the config's.
-    """
+    """Loads a previous stage's head (and LoRA weights whose shapes match) from an exported
+    draft folder or a Lightning checkpoint of this trainer; ConfigError when the path does
+    not exist or holds another circuit."""
     from mtpc.export import ADAPTER_NAME, HEAD_NAME, check_head_state, read_config, read_tensors
 
     path = Path(init_from)
@@ -258,19 +231,11 @@ def _scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
-    """Trains the draft described by ``cfg`` and returns its final metrics.
+    """Trains the draft described by ``cfg``, holding the run folder's lock throughout.
 
-    The run folder is locked for the whole run (a second job on it stops at once).
-
-    Returns:
-        ``val/...`` metrics of the trained draft, the untrained draft's as ``init/...``
-        (measured when the run started, also after a resume), and ``train/steps``.
-
-    Raises:
-        ConfigError: a setting is invalid (before any work).
-        RunFolderBusyError: another run holds the run folder.
-        ResumeConfigError: the folder's checkpoint was written with other settings.
-        CheckpointUnreadableError: no checkpoint of the folder can be read.
+    Returns the trained draft's ``val/...`` metrics, the untrained draft's as ``init/...``
+    (measured when the run started, also after a resume), and ``train/steps``. Raises the
+    user errors of docs/TRAINING.md, "Errors and startup checks".
     """
     validate_train_config(cfg)
     settings = TrainSettings.from_cfg(cfg)  # the only reading of cfg
@@ -291,16 +256,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
 
 def build_trainer(settings: TrainSettings, run_dir: Path, callbacks: list[L.Callback]) -> L.Trainer:
-    """The Lightning trainer of ``trainer.*``; a setting Lightning refuses is a ConfigError.
-
-    Args:
-        settings: the run's settings.
-        run_dir: Lightning's ``default_root_dir``.
-        callbacks: the trainer's callbacks.
-
-    Raises:
-        ConfigError: Lightning rejected a ``trainer.*`` value (its message, one line).
-    """
+    """The Lightning trainer of ``trainer.*`` in ``run_dir``; a setting Lightning refuses is
+    a one-line ConfigError."""
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
     trainer = settings.trainer
@@ -337,11 +294,8 @@ def build_trainer(settings: TrainSettings, run_dir: Path, callbacks: list[L.Call
 
 
 def check_val_limit(value: Any) -> None:
-    """Refuses a ``trainer.limit_val_batches`` Lightning would not take (or take badly).
-
-    Raises:
-        ConfigError: naming the field and the allowed values.
-    """
+    """Refuses (ConfigError) a ``trainer.limit_val_batches`` Lightning would not take (or
+    take badly)."""
     if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
         return
     if isinstance(value, float) and 0.0 <= value <= 1.0:
@@ -354,16 +308,11 @@ def check_val_limit(value: Any) -> None:
 
 
 def check_steps_left(state: Mapping[str, Any], trainer: TrainerSettings, run_dir: Path) -> None:
-    """Refuse a resume that asks for more steps than its epoch budget lets Lightning take.
+    """Refuses a resume that asks for more steps than its epoch budget lets Lightning take.
 
-    A run that ended at ``trainer.max_epochs`` (its checkpoint saved at an epoch's end) takes
-    no step when resumed, whatever ``trainer.max_steps`` says; without this check a longer
-    ``max_steps`` would silently re-export the same draft.
-
-    Args:
-        state: the checkpoint to resume from (``global_step``, Lightning's ``loops``).
-        trainer: the run's ``trainer.max_steps`` and ``trainer.max_epochs``.
-        run_dir: named in the message.
+    A run that ended at ``trainer.max_epochs`` (an epoch-end checkpoint) takes no step when
+    resumed, whatever ``trainer.max_steps`` says: a longer ``max_steps`` would silently
+    re-export the same draft.
     """
     max_steps, max_epochs = trainer.max_steps, trainer.max_epochs
     step = int(state.get("global_step", 0))
@@ -387,7 +336,7 @@ def _train_locked(settings: TrainSettings, run_dir: Path) -> dict[str, float]:
         remove_stale_tmp(folder)
     fast = settings.trainer.fast_dev_run
     comparable = comparable_config(settings.resolved)
-    resume = None if fast else find_resume_checkpoint(checkpoint_dir, LAST_CHECKPOINT)
+    resume = None if fast else find_resume_checkpoint(checkpoint_dir)
     init_metrics, new_lr = _check_resume(settings, run_dir, comparable, resume)
     snapshot_hydra(run_dir)
     # the trainer first: Lightning's refusals (devices, precision, accelerator) in seconds
@@ -442,13 +391,9 @@ def _check_resume(
     comparable: dict[str, Any],
     resume: tuple[Path, dict[str, Any]] | None,
 ) -> tuple[dict[str, float], float | None]:
-    """Refuses a resume with other settings or no steps left (:func:`check_resume_config`,
-    :func:`check_steps_left`).
-
-    Returns:
-        The untrained draft's metrics the checkpoint kept (empty for a fresh run) and the new
-        learning rate when ``optimizer.lr`` changed (else None).
-    """
+    """Refuses a resume with other settings or no steps left. Returns the untrained draft's
+    metrics the checkpoint kept (empty for a fresh run) and the new learning rate when
+    ``optimizer.lr`` changed (else None)."""
     if resume is None:
         return {}, None
     try:
@@ -477,12 +422,7 @@ def _fit(
     init_metrics: dict[str, float],
 ) -> dict[str, float]:
     """Measures the untrained draft (a fresh run: into ``init_metrics``, which the run record
-    callback holds), fits and measures the final draft.
-
-    Returns:
-        ``init/...`` (a resumed run's from its start, kept in the checkpoint), the trainer's
-        ``callback_metrics``, the final ``val/...`` and ``train/steps``.
-    """
+    callback holds), fits and measures the final draft; returns all these metrics."""
     fast = settings.trainer.fast_dev_run
     if ckpt_path is None and settings.run.validate_before_training and not fast:
         initial = trainer.validate(module, datamodule=datamodule, verbose=False)
@@ -511,10 +451,8 @@ def _sharded(module: MTPCLightningModule) -> bool:
 def unsharded_copy(model_args: dict[str, Any], module: MTPCLightningModule) -> MTPCModel:
     """The trained draft as an ordinary model, for export after sharded training.
 
-    Collective: every rank calls it; the head and LoRA weights alone are gathered on rank 0
-    (the frozen target is neither gathered nor copied: :func:`build_model` rebuilds it from
-    ``model_args``),
-    where the returned model holds them (elsewhere it is the sharded module's model, unused).
+    Collective: only the trained weights are gathered, on rank 0, into a model rebuilt from
+    ``model_args`` (the other ranks get the sharded module's model, unused).
     """
     full = module.gathered_trainable_state()  # rank 0: {name: whole tensor on CPU}; others: {}
     if not full:
@@ -528,8 +466,7 @@ def unsharded_copy(model_args: dict[str, Any], module: MTPCLightningModule) -> M
 
 
 def _record_last_draft(root_dir: str, draft_dir: Path) -> None:
-    """Remembers the newest export (under ``paths.root_dir``) so that a bare ``python eval.py``
-    finds it."""
+    """Remembers the newest export under ``paths.root_dir``, for a bare ``python eval.py``."""
     marker = Path(root_dir) / "outputs" / "last_draft.txt"
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.write_text(str(draft_dir.resolve()) + "\n")

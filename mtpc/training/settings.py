@@ -1,49 +1,31 @@
-"""The settings of a training run (``train.py``), read from the Hydra config once, at the door.
+"""The settings of a training run, read from the Hydra config once, at the door.
 
-:meth:`TrainSettings.from_cfg` is the only reader of the raw config (through :func:`_get`):
-every field's default is written once, in the dataclasses below, and equals the value
-``train(cfg)`` took when the key is missing (``configs/`` set most of them; where a config file
-gives another value, the field's docstring says so). Values are kept as given: a bad one is
-refused, with one line naming the field, by :func:`mtpc.config.validate_train_config` (the
-door's check, run before the settings are read) or where it is used (Lightning's refusals).
-Below ``train(cfg)``, functions take these frozen objects or their named fields.
-
-Three kinds of fields hold config sections rather than named values, on purpose:
-
-* the sections Hydra instantiates (``data``, ``optimizer``, ``scheduler``, ``logger``): their
-  nodes, kept as :class:`~omegaconf.DictConfig` so that their interpolations (``${paths...}``,
-  ``${hydra:...}``) resolve as Hydra's ``instantiate`` resolves them;
-* ``trainer.fields``: the ``trainer`` section as plain values, passed to ``L.Trainer`` whole;
-* ``recorded`` and ``resolved``: the whole config as data, what the exported draft's
-  ``config.json`` records (``training_config``) and what a checkpoint records and a resume
-  compares (:func:`mtpc.training.resume.comparable_config`).
+:meth:`TrainSettings.from_cfg` is the only reader of the raw config; below ``train(cfg)``,
+functions take these frozen objects or their named fields (docs/DESIGN.md, the paragraph
+"Training does the same"). Every default is written once, here, and equals the value
+``train(cfg)`` took when the key is missing (a comment names a config file that gives
+another). Values are kept as given: a bad one is refused by
+:func:`mtpc.config.validate_train_config` or where it is used (Lightning's refusals).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+# lora.target_modules of configs/lora/default.yaml
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-"""``lora.target_modules`` of ``configs/lora/default.yaml``."""
-
-
-def _plain_value(value: Any) -> Any:
-    """``value`` as plain Python (a config node resolved to dicts and lists)."""
-    if isinstance(value, DictConfig | ListConfig):
-        return OmegaConf.to_container(value, resolve=True)
-    return value
 
 
 def _get(cfg: DictConfig, key: str, default: Any = None) -> Any:
-    """``cfg``'s field ``key`` (dotted) as plain Python; ``default`` if missing.
-
-    A field present with value null is None, as ``DictConfig.get`` gives it.
-    """
-    return _plain_value(OmegaConf.select(cfg, key, default=default))
+    """``cfg``'s field ``key`` (dotted) as plain Python; ``default`` if missing (null: None)."""
+    value = OmegaConf.select(cfg, key, default=default)
+    if isinstance(value, DictConfig | ListConfig):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
 
 
 def _node(cfg: DictConfig, key: str) -> Any:
@@ -56,19 +38,11 @@ def resolved_config(cfg: DictConfig) -> dict[str, Any]:
     """The config as plain containers, resolved where it can be (``hydra:`` needs Hydra)."""
     plain: dict[str, Any] = {}
     for key in cfg:
-        node = cfg._get_node(str(key))
+        node = OmegaConf.is_config(cfg._get_node(str(key)))
         try:
-            plain[str(key)] = (
-                OmegaConf.to_container(cfg[key], resolve=True)
-                if OmegaConf.is_config(node)
-                else cfg[key]
-            )
+            plain[str(key)] = OmegaConf.to_container(cfg[key], resolve=True) if node else cfg[key]
         except Exception:  # an interpolation only Hydra can resolve (``paths.output_dir``)
-            plain[str(key)] = (
-                OmegaConf.to_container(cfg[key], resolve=False)
-                if OmegaConf.is_config(node)
-                else None
-            )
+            plain[str(key)] = OmegaConf.to_container(cfg[key], resolve=False) if node else None
     return plain
 
 
@@ -81,171 +55,113 @@ def _recorded(cfg: DictConfig) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class ModelArgs:
-    """The target to load (``model.*``; ``configs/model/tiny.yaml``'s by default).
-
-    Attributes:
-        name: a registry name (``tiny``, ``evabyte``, ``llama3_byte``) or ``hf``.
-        path: a local checkpoint or hub id; None: the model's default.
-        revision: the hub revision, or None.
-        dtype: the target's weights' dtype.
-        attention_impl: EvaByte's attention path (auto | torch | triton).
-    """
+    """The target to load (``model.*``; ``configs/model/tiny.yaml``'s by default)."""
 
     name: str = "tiny"
-    path: str | None = None
+    path: str | None = None  # a local checkpoint or hub id; None: the model's default
     revision: str | None = None
     dtype: str = "float32"
-    attention_impl: str = "auto"
+    attention_impl: str = "auto"  # EvaByte's attention path
 
 
 @dataclass(frozen=True)
 class CircuitSettings:
     """The head (``circuit.*``; ``configs/circuit/btree.yaml``'s by default).
 
-    Attributes:
-        kind: ff | cp | hmm | btree.
-        window: n, the bytes one draft proposes.
-        rank: r, the units per region.
-        options: the section's other keys, the head's options as given (``sum_init_std``,
-            ``identity_init``, ``extra_positions``; none by default, btree.yaml sets all three).
+    ``options``: the section's other keys, the head's options as given (``sum_init_std``,
+    ``identity_init``, ``extra_positions``; none by default, btree.yaml sets all three).
     """
 
     kind: str = "btree"
-    window: int = 8
-    rank: int = 8
+    window: int = 8  # n, the bytes one draft proposes
+    rank: int = 8  # r, the units per region
     options: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class LoraSettings:
-    """LoRA on a draft copy of the last layers (``lora.*``; ``configs/lora/default.yaml``).
+    """LoRA on a draft copy of the last layers (``lora.*``; ``configs/lora/default.yaml``)."""
 
-    Attributes:
-        layers: k, the copied layers (0: heads only).
-        rank: the adapters' rank.
-        alpha: their scale numerator.
-        dropout: their dropout.
-        target_modules: the adapted projections.
-    """
-
-    layers: int = 0
+    layers: int = 0  # k, the copied layers (0: heads only)
     rank: int = 16
-    alpha: float = 32.0
+    alpha: float = 32.0  # the adapters' scale numerator
     dropout: float = 0.0
     target_modules: tuple[str, ...] = LORA_MODULES
 
 
 @dataclass(frozen=True)
 class LossSettings:
-    """The training loss (``loss.*``; ``configs/loss/nll.yaml``).
-
-    Attributes:
-        name: nll | kl.
-        gamma: the window discount; None: the loss's default (0.8, or 0.9 when window > 8).
-        normalise_discount: divide the loss by the sum of the discounts.
-        chunk_size: positions per chunk of the memory-lean likelihood (a missing or null
-            value, or 0, is this default).
-    """
+    """The training loss (``loss.*``; ``configs/loss/nll.yaml``)."""
 
     name: str = "nll"
-    gamma: float | None = None
+    gamma: float | None = None  # None: the loss's default (0.8, or 0.9 when window > 8)
     normalise_discount: bool = False
-    chunk_size: int = 1024
+    chunk_size: int = 1024  # positions per likelihood chunk (missing, null or 0: this)
 
 
 @dataclass(frozen=True)
 class CallbackSettings:
     """The checkpoint policy (``callbacks.*``; ``configs/callbacks/default.yaml``).
 
-    Attributes:
-        checkpoint_every_n_steps: ``last.ckpt`` every this many optimizer steps as well as at
-            each epoch's end; None: at epochs' ends only (default.yaml sets 50).
-        monitor: the metric the best checkpoints are chosen by (lower is better).
-        save_top_k: best checkpoints kept.
+    ``checkpoint_every_n_steps``: ``last.ckpt`` every this many optimizer steps as well as at
+    each epoch's end; None: at epochs' ends only (default.yaml sets 50).
     """
 
     checkpoint_every_n_steps: int | None = None
-    monitor: str = "val/loss"
+    monitor: str = "val/loss"  # the best checkpoints' metric (lower is better)
     save_top_k: int = 1
 
 
 @dataclass(frozen=True)
 class TrainerSettings:
-    """The Lightning trainer (``trainer.*``): the fields ``train`` reads itself, and the section.
-
-    Attributes:
-        accelerator: cpu | gpu | cuda | auto; None when missing (configs/trainer/cpu.yaml: cpu).
-        devices: processes per node as given (an int, ``auto``, a list).
-        num_nodes: nodes (a missing or null value, or 0, is this default).
-        accumulate_grad_batches: batches per optimizer step without ``global_batch_size`` (a
-            missing or null value, or 0, is this default).
-        fast_dev_run: Lightning's smoke run (also: no checkpoint resumed, no export, no logger).
-        max_steps: the step budget as given (-1 or None: none; cpu.yaml sets 300).
-        max_epochs: the epoch budget as given (-1 or None: none; cpu.yaml sets 1).
-        limit_val_batches: the validation batches per validation, as given.
-        strategy: the section's ``strategy`` as given (a dict is instantiated).
-        fields: the whole section as plain values, ``L.Trainer``'s keywords (with ``_target_``).
+    """The Lightning trainer (``trainer.*``): the fields ``train`` reads itself, as given, and
+    the section. ``num_nodes`` and ``accumulate_grad_batches`` (used without
+    ``global_batch_size``): a missing or null value, or 0, is the default.
     """
 
-    accelerator: str | None = None
-    devices: Any = 1
+    accelerator: str | None = None  # configs/trainer/cpu.yaml: cpu
+    devices: Any = 1  # processes per node (an int, ``auto``, a list)
     num_nodes: int = 1
     accumulate_grad_batches: int = 1
-    fast_dev_run: bool = False
-    max_steps: int | None = None
-    max_epochs: int | None = None
+    fast_dev_run: bool = False  # also: no checkpoint resumed, no export, no logger
+    max_steps: int | None = None  # -1 or None: no budget; cpu.yaml sets 300
+    max_epochs: int | None = None  # -1 or None: no budget; cpu.yaml sets 1
     limit_val_batches: Any = None
-    strategy: Any = None
-    fields: Mapping[str, Any] = field(default_factory=dict)
+    strategy: Any = None  # a dict is instantiated
+    fields: Mapping[str, Any] = field(default_factory=dict)  # L.Trainer's keywords (_target_ too)
 
 
 @dataclass(frozen=True)
 class RunSettings:
     """The run's own fields (top-level keys of ``configs/train.yaml``).
 
-    Attributes:
-        run_name: the run's name (train.yaml builds it from the model, circuit, LoRA, stage).
-        run_dir: the run folder outside a Hydra run; None: ``outputs/train/<run_name>``.
-        root_dir: ``paths.root_dir``, where ``outputs/last_draft.txt`` is written
-            (``configs/paths/default.yaml``: ``$PROJECT_ROOT``, else this default).
-        seed: the seed of everything.
-        init_from: a previous stage's exported draft or checkpoint; None: a fresh draft.
-        export: write the exported draft to ``<run dir>/draft``.
-        validate_before_training: measure the untrained draft (``init/...``).
-        allow_resume_changes: resume a checkpoint although the settings changed.
-        global_batch_size: sequences per optimizer step; None: ``trainer.accumulate_grad_batches``.
+    ``root_dir`` is ``paths.root_dir``, where ``outputs/last_draft.txt`` is written
+    (``configs/paths/default.yaml``: ``$PROJECT_ROOT``, else this default).
     """
 
-    run_name: str | None = None
-    run_dir: str | None = None
+    run_name: str | None = None  # train.yaml builds it from the model, circuit, LoRA, stage
+    run_dir: str | None = None  # outside a Hydra run; None: outputs/train/<run_name>
     root_dir: str = "."
     seed: int = 0
-    init_from: str | None = None
-    export: bool = True
-    validate_before_training: bool = True
+    init_from: str | None = None  # a previous stage's exported draft or checkpoint
+    export: bool = True  # write the exported draft to <run dir>/draft
+    validate_before_training: bool = True  # measure the untrained draft (init/...)
     allow_resume_changes: bool = False
-    global_batch_size: int | None = None
+    global_batch_size: int | None = None  # None: trainer.accumulate_grad_batches
 
 
 @dataclass(frozen=True)
 class Sections:
-    """The sections Hydra instantiates, as config nodes, and the fields read from them.
-
-    Attributes:
-        data: ``data`` (the data module).
-        optimizer: ``optimizer`` (a partial of the parameters).
-        scheduler: ``scheduler``, or None.
-        logger: ``logger``, or None (``logger=none``).
-        batch_size: ``data.batch_size``, sequences per batch and rank (for global_batch_size).
-        lr: ``optimizer.lr`` as given (the new learning rate of a resume that changes it).
-    """
+    """The sections Hydra instantiates (``data``, ``optimizer``, ``scheduler``, ``logger``; None
+    when missing or empty), as config nodes so that their interpolations (``${paths...}``,
+    ``${hydra:...}``) resolve as Hydra's ``instantiate`` resolves them, and two fields."""
 
     data: Any = None
     optimizer: Any = None
     scheduler: Any = None
     logger: Any = None
-    batch_size: int | None = None
-    lr: Any = None
+    batch_size: int | None = None  # data.batch_size: sequences per batch and rank
+    lr: Any = None  # optimizer.lr as given (the new lr of a resume that changes it)
 
 
 def _trainer(cfg: DictConfig) -> TrainerSettings:
@@ -271,19 +187,9 @@ def _trainer(cfg: DictConfig) -> TrainerSettings:
 class TrainSettings:
     """Everything ``train(cfg)`` reads from its config, read once by :meth:`from_cfg`.
 
-    Attributes:
-        model: the target.
-        circuit: the head.
-        lora: the LoRA copy.
-        loss: the loss.
-        callbacks: the checkpoint policy.
-        trainer: the Lightning trainer.
-        run: the run's own fields.
-        sections: the sections Hydra instantiates.
-        recorded: the whole config as written (unresolved): the exported draft's
-            ``training_config``.
-        resolved: the whole config as plain values, resolved where it can be: what a checkpoint
-            records and a resume compares, through ``comparable_config``.
+    ``recorded``: the whole config as written (unresolved), the exported draft's
+    ``training_config``; ``resolved``: as plain values, resolved where it can be, what a
+    checkpoint records and a resume compares (``comparable_config``).
     """
 
     model: ModelArgs = field(default_factory=ModelArgs)
@@ -368,24 +274,17 @@ class TrainSettings:
 
     def model_arguments(self) -> dict[str, Any]:
         """The flat arguments of :func:`mtpc.training.run.build_model`: ``model.*``, the
-        ``circuit`` (its other keys are the head's options), ``lora.*``, ``loss.chunk_size``
-        and ``trainer.accelerator``."""
-        m, c, lora = self.model, self.circuit, self.lora
+        ``circuit`` (its other keys are the head's options), ``lora.*`` (as ``lora_<field>``),
+        ``loss.chunk_size`` and ``trainer.accelerator``."""
+        c = self.circuit
         return {
-            "name": m.name,
-            "path": m.path,
-            "revision": m.revision,
-            "dtype": m.dtype,
-            "attention_impl": m.attention_impl,
+            **asdict(self.model),
             "accelerator": self.trainer.accelerator,
             "chunk_size": self.loss.chunk_size,
             "kind": c.kind,
             "window": c.window,
             "rank": c.rank,
             **dict(c.options),
-            "lora_layers": lora.layers,
-            "lora_rank": lora.rank,
-            "lora_alpha": lora.alpha,
-            "lora_dropout": lora.dropout,
-            "lora_target_modules": list(lora.target_modules),
+            **{f"lora_{k}": v for k, v in asdict(self.lora).items()},
+            "lora_target_modules": list(self.lora.target_modules),
         }
