@@ -1,24 +1,12 @@
-"""Measurement and report helpers shared by ``scripts/bench_*.py`` (never used in tests'
-assertions): a benchmark script is its setup plus calls to these.
+"""Measurement and report helpers shared by ``scripts/bench_*.py`` (a benchmark script is its
+setup plus calls to these; never used in tests' assertions), and a device's peak memory for
+the evaluation, the benchmarks and ``scripts/check_gpu.py``.
 
-* :func:`best_time`: minimum seconds per call over rounds. The minimum, not the median: on
-  a shared machine other processes only ever add time. :func:`median_time`: the median over
-  repeats (after a warm-up, CUDA synchronised), for calls too long to repeat in rounds;
-  :func:`timed`: one call's seconds and result.
-* :func:`reset_peak_rss` / :func:`status_kb`: the peak resident set size of *this* process
-  since a reset (Linux ``/proc/self/clear_refs`` + ``VmHWM``); ``ru_maxrss`` cannot be
-  reset and survives fork + exec, so it reports a parent's peak. :func:`peak_rss_extra_mb`:
-  what one call adds on top of the resident size; :func:`in_fresh_process`: a call in a
-  spawned process, so that nothing else shares its peak.
-* :func:`markdown_header`, :func:`markdown_row`, :func:`machine`, :func:`write_json`: the
-  reports (Markdown tables, the machine line, the rows as JSON).
-
-torch is imported where a function needs it, not here: a parent process that only starts
-measuring children (``scripts/bench_memory.py``) stays small, and its peak, which a child
-inherits in ``ru_maxrss``, stays below theirs.
-* :func:`cuda_index`, :func:`sync_memory_reset`, :func:`peak_memory_mb`: a device's peak
-  memory (CUDA: allocated on that GPU, never the current one by accident; CPU: the
-  process's peak RSS), used by the evaluation, the benchmarks and ``scripts/check_gpu.py``.
+Times are minima over rounds (on a shared machine other processes only ever add time) or
+medians of calls too long to repeat. Peak RSS is this process's since a reset (Linux
+``clear_refs`` + ``VmHWM``): ``ru_maxrss`` cannot be reset and survives fork + exec, so it
+reports a parent's peak. torch is imported where a function needs it, so that a parent that
+only starts measuring children (``scripts/bench_memory.py``) stays below their peak.
 """
 
 from __future__ import annotations

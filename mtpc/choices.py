@@ -1,9 +1,6 @@
-"""The allowed values of every named setting, defined once (no imports: cheap and torch-free).
-
-The config checks (:mod:`mtpc.config`), the model, head, backbone and decoding code all
-import them from here, so a new choice is added in one place. The drafting vocabulary
-(``draft``, ``proposal``) and its mapping onto the draft step's internal rules is in
-:mod:`mtpc.decoding.settings`; its one table is docs/DECODING.md, "Drafting".
+"""The allowed values of every named setting, defined once (no imports: cheap and torch-free),
+so a new choice is added in one place. The drafting vocabulary and its mapping onto the draft
+step's rules is in :mod:`mtpc.decoding.settings` (docs/DECODING.md, "Drafting").
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """The one base class of errors caused by the user's input rather than by a bug.
 
-Entry points (``train.py``, ``eval.py``) print a :class:`UserError` as one or two lines
-(what is wrong, the field or file, the allowed values or the fix) and exit with status 2;
-every other exception is a bug and keeps its traceback. ``HYDRA_FULL_ERROR=1`` shows the
-full traceback of user errors too.
+Entry points print a :class:`UserError` as one ``error: ...`` line and exit with status 2;
+every other exception is a bug and keeps its traceback (docs/TRAINING.md, "Errors and startup
+checks").
 """
 
 from __future__ import annotations
@@ -35,16 +34,8 @@ class DataError(UserError, ValueError):
 def run_reporting_user_errors(
     main: Callable[[], Any], also: tuple[type[BaseException], ...] = ()
 ) -> Any:
-    """Calls ``main()``; a user error becomes ``error: <message>`` on stderr and exit code 2.
-
-    Args:
-        main: the entry point's work.
-        also: further exception types to treat as user errors (``FileNotFoundError`` for a
-            path the user named, an evaluator's own config error).
-
-    With ``HYDRA_FULL_ERROR=1`` the exception propagates unchanged (full traceback). Any
-    other exception is a bug and keeps its traceback.
-    """
+    """Calls ``main()``; a user error (or one of ``also``) becomes ``error: <message>`` on
+    stderr and exit code 2, unless ``HYDRA_FULL_ERROR=1`` (then it propagates unchanged)."""
     caught: tuple[type[BaseException], ...] = (UserError, *also)
     try:
         return main()

@@ -1,17 +1,9 @@
-"""File machinery shared by training, data preparation, evaluation and regeneration.
+"""File machinery shared by training, data preparation, evaluation and regeneration
+(torch-free, cheap to import): folder locks, stale temporary files, JSON-lines files after a
+kill (the line in flight is cut off, or left out).
 
-* :class:`FolderLock`: an exclusive, non-blocking ``flock`` on a lock file, released when
-  the process ends however it ends (a killed process never leaves a stale lock). The file
-  records the last holder (pid, host, start time) so a refusal can name it.
-* :func:`remove_stale_tmp`: removes the temporary files and folders of writes whose
-  process is gone. Every temporary name in the project carries its writer's pid, in one of
-  two spellings: ``.<name>.tmp-<pid>`` (checkpoints, exports) or ``.<name>.<pid>.tmp``
-  (data preparation).
-* :func:`pid_alive`: whether a process is running.
-* :func:`trim_torn_line` / :func:`read_json_lines`: append-only JSON-lines files (evaluation
-  records, regenerated rows) after a kill: the line in flight is cut off, or left out.
-
-Torch-free and cheap to import.
+Every temporary name in the project carries its writer's pid, in one of two spellings:
+``.<name>.tmp-<pid>`` (checkpoints, exports) or ``.<name>.<pid>.tmp`` (data preparation).
 """
 
 from __future__ import annotations
@@ -29,8 +21,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-_TMP_PID = re.compile(r"\.tmp-(\d+)$|\.(\d+)\.tmp$")
-"""The writer's pid in a temporary name: ``.<name>.tmp-<pid>`` or ``.<name>.<pid>.tmp``."""
+_TMP_PID = re.compile(r"\.tmp-(\d+)$|\.(\d+)\.tmp$")  # the writer's pid in a temporary name
 
 
 def pid_alive(pid: int) -> bool:
@@ -41,7 +32,7 @@ def pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except PermissionError:  # it exists, under another user
         return True
     return True
 
@@ -55,17 +46,9 @@ def tmp_writer_pid(name: str) -> int | None:
 
 
 def remove_stale_tmp(folder: Path, what: str = "an interrupted write") -> list[Path]:
-    """Removes ``folder``'s hidden temporary entries (``.*.tmp*``) whose writer is gone.
-
-    An entry whose name carries no pid cannot belong to a running writer of this project
-    and is removed too.
-
-    Args:
-        folder: the folder to clean (nothing happens when it does not exist).
-        what: what left them, for the log line.
-
-    Returns:
-        The removed paths.
+    """Removes and returns ``folder``'s hidden temporary entries (``.*.tmp*``) whose writer is
+    gone; ``what`` left them (for the log line). An entry whose name carries no pid cannot
+    belong to a running writer of this project and is removed too.
     """
     if not folder.is_dir():
         return []
@@ -92,13 +75,12 @@ class FolderBusy(Exception):
 
 
 class FolderLock:
-    """An exclusive ``flock`` on ``path`` (created when missing), held until :meth:`release`.
+    """An exclusive, non-blocking ``flock`` on ``path`` (created when missing), held until
+    :meth:`release` or the process ends, however it ends (no stale locks). The file records the
+    last holder (pid, host, start time) so that a refusal can name it.
 
-    Args:
-        path: the lock file.
-        enabled: False: a no-op lock (e.g. off global rank 0).
-
-    On a file system without locks the lock logs a warning and the caller runs unlocked.
+    ``enabled=False``: a no-op lock (e.g. off global rank 0). On a file system without locks
+    the lock logs a warning and the caller runs unlocked.
     """
 
     def __init__(self, path: Path, enabled: bool = True) -> None:
@@ -107,11 +89,8 @@ class FolderLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        """Takes the lock and records this process as its holder.
-
-        Raises:
-            FolderBusy: another process holds it.
-        """
+        """Takes the lock and records this process as its holder; :class:`FolderBusy` when
+        another process holds it."""
         if not self.enabled or self._fd is not None:
             return
         import fcntl
@@ -174,10 +153,7 @@ def read_json_lines(path: Path) -> list[Any]:
     """The JSON values of ``path``, one per line; [] when it does not exist.
 
     A last line without its newline that does not parse (the line in flight at a kill) is
-    left out.
-
-    Raises:
-        BadJsonLine: any other line does not parse.
+    left out; any other that does not parse raises :class:`BadJsonLine`.
     """
     if not path.is_file():
         return []

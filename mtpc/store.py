@@ -1,14 +1,7 @@
 """Append-only record folders, shared by the evaluation (``mtpc.evaluation.records``) and
-regeneration (``mtpc.evaluation.regenerate``).
-
-* strict JSON (:func:`strict_json`, :func:`dumps`, :func:`write_json`: NaN -> null, atomic
-  writes) and :func:`differences` between two manifests, one line per changed field;
-* :func:`provenance`: where and with what a measurement ran;
-* :class:`AppendStore`: a folder one process writes at a time: a lock (a second writer is
-  refused), JSON-lines files appended line by line and flushed as each line is written (a
-  kill loses at most the line in flight, dropped at the next open), synced at close. Its
-  users keep a manifest beside the lines whose identity fields must agree to resume
-  (:func:`changed`).
+regeneration (``mtpc.evaluation.regenerate``): strict JSON (NaN -> null, atomic writes),
+manifest differences, provenance, and :class:`AppendStore`, a locked folder of JSON-lines files
+flushed line by line (a kill loses at most the line in flight, dropped at the next open).
 """
 
 from __future__ import annotations
@@ -134,10 +127,8 @@ def provenance(device: str, root: Path) -> dict[str, Any]:
 class AppendStore:
     """A folder written by one process at a time, through append-only JSON-lines files.
 
-    :meth:`lock` takes the folder's lock, :meth:`open_lines` opens the files for appending
-    (a torn last line, from a kill mid-write, dropped first), :meth:`write_line` appends one
-    value and flushes it to the OS (it survives a kill of this process), :meth:`close` syncs
-    the files to disk and releases the lock.
+    Its users keep a manifest beside the lines whose identity fields must agree to resume
+    (:func:`changed`).
     """
 
     def __init__(self) -> None:
@@ -145,11 +136,8 @@ class AppendStore:
         self._lines: dict[Path, IO[str]] = {}
 
     def lock(self, path: Path, busy: Callable[[FolderBusy], Exception]) -> None:
-        """Creates the folder of lock file ``path`` and takes the lock.
-
-        Raises:
-            Exception: ``busy(FolderBusy)``, when another process holds it.
-        """
+        """Creates the folder of lock file ``path`` and takes the lock; raises
+        ``busy(FolderBusy)`` when another process holds it."""
         path.parent.mkdir(parents=True, exist_ok=True)
         lock = FolderLock(path)
         try:
@@ -165,7 +153,8 @@ class AppendStore:
             self._lines[path] = open(path, "a", encoding="utf-8")  # noqa: SIM115
 
     def write_line(self, path: Path, value: Any, ensure_ascii: bool = True) -> None:
-        """Appends ``value`` as one compact strict-JSON line to ``path`` and flushes it."""
+        """Appends ``value`` as one compact strict-JSON line to ``path`` and flushes it to the
+        OS (it survives a kill of this process)."""
         file = self._lines[path]
         file.write(dumps(value, ensure_ascii=ensure_ascii, separators=(",", ":")) + "\n")
         file.flush()
