@@ -5,7 +5,6 @@ config once (``mtpc.evaluation.settings``) and check it (the drafting choice:
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -13,29 +12,14 @@ from typing import Any
 import torch
 
 from mtpc.config import ConfigError, validate_eval_config, validate_regenerate_config
-from mtpc.decoding.settings import (
-    CONFIG,
-    SettingsError,
-    Spelling,
-    check_drafting,
-    check_settings,
-)
+from mtpc.decoding.settings import CONFIG, SettingsError, Spelling, check_drafting, check_settings
 from mtpc.errors import UserError
 from mtpc.evaluation.drafters import FIXTURE_PREFIX, FIXTURES
 from mtpc.evaluation.drafting import check_eval_drafting, tree_budgets
-from mtpc.evaluation.settings import (
-    Drafter,
-    EvalSettings,
-    RegenerateSettings,
-    SpecBench,
-)
-
-logger = logging.getLogger(__name__)
-
+from mtpc.evaluation.settings import Drafter, EvalSettings, RegenerateSettings, SpecBench
 
 RESUME = ("auto", "force", "never")
-"""``resume=``: resume a folder of the same evaluation (refusing another's), resume anyway, or
-decode afresh into a new folder (``<folder>-2``, ``-3``, ...), leaving the old one untouched."""
+"""``resume=``'s values (configs/eval.yaml, docs/EVALUATION.md)."""
 
 
 class EvalConfigError(UserError, ValueError):
@@ -43,11 +27,8 @@ class EvalConfigError(UserError, ValueError):
 
 
 def parse_eval(cfg: Any) -> EvalSettings:
-    """``evaluate``'s door: the config read once and checked, before anything loads.
-
-    ``mtpc.config.validate_eval_config`` checks the target, the data group and the counts
-    (``seed``, ``max_new_tokens``, ``num_prompts``, ``num_prompt_sets``), then
-    :func:`check_eval_settings` the evaluator's own fields.
+    """``evaluate``'s door: the config read once and checked, before anything loads
+    (``mtpc.config.validate_eval_config``: target, data, counts; then the evaluator's fields).
 
     Raises:
         ConfigError: a bad target, data or count field.
@@ -60,8 +41,7 @@ def parse_eval(cfg: Any) -> EvalSettings:
 
 
 def parse_regenerate(cfg: Any) -> RegenerateSettings:
-    """``regenerate``'s door: the config checked (``mtpc.config.validate_regenerate_config``,
-    then ``batch_size``) and read once, before anything loads.
+    """``regenerate``'s door: the config checked and read once, before anything loads.
 
     Raises:
         ConfigError: a bad field.
@@ -83,11 +63,10 @@ def check_batch_size(value: Any, error: type[Exception]) -> None:
 
 
 def check_batch_backbone(batch_size: int, model: Any, error: type[Exception]) -> None:
-    """``batch_size`` > 1 needs a backbone with a batched cache (not EvaByte's): checked on
-    the model's name before it loads, and on the loaded model (``model``: either)."""
+    """``batch_size`` > 1 needs a backbone with a batched cache (not EvaByte's); ``model``: its
+    name (before it loads) or the loaded model."""
     if isinstance(model, str):
-        batched = model != "evabyte"
-        name = f"model={model}"
+        batched, name = model != "evabyte", f"model={model}"
     else:
         batched, name = model.backbone.supports_batch, type(model.backbone).__name__
     if batch_size > 1 and not batched:
@@ -98,10 +77,8 @@ def check_batch_backbone(batch_size: int, model: Any, error: type[Exception]) ->
 
 
 DECODING_FIELDS = ("policy", "greedy", "temperature", "top_k", "top_p")
-"""The evaluation's fields checked by :func:`mtpc.decoding.settings.check_settings` (with the
-chain's ``drafting`` and ``proposal``; the tree rows' ``tree_budget`` and ``tree_floor`` by
-:func:`mtpc.decoding.settings.check_drafting`). ``seed`` and ``max_new_tokens`` are checked
-once, by ``mtpc.config.validate_eval_config``."""
+"""The fields :func:`mtpc.decoding.settings.check_settings` checks (``seed`` and
+``max_new_tokens``: ``mtpc.config.validate_eval_config``)."""
 
 
 def check_eval_fields(cfg: Any) -> None:
@@ -118,19 +95,26 @@ def _choice(field: str, value: Any, allowed: Sequence[Any], optional: bool = Fal
         )
 
 
-def _integer(field: str, value: Any, low: int) -> None:
-    """An optional integer >= ``low``."""
+def _integer(field: str, value: Any, low: int, null: bool = False) -> None:
+    """An optional integer >= ``low``; ``null``: the message says that null is allowed too."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
-        raise EvalConfigError(f"{field}={value!r} is not allowed; allowed: an integer >= {low}")
+        allowed = f"null or an integer >= {low}" if null else f"an integer >= {low}"
+        raise EvalConfigError(f"{field}={value!r} is not allowed; allowed: {allowed}")
+
+
+def _names(value: Any) -> bool:
+    """``value`` is null, a name or a non-empty list of names."""
+    return (
+        value is None
+        or isinstance(value, str)
+        or (isinstance(value, list) and bool(value) and all(isinstance(x, str) for x in value))
+    )
 
 
 def check_eval_settings(s: EvalSettings) -> None:
-    """Checks the evaluator's own fields (beyond ``mtpc.config.validate_eval_config``), one
-    check per field.
-
-    The decoding settings go through :func:`mtpc.decoding.settings.check_settings`, as
-    ``mtpc.generate`` and ``mtpc.generate_hetero`` do: a bad one gets the same one line.
-    """
+    """Checks the evaluator's own fields (beyond ``mtpc.config.validate_eval_config``); the
+    decoding ones through :func:`mtpc.decoding.settings.check_settings`, as ``mtpc.generate``
+    does, so a bad one gets the same one line."""
     d, run = s.decoding, s.run
     _choice("suppress_eos", d.suppress_eos, (True, False))
     _choice("max_throughput", run.max_throughput, (True, False))
@@ -153,10 +137,7 @@ def check_eval_settings(s: EvalSettings) -> None:
             f"temperature={d.temperature!r} is not allowed; allowed: a number > 0"
         )
     sources = s.prompts.sources
-    if sources is not None and not (
-        isinstance(sources, str)
-        or (isinstance(sources, list) and sources and all(isinstance(x, str) for x in sources))
-    ):
+    if not _names(sources):
         raise EvalConfigError(
             f"sources={sources!r} is not allowed; allowed: null or a list of source names, "
             "e.g. sources=[synthetic/multi_answer]"
@@ -197,21 +178,17 @@ def _check_drafter(drafter: Drafter, greedy: Any) -> None:
     except SettingsError as err:
         raise EvalConfigError(str(err)) from None
     model = str(drafter.model)
+    allowed = "allowed: a local HF causal-LM folder or " + ", ".join(
+        FIXTURE_PREFIX + f for f in FIXTURES
+    )
     if model.startswith(FIXTURE_PREFIX) and model[len(FIXTURE_PREFIX) :] not in FIXTURES:
-        raise EvalConfigError(
-            f"drafter.model={model!r} is not allowed; allowed: a local HF causal-LM folder or "
-            + ", ".join(FIXTURE_PREFIX + f for f in FIXTURES)
-        )
+        raise EvalConfigError(f"drafter.model={model!r} is not allowed; {allowed}")
     if not model.startswith(FIXTURE_PREFIX) and not Path(model).expanduser().is_dir():
-        raise EvalConfigError(
-            f"drafter.model={model!r} does not exist; allowed: a local HF causal-LM folder or "
-            + ", ".join(FIXTURE_PREFIX + f for f in FIXTURES)
-        )
+        raise EvalConfigError(f"drafter.model={model!r} does not exist; {allowed}")
 
 
 def _check_prompts(s: EvalSettings, spec: SpecBench) -> None:
-    """``prompts.*`` of ``prompts=spec_bench`` (configs/prompts/spec_bench.yaml); the file
-    itself is read by ``mtpc.evaluation.loading.spec_bench_questions``."""
+    """``prompts.*`` of ``prompts=spec_bench`` (the file: ``loading.spec_bench_questions``)."""
     from mtpc.data.spec_bench import NAME
 
     if spec.name != NAME:
@@ -221,26 +198,13 @@ def _check_prompts(s: EvalSettings, spec: SpecBench) -> None:
             f"prompts.path={spec.path!r} is not allowed; allowed: a Spec-Bench question.jsonl "
             "(prompts=spec_bench prompts.path=<file>)"
         )
-    categories = spec.categories
-    if categories is not None and not (
-        isinstance(categories, str)
-        or (
-            isinstance(categories, list)
-            and categories
-            and all(isinstance(c, str) for c in categories)
-        )
-    ):
+    if not _names(spec.categories):
         raise EvalConfigError(
-            f"prompts.categories={categories!r} is not allowed; allowed: null or a list of "
+            f"prompts.categories={spec.categories!r} is not allowed; allowed: null or a list of "
             "categories, e.g. prompts.categories=[writing,translation]"
         )
-    for name, value in (("per_category", spec.per_category), ("turns", spec.turns)):
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value < 1
-        ):
-            raise EvalConfigError(
-                f"prompts.{name}={value!r} is not allowed; allowed: null or an integer >= 1"
-            )
+    _integer("prompts.per_category", spec.per_category, 1, null=True)
+    _integer("prompts.turns", spec.turns, 1, null=True)
     if s.prompts.sources is not None:
         raise EvalConfigError(
             "sources= is not allowed with prompts=spec_bench (it selects the data group's "

@@ -1,10 +1,7 @@
 """The drafting choice of an evaluation (``drafting``, ``proposal``, ``tree_budget``,
-``tree_floor``), checked before anything loads and mapped onto ``mtpc.generate`` per pass.
-The choices: docs/DECODING.md, "Drafting".
-
-In ``configs/eval.yaml`` the chain's draft is ``drafting`` (``draft`` names the exported draft
-folder); ``tree_budget`` (an int or a list) adds one ``tree<B>`` row per budget beside the
-chain row, so ``drafting=tree`` is refused there.
+``tree_floor``; docs/DECODING.md, "Drafting"): the evaluation's own refusals and what the
+manifest records. In ``configs/eval.yaml`` the chain's draft is ``drafting`` (``draft`` names
+the draft folder) and ``tree_budget`` adds one ``tree<B>`` row per budget beside the chain row.
 """
 
 from __future__ import annotations
@@ -44,22 +41,11 @@ def check_eval_drafting(drafting: Any, tree_budget: Any) -> None:
 
 
 def chain_rule(kind: str, greedy: bool, drafting: Any, proposal: Any) -> str:
-    """The draft rule a draft of circuit family ``kind`` decodes the chain passes with (the
-    choice checked by ``check_eval_fields``)."""
+    """The draft rule a draft of circuit family ``kind`` decodes the chain passes with."""
     chosen = DecodingSettings(
         greedy=greedy, draft=drafting or DEFAULT_GREEDY_DRAFT, proposal=proposal
     )
     return str(chosen.rule_for(kind)[0])
-
-
-def chain_kwargs(drafting: Any, proposal: Any) -> dict[str, Any]:
-    """``mtpc.generate`` keywords of the chain passes (speculative, max throughput)."""
-    return {"draft": drafting, "proposal": proposal}
-
-
-def tree_kwargs(budget: int, tree_floor: Any) -> dict[str, Any]:
-    """``mtpc.generate`` keywords of a ``tree<B>`` pass (no chain choice: a tree has none)."""
-    return {"tree_budget": budget, "tree_floor": float(tree_floor or 0.0)}
 
 
 def asked(drafting: Any, proposal: Any) -> dict[str, Any]:

@@ -1,21 +1,6 @@
-"""``evaluate(cfg)``: throughput of exported drafts against autoregressive decoding.
-
-Called by ``python eval.py`` (Hydra) and by ``scripts/sweep_eval.py``; returns the metrics.
-For every draft: load it against the configured target (a draft exported for another
-target is refused before any decoding), decode every prompt of every prompt set with
-self-speculative decoding (and, with ``max_throughput``, once more accepting every draft),
-after ``warmup`` untimed runs. Autoregressive decoding of the same target runs on the same
-prompts in the same call; the speed-up is the ratio of throughputs per prompt set. Metrics
-are defined in ``mtpc.evaluation.metrics``. With ``interleave=true`` every draft is loaded
-at once and the prompts are decoded one by one by every pass in alternating order
-(:func:`run_interleaved`), so that a drift of the machine cancels in the ratios.
-
-Each decoded prompt is appended to the evaluation folder's ``records.jsonl`` as it finishes
-(``mtpc.evaluation.records``); the tables are then built from those records
-(``mtpc.evaluation.report``). Re-running the same command finds the same folder and decodes
-only the prompts not recorded yet; ``report=<folder>`` (or several) rebuilds the tables
-without decoding. A progress bar per draft and pass (tqdm, on a terminal only, off with
-``progress=false``) and one log line per finished draft say how far a run is.
+"""``evaluate(cfg)``: throughput of exported drafts against autoregressive decoding of their
+target, on the same prompts in the same call; each decoded prompt is appended to the folder's
+records as it finishes, and the tables are built from them. See docs/EVALUATION.md.
 """
 
 from __future__ import annotations
@@ -40,11 +25,10 @@ from mtpc.decoding.common import cut_at_stop
 from mtpc.evaluation.checks import (
     EvalConfigError,
     check_batch_backbone,
-    check_eval_fields,  # noqa: F401 (evaluate's check, by name)
+    check_eval_fields,  # noqa: F401 (tests import evaluate's check from here)
     parse_eval,
 )
-from mtpc.evaluation.drafting import chain_kwargs, tree_kwargs
-from mtpc.evaluation.drafting import tree_budgets as budgets
+from mtpc.evaluation.drafting import tree_budgets
 from mtpc.evaluation.folders import build_manifest, check_prompts, eval_folder, fresh_folder
 from mtpc.evaluation.hetero import decode_hetero
 from mtpc.evaluation.loading import (
@@ -75,19 +59,6 @@ from mtpc.evaluation.settings import (
 logger = logging.getLogger(__name__)
 
 
-def decode_kwargs(d: EvalDecoding) -> dict[str, Any]:
-    """The ``mtpc.generate`` keywords the evaluation's decoding settings give."""
-    return {
-        "max_new_tokens": int(d.max_new_tokens),
-        "greedy": bool(d.greedy),
-        "policy": d.policy,
-        "temperature": float(d.temperature),
-        "top_k": d.top_k,
-        "top_p": d.top_p,
-        "suppress_eos": bool(d.suppress_eos),
-    }
-
-
 PASSES: dict[str, dict[str, Any]] = {
     "ar": {"method": "autoregressive"},
     "speculative": {},
@@ -97,54 +68,43 @@ PASSES: dict[str, dict[str, Any]] = {
 (from ``tree_budget``) decodes with a token tree of B nodes."""
 
 
-def pass_overrides(pass_name: str, d: EvalDecoding) -> dict[str, Any]:
-    """The ``mtpc.generate`` overrides of a pass (``ar``, ``speculative``, ``tree<B>``, ...),
-    with the drafting choice of ``d`` (the chain's for the chain passes)."""
-    if pass_name.startswith("tree"):
-        return tree_kwargs(int(pass_name.removeprefix("tree")), d.tree_floor)
+def pass_kwargs(pass_name: str, d: EvalDecoding) -> dict[str, Any]:
+    """The ``mtpc.generate`` keywords of a pass (``ar``, ``speculative``, ``tree<B>``, ...):
+    the decoding settings, the chain's drafting choice for the chain passes."""
+    kwargs = {
+        "max_new_tokens": int(d.max_new_tokens), "greedy": bool(d.greedy), "policy": d.policy,
+        "temperature": float(d.temperature), "top_k": d.top_k, "top_p": d.top_p,
+        "suppress_eos": bool(d.suppress_eos),
+    }  # fmt: skip
+    if pass_name.startswith("tree"):  # a tree has no chain choice
+        budget = int(pass_name.removeprefix("tree"))
+        return {**kwargs, "tree_budget": budget, "tree_floor": float(d.tree_floor or 0.0)}
     if pass_name == "ar":
-        return PASSES[pass_name]
-    return {**chain_kwargs(d.drafting, d.proposal), **PASSES[pass_name]}
+        return {**kwargs, **PASSES[pass_name]}
+    return {**kwargs, "draft": d.drafting, "proposal": d.proposal, **PASSES[pass_name]}
 
 
-class _Progress:
-    """A tqdm bar over the prompts of one pass (stderr, terminals only), or nothing."""
+def _progress(enabled: bool, total: int, done: int, desc: str) -> Any:
+    """A tqdm bar over the prompts of a pass (stderr, on a terminal only), or nothing."""
+    from tqdm.auto import tqdm
 
-    def __init__(self, enabled: bool, total: int, done: int, desc: str) -> None:
-        from tqdm.auto import tqdm
+    return tqdm(
+        total=total, initial=done, desc=desc, unit="prompt", leave=False,
+        dynamic_ncols=True, disable=None if enabled else True,
+    )  # fmt: skip
 
-        self.bar = tqdm(
-            total=total, initial=done, desc=desc, unit="prompt", leave=False,
-            dynamic_ncols=True, disable=None if enabled else True,
-        )  # fmt: skip
 
-    def step(self, note: str) -> None:
-        self.bar.set_postfix_str(note, refresh=False)
-        self.bar.update()
-
-    def close(self) -> None:
-        self.bar.close()
+def _step(bar: Any, note: str) -> None:
+    bar.set_postfix_str(note, refresh=False)
+    bar.update()
 
 
 def warmup_prompts(
     model: Any, prompt_sets: Sequence[Sequence[Any]], max_new_tokens: int, window_prompt: bool
 ) -> list[list[int]]:
-    """The prompts each pass decodes untimed (``warmup`` times) before it is timed, with its
-    own decoding method.
-
-    The first prompt; with ``warmup_window`` on a target with an attention window (EvaByte's
-    ``window_size`` W), also one of ``2W - h`` ids (the prompts' longest, repeated), h =
-    max(1, min(max_new_tokens, W) // 2): its prefill compresses a full window and its
-    decoding reaches the next window boundary within h new ids, so the first window
-    compression and the kernels' shapes of a longer prefill (triton specialises per length)
-    are compiled before the timed prompts. Left out when it would not fit the context.
-
-    Args:
-        model: the loaded draft.
-        prompt_sets: the prompt sets.
-        max_new_tokens: the passes' ``max_new_tokens``.
-        window_prompt: ``warmup_window``: add the window-crossing prompt.
-    """
+    """The prompts each pass decodes untimed before it is timed: the first prompt and, with
+    ``window_prompt`` (``warmup_window``) on a target with an attention window W, one of 2W - h
+    ids, h = max(1, min(max_new_tokens, W) // 2) (docs/EVALUATION.md, ``warmup_window``)."""
     prompts = [list(prompt_sets[0][0].prompt_ids)]
     window = getattr(model.backbone, "window_size", None)
     if not window_prompt or not window:
@@ -172,26 +132,12 @@ def decode_prompts(
 ) -> list[dict[str, Any]]:
     """Decodes prompts, every turn of a multi-turn one; returns each record's measurements.
 
-    A prompt with ``later_turns`` (Spec-Bench's MT-bench questions) asks each later user
-    turn after the model's own answer to the turn before: the conversation (user, the answer
-    cut after its first stop id and decoded to text, user, ...) is rendered again with the
-    target's chat template, and the new prompt is decoded and timed like the first. The
-    record's measurements are the turns' pooled (tokens, cycles and times summed, per-cycle
-    lists concatenated), ``turns`` holds each turn's own, with its ``tokens_sha1``,
-    ``prompt_tokens`` and ``equal_reference``. The prompts' k-th turns are decoded together,
-    ``batch_size`` at once (``mtpc.generate`` of a list; a row's times are its shares of
-    the batch's).
-
-    Args:
-        model: the loaded draft.
-        prompts: ``EvalPrompt`` s (``SpecBenchPrompt`` for several turns).
-        codec: the target's byte codec (renders the later turns' prompts).
-        seeds: each prompt's decoding seed (of every turn).
-        kwargs: ``mtpc.generate`` keywords of the pass.
-        per_cycle: keep the per-cycle lists (drafting passes).
-        references: per prompt, the AR pass's ``tokens_sha1`` per turn (greedy check), or
-            None.
-        batch_size: prompts decoded at once.
+    A later turn (``later_turns``: Spec-Bench's MT-bench questions) is asked after the model's
+    own answer to the turn before (cut after its first stop id), in the target's chat
+    template; the record pools the turns (docs/EVALUATION.md, "Records"). The prompts' k-th
+    turns are decoded together, ``batch_size`` at once (a row's times are its shares).
+    ``per_cycle``: keep the per-cycle lists (drafting passes); ``references``: per prompt, AR's
+    ``tokens_sha1`` per turn (the greedy check), or None.
     """
     convs = [_Conversation(p) for p in prompts]
     for turn in range(max(len(c.later) for c in convs) + 1):
@@ -253,19 +199,10 @@ class _Conversation:
 
 
 class Lane:
-    """One draft's decoding pass (or AR's), decoded prompt by prompt into the records.
-
-    :func:`run_pass` runs one lane over every prompt; :func:`run_interleaved` runs several
-    lanes prompt by prompt. Both warm a lane up before its first timed prompt and close it
-    with a ``pass`` record once every prompt is recorded.
-
-    Attributes:
-        model: the loaded draft (its backbone is the target for the ``ar`` pass).
-        draft: the draft's manifest entry; None for the ``ar`` pass.
-        pass_name: a key of :data:`PASSES` or ``tree<B>``.
-        path: the records' ``draft_path`` (None for AR).
-        name: the records' ``draft`` (the row name).
-    """
+    """One draft's decoding pass (or AR's: ``draft`` None, the draft's backbone is the
+    target), decoded into the records by :func:`run_pass` or, several lanes prompt by prompt,
+    :func:`run_interleaved`; ``path`` and ``name`` are the records' ``draft_path`` and
+    ``draft``."""
 
     def __init__(
         self, model: Any, s: EvalSettings, draft: Mapping[str, Any] | None, pass_name: str
@@ -276,7 +213,7 @@ class Lane:
         self.pass_name = pass_name
         self.path = None if draft is None else draft["path"]
         self.name = "AR (target)" if draft is None else draft["name"]
-        self.kwargs = {**decode_kwargs(s.decoding), **pass_overrides(pass_name, s.decoding)}
+        self.kwargs = pass_kwargs(pass_name, s.decoding)
         self.seed = int(s.decoding.seed)
         self.drafting = pass_name == "speculative" or pass_name.startswith("tree")
         self.check = self.drafting and bool(self.kwargs["greedy"])  # output == AR's
@@ -288,10 +225,8 @@ class Lane:
         """``warmup`` untimed runs on each of :func:`warmup_prompts`, with this lane's method."""
         s = self.settings
         for w in range(int(s.run.warmup)):
-            prompts = warmup_prompts(
-                self.model, prompt_sets, s.decoding.max_new_tokens, bool(s.run.warmup_window)
-            )
-            for ids in prompts:
+            new, window = s.decoding.max_new_tokens, bool(s.run.warmup_window)
+            for ids in warmup_prompts(self.model, prompt_sets, new, window):
                 batch = [ids] * self.batch_size  # the timed runs' batch shape
                 generate(self.model, batch, seed=self.seed + w, **self.kwargs)
 
@@ -299,15 +234,9 @@ class Lane:
         self, items: Sequence[tuple[int, int, Any]], references: Sequence[Sequence[str] | None]
     ) -> list[dict[str, Any]]:
         """The records of prompts ``items`` (set k, index i in it, the prompt), decoded
-        ``batch_size`` at once.
-
-        Args:
-            items: the prompts.
-            references: per prompt, AR's ``tokens_sha1`` per turn for the greedy check; None
-                when AR has not decoded this prompt yet (interleaved, AR later on this
-                prompt): the record is marked ``check_pending`` and the report checks it
-                against AR's record (``mtpc.evaluation.report.resolve_checks``).
-        """
+        ``batch_size`` at once. A greedy drafting record whose reference (AR's ``tokens_sha1``
+        per turn) is None, AR being later on this prompt, is marked ``check_pending``: the
+        report checks it (``mtpc.evaluation.report.resolve_checks``)."""
         seeds = [self.seed + i + getattr(p, "seed_offset", 0) for _, i, p in items]
         pending = [self.check and ref is None for ref in references]
         checked = [None if not self.check or ref is None else ref for ref in references]
@@ -345,20 +274,8 @@ def run_pass(
     draft: Mapping[str, Any] | None,
     pass_name: str,
 ) -> int:
-    """Decodes the prompts of one pass that ``store`` has no record of; returns their number.
-
-    ``warmup`` untimed runs on each of :func:`warmup_prompts` come first; each prompt's record is appended
-    (and flushed) as soon as it is decoded; a ``pass`` record with the peak memory closes
-    the pass.
-
-    Args:
-        store: the evaluation folder.
-        model: the loaded draft (its backbone is the target for the ``ar`` pass).
-        prompt_sets: the prompt sets.
-        s: the evaluation settings.
-        draft: the draft's manifest entry; None for the ``ar`` pass.
-        pass_name: a key of :data:`PASSES`.
-    """
+    """Decodes the prompts of one pass that ``store`` has no record of, after the warm-up;
+    returns their number. A ``pass`` record with the peak memory closes the pass."""
     lane = Lane(model, s, draft, pass_name)
     todo = store.pending(prompt_sets, lane.path, pass_name)
     if not todo:  # killed between the last prompt and the pass record
@@ -369,16 +286,13 @@ def run_pass(
     sync_memory_reset(device)
     lane.warm_up(prompt_sets)
     total = sum(len(p) for p in prompt_sets)
-    bar = _Progress(
-        bool(s.run.progress), total, total - len(todo),
-        f"{lane.name} [{pass_name}]",
-    )  # fmt: skip
+    bar = _progress(bool(s.run.progress), total, total - len(todo), f"{lane.name} [{pass_name}]")
     try:
         for chunk in lane.chunks(todo):
             refs = [reference.get((k, i), []) for k, i, _ in chunk]
             for (k, _, _), record in zip(chunk, lane.decode(chunk, refs), strict=True):
                 store.append(record)
-                bar.step(f"set {k + 1}/{len(prompt_sets)}")
+                _step(bar, f"set {k + 1}/{len(prompt_sets)}")
     finally:
         bar.close()
     lane.close(store, peak_memory_mb(device))
@@ -395,20 +309,10 @@ def interleaved_order(lanes: Sequence[Any], position: int) -> list[Any]:
 def run_interleaved(
     store: RecordStore, lanes: Sequence[Lane], prompt_sets: Sequence[Sequence[Any]], s: EvalSettings
 ) -> dict[Lane, int]:
-    """Decodes every lane's unrecorded prompts prompt by prompt (``interleave=true``).
-
-    On each prompt the lanes run in :func:`interleaved_order` (AR, d1, d2, ... then the
-    reverse on the next prompt; a record's ``slot`` is its place); each record is appended
-    as soon as it is decoded, so a killed run resumes exactly: what is recorded is never
-    decoded again, a kill loses at most the lane in flight. A greedy drafting lane that runs
-    before AR on a prompt is recorded with ``check_pending`` (the report compares its output
-    with AR's record). Each lane with prompts left is warmed up first (again on resume); the
-    ``pass`` records close the lanes at the end, with the peak memory of the whole run
-    (every lane's model is loaded at once).
-
-    Returns:
-        The number of prompts decoded per lane.
-    """
+    """Decodes every lane's unrecorded prompts prompt by prompt (``interleave=true``), the
+    lanes in :func:`interleaved_order` (a record's ``slot``: its place); returns the number
+    decoded per lane. The ``pass`` records close the lanes at the end, with the peak memory of
+    the whole run (every lane's model is loaded at once)."""
     device = str(s.run.device)
     todo = {lane: store.pending(prompt_sets, lane.path, lane.pass_name) for lane in lanes}
     busy = [lane for lane in lanes if todo[lane]]
@@ -420,10 +324,8 @@ def run_interleaved(
     reference = ar_turn_hashes(store.records)
     missing = {lane: {(k, i) for k, i, _ in todo[lane]} for lane in lanes}
     total = sum(len(p) for p in prompt_sets) * len(lanes)
-    bar = _Progress(
-        bool(s.run.progress), total,
-        total - sum(len(t) for t in todo.values()), "interleaved",
-    )  # fmt: skip
+    done = total - sum(len(t) for t in todo.values())
+    bar = _progress(bool(s.run.progress), total, done, "interleaved")
     every = [(k, i, p) for k, prompts in enumerate(prompt_sets) for i, p in enumerate(prompts)]
     try:  # prompt by prompt (batch_size B: chunk by chunk of the prompts decoded together)
         for position, chunk in enumerate(lanes[0].chunks(every)):
@@ -436,7 +338,7 @@ def run_interleaved(
                     record["slot"] = slot  # its place among this prompt's lanes
                     store.append(record)
                     decoded[lane] += 1
-                    bar.step(f"set {k + 1}/{len(prompt_sets)}")
+                    _step(bar, f"set {k + 1}/{len(prompt_sets)}")
                     if lane.pass_name == "ar":
                         reference[(k, i)] = turn_hashes(record)
     finally:
@@ -465,12 +367,8 @@ def decode_all(
     s: EvalSettings, store: RecordStore, drafts: Sequence[Path], baselines: Sequence[Path]
 ) -> list[list[Any]] | None:
     """Decodes what ``store`` lacks: AR (with the first draft's target), then every draft,
-    one after the other; with ``interleave=true`` every draft at once, prompt by prompt
-    (:func:`run_interleaved`).
-
-    Returns:
-        The prompt sets when a model was loaded (None when every record was there).
-    """
+    one after the other (``interleave=true``: all at once, prompt by prompt); returns the
+    prompt sets when a model was loaded (None when every record was there)."""
     entries = store.manifest["drafts"]
     codec = str(s.model.codec)
     if entries:
@@ -480,7 +378,7 @@ def decode_all(
     windows = [d["window"] for d in entries] or [0]
     new = int(s.decoding.max_new_tokens)
     passes = ["speculative"] + (["max_throughput"] if s.run.max_throughput else [])
-    passes += [f"tree{b}" for b in budgets(s.decoding.tree_budget)]
+    passes += [f"tree{b}" for b in tree_budgets(s.decoding.tree_budget)]
     finished = {(r["draft_path"], r["pass"]) for r in store.records if r.get("type") == "pass"}
     plan = []  # (index, path, entry, the passes it lacks)
     for index, (path, draft) in enumerate(zip([*drafts, *baselines], entries, strict=True)):
@@ -557,21 +455,9 @@ def evaluate(
 ) -> dict[str, Any]:
     """Evaluates the configured drafts (resuming their folder); prints the tables, writes results.
 
-    The target is the one the drafts were exported for (their ``config.json`` ``target``;
-    :func:`resolve_target`): ``python eval.py draft=<EvaByte draft>`` needs no ``model=``.
-    ``model.*`` fields given on the command line (``explicit_model``; under Hydra read from
-    its task overrides) may restate the recorded target or set what it does not record
-    (``model.attention_impl``); one that contradicts it is refused before loading anything.
-
-    With ``report=<folder>`` (or a list, globs allowed) nothing is decoded: the tables,
-    results.json, CSVs and plots are rebuilt from the folders' records, merged.
-
-    Returns:
-        ``mtpc.evaluation.report.report_folders``'s result plus ``folder``: ``rows`` is
-        [AR row, draft rows..., baseline row]; each row has mu_lat, mu_acc, mu_acc_drafts,
-        tok_s, max_tok_s, speedup_ar, speedup_baseline (mean and ``*_std`` over prompt
-        sets), peak memory and the acceptance per window position; ``by_source`` the
-        per-source rows; ``settings``, ``provenance``, ``table``, ``files``.
+    The target is the one the drafts were exported for; ``explicit_model``: the ``model.*``
+    fields given (under Hydra: read from the command line), which may not contradict it.
+    Returns ``mtpc.evaluation.report.report_folders``'s result plus ``folder``.
 
     Raises:
         EvalConfigError: a setting outside what the evaluator accepts.
