@@ -124,10 +124,7 @@ def save_draft(
     training_config: dict[str, Any] | None = None,
     metrics: dict[str, Any] | None = None,
 ) -> Path:
-    """Writes the draft of ``model`` to the folder ``path`` (created if needed); returns it.
-
-    ``training_config`` and ``metrics`` go into the model card.
-    """
+    """Writes the draft of ``model`` to the folder ``path`` (created if needed); returns it."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     config = draft_config(model)

@@ -143,10 +143,7 @@ class MTPCHead(nn.Module):
     def from_pretrained_unembeddings(
         self, unembeddings: Tensor, noise_std: float = 0.0, generator: torch.Generator | None = None
     ) -> MTPCHead:
-        """Initialise W from ``(m, V, d)`` MTP or ``(V, d)`` STP unembeddings; returns self.
-
-        Every family then starts as exactly FF, unless ``noise_std > 0`` (docs/CIRCUITS.md).
-        """
+        """Initialise W from ``(m, V, d)`` or ``(V, d)`` unembeddings: an exact FF start."""
         u = unembeddings
         if u.dim() == 2:
             u = u.unsqueeze(0)
@@ -213,8 +210,7 @@ class MTPCHead(nn.Module):
     def token_logits(self, e: Tensor, positions: Tensor, tokens: Tensor) -> Tensor:
         """``(B, k, r)`` unnormalised logits of every unit at ``(k,)`` (position, token) pairs.
 
-        Reads the r d-vectors ``W[p, :, x_p]`` per pair, so no normaliser (the greedy ``zmap``
-        draft's pending token).
+        Reads only the r d-vectors ``W[p, :, x_p]`` per pair, so no normaliser.
         """
         self._check_hidden(e)
         if positions.shape != tokens.shape or positions.dim() != 1:
@@ -255,10 +251,7 @@ class MTPCHead(nn.Module):
         return torch.log_softmax(_f32(z), -1)
 
     def leaf_log_prob(self, e: Tensor, x: Tensor, mask: Tensor | None = None) -> Tensor:
-        """``(B, n, r)`` log phi at tokens ``x`` ``(B, n)``; False in ``mask`` gives 0 (summed out).
-
-        Never builds the normalised ``(B, n, r, V)`` table.
-        """
+        """``(B, n, r)`` log phi at tokens ``x`` ``(B, n)``; 0 where ``mask`` is False."""
         logits = _f32(self.input_logits(e))
         if mask is not None:
             x = torch.where(mask, x, 0)
@@ -295,9 +288,8 @@ def chunked_log_likelihood(
 ) -> Tensor:
     """``(T, n)`` prefix log-likelihoods of ``targets`` ``(T, n)`` given ``hidden`` ``(T, d)``.
 
-    Column i is log q(x_1..x_{i+1}); ``mask`` False positions are summed out (ids unchecked).
-    Runs per chunk of ``chunk_size`` rows, recomputed in backward with ``checkpoint``, so
-    only one chunk's ``(chunk, n, r, V)`` logits exist at a time.
+    ``mask`` False positions are summed out (ids unchecked). Only one chunk's logits exist
+    at a time (recomputed in backward with ``checkpoint``).
     """
     T, n = targets.shape[0], head.window
     if hidden.dim() != 2 or hidden.shape[1] != head.hidden_size:

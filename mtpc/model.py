@@ -17,26 +17,15 @@ from torch import nn
 from mtpc.backbones import Backbone, LayerCache, backbone_from_hf, load_backbone, resolve_dtype
 from mtpc.backbones.lora import LoraSettings, as_settings, attach_lora, validate_lora
 from mtpc.choices import HEAD_INITS, MODEL_NAMES
-from mtpc.export import (
-    check_codec,
-    check_target,
-    read_adapter,
-    read_config,
-    read_head,
-    save_draft,
-)
+from mtpc.export import check_codec, check_target, read_adapter, read_config, read_head, save_draft
 
 if TYPE_CHECKING:
     from mtpc.heads import MTPCHead
 
 
 def assign_codec(backbone: Backbone) -> None:
-    """Only byte models get a byte codec.
-
-    A generic HF Llama keeps the tiny target's default codec only when its vocabulary is that
-    codec's; any other gets ``codec = None`` (decoding then stops on the model's
-    ``generation_config.eos_token_id``, ``mtpc.decoding.common.default_stop_ids``).
-    """
+    """Only byte models get a byte codec: a generic HF Llama keeps the tiny target's default
+    codec only when its vocabulary is that codec's (else decoding stops on its eos ids)."""
     if backbone.name != "llama" or backbone.codec is None:
         return
     from mtpc.backbones.codecs import get_codec
@@ -130,9 +119,7 @@ class MTPCModel(nn.Module):
     ) -> MTPCModel:
         """Attaches a head (and LoRA on the last ``lora_layers`` layers) to a backbone.
 
-        ``head_init``: ``pretrained`` (MTP unembeddings if the target has them, else the STP
-        one), ``stp`` or ``random``; ``head_options`` go to ``MTPCHead``. Bad settings raise
-        ValueError before anything is attached.
+        ``head_options`` go to ``MTPCHead``; bad settings raise before anything is attached.
         """
         from mtpc.heads import MTPCHead
 
@@ -173,11 +160,7 @@ class MTPCModel(nn.Module):
         mtp_unembeddings: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> MTPCModel:
-        """Wraps a loaded HF causal LM (Llama family, EvaByte, the byte Llama, a TinyTarget).
-
-        ``mtp_unembeddings``: (m * V, d) MTP unembeddings kept beside a Llama-family target
-        (EvaByte layout); ``kwargs``: see :meth:`from_backbone`.
-        """
+        """Wraps a loaded HF causal LM; ``mtp_unembeddings``: (m * V, d), EvaByte's layout."""
         backbone = backbone_from_hf(hf_causal_lm, mtp_unembeddings)
         return cls.from_backbone(backbone, kind, window, rank, lora_layers, **kwargs)
 
@@ -338,11 +321,7 @@ class MTPCModel(nn.Module):
         positions: torch.Tensor | None = None,
         documents: torch.Tensor | None = None,
     ) -> MTPCOutput:
-        """Training forward (no cache): ids (B, T) -> draft features, optional verifier logits.
-
-        The trunk runs without autograd. Packed rows pass ``positions`` (restarting per
-        document) and ``documents`` (B, T).
-        """
+        """Training forward (no cache): ids (B, T) -> draft features, optional verifier logits."""
         with torch.no_grad():
             trunk = self.trunk(ids, None, positions, documents)  # (B, T, d)
         features = self.draft_features(self.draft_tail(trunk, None, positions, documents))
@@ -382,11 +361,8 @@ class MTPCModel(nn.Module):
         device: str | None = None,
         dtype: str | None = None,
     ) -> MTPCModel:
-        """Rebuilds an exported draft against ``target`` (HF model, ``TinyTarget`` or
-        ``Backbone``), or against its recorded target loaded on ``device`` in ``dtype``.
-
-        Raises DraftError or TargetMismatchError (``mtpc.export``).
-        """
+        """Rebuilds an exported draft against ``target``, or against its recorded target loaded
+        on ``device`` in ``dtype``; DraftError or TargetMismatchError (``mtpc.export``)."""
         folder = Path(path)
         config = read_config(folder)
         t, c, lora = config["target"], config["circuit"], config["lora"]

@@ -21,13 +21,7 @@ from torch import Tensor
 
 from mtpc.errors import MissingFileError, UserError
 
-__all__ = [
-    "PaperDraft",
-    "PaperImportError",
-    "head_state",
-    "import_paper_draft",
-    "read_paper_draft",
-]
+__all__ = ["PaperDraft", "PaperImportError", "head_state", "import_paper_draft", "read_paper_draft"]
 
 CONFIG_FILE = "config.yaml"
 CHECKPOINT_RE = re.compile(r"^model@(\d+)\.pt$")
@@ -303,10 +297,7 @@ def _check_scopes(
 
 
 def read_paper_draft(folder: str | Path, step: int | None = None) -> PaperDraft:
-    """Reads and checks a paper draft folder at ``step`` (default: the highest), no LM.
-
-    Raises MissingFileError (no folder, config or checkpoint) or PaperImportError.
-    """
+    """Reads and checks a paper draft folder at ``step`` (default: the highest), no LM."""
     folder = Path(folder)
     if not folder.is_dir():
         raise MissingFileError(f"{folder} does not exist; expected a paper draft folder")
@@ -555,9 +546,8 @@ def import_paper_draft(
 ) -> Path:
     """Imports a paper draft folder into our draft format at ``out``; returns ``out``.
 
-    The target: ``target`` (loaded), else ``model`` / ``model_path`` (default: from the
-    config's LM hub id) in ``dtype`` (default bf16 for the real targets). PaperImportError
-    also after it loads, when V, d or the LoRA layers do not fit it.
+    The target: ``target``, else ``model`` / ``model_path`` (default: from the config's LM
+    hub id) in ``dtype`` (default bf16 for the real targets).
     """
     from mtpc.backbones import backbone_from_hf, load_backbone
     from mtpc.export import CONFIG_NAME, save_draft
@@ -650,9 +640,7 @@ def main(argv: list[str] | None = None) -> Path:
     )
     parser.add_argument("--revision", default=None, help="hub revision of the target")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument(
-        "--dtype", default=None, help="target dtype (default: bf16 for real targets)"
-    )
+    parser.add_argument("--dtype", help="target dtype (default: bf16 for real targets)")
     args = parser.parse_args(argv)
 
     def run() -> Path:

@@ -134,10 +134,7 @@ class Circuit:
     def prefix_log_prob(
         self, params: CircuitParams, x: Tensor, mask: Tensor | None = None
     ) -> Tensor:
-        """All n prefix marginals in one pass: ``(B, n)``, column i = log q(x_1..x_{i+1}).
-
-        ``mask`` ``(B, n)``: False marks a missing position (summed out, its id unchecked).
-        """
+        """``(B, n)``, column i = log q(x_1..x_{i+1}); ``mask`` False: summed out, id unchecked."""
         lp, lw = self._unpack(params)
         if mask is not None:
             self._check_shape(mask, "mask", (lp.shape[0], self.window))
@@ -223,10 +220,7 @@ class Circuit:
         generator: torch.Generator | None = None,
         evidence: Tensor | None = None,
     ) -> Tensor:
-        """Ancestral sampling (paper Alg. 1): ``(B, n)``, an exact draw of q(. | evidence).
-
-        ``evidence`` ``(B, m)``, m <= n, fixes the first positions (returned as given).
-        """
+        """``(B, n)`` ancestral sample (paper Alg. 1), exact given ``evidence`` ``(B, m <= n)``."""
         return self._top_down(params, evidence, generator, max_product=False)
 
     @torch.no_grad()
@@ -253,10 +247,8 @@ class Circuit:
         max_product: bool = False,
         first: Tensor | None = None,
     ) -> tuple[Tensor, list[Tensor | None]]:
-        """Bottom-up pass over ``leaves`` ``(B, n, r, K)``; ``first``: layer 1's output, if known.
-
-        Returns the root ``(B, 1, K)`` and per layer its sum inputs ``(B, F, r, K)`` (or None).
-        """
+        """Bottom-up pass over ``leaves`` ``(B, n, r, K)`` (or layer 1's output ``first``): the
+        root ``(B, 1, K)`` and per layer its sum inputs ``(B, F, r, K)`` (or None)."""
         r = self.rank
         outs: list[Tensor] = [leaves]
         sum_inputs: list[Tensor | None] = [None]
@@ -351,10 +343,8 @@ class Circuit:
     ) -> Tensor:
         """``(B, n)`` long: the input unit a latent path z ~ q(z | evidence) selects per position.
 
-        ``evidence_leaves`` ``(B, m, r)``: log phi of every unit of the first m positions at
-        their tokens. ``most_probable``: every sum unit on the path takes its most probable
-        child given the evidence instead. ``batch_size``: B when neither tensor is given.
-        x ~ phi_{i, z_i} after it is an exact draw of q(x | evidence).
+        ``evidence_leaves`` ``(B, m, r)``: log phi of the first m positions' units at their
+        tokens; ``most_probable``: each sum unit takes its most probable child instead.
         """
         n, r, U = self.window, self.rank, self.num_sum_units
         if sum_logw is not None:
@@ -388,10 +378,8 @@ class Circuit:
         return self._walk_down(choice)  # (B, n)
 
     def _prefix_plan(self, span: int) -> tuple[_Step, ...] | None:
-        """The folds that depend on the first ``span`` positions, bottom-up, when evaluating
-        only them is cheaper than a layered pass; else None. Cached per span. Every other
-        fold is log 1 once the positions past the prefix are summed out.
-        """
+        """The folds that depend on the first ``span`` positions (the others are log 1),
+        bottom-up, when that is cheaper than a layered pass; else None. Cached per span."""
         if span not in self._prefix_plans:
             steps: list[_Step] = []
             cost = 0

@@ -111,11 +111,8 @@ class StructureBuilder:
         identity: bool = False,
         contextual: bool = True,
     ) -> int:
-        """A sum region mixing the r units of ``child`` into ``units`` (default r) units.
-
-        Sums with the same non-None ``tie`` share their parameter rows; ``identity`` needs r
-        units.
-        """
+        """A sum region mixing the r units of ``child`` into ``units`` (default r) units; sums
+        with the same non-None ``tie`` share their parameter rows."""
         units = self.rank if units is None else units
         node = _Node("sum", units, (child,), self.nodes[child].scope, tie, identity, contextual)
         self.nodes.append(node)
@@ -333,11 +330,7 @@ def check_kind_window_rank(kind: str, window: int, rank: int) -> None:
 
 
 def build_structure(kind: str, window: int, rank: int, **options: object) -> Structure:
-    """Build the layered structure of a family (``STRUCTURES``), with its ``options``.
-
-    Raises ValueError as :func:`check_kind_window_rank` does, or for options the family
-    does not take.
-    """
+    """The layered structure of a family; ValueError for bad arguments or options."""
     check_kind_window_rank(kind, window, rank)
     b = StructureBuilder(kind, window, rank)
     try:

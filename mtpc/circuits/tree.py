@@ -72,9 +72,8 @@ def build_tree(
 ) -> TokenTree:
     """The ``budget`` (>= 1) most probable draft prefixes under q(. | evidence), as a tree.
 
-    ``params``: theta of one state (B = 1); ``evidence``: (1, m) fixed first window tokens or
-    None, the tree covering positions m + 1..n; ``floor``: nodes with q(path | evidence)
-    below it are left out; ``max_depth``: a cap on the levels (EvaByte's EVA window).
+    ``params``: one state's (B = 1); ``evidence``: (1, m) or None; ``floor``: nodes with
+    q(path | evidence) below it are left out; ``max_depth``: caps the levels (EVA window).
     """
     n = circuit.window
     device = params.input_logp.device
