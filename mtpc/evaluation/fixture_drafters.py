@@ -1,17 +1,7 @@
 """The fixture drafters: tiny models with genuinely different tokenizers, trained at first
-use on the synthetic chat corpus, for heterogeneous-vocabulary decoding without a hub.
-
-``drafter.model=fixture:bpe|lower|byte_small`` (``mtpc.evaluation.drafters.load_drafter``),
-``scripts/bench_hetero.py`` and the tests use them; the package needs nothing from ``tests/``.
-
-* :func:`bpe_tokenizer`: a byte-level BPE (GPT-2 byte-to-unicode strings) trained with the
-  ``tokenizers`` package on the synthetic chat corpus; ``normalize=True`` adds NFKC +
-  lowercasing, a non-injective tokenizer (decode(encode(s)) != s).
-* :func:`tiny_llama` / :func:`train_lm`: 2-layer LlamaForCausalLM models, briefly trained on
-  the corpus so that drafts are sometimes accepted.
-* :func:`trained_models`: the byte-level target (tiny codec layout) with a BPE drafter, a
-  normalising BPE drafter and the reverse pair (BPE target, byte drafter); built once per
-  process.
+use on the synthetic chat corpus, for heterogeneous-vocabulary decoding without a hub
+(``drafter.model=fixture:bpe|lower|byte_small``, ``scripts/bench_hetero.py``, the tests).
+The models are trained briefly, so that drafts are sometimes accepted.
 """
 
 from __future__ import annotations
@@ -45,14 +35,11 @@ def corpus(num_rows: int = 400, seed: int = 0, chat: bool = False) -> list[str]:
     return texts
 
 
-def _wrap(tok: Tokenizer) -> PreTrainedTokenizerFast:
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS)
-
-
 def bpe_tokenizer(
     texts: list[str], vocab_size: int = 400, normalize: bool = False
 ) -> PreTrainedTokenizerFast:
-    """A byte-level BPE trained on ``texts`` (every byte is expressible)."""
+    """A byte-level BPE trained on ``texts`` (every byte is expressible); ``normalize=True``
+    adds NFKC + lowercasing, a non-injective tokenizer (decode(encode(s)) != s)."""
     tok = Tokenizer(models.BPE())
     if normalize:
         tok.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
@@ -65,7 +52,7 @@ def bpe_tokenizer(
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer)
-    return _wrap(tok)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS)
 
 
 def tiny_llama(
@@ -129,30 +116,21 @@ def trained_models(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices: one thread is fastest on a shared CPU
     try:
-        return _train_all(steps, num_rows, bpe_vocab, chat)
+        texts = corpus(num_rows, chat=chat)
+        codec = get_codec("tiny")
+        bpe = bpe_tokenizer(texts, bpe_vocab)
+        lower = bpe_tokenizer(texts, bpe_vocab, normalize=True)
+        byte_ids = encode_corpus(codec, texts)
+        lower_ids = encode_corpus(lower, [t.lower() for t in texts])
+        return {
+            "codec": codec,
+            "byte_lm": train_lm(tiny_llama(codec.vocab_size, 0, 64), byte_ids, steps),
+            "byte_small": train_lm(tiny_llama(codec.vocab_size, 3, 32, 1), byte_ids, steps, seed=3),
+            "bpe": bpe,
+            "bpe_lm": train_lm(tiny_llama(len(bpe), 1), encode_corpus(bpe, texts), steps, seed=1),
+            "lower": lower,
+            "lower_lm": train_lm(tiny_llama(len(lower), 2), lower_ids, steps, seed=2),
+            "texts": texts,
+        }
     finally:
         torch.set_num_threads(threads)
-
-
-def _train_all(steps: int, num_rows: int, bpe_vocab: int, chat: bool) -> dict[str, Any]:
-    texts = corpus(num_rows, chat=chat)
-    codec = get_codec("tiny")
-    bpe = bpe_tokenizer(texts, bpe_vocab)
-    lower = bpe_tokenizer(texts, bpe_vocab, normalize=True)
-    byte_lm = train_lm(tiny_llama(codec.vocab_size, 0, 64), encode_corpus(codec, texts), steps)
-    byte_small = train_lm(
-        tiny_llama(codec.vocab_size, 3, 32, 1), encode_corpus(codec, texts), steps, seed=3
-    )
-    bpe_lm = train_lm(tiny_llama(len(bpe), 1), encode_corpus(bpe, texts), steps, seed=1)
-    lower_texts = [t.lower() for t in texts]
-    lower_lm = train_lm(tiny_llama(len(lower), 2), encode_corpus(lower, lower_texts), steps, seed=2)
-    return {
-        "codec": codec,
-        "byte_lm": byte_lm,
-        "byte_small": byte_small,
-        "bpe": bpe,
-        "bpe_lm": bpe_lm,
-        "lower": lower,
-        "lower_lm": lower_lm,
-        "texts": texts,
-    }

@@ -1,12 +1,8 @@
 """The passes of ``eval.py drafter=hetero``: heterogeneous-vocabulary drafters against the
-target alone.
+target alone (docs/HETERO.md, "Evaluator").
 
-:func:`run_hetero_passes` is the one harness loop: each prompt is decoded by the target alone
-(``mtpc.generate``, autoregressive) and with :func:`mtpc.generate_hetero`, in the same call,
-and recorded as it finishes (``mtpc.evaluation.metrics.hetero_record``).
-:func:`decode_hetero` runs it into an evaluation folder; :func:`evaluate_hetero` in memory,
-reporting the self-speculative evaluator's metrics plus the vocabulary overlap of Timor et
-al.'s Tables 5-6. The drafters: ``mtpc.evaluation.drafters``.
+:func:`run_hetero_passes` is the one harness loop; :func:`decode_hetero` runs it into an
+evaluation folder, :func:`evaluate_hetero` in memory.
 """
 
 from __future__ import annotations
@@ -44,10 +40,9 @@ def hetero_decoders(
     stop_ids: Sequence[int] | None = None,
     **options: Any,
 ) -> dict[str, Decoder]:
-    """The autoregressive and the heterogeneous speculative decoder of one prompt, by pass
-    (``mtpc.evaluation.report.HETERO_PASSES``); see :func:`evaluate_hetero` for the
-    arguments (``target`` may also be a loaded ``Backbone``: the AR pass keeps its
-    attention path)."""
+    """The AR and the heterogeneous speculative decoder of one prompt, by pass
+    (``HETERO_PASSES``); arguments as :func:`evaluate_hetero`'s (``target`` may also be a
+    ``Backbone``: the AR pass keeps its attention path)."""
     t_tok, d_tok = as_tokenizer(target_tokenizer), as_tokenizer(drafter_tokenizer)
     stops = list(t_tok.stop_ids if stop_ids is None else stop_ids)
     sample_kw = {k: options[k] for k in ("temperature", "top_k", "top_p") if k in options}
@@ -87,20 +82,9 @@ def run_hetero_passes(
     seed: int,
     warmup: int,
 ) -> None:
-    """The one heterogeneous-drafter harness: each pass decodes the prompts ``sink`` has no
-    record of, after ``warmup`` untimed runs on the first prompt, and appends one record per
-    prompt (:func:`hetero_record`) as it finishes.
-
-    Args:
-        sink: an evaluation folder's ``RecordStore`` (``eval.py drafter=hetero``) or
-            in-memory ``MemoryRecords`` (:func:`evaluate_hetero`).
-        decoders: pass name -> decoder (:func:`hetero_decoders`).
-        prompt_sets: sets of prompts with ``id``, ``prompt_ids`` and ``source``.
-        draft_path: the records' ``draft_path``.
-        name: the heterogeneous row's name (the AR pass is ``AR (target)``).
-        seed: set k, prompt i decodes with seed + k + i.
-        warmup: untimed runs per pass.
-    """
+    """Each pass decodes the prompts ``sink`` has no record of, after ``warmup`` untimed runs
+    on the first prompt, and appends one record per prompt (:func:`hetero_record`) as it
+    finishes. Set k, prompt i decodes with seed + k + i; ``name``: the hetero row's name."""
     for pass_name, decode in decoders.items():
         todo = sink.pending(prompt_sets, draft_path, pass_name)
         for w in range(warmup if todo else 0):
@@ -140,31 +124,9 @@ def evaluate_hetero(
     stop_ids: Sequence[int] | None = None,
     **options: Any,
 ) -> dict[str, Any]:
-    """AR vs heterogeneous speculative decoding of ``target`` on the same prompts.
-
-    Args:
-        target: HF causal LM.
-        target_tokenizer: its HF tokenizer or MTPC byte codec.
-        drafter: HF causal LM (or an MTPCModel for ``slrs``).
-        drafter_tokenizer: the drafter's tokenizer (HF or byte codec).
-        prompts: texts, or target ids (``EvalPrompt.prompt_ids``).
-        algorithm: slem | tli | slrs | union | standard.
-        lookahead: see :func:`mtpc.generate_hetero`.
-        greedy: argmax (True) or sampling.
-        seed: prompt i uses seed + i (same seeds for AR and the drafter).
-        max_new_tokens: per prompt.
-        warmup: untimed runs on the first prompt (each decoder).
-        stop_ids: target ids that end a prompt's decoding (default: the tokenizer's).
-        **options: more :func:`mtpc.generate_hetero` keywords (temperature, top_k, top_p,
-            look_behind, max_psi_paths, psi).
-
-    Returns:
-        ``{"rows": [ar_row, hetero_row], "overlap": {...}, "settings": {...}}``. Rows hold
-        mu_lat (s per cycle), mu_acc (target tokens per target pass), mu_acc_drafts
-        (accepted drafts per pass), tok_s, drafter_passes_per_cycle; the hetero row adds
-        speedup_ar (its tok_s over the AR row's). ``overlap``: vocab_target, vocab_drafter,
-        vocab_intersection (|T ∩ D|), vocab_intersection_over_target (Table 5) and the
-        prompt-level prompt_intersection_over_target (Table 6).
+    """AR vs heterogeneous speculative decoding of ``target`` on the same prompts (texts or
+    target ids; prompt i uses seed + i for both); ``**options``: more
+    :func:`mtpc.generate_hetero` keywords. The result: docs/HETERO.md, "Evaluator".
     """
     t_tok = as_tokenizer(target_tokenizer)
     ids = [t_tok.prompt_ids(p) if isinstance(p, str) else list(p) for p in prompts]
@@ -199,17 +161,8 @@ def evaluate_hetero(
 
 
 def decode_hetero(s: EvalSettings, store: RecordStore, prompt_sets: list[list[Any]]) -> None:
-    """Decodes the prompts of ``drafter=hetero``: the configured target drafted by another
-    vocabulary.
-
-    Each prompt is decoded by the target alone and with :func:`mtpc.generate_hetero`
-    (:func:`hetero_decoders`, so ``x AR`` compares like with like) and
-    recorded in ``store`` as it finishes (passes ``HETERO_PASSES``, ``draft_path``
-    ``drafter:<model>``); prompts already recorded are not decoded again, so a killed
-    evaluation resumes. The vocabulary overlap (Timor et al., Tables 5-6) is recorded once
-    (an ``overlap`` line). The rows are built from the records
-    (``mtpc.evaluation.report.hetero_report``), so ``report=`` rebuilds them too.
-    """
+    """Decodes the prompts of ``drafter=hetero`` into ``store`` (resumable: prompts already
+    recorded are skipped), then records the vocabulary overlap once (an ``overlap`` line)."""
     from mtpc.backbones.codecs import get_codec
 
     if s.drafter is None:

@@ -1,28 +1,16 @@
-"""The paper's throughput metrics (Sec. 4.2) over decoding runs, and mean +- std over prompt sets.
+"""The paper's throughput metrics (Sec. 4.2) from prompt records, and mean +- std over sets.
 
-Every number is computed from *prompt records* (:func:`prompt_record`): the measurements of
-one decoded prompt, which the evaluator streams to ``records.jsonl`` (``mtpc.evaluation.
-records``), so a table can be rebuilt from the file alone.
+Per prompt set, cycles pooled over its prompts: ``mu_lat``, ``mu_acc`` (counting the kept
+correction / bonus token), ``mu_acc_drafts`` (emitted drafts only) and ``tok_s`` as in
+docs/DECODING.md, "Evaluator"; the records: docs/EVALUATION.md, "Records". Also:
 
-Per prompt set (cycles pooled over its prompts):
-
-* ``mu_lat``: mean wall time of a cycle (draft + verify + bookkeeping), seconds; for
-  autoregressive decoding a cycle is one target step.
-* ``mu_acc``: mean tokens appended per cycle, **counting the kept correction / bonus token**
-  (accepted drafts + 1 with the ``condition`` / ``recompute`` policies; AR: 1). This is what
-  the throughput divides: the tokens the user gets per cycle.
-* ``mu_acc_drafts``: mean accepted drafts per cycle (the correction not counted), in [0, n].
-  Only drafts that were emitted count: when ``max_new_tokens`` or a stop id cuts the last
-  cycle short, its accepted drafts past the cut are not part of the output.
-* ``tok_s``: ``mu_acc / mu_lat`` (paper Eq. 2); ``wall_tok_s``: new tokens / total wall time
-  including the prefill.
-* ``acceptance``: per window position i (1..n), the share of cycles whose draft at position
-  i was verified and accepted, among cycles that verified a draft there (position 1 is
-  evidence, not a draft, after a kept correction).
-* token trees (``tree_budget``): ``nodes`` = draft nodes verified per cycle;
-  ``expected_drafts`` = accepted drafts per cycle that the circuit predicts (the sum of q
-  over the tree's nodes), against the measured ``mu_acc_drafts`` (calibration);
-  ``expected_acceptance`` = the predicted share per window position, against ``acceptance``.
+* ``wall_tok_s``: new tokens / total wall time, prefill included.
+* ``acceptance``: per window position i (1..n), the share of cycles whose draft at i was
+  verified and accepted, among cycles that verified a draft there (position 1 is evidence,
+  not a draft, after a kept correction).
+* token trees: ``nodes`` = draft nodes verified per cycle; ``expected_drafts`` = accepted
+  drafts per cycle the circuit predicts (the sum of q over the nodes), against
+  ``mu_acc_drafts``; ``expected_acceptance`` = the predicted share per position.
 """
 
 from __future__ import annotations
@@ -42,19 +30,9 @@ SCALARS = ("mu_lat", "mu_acc", "mu_acc_drafts", "tok_s", "wall_tok_s", "nodes", 
 def prompt_record(result: GenerationResult, per_cycle: bool = True) -> dict[str, Any]:
     """The measurements of one decoded prompt, as stored in ``records.jsonl``.
 
-    Args:
-        result: one decoding run.
-        per_cycle: keep the per-cycle lists (``accepted``, ``drafted``, ``offsets``), which
-            the acceptance per window position needs; False for runs that have no drafts to
-            judge (autoregressive, ``max_throughput``), whose lists would be all zeros.
-
-    Returns:
-        ``new_tokens``, ``cycles``, ``accepted_total`` (drafts accepted and emitted),
-        ``cycle_seconds`` (sum over cycles), ``prefill_seconds``, ``seconds`` (wall time,
-        prefill included), ``stopped``; with ``per_cycle`` also ``accepted`` (drafts
-        accepted and emitted, per cycle), ``drafted`` (drafts judged per cycle) and
-        ``offsets`` (window position of the first judged draft, per cycle). A cycle cut
-        short inside its accepted drafts counts only the emitted ones as judged and accepted.
+    ``per_cycle``: keep the per-cycle lists (``accepted``, ``drafted``, ``offsets``) the
+    acceptance per position needs; False for runs with no drafts to judge. A cycle cut short
+    inside its accepted drafts counts only the emitted ones as judged and accepted.
     """
     accepted: list[int] = []
     drafted: list[int] = []
@@ -113,12 +91,8 @@ def pool_turns(turns: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 def set_metrics(
     records: Sequence[Mapping[str, Any] | GenerationResult], window: int = 1
 ) -> dict[str, Any]:
-    """Metrics of one prompt set (see the module docstring).
-
-    Args:
-        records: prompt records (:func:`prompt_record`) or the decoding results themselves.
-        window: the draft's window n (the length of ``acceptance``).
-    """
+    """Metrics of one prompt set from its prompt records (or decoding results); ``window``:
+    the draft's n (the length of ``acceptance``)."""
     recs = [prompt_record(r) if isinstance(r, GenerationResult) else r for r in records]
     cycles = sum(r["cycles"] for r in recs)
     seconds = sum(r["cycle_seconds"] for r in recs)
