@@ -36,7 +36,7 @@ from mtpc.data.preprocess import (
     split_indices,
     tokenize_rows,
 )
-from mtpc.data.sources import Row, RowSource
+from mtpc.data.rows import Row, RowSource, read_jsonl, write_jsonl
 from mtpc.errors import DataError
 from mtpc.files import remove_stale_tmp
 
@@ -58,15 +58,6 @@ def file_digest(path: Path) -> str:
         while block := f.read(1 << 20):
             h.update(block)
     return h.hexdigest()
-
-
-def _file_records(folder: Path) -> dict[str, dict[str, Any]]:
-    """``{name: {"size", "blake2b"}}`` of every file in ``folder`` but ``meta.json``."""
-    return {
-        f.name: {"size": f.stat().st_size, "blake2b": file_digest(f)}
-        for f in sorted(folder.iterdir())
-        if f.is_file() and f.name != "meta.json"
-    }
 
 
 def verify_files(folder: Path, meta: dict[str, Any], hashes: bool = True) -> None:
@@ -93,12 +84,6 @@ def _corrupt(folder: Path, name: str, what: str) -> CacheCorruptError:
     )
 
 
-def cache_key(parts: dict[str, Any]) -> str:
-    """A short stable hash of the key parts (sorted JSON)."""
-    blob = json.dumps(parts, sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
-
-
 def cache_folder(
     cache_dir: str | os.PathLike[str],
     source: RowSource,
@@ -117,7 +102,8 @@ def cache_folder(
         "validation_fraction": float(validation_fraction),
     }
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", source.name)[:48].strip("_") or "data"
-    name = f"{slug}-{codec}-ctx{max_bytes}-seed{seed}-{cache_key(parts)}"
+    key = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+    name = f"{slug}-{codec}-ctx{max_bytes}-seed{seed}-{key[:16]}"
     return Path(cache_dir) / "data" / name, parts
 
 
@@ -145,9 +131,7 @@ class PreparedData:
 
     def val_rows(self) -> list[Row]:
         """The raw validation rows, in validation-split order."""
-        path = self.folder / "val_rows.jsonl"
-        with path.open(encoding="utf-8") as f:
-            return [json.loads(line) for line in f if line.strip()]
+        return read_jsonl(self.folder / "val_rows.jsonl")
 
     def pack_plan(self, split: str, seq_len: int, pack: bool = True) -> PackPlan:
         """The split's packing plan (``pack=False``: one document per sequence), cached."""
@@ -250,9 +234,7 @@ def _build_cache(
     np.save(tmp / "doc_row.npy", docs.row_positions)
     np.save(tmp / "train.npy", train)
     np.save(tmp / "val.npy", val)
-    with (tmp / "val_rows.jsonl").open("w", encoding="utf-8") as f:
-        for row in source.take(docs.row_positions[val].tolist()):  # prompt sets come from these
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    write_jsonl(source.take(docs.row_positions[val].tolist()), tmp / "val_rows.jsonl")
     summary = {
         "dataset": source.name,
         "codec": codec,
@@ -274,7 +256,11 @@ def _build_cache(
     }
     _write_json(tmp / "summary.json", summary)
     _write_json(summary_path(folder), summary)
-    meta["files"] = _file_records(tmp)
+    meta["files"] = {
+        f.name: {"size": f.stat().st_size, "blake2b": file_digest(f)}
+        for f in sorted(tmp.iterdir())
+        if f.is_file() and f.name != "meta.json"
+    }
     _write_json(tmp / "meta.json", meta)
     return summary, meta
 

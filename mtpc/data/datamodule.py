@@ -120,11 +120,9 @@ class ResumableDistributedSampler(DistributedSampler):
             indices = torch.randperm(n, generator=g).tolist()
         else:
             indices = list(range(n))
-        if not self.drop_last:
-            padding = self.total_size - len(indices)
-            while padding > 0:
-                indices += indices[:padding]
-                padding = self.total_size - len(indices)
+        if not self.drop_last:  # pad by wrap-around
+            while len(indices) < self.total_size:
+                indices += indices[: self.total_size - len(indices)]
         return indices[: self.total_size]
 
     def __iter__(self) -> Iterator[int]:

@@ -84,15 +84,11 @@ class DropStats:
         if len(ids) < MAX_EXAMPLES_PER_REASON:
             ids.append(row_id)
 
-    @property
-    def rows_dropped(self) -> int:
-        return sum(self.dropped.values())
-
     def as_dict(self) -> dict[str, Any]:
         return {
             "rows_seen": self.rows_seen,
             "rows_used": self.rows_used,
-            "rows_dropped": self.rows_dropped,
+            "rows_dropped": sum(self.dropped.values()),
             "dropped": dict(self.dropped),
             "dropped_examples": dict(self.examples),
             "used_bytes": self.used_bytes,
@@ -170,7 +166,24 @@ def tokenize_rows(
         lengths.append(len(ids))
         source_of.append(source)
         positions.append(position)
-    return _documents(stats, lengths, source_of, positions, id_chunks, mask_chunks), stats
+    stats.rows_used += len(lengths)
+    stats.used_bytes += int(sum(lengths))
+    counts = Counter(source_of)
+    for name, count in counts.items():
+        stats.sources[name] = stats.sources.get(name, 0) + count
+    names = sorted(counts)
+    index = {name: i for i, name in enumerate(names)}
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(np.asarray(lengths, dtype=np.int64), out=offsets[1:])
+    docs = TokenizedDocs(
+        ids=np.concatenate(id_chunks) if id_chunks else np.zeros(0, dtype=np.uint16),
+        assistant=np.concatenate(mask_chunks) if mask_chunks else np.zeros(0, dtype=np.bool_),
+        offsets=offsets,
+        source_ids=np.asarray([index[s] for s in source_of], dtype=np.int32),
+        source_names=names,
+        row_positions=np.asarray(positions, dtype=np.int64),
+    )
+    return docs, stats
 
 
 def _render(row: Any, codec: ByteCodec, max_bytes: int) -> tuple[ChatEncoding | None, str | None]:
@@ -183,34 +196,6 @@ def _render(row: Any, codec: ByteCodec, max_bytes: int) -> tuple[ChatEncoding | 
     except (ValueError, UnicodeError):
         return None, "template_error"
     return (None, "too_long") if len(enc.ids) > max_bytes else (enc, None)
-
-
-def _documents(
-    stats: DropStats,
-    lengths: list[int],
-    source_of: list[str],
-    positions: list[int],
-    id_chunks: list[np.ndarray],
-    mask_chunks: list[np.ndarray],
-) -> TokenizedDocs:
-    """The kept rows as documents (counted into ``stats``)."""
-    stats.rows_used += len(lengths)
-    stats.used_bytes += int(sum(lengths))
-    counts = Counter(source_of)
-    for name, count in counts.items():
-        stats.sources[name] = stats.sources.get(name, 0) + count
-    names = sorted(counts)
-    index = {name: i for i, name in enumerate(names)}
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(np.asarray(lengths, dtype=np.int64), out=offsets[1:])
-    return TokenizedDocs(
-        ids=np.concatenate(id_chunks) if id_chunks else np.zeros(0, dtype=np.uint16),
-        assistant=np.concatenate(mask_chunks) if mask_chunks else np.zeros(0, dtype=np.bool_),
-        offsets=offsets,
-        source_ids=np.asarray([index[s] for s in source_of], dtype=np.int32),
-        source_names=names,
-        row_positions=np.asarray(positions, dtype=np.int64),
-    )
 
 
 def split_indices(

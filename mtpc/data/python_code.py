@@ -53,11 +53,6 @@ CONTINUATION_LINES = 16  # lines per block: block 2k is a prompt, block 2k+1 its
 MALFORMED_REASONS = ("undecodable", "syntax_error", "too_large")
 
 
-def stdlib_root() -> Path:
-    """The running interpreter's standard library folder."""
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
 def python_version() -> str:
     """``major.minor.micro`` of the running interpreter (part of the fingerprint)."""
     return ".".join(map(str, sys.version_info[:3]))
@@ -69,11 +64,6 @@ def is_validation_file(relpath: str, validation_fraction: float) -> bool:
     return int.from_bytes(digest[:8], "big") / 2**64 < validation_fraction
 
 
-def _order_key(relpath: str) -> bytes:
-    """Files are read in this (hash) order, so the first rows come from many folders."""
-    return hashlib.sha256(f"mtpc-python-order:{relpath}".encode()).digest()
-
-
 def list_files(root: Path) -> list[str]:
     """Relative POSIX paths of the ``.py`` files read under ``root``, in reading order."""
     out: list[str] = []
@@ -81,7 +71,8 @@ def list_files(root: Path) -> list[str]:
         dirnames[:] = sorted(d for d in dirnames if d not in EXCLUDED_DIRS)
         rel_dir = Path(dirpath).relative_to(root)
         out.extend((rel_dir / f).as_posix() for f in filenames if f.endswith(".py"))
-    return sorted(out, key=_order_key)
+    # a hash order, so that the first rows come from many folders
+    return sorted(out, key=lambda rel: hashlib.sha256(f"mtpc-python-order:{rel}".encode()).digest())
 
 
 @dataclass
@@ -166,15 +157,8 @@ def _continuation_rows(lines: list[str], relpath: str) -> Iterator[Row]:
 
 
 def _row(row_id: str, kind: str, relpath: str, user: str, assistant: str) -> Row:
-    return {
-        "id": row_id,
-        "messages": [
-            {"role": "user", "content": user},
-            {"role": "assistant", "content": assistant},
-        ],
-        "source": SOURCE_PREFIX + kind,
-        "file": relpath,
-    }
+    messages = [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+    return {"id": row_id, "messages": messages, "source": SOURCE_PREFIX + kind, "file": relpath}
 
 
 def file_rows(
@@ -299,7 +283,7 @@ def python_code_source(
     if num_rows is not None and int(num_rows) < 1:
         raise DataError(f"data.num_rows={num_rows}; allowed: null (every row) or a positive count")
     is_stdlib = root is None
-    folder = stdlib_root() if root is None else Path(root).expanduser()
+    folder = Path(sysconfig.get_paths()["stdlib"] if root is None else root).expanduser()
     if not folder.is_dir():
         raise MissingFileError(
             f"data.path={str(folder)!r} is not a folder; allowed: a folder of .py files, or "

@@ -1,9 +1,12 @@
-"""The row types every data source yields: a Tülu 3 chat row and :class:`RowSource`."""
+"""The row types every data source yields (a Tülu 3 chat row, :class:`RowSource`), as JSON lines."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import json
+import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 Row = dict[str, Any]
@@ -11,27 +14,17 @@ Row = dict[str, Any]
 
 @dataclass
 class RowSource:
-    """A re-iterable, ordered collection of chat rows.
-
-    Attributes:
-        fingerprint: changes whenever the rows may have changed (part of the cache key).
-        iter_rows: a fresh iterator over all rows, in the same order every time.
-        num_rows: the row count when known up front (None when streaming).
-        take_rows: fast random access ``positions -> rows`` (else ``take`` iterates).
-        row_limit: the user's ``num_rows`` when it cut the dataset (reported); None: all rows.
-        split_mask: one bool per row (True: validation); the cache then splits by it
-            instead of its seeded fraction.
-        report: what the source itself counted (``summary.json``'s ``source_report``).
-    """
+    """A re-iterable, ordered collection of chat rows (the same order on every iteration)."""
 
     name: str
-    fingerprint: str
+    fingerprint: str  # changes whenever the rows may have changed (part of the cache key)
     iter_rows: Callable[[], Iterator[Row]]
-    num_rows: int | None = None
-    take_rows: Callable[[Sequence[int]], list[Row]] | None = None
-    row_limit: int | None = None
+    num_rows: int | None = None  # None when not known up front (streaming)
+    take_rows: Callable[[Sequence[int]], list[Row]] | None = None  # else ``take`` iterates
+    row_limit: int | None = None  # the user's ``num_rows`` when it cut the dataset (reported)
+    # one bool per row (True: validation): the cache splits by it instead of its fraction
     split_mask: Callable[[], Sequence[bool]] | None = None
-    report: Callable[[], dict[str, Any]] | None = None
+    report: Callable[[], dict[str, Any]] | None = None  # summary.json's ``source_report``
 
     def __iter__(self) -> Iterator[Row]:
         return self.iter_rows()
@@ -49,3 +42,20 @@ class RowSource:
         if missing:
             raise IndexError(f"{self.name}: positions {missing[:5]} are past the end")
         return [row for row in out if row is not None]
+
+
+def write_jsonl(rows: Iterable[Row], path: str | os.PathLike[str]) -> None:
+    """Writes rows as JSON lines, atomically (a temporary file renamed into place)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    tmp.replace(path)
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> list[Row]:
+    """Reads the rows of a JSON-lines file."""
+    with Path(path).open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]

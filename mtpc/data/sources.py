@@ -78,10 +78,9 @@ def synthetic_source(num_rows: int | None = None, seed: int = 0) -> RowSource:
 
     n = synthetic.DEFAULT_NUM_ROWS if num_rows is None else int(num_rows)
     rows = synthetic.generate_rows(n, seed)
-    version = getattr(synthetic, "GENERATOR_VERSION", 0)
     return RowSource(
         name=f"synthetic(num_rows={n}, seed={seed})",
-        fingerprint=f"synthetic:v{version}:n{n}:seed{seed}",
+        fingerprint=f"synthetic:v{synthetic.GENERATOR_VERSION}:n{n}:seed{seed}",
         iter_rows=lambda: iter(rows),
         num_rows=n,
         take_rows=lambda positions: [rows[int(p)] for p in positions],
@@ -112,12 +111,7 @@ def hub_source(
     label = f"{name}[{split}]@{revision or 'main'}"
     if streaming:
         stream = ds if num_rows is None else ds.take(num_rows)
-        return RowSource(
-            name=label,
-            fingerprint=f"hub-stream:{label}:n{num_rows}",
-            iter_rows=lambda: iter(stream),
-            num_rows=num_rows,
-        )
+        return RowSource(label, f"hub-stream:{label}:n{num_rows}", lambda: iter(stream), num_rows)
     return _limit(_arrow_source(ds, label, f"hub:{label}:{ds._fingerprint}"), num_rows)
 
 

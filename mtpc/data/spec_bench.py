@@ -13,7 +13,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -140,9 +140,7 @@ def select_questions(
         wanted = set(categories)
         questions = [q for q in questions if q.category in wanted]
     if turns is not None:
-        questions = [
-            Question(q.id, q.category, q.turns[:turns], q.reference, q.line) for q in questions
-        ]
+        questions = [replace(q, turns=q.turns[:turns]) for q in questions]
     return list(questions)
 
 
@@ -217,16 +215,13 @@ def build_prompt_sets(
                 f"selection; allowed: an integer in 1..{len(fit)} or null (all)"
             )
         fit = fit[:num_prompts]
-    sets = []
-    for k in range(num_sets):
-        prompts = []
-        for q in fit:
-            messages = conversation(q, [])
-            prompts.append(
-                SpecBenchPrompt(
-                    q.id, q.category, messages, codec.generation_prompt(messages), q.reference,
-                    later_turns=q.turns[1:], seed_offset=k * len(fit),
-                )
-            )  # fmt: skip
-        sets.append(prompts)
-    return sets
+
+    def prompt(q: Question, run: int) -> SpecBenchPrompt:
+        messages = conversation(q, [])
+        ids = codec.generation_prompt(messages)
+        return SpecBenchPrompt(
+            q.id, q.category, messages, ids, q.reference,
+            later_turns=q.turns[1:], seed_offset=run * len(fit),
+        )  # fmt: skip
+
+    return [[prompt(q, run) for q in fit] for run in range(num_sets)]

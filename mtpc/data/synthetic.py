@@ -17,14 +17,14 @@ rows of the larger one.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import datasets
+
+from mtpc.data.rows import Row, read_jsonl, write_jsonl
 
 GENERATOR_VERSION = 1  # bump when the output changes, so that stale caches are not reused
 
@@ -33,7 +33,6 @@ DEFAULT_VALIDATION_FRACTION = 0.02
 SYSTEM_PROMPT_PROBABILITY = 0.15
 
 Message = dict[str, str]
-Row = dict[str, Any]
 
 SYSTEM_PROMPTS = (
     "You are a helpful assistant.",
@@ -243,31 +242,6 @@ def default_cache_dir() -> Path:
     return Path(__file__).resolve().parents[2] / ".cache" / "mtpc"
 
 
-def write_jsonl(rows: Iterable[Row], path: str | os.PathLike[str]) -> None:
-    """Writes rows as JSON lines, atomically (a temporary file renamed into place)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    tmp.replace(path)
-
-
-def read_jsonl(path: str | os.PathLike[str]) -> list[Row]:
-    """Reads the rows of a JSON-lines file."""
-    with Path(path).open(encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def synthetic_cache_path(
-    cache_dir: str | os.PathLike[str], num_rows: int, seed: int, validation_fraction: float
-) -> Path:
-    """The folder that holds ``train.jsonl`` / ``validation.jsonl`` for these settings."""
-    key = f"synthetic-v{GENERATOR_VERSION}-n{num_rows}-seed{seed}-val{validation_fraction:g}"
-    return Path(cache_dir) / "synthetic" / key
-
-
 def load_synthetic(
     cache_dir: str | os.PathLike[str] | None = None,
     num_rows: int = DEFAULT_NUM_ROWS,
@@ -284,9 +258,8 @@ def load_synthetic(
         raise ValueError(f"num_rows must be >= 0, got {num_rows}")
     if not 0.0 <= validation_fraction < 1.0:
         raise ValueError(f"validation_fraction must be in [0, 1), got {validation_fraction}")
-    folder = synthetic_cache_path(
-        default_cache_dir() if cache_dir is None else cache_dir, num_rows, seed, validation_fraction
-    )
+    key = f"synthetic-v{GENERATOR_VERSION}-n{num_rows}-seed{seed}-val{validation_fraction:g}"
+    folder = Path(default_cache_dir() if cache_dir is None else cache_dir) / "synthetic" / key
     paths = {split: folder / f"{split}.jsonl" for split in ("train", "validation")}
     if not all(p.is_file() for p in paths.values()):
         rows = generate_rows(num_rows, seed)
