@@ -187,9 +187,7 @@ def read_tensors(file: str | Path, device: str = "cpu") -> dict[str, torch.Tenso
 def check_target(expected: dict[str, Any], backbone: Any) -> str:
     """The target's weights fingerprint; TargetMismatchError when it is not the recorded one."""
     got = target_identity(backbone, backbone.weights_fingerprint())
-    if got["weights_fingerprint"] != expected.get("weights_fingerprint") or got[
-        "num_layers"
-    ] != expected.get("num_layers"):
+    if any(got[key] != expected.get(key) for key in ("weights_fingerprint", "num_layers")):
         raise TargetMismatchError(
             f"this draft was exported for target {_target_label(expected)}, "
             f"but the given target is {_target_label(got)}; load the draft against the target it was trained for"

@@ -198,12 +198,9 @@ def _family(config: Mapping[str, Any]) -> tuple[str, int, int]:
 
 
 def _address_book(state: Mapping[str, Any]) -> tuple[dict[int, Tensor], int | None]:
-    """The circuit's stored fold-index tensors by entry, and the output entry's number.
-
-    Entry i gathers the inputs of module i (topological order; module 0 is the folded input
-    layer). cirkit stores no tensor for a gather that is an unsqueeze (every fold of the
-    layer before into one fold, or fold f into fold f): those entries are absent.
-    """
+    """The circuit's stored fold-index tensors by entry (entry i: module i's inputs, in
+    topological order), and the output entry's number. cirkit stores no tensor for a gather
+    that is an unsqueeze (all folds into one, or fold f into fold f)."""
     entries: dict[int, Tensor] = {}
     output = None
     for key, value in state.items():
