@@ -396,21 +396,19 @@ def _check_resume(
     ``optimizer.lr`` changed (else None)."""
     if resume is None:
         return {}, None
+    path, state = resume
+    run = settings.run
     try:
         changes = check_resume_config(
-            resume[0],
-            resume[1].get(CONFIG_KEY),
-            comparable,
-            str(settings.run.run_name),
-            settings.run.allow_resume_changes,
+            path, state.get(CONFIG_KEY), comparable, str(run.run_name), run.allow_resume_changes
         )
     except Exception:
         restore_hydra(run_dir)
         raise
-    check_steps_left(resume[1], settings.trainer, run_dir)
+    check_steps_left(state, settings.trainer, run_dir)
     lr = settings.sections.lr
     new_lr = float(lr) if any(c.startswith("optimizer.lr:") for c in changes) else None
-    return dict(resume[1].get("mtpc_init_metrics") or {}), new_lr
+    return dict(state.get("mtpc_init_metrics") or {}), new_lr
 
 
 def _fit(
@@ -426,9 +424,8 @@ def _fit(
     fast = settings.trainer.fast_dev_run
     if ckpt_path is None and settings.run.validate_before_training and not fast:
         initial = trainer.validate(module, datamodule=datamodule, verbose=False)
-        init_metrics.update(
-            {f"init/{k}": v for k, v in _scalars(initial[0]).items()} if initial else {}
-        )
+        if initial:
+            init_metrics.update({f"init/{k}": v for k, v in _scalars(initial[0]).items()})
     elif ckpt_path is not None:
         log.info("resuming from %s", ckpt_path)
     metrics = dict(init_metrics)
@@ -436,7 +433,8 @@ def _fit(
     metrics.update(_scalars(trainer.callback_metrics))
     if not fast and trainer.limit_val_batches != 0:  # the final draft, whatever the schedule
         final = trainer.validate(module, datamodule=datamodule, verbose=False)
-        metrics.update(_scalars(final[0]) if final else {})
+        if final:
+            metrics.update(_scalars(final[0]))
     metrics["train/steps"] = float(trainer.global_step)
     return metrics
 

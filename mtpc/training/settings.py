@@ -10,14 +10,16 @@ another). Values are kept as given: a bad one is refused by
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, TypeVar
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 # lora.target_modules of configs/lora/default.yaml
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+_Settings = TypeVar("_Settings")
 
 
 def _get(cfg: DictConfig, key: str, default: Any = None) -> Any:
@@ -164,23 +166,23 @@ class Sections:
     lr: Any = None  # optimizer.lr as given (the new lr of a resume that changes it)
 
 
-def _trainer(cfg: DictConfig) -> TrainerSettings:
-    """The ``trainer.*`` fields the run reads, and the section as given."""
-    tr = TrainerSettings()
-    return TrainerSettings(
-        accelerator=_get(cfg, "trainer.accelerator", tr.accelerator),
-        devices=_get(cfg, "trainer.devices", tr.devices),
-        num_nodes=int(_get(cfg, "trainer.num_nodes") or tr.num_nodes),
-        accumulate_grad_batches=int(
-            _get(cfg, "trainer.accumulate_grad_batches") or tr.accumulate_grad_batches
-        ),
-        fast_dev_run=bool(_get(cfg, "trainer.fast_dev_run", tr.fast_dev_run)),
-        max_steps=_get(cfg, "trainer.max_steps", tr.max_steps),
-        max_epochs=_get(cfg, "trainer.max_epochs", tr.max_epochs),
-        limit_val_batches=_get(cfg, "trainer.limit_val_batches", tr.limit_val_batches),
-        strategy=_get(cfg, "trainer.strategy", tr.strategy),
-        fields=dict(_get(cfg, "trainer") or {}),
-    )
+def _read(
+    cfg: DictConfig,
+    prefix: str,
+    cls: type[_Settings],
+    or_default: tuple[str, ...] = (),
+    **casts: Callable[[Any], Any],
+) -> _Settings:
+    """``cls`` from ``cfg``'s keys ``<prefix><field>``: a missing key (for the fields
+    ``or_default``, also a null or 0) takes the field's default; ``casts`` convert named fields."""
+    default: Any = cls()
+    values = {}
+    for item in fields(default):
+        value = _get(cfg, prefix + item.name, getattr(default, item.name))
+        if item.name in or_default:
+            value = value or getattr(default, item.name)
+        values[item.name] = casts[item.name](value) if item.name in casts else value
+    return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -206,60 +208,30 @@ class TrainSettings:
     @classmethod
     def from_cfg(cls, cfg: DictConfig) -> TrainSettings:
         """The settings of a composed training config (run after ``validate_train_config``)."""
-        m, lo, ls, cb, rn = (
-            ModelArgs(), LoraSettings(), LossSettings(), CallbackSettings(), RunSettings(),
-        )  # fmt: skip
         circuit = dict(_get(cfg, "circuit") or {})
         ci = CircuitSettings()
+        counts = ("num_nodes", "accumulate_grad_batches")
+        trainer = _read(cfg, "trainer.", TrainerSettings, counts,
+                        num_nodes=int, accumulate_grad_batches=int, fast_dev_run=bool)  # fmt: skip
+        run = _read(cfg, "", RunSettings, seed=int, export=bool, validate_before_training=bool,
+                    allow_resume_changes=bool)  # fmt: skip
+        loss = _read(cfg, "loss.", LossSettings, ("chunk_size",),
+                     normalise_discount=bool, chunk_size=int)  # fmt: skip
         return cls(
-            model=ModelArgs(
-                **{
-                    k: _get(cfg, f"model.{k}", getattr(m, k))
-                    for k in ModelArgs.__dataclass_fields__
-                }
-            ),
+            model=_read(cfg, "model.", ModelArgs),
             circuit=CircuitSettings(
                 kind=circuit.pop("kind", ci.kind),
                 window=circuit.pop("window", ci.window),
                 rank=circuit.pop("rank", ci.rank),
                 options={str(k): v for k, v in circuit.items()},
             ),
-            lora=LoraSettings(
-                layers=_get(cfg, "lora.layers", lo.layers),
-                rank=_get(cfg, "lora.rank", lo.rank),
-                alpha=float(_get(cfg, "lora.alpha", lo.alpha)),
-                dropout=float(_get(cfg, "lora.dropout", lo.dropout)),
-                target_modules=tuple(_get(cfg, "lora.target_modules", lo.target_modules)),
+            lora=_read(
+                cfg, "lora.", LoraSettings, alpha=float, dropout=float, target_modules=tuple
             ),
-            loss=LossSettings(
-                name=_get(cfg, "loss.name", ls.name),
-                gamma=_get(cfg, "loss.gamma", ls.gamma),
-                normalise_discount=bool(
-                    _get(cfg, "loss.normalise_discount", ls.normalise_discount)
-                ),
-                chunk_size=int(_get(cfg, "loss.chunk_size") or ls.chunk_size),
-            ),
-            callbacks=CallbackSettings(
-                checkpoint_every_n_steps=_get(
-                    cfg, "callbacks.checkpoint_every_n_steps", cb.checkpoint_every_n_steps
-                ),
-                monitor=_get(cfg, "callbacks.monitor", cb.monitor),
-                save_top_k=int(_get(cfg, "callbacks.save_top_k", cb.save_top_k)),
-            ),
-            trainer=_trainer(cfg),
-            run=RunSettings(
-                **{k: _get(cfg, k, getattr(rn, k)) for k in ("run_name", "run_dir", "init_from")},
-                root_dir=_get(cfg, "paths.root_dir", rn.root_dir),
-                seed=int(_get(cfg, "seed", rn.seed)),
-                export=bool(_get(cfg, "export", rn.export)),
-                validate_before_training=bool(
-                    _get(cfg, "validate_before_training", rn.validate_before_training)
-                ),
-                allow_resume_changes=bool(
-                    _get(cfg, "allow_resume_changes", rn.allow_resume_changes)
-                ),
-                global_batch_size=_get(cfg, "global_batch_size", rn.global_batch_size),
-            ),
+            loss=loss,
+            callbacks=_read(cfg, "callbacks.", CallbackSettings, save_top_k=int),
+            trainer=replace(trainer, fields=dict(_get(cfg, "trainer") or {})),
+            run=replace(run, root_dir=_get(cfg, "paths.root_dir", RunSettings.root_dir)),
             sections=Sections(
                 data=_node(cfg, "data"),
                 optimizer=_node(cfg, "optimizer"),
