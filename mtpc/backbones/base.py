@@ -1,9 +1,7 @@
-"""One interface for a decoder-only LM split at layer ``L - k`` (:class:`Backbone`), and the
-KV cache of one component (:class:`LayerCache`).
-
-The wrapped HF model is never copied. Trunk S = layers ``0..L-k-1``; verifier tail V and draft
-tail D = layers ``L-k..L-1`` with the LoRA adapter off / on (paper Sec. 3.4, App. D). See
-docs/BACKBONES.md, "The split" and "Interface".
+"""One interface for a decoder-only LM split at layer ``L - k`` (:class:`Backbone`, never a
+copy of the HF model) and the KV cache of one component (:class:`LayerCache`): trunk = layers
+``0..L-k-1``, verifier / draft tail = ``L-k..L-1`` with LoRA off / on (paper Sec. 3.4, App.
+D). See docs/BACKBONES.md, "The split" and "Interface".
 """
 
 from __future__ import annotations
@@ -29,15 +27,10 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") 
     Raises ValueError (before any weights are loaded): unknown dtype or device, fp16 on CPU,
     bf16 where the device cannot run it, CUDA without a GPU.
     """
-    names = {v: k for k, v in DTYPES.items()}
-    if isinstance(dtype, torch.dtype):
-        if dtype not in names:
-            raise ValueError(f"dtype is {dtype}; allowed: {sorted(DTYPES)}")
-        name = names[dtype]
-    else:
-        name = str(dtype).removeprefix("torch.")
-        if name not in DTYPES:
-            raise ValueError(f"dtype is {dtype!r}; allowed: {sorted(DTYPES)}")
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        shown = dtype if isinstance(dtype, torch.dtype) else repr(dtype)
+        raise ValueError(f"dtype is {shown}; allowed: {sorted(DTYPES)}")
     dev = torch.device(device)
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"device is {str(device)!r}; allowed: 'cpu', 'cuda', 'cuda:<index>'")
@@ -133,7 +126,9 @@ class LayerCache:
         self.backbone = backbone
         self.start = start
         self.end = end
-        self.reset()
+        self.native: Any = backbone.new_native_cache(start, end) if end > start else None
+        self.length = 0
+        self.ids: torch.Tensor | None = None  # (B, length) ids recorded with record_ids
 
     def __len__(self) -> int:
         return self.length
@@ -192,28 +187,24 @@ class LayerCache:
 
     def reset(self) -> None:
         """Empties the cache (a fresh native cache object)."""
-        self.native: Any = (
+        self.native = (
             self.backbone.new_native_cache(self.start, self.end) if self.end > self.start else None
         )
         self.length = 0
-        self.ids: torch.Tensor | None = None  # (B, length) ids recorded with record_ids
+        self.ids = None
 
 
 class Backbone(nn.Module, ABC):
-    """A decoder-only LM behind one split-at-layer interface.
-
-    Subclasses implement the model-specific pieces; this class owns the cache bookkeeping and
-    the LoRA switch (``lora``: the attached ``LoraTail`` or ``None``). ``name``: registry name;
-    ``codec``: byte codec name; ``source``: how to rebuild the target (``{"model", "path",
-    "revision"}``).
-    """
+    """A decoder-only LM behind one split-at-layer interface: subclasses implement the model's
+    pieces, this class the cache bookkeeping and the LoRA switch (``lora``: a ``LoraTail``).
+    ``source`` says how to rebuild the target (``{"model", "path", "revision"}``)."""
 
     needs_history = False
     supports_tree_mask = False
     """``run_layers(..., tree_mask=...)``: T new nodes attend their ancestors in one pass."""
     supports_batch = False
-    """``run_layers(..., attend=...)`` and :meth:`native_take`: rows of one batched cache at
-    their own lengths (batched decoding, ``mtpc.decoding.layout``)."""
+    """``run_layers(..., attend=...)``, ``native_take/pad/merge``: one batched cache, rows at their
+    own lengths (``mtpc.decoding.layout``)."""
 
     def __init__(self, hf_model: nn.Module, name: str, codec: str, source: dict[str, Any]) -> None:
         super().__init__()

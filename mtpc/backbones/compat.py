@@ -57,8 +57,7 @@ class CacheInterfaceError(UserError, RuntimeError):
 
 
 # ------------------------------------------------------------ 7. cache keyword ----
-CACHE_KEYWORDS = ("cache", "past_key_values", "past_key_value")
-"""Names a decoder layer's forward takes its KV cache by, newest transformers first."""
+CACHE_KEYWORDS = ("cache", "past_key_values", "past_key_value")  # newest transformers first
 
 
 def transformers_version() -> str:
@@ -77,11 +76,9 @@ def cache_keyword(layer_cls: type, default: str | None = None) -> str:
     (a ``**kwargs`` catch-all is not trusted: a cache passed there may be dropped).
     """
     params = inspect.signature(layer_cls.forward).parameters  # type: ignore[attr-defined]
-    for name in CACHE_KEYWORDS:
-        if name in params:
-            return name
-    if default is not None:
-        return default
+    found = next((name for name in CACHE_KEYWORDS if name in params), default)
+    if found is not None:
+        return found
     raise CacheInterfaceError(
         f"{layer_cls.__module__}.{layer_cls.__qualname__}.forward takes none of the cache "
         f"keywords {list(CACHE_KEYWORDS)} (transformers {transformers_version()}); see "
@@ -100,8 +97,7 @@ def cache_guard_message(backbone: Any, keyword: str, expected: int, got: int) ->
 
 
 def output_cache(output: Any) -> Any:
-    """The cache a model's forward returned: ``output.cache`` (transformers >= 5.24) or
-    ``output.past_key_values`` (before); ``None`` when it returned none."""
+    """The cache a forward returned (``cache`` from transformers 5.24, else ``past_key_values``)."""
     for name in ("cache", "past_key_values"):
         value = output.get(name) if isinstance(output, dict) else getattr(output, name, None)
         if value is not None:
@@ -111,7 +107,7 @@ def output_cache(output: Any) -> Any:
 
 # ---------------------------------------------------------------- 1. optional imports ----
 def triton_available() -> bool:
-    """Whether the ``triton`` package can be imported (without importing it)."""
+    """Whether ``triton`` can be imported (without importing it)."""
     try:
         return importlib.util.find_spec("triton") is not None
     except (ImportError, ValueError):
@@ -283,10 +279,10 @@ def _forget_remote_package(module_name: str, keep: str) -> None:
 
 
 # ------------------------------------------------------------ 6. removed modules ----
+# Modules 4.4x remote code imports that transformers removed -> our implementation.
 REMOVED_MODULES: dict[str, str] = {
     "transformers.modeling_attn_mask_utils": "mtpc.backbones.legacy_attn_mask",  # gone in 5.24
 }
-"""Modules 4.4x remote code imports that transformers removed -> our implementation."""
 
 
 def install_removed_module_shims() -> list[str]:
@@ -471,11 +467,8 @@ KERNEL_INTERFACE: dict[str, dict[str, tuple[str, ...]]] = {
 }  # fmt: skip
 """The host wrappers of EvaByte's kernels (@ 432331a) compat wraps, with their parameters."""
 
-KERNEL_MODES = ("fwd", "bwd_dq", "bwd_dkdv", "bwd_drfa_kv")
-"""The ``mode``s of ``eva_agg_kernel._get_config`` (one block table each)."""
-
-PREP_KV_BLOCK = 128
-"""``eva_prep_kv_kernel``'s fixed key block (``BLOCK = 128``); a chunk must divide it."""
+KERNEL_MODES = ("fwd", "bwd_dq", "bwd_dkdv", "bwd_drfa_kv")  # eva_agg_kernel._get_config's
+PREP_KV_BLOCK = 128  # eva_prep_kv_kernel's fixed key block; a chunk must divide it
 
 
 class KernelInterfaceError(TargetLoadError):
@@ -641,10 +634,7 @@ def _on_interpreter(
 
 
 def prepare_eva_kernels(
-    model_module: ModuleType,
-    config: Any,
-    dtype: torch.dtype,
-    run_device: str | torch.device,
+    model_module: ModuleType, config: Any, dtype: torch.dtype, run_device: str | torch.device
 ) -> dict[str, Any]:
     """Readies EvaByte's remote kernels for a triton-path model (in place, idempotent): the
     interface check, the block gate, the short-row backward and, on a CPU, the interpreter's

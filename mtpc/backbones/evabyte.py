@@ -80,9 +80,8 @@ class EvaWindowCache:
 def multibyte_mask(
     native: EvaWindowCache, batch: int, tree_mask: torch.Tensor, device: torch.device
 ) -> torch.Tensor:
-    """The boolean mask of one pass (B, 1, T, C + pos + T), True = attend: every RFA and kept
-    window position, then ``tree_mask`` (T, T) among the new positions (the layout of
-    ``multi_byte_pred_update_attn_mask``)."""
+    """The bool mask of one pass (B, 1, T, C + pos + T) over ``[RFAs | kept | new]``: all True,
+    ``tree_mask`` among the new (``multi_byte_pred_update_attn_mask``'s layout)."""
     t, pos, chunks = tree_mask.shape[0], native.committed - native.window_start, native.chunks()
     mask = torch.ones(batch, 1, t, chunks + pos + t, dtype=torch.bool, device=device)
     mask[..., chunks + pos :] = tree_mask
@@ -175,11 +174,8 @@ class EvaByteBackbone(Backbone):
         super().__init__(hf_model, "evabyte", "evabyte", source or hf_source(hf_model, "evabyte"))
         self.remote = sys.modules[type(self.inner).__module__]
         self.use_triton = bool(getattr(self.remote, "USE_TRITON_IMPL", False))
-        self.attention_path = (
-            kernels_path(getattr(self.remote, "__mtpc_kernels__", None))
-            if self.use_triton
-            else "torch (eva_pt_ref.py)"
-        )
+        kernels = getattr(self.remote, "__mtpc_kernels__", None)
+        self.attention_path = kernels_path(kernels) if self.use_triton else "torch (eva_pt_ref.py)"
         """The EVA attention path the layers run (reported by scripts/check_gpu.py)."""
         self.num_pred_heads = int(getattr(config, "num_pred_heads", 1) or 1)
         self.cache_batch_size = cache_batch_size
@@ -283,8 +279,7 @@ class EvaByteBackbone(Backbone):
         native.committed = native.length = start + count
 
     def _settle(self, native: EvaWindowCache) -> None:
-        """Keeps every position the last pass wrote (a run that no crop followed): no slot
-        moves, the kept count grows."""
+        """Keeps every position the last pass wrote (no crop followed it): no slot moves."""
         if native.length > native.committed:
             self._select(native, native.length - native.window_start, _NO_SLOTS)
 
@@ -466,14 +461,13 @@ def load_evabyte(
     backbone = EvaByteBackbone(
         hf_model, source={"model": "evabyte", "path": path, "revision": revision}
     )
-    label = f"model=evabyte (path={path!r})"
-    if backbone.use_triton and torch.device(device).type != "cuda" and run_device is not None:
+    moved = backbone.use_triton and torch.device(device).type != "cuda" and run_device is not None
+    if moved:
         hf_model.to(run_device)
-        try:
-            check_target(backbone, label)
-        finally:
+    try:
+        check_target(backbone, f"model=evabyte (path={path!r})")
+    finally:
+        if moved:
             hf_model.to(device)
             torch.cuda.empty_cache()
-        return backbone
-    check_target(backbone, label)
     return backbone

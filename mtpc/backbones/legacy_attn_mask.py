@@ -100,11 +100,7 @@ class AttentionMaskConverter:
         b, t = input_ids_shape
         return causal_4d(b, t, dtype, device, past_key_values_length, sliding_window)
 
-    @staticmethod
-    def _expand_mask(
-        mask: torch.Tensor, dtype: torch.dtype, tgt_len: int | None = None
-    ) -> torch.Tensor:
-        return padding_4d(mask, dtype, tgt_len)
+    _expand_mask = staticmethod(padding_4d)
 
     @staticmethod
     def _unmask_unattended(expanded_mask: torch.Tensor, min_dtype: float) -> torch.Tensor:
@@ -156,12 +152,7 @@ def _prepare_4d_causal_attention_mask(
     return causal.masked_fill(padded, _min(dtype))
 
 
-def _prepare_4d_attention_mask(
-    mask: torch.Tensor, dtype: torch.dtype, tgt_len: int | None = None
-) -> torch.Tensor:
-    """(B, S) padding mask -> (B, 1, tgt_len, S) additive mask (no causal part)."""
-    return padding_4d(mask, dtype, tgt_len)
-
+_prepare_4d_attention_mask = padding_4d  # no causal part
 
 # the 4.4x SDPA variants built the same masks (they only returned None more often)
 _prepare_4d_causal_attention_mask_for_sdpa = _prepare_4d_causal_attention_mask

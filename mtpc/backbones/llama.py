@@ -1,10 +1,6 @@
-"""HF Llama family behind the backbone interface (the tiny target, byte-vocabulary Llamas).
-
-``transformers``' ``LlamaForCausalLM`` and Llama-shaped 4.4x remote code (tokenkit's
-``TPULlamaForCausalLM``: layers return a tuple); the cache keyword is read from the layer's
-signature. One ``DynamicCache`` per component, indexed by global layer number; token trees go
-through the 4D additive-mask path. See docs/BACKBONES.md, "Caches" and "Following
-transformers".
+"""HF Llama family behind the backbone interface: ``LlamaForCausalLM`` (the tiny target) and
+Llama-shaped 4.4x remote code (tokenkit's, whose layers return a tuple). One ``DynamicCache``
+per component; see docs/BACKBONES.md, "Caches" and "Following transformers".
 """
 
 from __future__ import annotations
@@ -46,9 +42,8 @@ class LlamaBackbone(Backbone):
         inner: Any = hf_model.model
         layer_cls = type(inner.layers[0])
         self.cache_kw = cache_keyword(layer_cls)
-        self._pass_cache_position = (
-            "cache_position" in inspect.signature(layer_cls.forward).parameters
-        )
+        params = inspect.signature(layer_cls.forward).parameters
+        self._pass_cache_position = "cache_position" in params
         # transformers' own layers (not 4.4x remote code) let fast kernels mask causally
         self._native_layers = layer_cls.__module__.startswith("transformers.models.")
 

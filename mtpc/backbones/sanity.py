@@ -45,17 +45,15 @@ def rotary_problems(hf_model: nn.Module) -> list[str]:
             continue
         expected = _closed_form_inv_freq(module, config)  # (hd / 2,)
         actual = inv_freq.detach().float().cpu()
-        tol = _tolerance(inv_freq.dtype)
-        if actual.shape != expected.shape or not torch.allclose(actual, expected, rtol=tol, atol=0):
-            worst = (
-                (actual - expected).abs().max().item() if actual.shape == expected.shape else None
-            )
+        if actual.shape != expected.shape:
+            shapes = f"{tuple(actual.shape)}, expected {tuple(expected.shape)}"
+            problems.append(f"{name}.inv_freq has shape {shapes}")
+            continue
+        if not torch.allclose(actual, expected, rtol=_tolerance(inv_freq.dtype), atol=0):
             problems.append(
                 f"{name}.inv_freq differs from its closed form 1/theta^(2i/d) (max abs error "
-                f"{worst:.3g}; first values {actual.flatten()[:3].tolist()} vs "
-                f"{expected[:3].tolist()})"
-                if worst is not None
-                else f"{name}.inv_freq has shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
+                f"{(actual - expected).abs().max().item():.3g}; first values "
+                f"{actual.flatten()[:3].tolist()} vs {expected[:3].tolist()})"
             )
             continue
         cos = module._buffers.get("cos_cached")

@@ -32,16 +32,13 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 ASSETS_DIR = REPO_ROOT / "assets"
 TINY_TARGET_DIR = ASSETS_DIR / "tiny_target"
 TINY_CODE_DIR = ASSETS_DIR / "tiny_code"
-REBUILD_COMMAND = "python scripts/pretrain_tiny_target.py"
-"""Run from the repository root (inside the virtualenv) to rebuild ``TINY_TARGET_DIR``."""
-
+REBUILD_COMMAND = "python scripts/pretrain_tiny_target.py"  # from the root: TINY_TARGET_DIR
+# each folder's metadata.json holds its own rebuild_command
 BUNDLED_TARGETS = {"tiny_target": TINY_TARGET_DIR, "tiny_code": TINY_CODE_DIR}
-"""Asset folder name -> folder; each folder's ``metadata.json`` holds its ``rebuild_command``."""
-
 NUM_MTP_HEADS = 8
 MTP_KEY = "mtp_unembeddings"
+# the files whose sha256 metadata.json records and load_tiny_target checks
 WEIGHT_FILES = ("config.json", "model.safetensors", "mtp_heads.safetensors")
-"""Files whose sha256 ``metadata.json`` records and ``load_tiny_target`` checks."""
 
 
 class TinyTargetAssetError(RuntimeError):
@@ -115,11 +112,8 @@ def tiny_generation_config() -> GenerationConfig:
 
 
 def sha256_file(path: str | os.PathLike[str]) -> str:
-    digest = hashlib.sha256()
     with Path(path).open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def save_tiny_target(
@@ -227,11 +221,8 @@ def encode_chats(
 ) -> list[tuple[list[int], list[bool]]]:
     """Renders Tülu-format rows with the chat template: (ids, assistant mask) per row."""
     codec = get_codec("tiny") if codec is None else codec
-    out = []
-    for row in rows:
-        enc = codec.apply_chat_template(row["messages"])
-        out.append((enc.ids, enc.assistant_mask))
-    return out
+    encodings = [codec.apply_chat_template(row["messages"]) for row in rows]
+    return [(enc.ids, enc.assistant_mask) for enc in encodings]
 
 
 @torch.no_grad()
@@ -269,9 +260,8 @@ def validation_metrics(
             valid[i, : len(row_ids)] = True
             assistant[i, : len(row_ids)] = torch.tensor(row_mask)
         ids, valid, assistant = ids.to(device), valid.to(device), assistant.to(device)
-        hidden = model.model(
-            input_ids=ids, attention_mask=valid.long()
-        ).last_hidden_state  # (B, T, d)
+        out = model.model(input_ids=ids, attention_mask=valid.long())
+        hidden = out.last_hidden_state  # (B, T, d)
         log_probs = model.lm_head(hidden).float().log_softmax(-1)  # (B, T, V)
         nll = -log_probs[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]  # (B, T-1)
         add("loss", nll, valid[:, 1:])
