@@ -63,13 +63,22 @@ def _cpu_runs_bf16() -> bool:
 
 
 def causal_mask(
-    past: int, length: int, dtype: torch.dtype, device: torch.device, batch: int = 1
+    past: int,
+    length: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    batch: int = 1,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Additive causal mask (batch, 1, length, past + length) for ``length`` new queries after
-    ``past`` cached keys: 0 where key j <= past + i, the dtype's minimum elsewhere."""
+    ``past`` cached keys: query i (at ``past + i``) sees key j <= past + i and, with a sliding
+    window, only the ``sliding_window`` keys before it."""
     q = torch.arange(length, device=device)[:, None] + past  # (T, 1)
     k = torch.arange(past + length, device=device)[None, :]  # (1, P + T)
-    return additive_mask(k <= q, dtype)[None, None].expand(batch, 1, length, past + length)
+    allowed = k <= q
+    if sliding_window is not None:
+        allowed &= k >= q - sliding_window
+    return additive_mask(allowed, dtype)[None, None].expand(batch, 1, length, past + length)
 
 
 def document_mask(documents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -10,40 +10,16 @@ from __future__ import annotations
 
 import torch
 
+from mtpc.backbones.base import additive_mask, causal_mask
+
 MODULE_NAME = "transformers.modeling_attn_mask_utils"
-
-
-def _min(dtype: torch.dtype) -> float:
-    return torch.finfo(dtype).min
-
-
-def causal_4d(
-    batch: int,
-    length: int,
-    dtype: torch.dtype,
-    device: torch.device | str,
-    past: int = 0,
-    sliding_window: int | None = None,
-) -> torch.Tensor:
-    """(batch, 1, length, past + length) causal mask; query i sits at ``past + i`` and, with a
-    sliding window, sees only the ``sliding_window`` keys before it and itself."""
-    q = torch.arange(length, device=device)[:, None] + past  # (T, 1)
-    k = torch.arange(past + length, device=device)[None, :]  # (1, P + T)
-    blocked = k > q
-    if sliding_window is not None:
-        blocked |= k < q - sliding_window
-    mask = torch.zeros(length, past + length, dtype=dtype, device=device)
-    mask.masked_fill_(blocked, _min(dtype))
-    return mask[None, None].expand(batch, 1, length, past + length)
 
 
 def padding_4d(mask: torch.Tensor, dtype: torch.dtype, tgt_len: int | None = None) -> torch.Tensor:
     """A (B, S) 1/0 padding mask as (B, 1, tgt_len, S) additive mask (0 where 1)."""
     b, s = mask.shape
     t = s if tgt_len is None else tgt_len
-    keep = mask[:, None, None, :].to(torch.bool).expand(b, 1, t, s)
-    out = torch.zeros(keep.shape, dtype=dtype, device=mask.device)
-    return out.masked_fill_(~keep, _min(dtype))
+    return additive_mask(mask[:, None, None, :].to(torch.bool).expand(b, 1, t, s), dtype)
 
 
 class AttentionMaskConverter:
@@ -68,7 +44,7 @@ class AttentionMaskConverter:
         if query_length == 1 and self.sliding_window is None:
             return None
         past = key_value_length - query_length
-        return causal_4d(batch_size, query_length, dtype, device, past, self.sliding_window)
+        return causal_mask(past, query_length, dtype, device, batch_size, self.sliding_window)
 
     def to_4d(
         self,
@@ -82,11 +58,10 @@ class AttentionMaskConverter:
         if self.is_causal and (query_length > 1 or self.sliding_window is not None):
             if key_value_length is None:
                 raise ValueError("to_4d of a causal mask needs key_value_length")
-            causal = causal_4d(
-                b, query_length, dtype, attention_mask_2d.device, key_value_length - query_length,
-                self.sliding_window,
-            )  # fmt: skip
-            out = out.masked_fill(causal.to(torch.bool), _min(dtype))
+            past = key_value_length - query_length
+            device = attention_mask_2d.device
+            causal = causal_mask(past, query_length, dtype, device, b, self.sliding_window)
+            out = out.masked_fill(causal.to(torch.bool), torch.finfo(dtype).min)
         return out
 
     @staticmethod
@@ -98,7 +73,7 @@ class AttentionMaskConverter:
         sliding_window: int | None = None,
     ) -> torch.Tensor:
         b, t = input_ids_shape
-        return causal_4d(b, t, dtype, device, past_key_values_length, sliding_window)
+        return causal_mask(past_key_values_length, t, dtype, device, b, sliding_window)
 
     _expand_mask = staticmethod(padding_4d)
 
@@ -143,13 +118,13 @@ def _prepare_4d_causal_attention_mask(
     """(B, 1, T, P + T) additive mask from a (B, P + T) padding mask (or none) for T queries."""
     b, t = input_shape[0], input_shape[-1]
     dtype, device = inputs_embeds.dtype, inputs_embeds.device
-    causal = causal_4d(b, t, dtype, device, past_key_values_length, sliding_window)
+    causal = causal_mask(past_key_values_length, t, dtype, device, b, sliding_window)
     if attention_mask is None:
         return causal
     if attention_mask.dim() == 4:
         return attention_mask
     padded = padding_4d(attention_mask, dtype, t).to(torch.bool)  # True where blocked
-    return causal.masked_fill(padded, _min(dtype))
+    return causal.masked_fill(padded, torch.finfo(dtype).min)
 
 
 _prepare_4d_attention_mask = padding_4d  # no causal part
