@@ -10,15 +10,9 @@ FIXTURES = ("bpe", "lower", "byte_small")
 
 
 def load_drafter(model: str, tokenizer: str | None = None, device: str = "cpu") -> tuple[Any, Any]:
-    """Resolves ``drafter.model`` / ``drafter.tokenizer`` to (model, tokenizer).
-
-    Args:
-        model: a local HF causal-LM folder, or ``fixture:bpe`` | ``fixture:lower`` |
-            ``fixture:byte_small`` (the tiny drafters of :mod:`mtpc.evaluation.fixture_drafters`,
-            trained on the synthetic corpus at first use; run from the repository root).
-        tokenizer: an HF tokenizer folder or a codec name (tiny | evabyte | llama3_byte);
-            None: the model folder's own tokenizer.
-        device: where the model goes.
+    """Resolves ``drafter.model`` / ``drafter.tokenizer`` (configs/drafter/hetero.yaml) to
+    (model, tokenizer). A fixture is trained on the synthetic corpus at first use (run from the
+    repository root).
 
     Raises:
         ValueError: an unknown fixture name.

@@ -3,7 +3,6 @@ the prompt sets and the device."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -13,11 +12,10 @@ from omegaconf import OmegaConf
 
 from mtpc.benchmarking import cuda_index
 from mtpc.data.prompts import UnknownSourceError
+from mtpc.errors import DraftError
 from mtpc.evaluation.checks import EvalConfigError
 from mtpc.evaluation.settings import EvalSettings, ModelSettings, SpecBench, plain
-
-logger = logging.getLogger(__name__)
-
+from mtpc.export import CONFIG_NAME, TargetMismatchError, read_config
 
 TRAIN_HINT = "train one with `python train.py` or pass draft=<exported draft dir>"
 
@@ -27,14 +25,9 @@ def resolve_drafts(draft: Any, root: Path, key: str = "draft") -> list[Path]:
     project ``root``); for ``draft``, None: the last trained.
 
     Raises:
-        DraftError: a named folder is a training run folder (the message names its
-            ``draft/``).
-        FileNotFoundError: no draft given and ``outputs/last_draft.txt`` is missing, or a
-            draft folder does not exist; the message says how to make one.
+        DraftError: a named folder is a training run folder (the message names its ``draft/``).
+        FileNotFoundError: no draft given and none trained, or no such draft folder.
     """
-    from mtpc.errors import DraftError
-    from mtpc.export import CONFIG_NAME
-
     if draft is None and key == "draft":
         marker = root / "outputs" / "last_draft.txt"
         if not marker.is_file():
@@ -60,17 +53,14 @@ def resolve_drafts(draft: Any, root: Path, key: str = "draft") -> list[Path]:
 
 
 TARGET_FIELDS = ("name", "path", "revision", "dtype")
-"""The target identity an exported draft records (``config.json`` ``target``): the evaluation
-takes it from the draft; a ``model.*`` override may restate it, never contradict it."""
-
+"""The target identity an exported draft records: a ``model.*`` override may restate it, never
+contradict it."""
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def recorded_target(path: Path) -> dict[str, Any]:
     """The target a draft was exported for, as ``model.*`` fields (name, path, revision, dtype)."""
-    from mtpc.export import read_config
-
     t = read_config(path)["target"]
     return {"name": t.get("model"), "path": t.get("path"), "revision": t.get("revision"),
             "dtype": t.get("dtype")}  # fmt: skip
@@ -80,21 +70,14 @@ def resolve_target(
     current: ModelSettings, drafts: Sequence[Path], explicit: Mapping[str, Any] | None
 ) -> ModelSettings:
     """The evaluation's target: the drafts' recorded target, its group's other fields
-    (``configs/model/<name>.yaml``: codec, attention path) and the explicit overrides.
-
-    Args:
-        current: the configured ``model`` (its fields count when it is the same group).
-        drafts: the drafts and baselines to evaluate (at least one).
-        explicit: the ``model.*`` fields given on the command line
-            (``mtpc.evaluation.settings.explicit_model_fields``);
-            ``None`` (a call from Python without Hydra): none.
+    (``configs/model/<name>.yaml``: codec, attention path; ``current``'s when it is the same
+    group) and the ``explicit`` overrides (the ``model.*`` fields given; None: none).
 
     Raises:
-        TargetMismatchError: an explicit identity field differs from the recorded one (the
-            message names the field and both values), or two drafts record different targets.
+        TargetMismatchError: an explicit identity field differs from the recorded one, or two
+            drafts record different targets.
     """
     from mtpc.backbones import BACKBONES
-    from mtpc.export import TargetMismatchError
 
     target = recorded_target(drafts[0])
     for path in drafts[1:]:
@@ -123,14 +106,8 @@ def resolve_target(
     model = {**group, **{k: v for k, v in target.items() if k != "dtype" or v is not None}}
     model.update({k: v for k, v in explicit.items() if k not in TARGET_FIELDS})
     if target["name"] not in BACKBONES:
-        model.setdefault("codec", read_config_codec(drafts[0]))
+        model.setdefault("codec", str(read_config(drafts[0])["codec"]))
     return ModelSettings.from_fields(model)
-
-
-def read_config_codec(path: Path) -> str:
-    from mtpc.export import read_config
-
-    return str(read_config(path)["codec"])
 
 
 def load_target(model: ModelSettings, device: str) -> Any:
@@ -145,13 +122,8 @@ def load_target(model: ModelSettings, device: str) -> Any:
 
 def check_target_name(path: Path, name: str) -> str | None:
     """The registry target a draft was exported for; refuses one other than ``name``
-    (``model.name``).
-
-    Raises:
-        ValueError: the draft names another registry target than ``model.name``.
-    """
+    (``model.name``) with a ``TargetMismatchError``."""
     from mtpc.backbones import BACKBONES
-    from mtpc.export import TargetMismatchError, read_config
 
     recorded = read_config(path)["target"].get("model")
     if recorded in BACKBONES and recorded != name:
@@ -166,8 +138,7 @@ def load_for_eval(path: Path, model: ModelSettings, device: str) -> Any:
     """Loads a draft against the configured target (``model=``), refusing another target.
 
     Raises:
-        ValueError: the draft names another registry target than ``model.name``.
-        TargetMismatchError: the target's weights differ from the recorded fingerprint.
+        TargetMismatchError: another registry target, or weights other than the recorded ones.
     """
     from mtpc.backbones import BACKBONES
     from mtpc.model import MTPCModel
@@ -192,8 +163,8 @@ def spec_bench_categories(spec: SpecBench) -> list[str] | None:
 
 
 def spec_bench_questions(s: EvalSettings) -> tuple[list[Any], str] | None:
-    """``prompts=spec_bench``: the selected questions (``prompts.categories``,
-    ``prompts.turns``) and the file's sha256; None for the data group's prompts.
+    """``prompts=spec_bench``: the selected questions and the file's sha256; None for the
+    data group's prompts.
 
     Raises:
         SpecBenchError: a bad file or an unknown category (one line naming the file, line).
@@ -208,9 +179,13 @@ def spec_bench_questions(s: EvalSettings) -> tuple[list[Any], str] | None:
     return select_questions(questions, path, spec_bench_categories(spec), spec.turns), sha256
 
 
-def load_prompt_sets(s: EvalSettings, codec: str, max_prompt_length: int | None) -> list[list[Any]]:
+def load_prompts(s: EvalSettings, codec: str, max_prompt_length: int | None) -> list[list[Any]]:
     """Evaluation prompt sets from the data pipeline's validation split (``sources``: only
-    those), or with ``prompts=spec_bench`` from the Spec-Bench file (runs over its questions)."""
+    those), or with ``prompts=spec_bench`` from the Spec-Bench file (runs over its questions).
+
+    Raises:
+        EvalConfigError: a source that no prompt has (the message lists the available ones).
+    """
     from hydra.utils import instantiate
 
     p = s.prompts
@@ -237,13 +212,16 @@ def load_prompt_sets(s: EvalSettings, codec: str, max_prompt_length: int | None)
         module = build_datamodule(codec=codec)
     seed, sets = int(s.decoding.seed), int(p.num_prompt_sets)
     sources = p.source_list
-    return module.prompt_sets(
-        num_prompts=int(p.num_prompts or 0),
-        seeds=tuple(range(seed, seed + sets)),
-        english_only=bool(p.english_only),
-        max_prompt_length=max_prompt_length,
-        **({"sources": sources} if sources else {}),
-    )
+    try:
+        return module.prompt_sets(
+            num_prompts=int(p.num_prompts or 0),
+            seeds=tuple(range(seed, seed + sets)),
+            english_only=bool(p.english_only),
+            max_prompt_length=max_prompt_length,
+            **({"sources": sources} if sources else {}),
+        )
+    except UnknownSourceError as e:
+        raise EvalConfigError(str(e)) from None
 
 
 def use_device(device: str) -> None:
@@ -252,10 +230,3 @@ def use_device(device: str) -> None:
     index = cuda_index(device)
     if index is not None:
         torch.cuda.set_device(index)
-
-
-def load_prompts(s: EvalSettings, codec: str, limit: int | None) -> list[list[Any]]:
-    try:
-        return load_prompt_sets(s, codec, limit)
-    except UnknownSourceError as e:
-        raise EvalConfigError(str(e)) from None

@@ -1,16 +1,8 @@
-"""Reports of an evaluation, rebuilt from its records: tables, results.json, CSV and plots.
-
-Every number comes from the per-prompt records of one or more evaluation folders
-(``mtpc.evaluation.records``): :func:`build_report` turns them into rows (mean ± std over
-prompt sets) and per-source rows, :func:`report_folders` does that for one folder or
-several merged and writes the outputs, with no decoding. ``evaluate`` calls the same
-function after decoding, so a rebuilt report equals the one printed at the end of a run.
-
-Comparisons (``mtpc.evaluation.statistics``): each draft against its reference with paired
-bootstrap intervals over prompts, and drafts merged over training seeds.
-
-Plots: accepted tokens per cycle vs latency with iso-throughput lines across every draft
-(paper Fig. 1), and acceptance per window position.
+"""Reports of an evaluation, rebuilt from its records alone: rows (mean ± std over prompt
+sets), per-source, Spec-Bench, paired and over-seeds tables, results.json, CSVs and plots
+(paper Fig. 1: tokens per cycle vs latency; acceptance per window position). ``evaluate``
+calls :func:`report_folders` after decoding, so ``report=`` rebuilds the same report. See
+docs/EVALUATION.md.
 """
 
 from __future__ import annotations
@@ -162,11 +154,21 @@ def _ratios(a: dict[int, dict[str, Any]], b: dict[int, dict[str, Any]], key: str
     return [a[k][key] / b[k]["tok_s"] for k in a if k in b and b[k]["tok_s"] > 0]
 
 
+def _ratio(x: float, y: float) -> float:
+    """``x / y``, NaN when ``y`` is not positive (no throughput to compare with)."""
+    return x / y if y > 0 else math.nan
+
+
+def _tree_passes(passes: Any) -> list[str]:
+    """The ``tree<B>`` passes among ``passes``, by budget."""
+    return sorted(
+        {p for p in passes if p.startswith("tree")}, key=lambda p: int(p.removeprefix("tree"))
+    )
+
+
 def resolve_checks(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """``records`` with the greedy check done where decoding left it to the report: a record
-    marked ``check_pending`` (``interleave=true``: its draft ran before AR on that prompt)
-    gets ``equal_reference`` (and its turns') from AR's record of the same prompt; it stays
-    null while AR's is missing."""
+    """``records`` with the greedy check of the ``check_pending`` ones (``interleave=true``)
+    done against AR's record of the same prompt; null while AR's is missing."""
     if not any(r.get("check_pending") for r in records):
         return list(records)
     ar = ar_turn_hashes(records)
@@ -184,11 +186,13 @@ def resolve_checks(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, An
     return out
 
 
-def prompt_groups(
-    records: Sequence[Mapping[str, Any]],
-) -> defaultdict[tuple[Any, str], list[Mapping[str, Any]]]:
+Groups = defaultdict[tuple[Any, str], list[Mapping[str, Any]]]
+"""Prompt records by (draft path, pass)."""
+
+
+def prompt_groups(records: Sequence[Mapping[str, Any]]) -> Groups:
     """The prompt records by (draft path, pass), in record order."""
-    groups: defaultdict[tuple[Any, str], list[Mapping[str, Any]]] = defaultdict(list)
+    groups: Groups = defaultdict(list)
     for r in records:
         if r.get("type") == "prompt":
             groups[(r.get("draft_path"), r["pass"])].append(r)
@@ -198,20 +202,8 @@ def prompt_groups(
 def build_report(
     manifest: Mapping[str, Any], records: Sequence[Mapping[str, Any]]
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Rows and per-source rows of one evaluation folder, from its records alone.
-
-    Args:
-        manifest: the folder's manifest (settings and drafts).
-        records: its records (``prompt`` and ``pass`` lines).
-
-    Returns:
-        ``(rows, source_rows)``. ``rows``: the AR row, then one per draft in manifest order
-        (baselines last); each has mu_lat, mu_acc, mu_acc_drafts, tok_s, wall_tok_s (mean and
-        ``*_std`` over sets), max_tok_s and speedup_ar (mean ± std of per-set values),
-        acceptance per position, prompts, exact (greedy: outputs equal to AR / checked),
-        peak_memory_mb and per_set. ``source_rows``: per draft and ``source``, the cycles
-        of every set pooled: prompts, mu_acc, mu_acc_drafts, tok_s, speedup_ar.
-    """
+    """Rows (AR, then each draft's chain and tree rows in manifest order; mean ± std over
+    sets) and per-source rows (the cycles of every set pooled) of one evaluation folder."""
     groups = prompt_groups(resolve_checks(records))
     peaks: dict[Any, float] = {}
     for r in records:
@@ -223,9 +215,7 @@ def build_report(
     ar = _by_set(ar_recs, 1)
     rows = [_row("AR (target)", ar, kind="ar", peak_memory_mb=peaks.get(None))] if ar else []
     source_rows: list[dict[str, Any]] = []
-    trees = sorted(
-        {p for _, p in groups if p.startswith("tree")}, key=lambda p: int(p.removeprefix("tree"))
-    )
+    trees = _tree_passes(p for _, p in groups)
     for d in manifest["drafts"]:
         for pass_name in ("speculative", *trees):
             sd_recs = groups[(d["path"], pass_name)]
@@ -256,7 +246,7 @@ def build_report(
                 a = set_metrics([r for r in ar_recs if r["source"] == source])
                 source_rows.append(
                     {"name": name, "path": d["path"], "source": source, **m,
-                     "speedup_ar": m["tok_s"] / a["tok_s"] if a["tok_s"] > 0 else float("nan")}
+                     "speedup_ar": _ratio(m["tok_s"], a["tok_s"])}
                 )  # fmt: skip
     hetero_rows, hetero_sources = hetero_report(settings, records, with_ar=not ar)
     return rows + hetero_rows, source_rows + hetero_sources
@@ -266,14 +256,8 @@ def spec_bench_report(
     manifest: Mapping[str, Any], records: Sequence[Mapping[str, Any]], with_ar: bool = True
 ) -> list[dict[str, Any]]:
     """``prompts=spec_bench``: per Spec-Bench category, ``mt_bench`` and ``overall``, for AR
-    and every draft (chain and token-tree passes), both the field's metrics and ours
-    (:data:`SPEC_BENCH_NOTE`); none for other prompts.
-
-    Args:
-        manifest: the folder's manifest.
-        records: its records.
-        with_ar: include the AR rows (a merged report takes the first folder's).
-    """
+    (``with_ar``: a merged report takes the first folder's) and every chain and tree pass,
+    the field's metrics and ours (:data:`SPEC_BENCH_NOTE`); none for other prompts."""
     from mtpc.data.spec_bench import MT_BENCH, MT_BENCH_CATEGORIES, OVERALL
 
     if (manifest.get("data") or {}).get("prompts") != "spec_bench":
@@ -287,10 +271,7 @@ def spec_bench_report(
     tasks.append((OVERALL, set(categories)))
     ar_recs = [r for r in prompts if r["pass"] == "ar" and r.get("draft_path") is None]
     passes = [(None, "ar", "AR (target)", 1)] if with_ar else []
-    trees = sorted(
-        {r["pass"] for r in prompts if r["pass"].startswith("tree")},
-        key=lambda p: int(p.removeprefix("tree")),
-    )
+    trees = _tree_passes(r["pass"] for r in prompts)
     for d in manifest["drafts"]:
         for p in ("speculative", *trees):
             name = d["name"] if p == "speculative" else f"{d['name']} {p}"
@@ -305,16 +286,14 @@ def spec_bench_report(
             ar = [r for r in ar_recs if r["source"] in members]
             per_set = []
             for k in sorted({r["set"] for r in mine}):
-                m = set_metrics([r for r in mine if r["set"] == k], window)
-                a = set_metrics([r for r in ar if r["set"] == k])
-                sb, sb_ar = (
-                    _sb_tok_s([r for r in mine if r["set"] == k]),
-                    _sb_tok_s([r for r in ar if r["set"] == k]),
-                )
+                in_set = [r for r in mine if r["set"] == k]
+                ar_set = [r for r in ar if r["set"] == k]
+                m, a = set_metrics(in_set, window), set_metrics(ar_set)
+                sb = _sb_tok_s(in_set)
                 per_set.append(
                     {"set": k, "mu_acc": m["mu_acc"], "tok_s": m["tok_s"],
-                     "speedup_ar": m["tok_s"] / a["tok_s"] if a["tok_s"] > 0 else math.nan,
-                     "sb_tok_s": sb, "sb_speedup": sb / sb_ar if sb_ar > 0 else math.nan}
+                     "speedup_ar": _ratio(m["tok_s"], a["tok_s"]),
+                     "sb_tok_s": sb, "sb_speedup": _ratio(sb, _sb_tok_s(ar_set))}
                 )  # fmt: skip
             checked = [  # per turn: greedy speculative output == AR output
                 bool(t["equal_reference"])
@@ -345,19 +324,10 @@ def _sb_tok_s(records: Sequence[Mapping[str, Any]]) -> float:
 def hetero_report(
     settings: Mapping[str, Any], records: Sequence[Mapping[str, Any]], with_ar: bool
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Rows and per-source rows of ``drafter=hetero`` from its records (none without them).
-
-    Args:
-        settings: the manifest's settings (``drafter``: model, algorithm, lookahead).
-        records: the folder's records: passes :data:`HETERO_PASSES` of ``draft_path``
-            ``drafter:<model>``, and the ``overlap`` line (Timor et al., Tables 5-6).
-        with_ar: add the target-alone row as ``AR (target)`` (a folder with no
-            self-speculative draft has no other AR row).
-
-    Returns:
-        ``(rows, source_rows)`` as :func:`build_report`'s: mean ± std over prompt sets;
-        ``x AR`` against the target alone on the same prompts in the same call.
-    """
+    """Rows and per-source rows of ``drafter=hetero`` from its records (none without them),
+    as :func:`build_report`'s; ``x AR`` against the target alone (``hetero_ar``) on the same
+    prompts. ``with_ar``: add that row as ``AR (target)`` (a folder with no self-speculative
+    draft has no other AR row)."""
     drafter = settings.get("drafter") or {}
     key = hetero_draft_path(drafter)
     prompts = [r for r in records if r.get("type") == "prompt" and r.get("draft_path") == key]
@@ -373,28 +343,25 @@ def hetero_report(
     }
     ar_sets, sd_sets = per_pass["hetero_ar"], per_pass["hetero"]
     for sd, ar in zip(sd_sets, ar_sets, strict=True):
-        sd["speedup_ar"] = sd["tok_s"] / ar["tok_s"] if ar["tok_s"] > 0 else float("nan")
+        sd["speedup_ar"] = _ratio(sd["tok_s"], ar["tok_s"])
     algorithm = str(drafter.get("algorithm", "slem"))
     name = hetero_row_name(algorithm)
-    rows = []
     count = {p: sum(1 for r in prompts if r["pass"] == p) for p in HETERO_PASSES}
+    rows = []
     if with_ar:
         rows.append(
             {"name": "AR (target)", "kind": "ar", **aggregate(ar_sets), "per_set": ar_sets,
              "prompts": count["hetero_ar"]}
         )  # fmt: skip
-    row = {"name": name, "kind": algorithm, "lookahead": drafter.get("lookahead")}
-    row.update(aggregate(sd_sets))
-    row["per_set"] = sd_sets
-    row["prompts"] = count["hetero"]
     overlap = next(
         (r for r in records if r.get("type") == "overlap" and r["draft_path"] == key), None
     )
-    row["overlap"] = (
-        None
-        if overlap is None
-        else {k: v for k, v in overlap.items() if k not in ("type", "draft_path")}
-    )
+    if overlap is not None:  # the record's measurements only
+        overlap = {k: v for k, v in overlap.items() if k not in ("type", "draft_path")}
+    row = {
+        "name": name, "kind": algorithm, "lookahead": drafter.get("lookahead"),
+        **aggregate(sd_sets), "per_set": sd_sets, "prompts": count["hetero"], "overlap": overlap,
+    }  # fmt: skip
     row["speedup_ar"], row["speedup_ar_std"] = mean_std([m["speedup_ar"] for m in sd_sets])
     source_rows = []
     for source in sorted({r["source"] for r in prompts}):
@@ -403,10 +370,10 @@ def hetero_report(
             for p in ("hetero", "hetero_ar")
         )
         m, a = hetero_metrics(sd_recs), hetero_metrics(ar_recs)
-        ratio = m["tok_s"] / a["tok_s"] if a["tok_s"] > 0 else float("nan")
         source_rows.append(
-            {"name": name, "source": source, "prompts": len(sd_recs), **m, "speedup_ar": ratio}
-        )
+            {"name": name, "source": source, "prompts": len(sd_recs), **m,
+             "speedup_ar": _ratio(m["tok_s"], a["tok_s"])}
+        )  # fmt: skip
     return [*rows, row], source_rows
 
 
@@ -490,29 +457,14 @@ def spec_bench_title(manifest: Mapping[str, Any], rows: Sequence[Mapping[str, An
 
 
 def report_folders(
-    folders: Sequence[Path],
-    out_dir: Path,
-    plots: bool = True,
-    echo: bool = True,
+    folders: Sequence[Path], out_dir: Path, plots: bool = True, echo: bool = True
 ) -> dict[str, Any]:
-    """Tables, results.json, CSVs and plots of one evaluation folder or several merged.
+    """Tables, results.json, CSVs and plots of one evaluation folder or several merged, written
+    to ``out_dir``; returns what results.json holds. ``echo``: print the tables.
 
-    Merged folders must agree on settings, target, data and device
-    (:func:`mtpc.evaluation.records.check_mergeable`): the AR row is the first folder's, and
-    each draft's ``x AR`` is against the AR of its own folder (same machine, same call).
-
-    Args:
-        folders: evaluation folders (with manifest.json and records.jsonl).
-        out_dir: where results.json, results.csv, by_source.csv and the plots go.
-        plots: draw the plots.
-        echo: print the tables.
-
-    Returns:
-        ``{"settings", "target", "data", "device_name", "drafts", "folders", "provenance",
-        "rows", "by_source", "table", "source_table", "files"}``; with two drafts or more
-        also ``paired`` and ``paired_table`` (each draft against its reference, 95 %
-        intervals), with drafts that differ only in their training seed ``seeds`` and
-        ``seeds_table`` (``mtpc.evaluation.statistics``); ``spec_bench`` for Spec-Bench.
+    Merged folders must agree (:func:`mtpc.evaluation.records.check_mergeable`): the AR row is
+    the first folder's, each draft's ``x AR`` is against its own folder's AR (same machine,
+    same call).
 
     Raises:
         RecordsError: the folders cannot be merged.
@@ -574,23 +526,14 @@ def report_folders(
 def _read_folders(
     folders: Sequence[Path], manifests: Sequence[Mapping[str, Any]]
 ) -> tuple[
-    list[tuple[dict[str, Any], int]],
-    list[dict[str, Any]],
-    list[dict[str, Any]],
-    list[defaultdict[tuple[Any, str], list[Mapping[str, Any]]]],
+    list[tuple[dict[str, Any], int]], list[dict[str, Any]], list[dict[str, Any]], list[Groups]
 ]:
-    """Each folder's report rows (:func:`build_report`, :func:`spec_bench_report`; the AR
-    row of the first folder only) and prompt records.
-
-    Returns:
-        ``(placed, source_rows, spec_rows, prompts_of)``: the rows, each with its folder's
-        index; the per-source rows; the Spec-Bench rows; per folder, the prompt records by
-        (draft path, pass).
-    """
+    """Each folder's rows, each with its folder's index (the AR row of the first folder only),
+    per-source rows, Spec-Bench rows and prompt records by (draft path, pass)."""
     source_rows: list[dict[str, Any]] = []
     spec_rows: list[dict[str, Any]] = []
     placed: list[tuple[dict[str, Any], int]] = []  # (row, its folder's index)
-    prompts_of: list[defaultdict[tuple[Any, str], list[Mapping[str, Any]]]] = []  # per folder
+    prompts_of: list[Groups] = []  # per folder
     for index, (folder, manifest) in enumerate(zip(folders, manifests, strict=True)):
         records = read_records(folder)
         folder_rows, folder_sources = build_report(manifest, records)
@@ -652,13 +595,9 @@ def plot_tradeoff(rows: Sequence[dict[str, Any]], path: Path) -> dict[str, str]:
     accs = [r["mu_acc"] for r in rows]
     for r, x, y in zip(rows, lats, accs, strict=True):
         ax.errorbar(
-            x,
-            y,
-            xerr=r.get("mu_lat_std", 0.0) * 1e3,
-            yerr=r.get("mu_acc_std", 0.0),
-            fmt="s" if r.get("kind") == "ar" else "o",
-            capsize=2,
-        )
+            x, y, xerr=r.get("mu_lat_std", 0.0) * 1e3, yerr=r.get("mu_acc_std", 0.0),
+            fmt="s" if r.get("kind") == "ar" else "o", capsize=2,
+        )  # fmt: skip
         ax.annotate(r["name"], (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
     xmax = max(lats) * 1.3
     ymax = max(accs) * 1.3

@@ -55,6 +55,7 @@ from mtpc.evaluation.settings import (
     EvalSettings,
     hydra_model_overrides,
 )
+from mtpc.export import read_config
 
 logger = logging.getLogger(__name__)
 
@@ -372,8 +373,6 @@ def decode_all(
     entries = store.manifest["drafts"]
     codec = str(s.model.codec)
     if entries:
-        from mtpc.export import read_config
-
         codec = read_config(Path(entries[0]["path"]))["codec"]
     windows = [d["window"] for d in entries] or [0]
     new = int(s.decoding.max_new_tokens)
