@@ -1,12 +1,8 @@
 """On-disk cache of tokenised documents, splits and packing plans (docs/DATA.md, "Caching").
 
-A folder per key under ``<cache_dir>/data/``: ``meta.json`` (key parts, sizes, source names,
-every other file's size and hash), ``summary.json`` (also next to the folder as
-``<folder>.summary.json``, written even when no row is usable), ``ids.u16`` / ``assistant.u8``
-(raw, all documents back to back), ``offsets.npy`` (D+1,), ``doc_source.npy`` /
-``doc_row.npy`` (D,), ``train.npy`` / ``val.npy`` (document indices in seeded order),
-``val_rows.jsonl`` and ``pack-L<seq_len>[-single]-<split>.npz``. The folder is written under
-a temporary name and renamed into place: a crash never leaves a half-written cache and
+A folder per key under ``<cache_dir>/data/``, its files named where ``_build_cache`` writes
+them; ``meta.json`` records every other file's size and hash. The folder is written under a
+temporary name and renamed into place: a crash never leaves a half-written cache and
 concurrent ranks never read one.
 """
 
@@ -329,11 +325,6 @@ def load_prepared(folder: str | os.PathLike[str], verify: bool = True) -> Prepar
 _VERIFIED: set[tuple[str, str]] = set()
 
 
-def _stat_stamp(folder: Path) -> str:
-    """Names, sizes and mtimes of a folder's files: changes when any file is rewritten."""
-    return repr(sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in folder.iterdir()))
-
-
 def ensure_prepared(
     source: RowSource,
     codec: str,
@@ -345,7 +336,8 @@ def ensure_prepared(
     """``prepare`` then ``load_prepared``; a corrupt cache folder is removed and rebuilt once."""
     folder = prepare(source, codec, cache_dir, max_bytes, seed, validation_fraction)
     try:
-        stamp = (str(folder), _stat_stamp(folder))
+        files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in folder.iterdir())
+        stamp = (str(folder), repr(files))  # changes when any file is rewritten
         data = load_prepared(folder, verify=stamp not in _VERIFIED)
         _VERIFIED.add(stamp)  # prepare_data and setup of one process hash the files once
         return data

@@ -58,9 +58,7 @@ class PackedDataset(Dataset[dict[str, Tensor]]):
         return self.plan.num_sequences
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_data"] = None
-        return state
+        return {**self.__dict__, "_data": None}
 
     def __getitem__(self, index: int) -> dict[str, Tensor]:
         if self._data is None:  # a worker: the folder was verified by setup()
@@ -228,12 +226,8 @@ class MTPCDataModule(L.LightningDataModule):
 
     ``prepare_data`` (local rank 0) tokenises into the cache; ``setup`` (every rank) reads
     it back and builds the packing plans. Without Lightning: ``setup()``, then
-    ``train_dataloader()``. The arguments are flat (docs/DATA.md); beyond their names:
-    ``path`` is a local dataset or a list of them, used instead of the hub for any
-    ``source``; ``cache_dir`` None is ``$MTPC_CACHE`` or ``<repo>/.cache/mtpc``;
-    ``num_rows`` keeps the first rows (synthetic: rows to generate); ``num_replicas`` /
-    ``rank`` override the process group's; ``pack_documents=False`` puts one document in
-    each sequence, for targets whose attention crosses packed documents (EvaByte).
+    ``train_dataloader()``. Flat arguments (docs/DATA.md); ``pack_documents=False`` puts one
+    document in each sequence, for targets whose attention crosses packed documents (EvaByte).
     """
 
     def __init__(

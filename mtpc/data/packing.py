@@ -106,8 +106,7 @@ def plan_packing(doc_lengths: np.ndarray, seq_len: int, pack: bool = True) -> Pa
     bins: list[list[int]] = []  # sequence -> item indices
     by_room: list[list[int]] = [[] for _ in range(seq_len + 1)]  # room -> open sequences
     tree = _Fenwick(seq_len)
-    item_len = np.asarray(items_len, dtype=np.int64)
-    for item in np.argsort(-item_len, kind="stable").tolist():
+    for item in np.argsort(-np.asarray(items_len, dtype=np.int64), kind="stable").tolist():
         size = items_len[item]
         if not pack:
             bins.append([item])

@@ -52,9 +52,7 @@ class EvalPrompt:
 def ascii_letter_ratio(text: str) -> float:
     """Share of letters that are ASCII a-z / A-Z (1.0 for a text without letters)."""
     letters = [c for c in text if c.isalpha()]
-    if not letters:
-        return 1.0
-    return sum(c.isascii() for c in letters) / len(letters)
+    return sum(c.isascii() for c in letters) / len(letters) if letters else 1.0
 
 
 def stopword_ratio(text: str) -> float:
@@ -67,10 +65,7 @@ def is_english(
     prompt: str, reference: str = "", min_ascii_letters: float = 0.95, min_stopwords: float = 0.03
 ) -> bool:
     """The English heuristic of the module docstring on a prompt and its reference."""
-    if (
-        ascii_letter_ratio(prompt) < min_ascii_letters
-        or ascii_letter_ratio(reference) < min_ascii_letters
-    ):
+    if min(ascii_letter_ratio(prompt), ascii_letter_ratio(reference)) < min_ascii_letters:
         return False
     return len(_WORD.findall(prompt)) < 10 or stopword_ratio(prompt) >= min_stopwords
 

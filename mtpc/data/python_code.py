@@ -266,12 +266,9 @@ def python_code_source(
 ) -> RowSource:
     """Rows cut from the ``.py`` files under ``root`` (None: the standard library).
 
-    The files are hashed up front (the fingerprint) and parsed into rows on first use, once
-    (a cache hit never parses). ``num_rows`` N keeps the first ``N - V`` training and
-    ``V = max(1, round(validation_fraction * N))`` validation rows in reading order, and
-    stops parsing once it has them (``source_report``'s ``files_seen`` counts those parsed).
-    ``DataError`` for an unknown kind, a fraction outside [0, 1), ``num_rows`` < 1 or a root
-    without ``.py`` files; ``MissingFileError`` when ``root`` is not a folder.
+    The files are hashed up front (the fingerprint) and parsed into rows on first use, once:
+    a cache hit never parses. ``DataError`` for an unknown kind, a fraction outside [0, 1),
+    ``num_rows`` < 1 or a root without ``.py`` files; ``MissingFileError`` for a non-folder.
     """
     unknown = [k for k in kinds if k not in KINDS]
     if unknown or not kinds:

@@ -1,4 +1,4 @@
-"""The row types every data source yields (a Tülu 3 chat row, :class:`RowSource`), as JSON lines."""
+"""The row types every data source yields (a Tülu 3 chat row, :class:`RowSource`); JSON lines."""
 
 from __future__ import annotations
 

@@ -41,15 +41,11 @@ def load_source(
     hf_split: str = "train",
     validation_fraction: float = 0.05,
 ) -> RowSource:
-    """Opens a row source.
+    """Opens a row source (the arguments: docs/DATA.md).
 
-    ``path`` (a local dataset or a list of them, read one after another) replaces the hub
-    for ``tulu3`` and is required by ``local``; for ``python_code`` it is a folder of
-    ``.py`` files instead of the standard library. ``num_rows`` keeps the first rows,
-    reported as a limit (synthetic: how many to generate). ``seed`` is the synthetic
-    generator's, ``validation_fraction`` python_code's share of held-out files.
-    ``DataError`` for an unknown ``source``, ``local`` without ``path`` or an unknown format;
-    ``MissingFileError`` for a ``path`` that does not exist.
+    ``seed`` is the synthetic generator's, ``validation_fraction`` python_code's share of
+    held-out files. ``DataError`` for an unknown ``source``, ``local`` without ``path`` or an
+    unknown format; ``MissingFileError`` for a ``path`` that does not exist.
     """
     if source not in SOURCES:
         raise DataError(f"data source is {source!r}; allowed: {SOURCES}")
@@ -224,11 +220,9 @@ def _iter_json(path: Path) -> Iterator[Row]:
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
             raise DataError(f"{path}: not a JSON array of rows ({err})") from err
         for position, item in enumerate(data):
-            yield (
-                item
-                if isinstance(item, dict)
-                else {ERROR_KEY: "no_messages", "id": f"{path.name}:{position}"}
-            )
+            if not isinstance(item, dict):
+                item = {ERROR_KEY: "no_messages", "id": f"{path.name}:{position}"}
+            yield item
         return
     with path.open("rb") as f:
         position = 0
