@@ -20,11 +20,8 @@ EOS = "<|endoftext|>"
 
 
 def corpus(num_rows: int = 400, seed: int = 0, chat: bool = False) -> list[str]:
-    """Conversations from the synthetic chat rows.
-
-    ``chat=False``: ``"role: content"`` lines; ``chat=True``: the tiny target's chat template
-    with its special tokens dropped (what a drafter sees of a byte-level target's prompt).
-    """
+    """Conversations from the synthetic chat rows: ``"role: content"`` lines, or (``chat``)
+    the tiny target's chat template without its special tokens (what a drafter sees)."""
     codec = get_codec("tiny")
     texts = []
     for row in generate_rows(num_rows, seed):
@@ -46,11 +43,9 @@ def bpe_tokenizer(
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+        vocab_size=vocab_size, special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )  # fmt: skip
     tok.train_from_iterator(texts, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS)
 
@@ -60,15 +55,10 @@ def tiny_llama(
 ) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        intermediate_size=2 * hidden,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-    )
+        vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=4, intermediate_size=2 * hidden,
+        max_position_embeddings=1024, tie_word_embeddings=False,
+    )  # fmt: skip
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -107,12 +97,9 @@ def encode_corpus(tok: Any, texts: list[str]) -> list[list[int]]:
 def trained_models(
     steps: int = 100, num_rows: int = 200, bpe_vocab: int = 400, chat: bool = False
 ) -> dict[str, Any]:
-    """Briefly trained tiny models sharing the synthetic corpus (built once per process).
-
-    Keys: ``codec`` (tiny byte codec), ``byte_lm`` (byte-level Llama, 320 ids), ``bpe``
-    (byte-level BPE tokenizer), ``bpe_lm``, ``lower`` (NFKC + lowercase BPE), ``lower_lm``,
-    ``byte_small`` (a smaller byte-level Llama: a same-vocabulary drafter), ``texts``.
-    """
+    """Briefly trained tiny models sharing the synthetic corpus (built once per process): a
+    byte-level target (``byte_lm``), a smaller same-vocabulary drafter (``byte_small``), BPE
+    and NFKC + lowercase BPE tokenizers with their models, the codec and the texts."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices: one thread is fastest on a shared CPU
     try:

@@ -86,15 +86,15 @@ def run_hetero_passes(
     on the first prompt, and appends one record per prompt (:func:`hetero_record`) as it
     finishes. Set k, prompt i decodes with seed + k + i; ``name``: the hetero row's name."""
     for pass_name, decode in decoders.items():
+        row_name = "AR (target)" if pass_name == HETERO_PASSES[0] else name
         todo = sink.pending(prompt_sets, draft_path, pass_name)
         for w in range(warmup if todo else 0):
             decode(list(prompt_sets[0][0].prompt_ids), seed + w)
         for k, i, p in todo:
             result = decode(list(p.prompt_ids), seed + k + i)
             sink.append(
-                {"type": "prompt", "draft": "AR (target)" if pass_name == HETERO_PASSES[0] else name,
-                 "draft_path": draft_path, "pass": pass_name, "set": k, "index": i,
-                 "prompt_id": p.id, "source": p.source, "seed": seed + k + i,
+                {"type": "prompt", "draft": row_name, "draft_path": draft_path, "pass": pass_name,
+                 "set": k, "index": i, "prompt_id": p.id, "source": p.source, "seed": seed + k + i,
                  **hetero_record(result)}
             )  # fmt: skip
 
@@ -149,15 +149,10 @@ def evaluate_hetero(
         ],
         "overlap": overlap_stats(target_tokenizer, drafter_tokenizer, ids),
         "settings": {
-            "algorithm": algorithm,
-            "lookahead": lookahead,
-            "greedy": greedy,
-            "seed": seed,
-            "max_new_tokens": max_new_tokens,
-            "num_prompts": len(ids),
-            **options,
+            "algorithm": algorithm, "lookahead": lookahead, "greedy": greedy, "seed": seed,
+            "max_new_tokens": max_new_tokens, "num_prompts": len(ids), **options,
         },
-    }
+    }  # fmt: skip
 
 
 def decode_hetero(s: EvalSettings, store: RecordStore, prompt_sets: list[list[Any]]) -> None:

@@ -41,14 +41,11 @@ def prompt_record(result: GenerationResult, per_cycle: bool = True) -> dict[str,
         accepted.append(e if cut else s)
         drafted.append(e if cut else m)
     record: dict[str, Any] = {
-        "new_tokens": len(result.tokens),
-        "cycles": len(result.cycle_seconds),
-        "accepted_total": sum(accepted),
-        "cycle_seconds": sum(result.cycle_seconds),
-        "prefill_seconds": result.prefill_seconds,
-        "seconds": result.seconds,
+        "new_tokens": len(result.tokens), "cycles": len(result.cycle_seconds),
+        "accepted_total": sum(accepted), "cycle_seconds": sum(result.cycle_seconds),
+        "prefill_seconds": result.prefill_seconds, "seconds": result.seconds,
         "stopped": result.stopped,
-    }
+    }  # fmt: skip
     if per_cycle:
         record.update(accepted=accepted, drafted=drafted, offsets=list(result.offsets))
     if result.nodes:  # token trees: nodes verified, q's predicted acceptance per position
@@ -132,12 +129,10 @@ def set_metrics(
         "mu_acc_drafts": sum(r["accepted_total"] for r in recs) / max(1, cycles),
         "tok_s": mu_acc / mu_lat if mu_lat > 0 else 0.0,
         "wall_tok_s": tokens / wall if wall > 0 else 0.0,
-        "cycles": cycles,
-        "tokens": tokens,
-        "prompts": len(recs),
+        "cycles": cycles, "tokens": tokens, "prompts": len(recs),
         "acceptance": [h / t if t else float("nan") for h, t in zip(hits, tried, strict=True)],
         **tree,
-    }
+    }  # fmt: skip
 
 
 def tokens_sha1(tokens: Sequence[int]) -> str:

@@ -50,7 +50,7 @@ def identity(manifest: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def folder_name(manifest: Mapping[str, Any]) -> str:
-    """``<drafts>-<greedy|sampling>-<sets>x<prompts>x<bytes>-<key>``; the key hashes the identity."""
+    """``<drafts>-<greedy|sampling>-<sets>x<prompts>x<bytes>-<key>`` (key: the identity's hash)."""
     key = hashlib.sha256(dumps(identity(manifest), sort_keys=True).encode()).hexdigest()[:10]
     drafts = [d["name"] for d in manifest["drafts"]] or ["ar"]
     label = drafts[0] + (f"+{len(drafts) - 1}" if len(drafts) > 1 else "")
@@ -157,12 +157,8 @@ class RecordStore(MemoryRecords, AppendStore):
 
     @classmethod
     def open(cls, folder: Path, manifest: dict[str, Any], force: bool = False) -> RecordStore:
-        """Opens (or creates) ``folder`` for the evaluation ``manifest`` (``identity`` fields
-        plus ``sessions``) describes.
-
-        Raises RecordsError when another evaluation holds the folder, or (unless ``force``)
-        its records were measured with another identity (the message lists the fields).
-        """
+        """Opens (or creates) ``folder`` for ``manifest`` (``identity`` fields plus ``sessions``);
+        RecordsError when another evaluation holds it or (unless ``force``) differs."""
         store = cls(folder, manifest)
         store.lock(
             folder / LOCK,

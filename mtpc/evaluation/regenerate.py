@@ -123,13 +123,9 @@ class _Turns:
             "id": str(self.row.get("id") or f"row-{self.index}"),
             "source": str(self.row.get("source") or "unknown"),
             "messages": self.history,
-            "regenerated": {
-                "index": self.index,
-                "truncated": self.truncated,
-                "new_tokens": self.new_tokens,
-                "byte_exact": self.byte_exact,
-            },
-        }
+            "regenerated": {"index": self.index, "truncated": self.truncated,
+                            "new_tokens": self.new_tokens, "byte_exact": self.byte_exact},
+        }  # fmt: skip
         return RowResult(self.index, row=out)
 
 
@@ -141,14 +137,9 @@ def regenerate_rows(
     context: int | None,
     batch_size: int = 1,
 ) -> list[RowResult]:
-    """Rewrites every assistant turn of each row with the target, in order: the rows' k-th
-    turns are decoded together, ``batch_size`` at once (``mtpc.generate`` of a list).
-
-    ``rows``: (position in the source, which names the seeds; a Tülu-format row);
-    ``context``: the target's context length (None: unbounded). Returns per row, in order,
-    the regenerated row or the reason it was skipped (a ``check_row`` reason or
-    ``prompt_too_long``).
-    """
+    """Rewrites every assistant turn of each ``(source index, row)`` with the target, in order
+    (the rows' k-th turns decoded together, ``batch_size`` at once); per row, the regenerated
+    row or why it was skipped. ``context``: the target's context length (None: unbounded)."""
     from mtpc.decoding import generate
 
     lookahead = model.head.circuit.window if settings.method == "speculative" else 0
@@ -167,21 +158,13 @@ def regenerate_rows(
                 groups.setdefault(budget, []).append((state, prompt))
         for budget, group in groups.items():
             results = generate(
-                model,
-                [prompt for _, prompt in group],
-                budget,
-                method=settings.method,
+                model, [prompt for _, prompt in group], budget, method=settings.method,
                 greedy=settings.greedy,
                 seed=[turn_seed(settings.seed, s.index, len(s.truncated)) for s, _ in group],
-                policy=settings.policy,
-                draft=settings.drafting,
-                proposal=settings.proposal,
-                temperature=settings.temperature,
-                top_k=settings.top_k,
-                top_p=settings.top_p,
-                stop_ids=codec.stop_ids,
-                batch_size=min(batch_size, len(group)),
-            )
+                policy=settings.policy, draft=settings.drafting, proposal=settings.proposal,
+                temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
+                stop_ids=codec.stop_ids, batch_size=min(batch_size, len(group)),
+            )  # fmt: skip
             assert isinstance(results, list)
             for (state, _), result in zip(group, results, strict=True):
                 state.answer(codec, result)
@@ -291,11 +274,9 @@ class ShardStore(AppendStore):
             if result.index not in self.done:
                 self.done.add(result.index)
                 self.counts.add(result)
-        previous = (
-            json.loads(self.manifest_path.read_text(encoding="utf-8"))
-            if self.manifest_path.is_file()
-            else {}
-        )
+        previous: dict[str, Any] = {}
+        if self.manifest_path.is_file():
+            previous = json.loads(self.manifest_path.read_text(encoding="utf-8"))
         self.manifest = {**manifest, "sessions": previous.get("sessions", [])}
         self.write_manifest()
         return self
@@ -337,14 +318,10 @@ def open_source(data: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
     from mtpc.data.sources import load_source
 
     source = load_source(
-        str(data["source"]),
-        data["path"],
-        num_rows=data["num_rows"],
-        seed=int(data["seed"] or 0),
-        streaming=bool(data["streaming"]),
-        revision=data["revision"],
+        str(data["source"]), data["path"], num_rows=data["num_rows"],
+        seed=int(data["seed"] or 0), streaming=bool(data["streaming"]), revision=data["revision"],
         **({"hf_name": data["hf_name"]} if data["hf_name"] else {}),
-    )
+    )  # fmt: skip
     return source, {**data, "fingerprint": source.fingerprint, "name": source.name}
 
 
@@ -367,11 +344,9 @@ def regenerate(cfg: Any) -> dict[str, Any]:
         torch.set_num_threads(int(job.num_threads))
     source, data = open_source(job.data)
     manifest: dict[str, Any] = {
-        "format": FORMAT_VERSION,
-        "settings": settings.output_law(),
-        "data": data,
+        "format": FORMAT_VERSION, "settings": settings.output_law(), "data": data,
         "num_shards": num_shards,
-    }
+    }  # fmt: skip
     # settings, data and sharding are refused before the target loads; its weights after
     refuse_other_regeneration(out, manifest, [k for k in IDENTITY if k != "target"])
     backbone = load_target(job.model, job.device)
@@ -382,15 +357,11 @@ def regenerate(cfg: Any) -> dict[str, Any]:
     check_batch_backbone(job.batch_size, model, ConfigError)
     codec = get_codec(str(job.model.codec))
     manifest |= {
-        "target": {
-            "model": job.model.name,
-            "path": job.model.path,
-            "codec": codec.name,
-            "weights_fingerprint": model.backbone.weights_fingerprint(),
-        },
+        "target": {"model": job.model.name, "path": job.model.path, "codec": codec.name,
+                   "weights_fingerprint": model.backbone.weights_fingerprint()},
         "shard": shard,
         "decoder": asdict(settings),
-    }
+    }  # fmt: skip
     with ShardStore(out, shard, num_shards).open(manifest) as store:
         resumed = len(store.done)
         rows, tokens, seconds = regenerate_shard(
@@ -398,15 +369,12 @@ def regenerate(cfg: Any) -> dict[str, Any]:
             progress=bool(job.progress), batch_size=job.batch_size,
         )  # fmt: skip
         session = {
-            **provenance(str(job.device), Path(job.root_dir or ".")),
-            "rows": rows,
-            "resumed_after": resumed,
-            "seconds": round(seconds, 3),
+            **provenance(str(job.device), Path(job.root_dir or ".")), "rows": rows,
+            "resumed_after": resumed, "seconds": round(seconds, 3),
             "rows_per_second": round(rows / seconds, 4) if seconds > 0 else None,
             "new_tokens_per_second": round(tokens / seconds, 2) if seconds > 0 else None,
-            "method": settings.method,
-            "batch_size": job.batch_size,
-        }
+            "method": settings.method, "batch_size": job.batch_size,
+        }  # fmt: skip
         full = store.write_manifest(sessions=[*store.manifest["sessions"], session])
     print_summary(out / f"{store.stem}.jsonl", store.counts, settings, rows, seconds)
     return full

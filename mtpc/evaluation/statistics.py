@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import math
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -19,8 +18,6 @@ import numpy as np
 
 from mtpc.evaluation.metrics import mean_std
 from mtpc.training.resume import FREE_TO_CHANGE, MATTERS
-
-logger = logging.getLogger(__name__)
 
 RESAMPLES = 10_000  # bootstrap resamples of every paired interval
 SEED = 0  # of the bootstrap's generator (numpy PCG64), the same for every comparison
@@ -84,13 +81,9 @@ def paired_bootstrap(
     seed: int = SEED,
     level: float = LEVEL,
 ) -> tuple[float, float, float]:
-    """``(estimate, low, high)`` of a statistic of two paired samples and its bootstrap
-    percentile interval; NaN when there is nothing to pair.
-
-    Per set k: ``combine(Σ num_a / Σ den_a, Σ num_b / Σ den_b)`` (``np.subtract`` or
-    ``np.divide``); the statistic is its mean over sets. Each resample draws every set's
-    prompts with replacement (indices shared by a and b: paired).
-    """
+    """``(estimate, low, high)``: the mean over sets of ``combine(Σ num_a / Σ den_a,
+    Σ num_b / Σ den_b)`` and its bootstrap percentile interval (each resample draws every
+    set's prompts with replacement, the same indices for a and b); NaN with nothing to pair."""
     sets = [k for k in sorted(pairs) if len(pairs[k][0])]
     if not sets:
         return math.nan, math.nan, math.nan
@@ -121,10 +114,7 @@ def _prompt_key(record: Mapping[str, Any]) -> tuple[Any, ...]:
 
 
 def pair_records(
-    a: Sequence[Mapping[str, Any]],
-    b: Sequence[Mapping[str, Any]],
-    numerator: str,
-    denominator: str,
+    a: Sequence[Mapping[str, Any]], b: Sequence[Mapping[str, Any]], numerator: str, denominator: str
 ) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
     """The :data:`Pairs` of two drafts' prompt records: the prompts both decoded, per set."""
     by_key = {_prompt_key(r): r for r in b}
@@ -217,9 +207,8 @@ def interval_cell(row: Mapping[str, Any], key: str, fmt: str) -> str:
 def training_config(path: str | Path) -> dict[str, Any] | None:
     """The training config an exported draft's model card records (``python train.py``
     writes it), or None (no card, no such section, or unreadable)."""
-    card = Path(path) / "README.md"
     try:
-        text = card.read_text(encoding="utf-8")
+        text = (Path(path) / "README.md").read_text(encoding="utf-8")
     except OSError:
         return None
     start = text.find("## Training config")
@@ -248,11 +237,8 @@ def configuration(
     training: Mapping[str, Any] | None, trainings: Mapping[str, Any] | None = None, depth: int = 0
 ) -> dict[str, Any] | None:
     """The settings that shape a trained draft but its seed (``MATTERS`` less
-    :data:`SEED_FREE`), flattened, or None without a recorded ``seed``.
-
-    ``init_from`` is replaced by that draft's own configuration when its card is readable,
-    so the seeds of a two-stage recipe group too.
-    """
+    :data:`SEED_FREE`), flattened, or None without a recorded ``seed``; ``init_from`` is
+    replaced by that draft's own configuration, so a two-stage recipe's seeds group too."""
     if not training or "seed" not in training:
         return None
     flat: dict[str, Any] = {}
@@ -280,12 +266,8 @@ def seed_rows(
     trainings: Mapping[str, Any],
     paired: Sequence[Mapping[str, Any]] = (),
 ) -> list[dict[str, Any]]:
-    """Draft rows merged over seeds: one row per configuration with two or more drafts.
-
-    ``trainings``: each draft path's recorded training config; ``paired``:
-    :func:`paired_rows`' comparisons (their Δ and ratio are merged too). Each statistic gets
-    its mean, ``*_std`` and ``*_values`` over seeds.
-    """
+    """Draft rows merged over seeds: one row per configuration with two or more drafts, each
+    statistic (and ``paired``'s Δ and ratio) with its mean, ``*_std`` and ``*_values``."""
     groups: dict[tuple[str, Any], list[dict[str, Any]]] = defaultdict(list)
     configs: dict[tuple[str, Any], dict[str, Any]] = {}
     for draft_row in rows:
