@@ -5,28 +5,19 @@ step's rules is in :mod:`mtpc.decoding.settings` (docs/DECODING.md, "Drafting").
 
 from __future__ import annotations
 
-MODEL_NAMES = ("tiny", "evabyte", "llama3_byte")
-"""Registry targets (``model=``); ``mtpc.backbones.load_backbone``."""
-CODEC_NAMES = ("tiny", "evabyte", "llama3_byte")
-"""Byte codecs (``mtpc.backbones.codecs``)."""
-CIRCUIT_KINDS = ("ff", "cp", "hmm", "btree")
-"""Circuit families (``mtpc.circuits.structure``)."""
-EXTRA_POSITIONS = ("repeat_last", "random")
-"""Head positions past the pretrained MTP heads (``mtpc.heads``)."""
-HEAD_INITS = ("pretrained", "stp", "random")
-"""Head initialisations (``mtpc.model``)."""
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
-"""Target dtypes (``mtpc.backbones.base.DTYPES``)."""
-ATTENTION_IMPLS = ("auto", "torch", "triton")
-"""EvaByte attention paths (``mtpc.backbones.compat``)."""
+MODEL_NAMES = ("tiny", "evabyte", "llama3_byte")  # model= targets (mtpc.backbones.load_backbone)
+CODEC_NAMES = ("tiny", "evabyte", "llama3_byte")  # byte codecs (mtpc.backbones.codecs)
+CIRCUIT_KINDS = ("ff", "cp", "hmm", "btree")  # circuit families (mtpc.circuits.structure)
+EXTRA_POSITIONS = ("repeat_last", "random")  # positions past the pretrained MTP heads (mtpc.heads)
+HEAD_INITS = ("pretrained", "stp", "random")  # head initialisations (mtpc.model)
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # target dtypes (mtpc.backbones.base.DTYPES)
+ATTENTION_IMPLS = ("auto", "torch", "triton")  # EvaByte attention paths (mtpc.backbones.compat)
 LOSS_NAMES = ("nll", "kl")
 STAGES = ("heads", "lora")
 
 METHODS = ("speculative", "autoregressive")
 POLICIES = ("condition", "recompute", "drop")
-SAMPLING_POLICIES = ("condition", "recompute")
-"""Policies exact for speculative sampling (``drop`` is biased)."""
-DRAFTS = ("path", "map", "chain", "tree")
-"""What a cycle drafts; docs/DECODING.md, "Drafting"."""
+SAMPLING_POLICIES = ("condition", "recompute")  # exact for speculative sampling (drop is biased)
+DRAFTS = ("path", "map", "chain", "tree")  # what a cycle drafts; docs/DECODING.md, "Drafting"
+# what speculative sampling verifies the drafts against; docs/DECODING.md, "Drafting"
 PROPOSALS = ("path", "first_marginal", "marginal")
-"""What speculative sampling verifies the drafts against; docs/DECODING.md, "Drafting"."""

@@ -114,12 +114,15 @@ class MTPCLightningModule(L.LightningModule):
         rows = []
         for start in range(0, B * L, self.chunk_size):
             params = self.head(flat[start : start + self.chunk_size])
-            prefix = targets[start : start + self.chunk_size]
-            per_position = [
-                self.head.circuit.conditional_log_prob(params, prefix[:, :j]) for j in range(n)
-            ]
-            rows.append(torch.stack(per_position, dim=1))  # (C, n, V)
+            rows.append(self._conditionals(params, targets[start : start + self.chunk_size]))
         return torch.cat(rows).reshape(B, L, n, -1)
+
+    def _conditionals(self, params: Any, targets: Tensor) -> Tensor:
+        """log q(. | the first j targets) for j = 0..n-1; (C, n, V) for ``targets`` (C, n)."""
+        circuit = self.head.circuit
+        n = self.head.window
+        per_position = [circuit.conditional_log_prob(params, targets[:, :j]) for j in range(n)]
+        return torch.stack(per_position, dim=1)
 
     # -- steps -------------------------------------------------------------------------
     def training_step(self, batch: Mapping[str, Tensor], batch_idx: int) -> Tensor:
@@ -160,14 +163,10 @@ class MTPCLightningModule(L.LightningModule):
             return features.new_zeros(n)
         flat = features.reshape(-1, features.shape[-1])[rows]
         targets = batch["targets"].reshape(-1, n)[rows]
-        params = self.head(flat)
-        hits, counts = [], []
-        for j in range(n):
-            log_q = self.head.circuit.conditional_log_prob(params, targets[:, :j])
-            valid = mask[rows, j]
-            hits.append(((log_q.argmax(dim=-1) == targets[:, j]) & valid).sum())
-            counts.append(valid.sum())
-        return torch.stack(hits).float() / torch.stack(counts).clamp(min=1).float()
+        log_q = self._conditionals(self.head(flat), targets)  # (R, n, V)
+        valid = mask[rows]
+        hits = ((log_q.argmax(dim=-1) == targets) & valid).sum(dim=0)
+        return hits.float() / valid.sum(dim=0).clamp(min=1).float()
 
     # -- optimisation and checkpoints ----------------------------------------------------
     def configure_optimizers(self) -> Any:

@@ -1,5 +1,4 @@
-"""One run per folder: the run-folder lock, the checkpoint to resume, the settings compared on
-resume, and the owner's ``.hydra/`` files (kept in ``.mtpc/hydra`` and put back when a refused
+"""One run per folder: the checkpoint to resume, the settings compared on resume, and the owner's ``.hydra/`` files (kept in ``.mtpc/hydra`` and put back when a refused
 command overwrote them). See docs/TRAINING.md, "Runs, outputs, resume".
 """
 
@@ -15,19 +14,18 @@ from typing import Any
 import torch
 
 from mtpc.errors import UserError
-from mtpc.files import FolderBusy, FolderLock
 
 log = logging.getLogger(__name__)
 
-LOCK_NAME = ".lock"
 CONFIG_KEY = "mtpc_config"  # the settings that wrote a checkpoint (RunRecordCallback)
 
+# top-level config keys whose values shape the trained draft
 MATTERS = (
     "model", "circuit", "lora", "loss", "optimizer", "scheduler", "data", "seed", "stage",
     "init_from", "global_batch_size", "trainer",
 )  # fmt: skip
-"""Top-level config keys whose values shape the trained draft."""
 
+# dotted fields that may differ on resume (budget, hardware, logging)
 FREE_TO_CHANGE = (
     "data.num_workers", "data.cache_dir", "data.pin_memory", "model.device",
     "trainer.max_steps", "trainer.max_epochs", "trainer.max_time",
@@ -36,7 +34,6 @@ FREE_TO_CHANGE = (
     "trainer.check_val_every_n_epoch", "trainer.limit_val_batches",
     "trainer.num_sanity_val_steps", "trainer.deterministic", "trainer.fast_dev_run",
 )  # fmt: skip
-"""Dotted fields that may differ on resume (budget, hardware, logging)."""
 
 
 class RunFolderBusyError(UserError):
@@ -49,23 +46,6 @@ class ResumeConfigError(UserError):
 
 class CheckpointUnreadableError(UserError):
     """No checkpoint of the run folder can be read."""
-
-
-class RunLock(FolderLock):
-    """An exclusive lock on a run folder (``flock`` on ``<folder>/.lock``; no-op off rank 0)."""
-
-    def __init__(self, folder: Path, enabled: bool = True) -> None:
-        super().__init__(folder / LOCK_NAME, enabled)
-
-    def acquire(self) -> None:
-        """Takes the lock; :class:`RunFolderBusyError` when another process holds it."""
-        try:
-            super().acquire()
-        except FolderBusy as busy:
-            raise RunFolderBusyError(
-                f"run folder {self.path.parent} is in use by another run ({busy.holder}); wait "
-                "for it to finish, or give this run another folder (run_name=<new name>)"
-            ) from None
 
 
 def is_global_zero() -> bool:

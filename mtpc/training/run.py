@@ -24,14 +24,13 @@ from omegaconf import DictConfig
 
 from mtpc.config import ConfigError, validate_train_config
 from mtpc.errors import UserError
-from mtpc.files import remove_stale_tmp
+from mtpc.files import FolderBusy, FolderLock, remove_stale_tmp
 from mtpc.model import MTPCModel
 from mtpc.training.callbacks import AtomicCheckpointIO, RNGStateCallback, RunRecordCallback
 from mtpc.training.module import MTPCLightningModule
 from mtpc.training.resume import (
     CONFIG_KEY,
     RunFolderBusyError,
-    RunLock,
     check_resume_config,
     comparable_config,
     find_resume_checkpoint,
@@ -157,12 +156,10 @@ def load_initial_weights(model: MTPCModel, init_from: str | Path) -> None:
             ) from err
         head_state = {k.removeprefix("model.head."): v for k, v in state.items() if ".head." in k}
         model.head.load_state_dict(head_state)
+        prefix = "model.backbone.lora."
+        lora = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
         if model.backbone.lora is not None:
-            prefix = "model.backbone.lora."
-            _load_matching(
-                model.backbone.lora,
-                {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)},
-            )
+            _load_matching(model.backbone.lora, lora)
     else:
         raise ConfigError(
             f"init_from={path} does not exist; allowed: an exported draft folder "
@@ -243,12 +240,15 @@ def train(cfg: DictConfig) -> dict[str, float]:
     warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
     run_dir = _run_dir(settings.run)
     run_dir.mkdir(parents=True, exist_ok=True)
-    lock = RunLock(run_dir, enabled=is_global_zero())
+    lock = FolderLock(run_dir / ".lock", enabled=is_global_zero())
     try:
         lock.acquire()
-    except RunFolderBusyError:
+    except FolderBusy as busy:
         restore_hydra(run_dir)  # Hydra wrote this command's .hydra/ over the owner's
-        raise
+        raise RunFolderBusyError(
+            f"run folder {run_dir} is in use by another run ({busy.holder}); wait "
+            "for it to finish, or give this run another folder (run_name=<new name>)"
+        ) from None
     try:
         return _train_locked(settings, run_dir)
     finally:
