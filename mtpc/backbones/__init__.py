@@ -17,17 +17,9 @@ from mtpc.backbones.compat import ATTENTION_IMPLS, TargetLoadError
 from mtpc.choices import MODEL_NAMES as BACKBONES
 
 __all__ = [
-    "ATTENTION_IMPLS",
-    "BACKBONES",
-    "DTYPES",
-    "Backbone",
-    "LayerCache",
-    "TargetLoadError",
-    "backbone_from_hf",
-    "load_backbone",
-    "resolve_dtype",
-    "run_device_for",
-]
+    "ATTENTION_IMPLS", "BACKBONES", "DTYPES", "Backbone", "LayerCache", "TargetLoadError",
+    "backbone_from_hf", "load_backbone", "resolve_dtype", "run_device_for",
+]  # fmt: skip
 
 
 def run_device_for(accelerator: str | None) -> str:
@@ -106,13 +98,10 @@ def backbone_from_hf(target: Any, mtp_unembeddings: torch.Tensor | None = None) 
     without ``model.layers/norm/embed_tokens`` and ``lm_head``)."""
     if isinstance(target, Backbone):
         return target
-    if (
-        hasattr(target, "model")
-        and hasattr(target, "mtp_unembeddings")
-        and not isinstance(target, nn.Module)
-    ):
+    plain = not isinstance(target, nn.Module)
+    if plain and hasattr(target, "model") and hasattr(target, "mtp_unembeddings"):
         return tiny_backbone(target.model, target.mtp_unembeddings, None)  # a TinyTarget
-    if not isinstance(target, nn.Module) or not hasattr(target, "config"):
+    if plain or not hasattr(target, "config"):
         raise ValueError(f"target is a {type(target).__name__}; expected a Hugging Face causal LM")
     config = target.config
     if getattr(config, "model_type", None) == "evabyte":
@@ -124,9 +113,8 @@ def backbone_from_hf(target: Any, mtp_unembeddings: torch.Tensor | None = None) 
 
         return Llama3ByteBackbone(target)
     inner = getattr(target, "model", None)
-    if not all(hasattr(inner, a) for a in ("layers", "norm", "embed_tokens")) or not hasattr(
-        target, "lm_head"
-    ):
+    parts = ("layers", "norm", "embed_tokens")
+    if not all(hasattr(inner, a) for a in parts) or not hasattr(target, "lm_head"):
         raise ValueError(
             f"target is a {type(target).__name__} without model.layers/model.norm/lm_head; "
             "supported: LlamaForCausalLM-compatible models, EvaByte, the byte-level Llama"

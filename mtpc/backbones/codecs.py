@@ -1,10 +1,7 @@
-"""Byte codecs: text <-> ids and chat templates for the byte-level targets.
-
-A codec is the exact piece of a tokenizer MTPC needs: byte ids, special ids, and a
-conversation as ids with an assistant mask. Layouts: ``evabyte`` (also the tiny target; byte
-``b`` is id ``b + 64``) and ``llama3_byte`` (byte ``b`` is id ``b``, then the Llama 3 template
-tokens); sources in docs/BACKBONES.md, "The real configs". EvaByte's template always opens
-with a system block, empty without a system message.
+"""Byte codecs: byte ids, special ids and chat templates (ids + assistant mask) of the byte
+targets: ``evabyte`` (also the tiny target; byte ``b`` is id ``b + 64``; its template always
+opens with a system block) and ``llama3_byte`` (byte ``b`` is id ``b``, then the Llama 3
+template's tokens). Sources: docs/BACKBONES.md, "The real configs".
 """
 
 from __future__ import annotations
@@ -133,20 +130,11 @@ class EvaByteCodec(ByteCodec):
     pad_id, bos_id, eos_id = 0, 1, 2
     start_header_id, end_header_id, eot_id = 9, 10, 11
     special_tokens: Mapping[int, bytes] = {
-        0: b"<pad>",
-        1: b"<bos>",
-        2: b"<eos>",
-        3: b"<unk>",
-        4: b"<sep>",
-        5: b"<repo_name>",
-        6: b"<file_sep>",
-        7: b"<t2v_token>",
-        8: b"<v2t_token>",
-        9: b"<|start_header_id|>",
-        10: b"<|end_header_id|>",
-        11: b"<|eot_id|>",
+        0: b"<pad>", 1: b"<bos>", 2: b"<eos>", 3: b"<unk>", 4: b"<sep>", 5: b"<repo_name>",
+        6: b"<file_sep>", 7: b"<t2v_token>", 8: b"<v2t_token>", 9: b"<|start_header_id|>",
+        10: b"<|end_header_id|>", 11: b"<|eot_id|>",
         **{i: f"<extra_id_{i}>".encode() for i in range(12, 64)},
-    }
+    }  # fmt: skip
     _system_in_prologue = True
 
     def _prologue(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
@@ -171,16 +159,10 @@ class Llama3ByteCodec(ByteCodec):
     role_ids: Mapping[str, int] = {"assistant": 261, "system": 262, "user": 263}
     double_newline_id = 264
     special_tokens: Mapping[int, bytes] = {
-        256: b"<|begin_of_text|>",
-        257: b"<|end_header_id|>",
-        258: b"<|end_of_text|>",
-        259: b"<|eot_id|>",
-        260: b"<|start_header_id|>",
-        261: b"assistant",
-        262: b"system",
-        263: b"user",
-        264: b"\n\n",
-    }
+        256: b"<|begin_of_text|>", 257: b"<|end_header_id|>", 258: b"<|end_of_text|>",
+        259: b"<|eot_id|>", 260: b"<|start_header_id|>", 261: b"assistant", 262: b"system",
+        263: b"user", 264: b"\n\n",
+    }  # fmt: skip
 
     def _prologue(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
         return [self.bos_id]

@@ -654,13 +654,11 @@ def prepare_eva_kernels(
             f"torch {torch.__version__} has no TensorBase.is_cuda or "
             "torch.cuda.get_device_capability(): the interpreter's host shim cannot run"
         )
-    capability: tuple[int, int] | None
+    capability: tuple[int, int] | None = None  # a GPU run prepared without a GPU: checked there
     if interpreter:
         capability = kernel_capability()
     elif torch.cuda.is_available():
         capability = tuple(torch.cuda.get_device_capability(torch.device(run_device)))  # type: ignore[assignment]
-    else:  # a GPU run prepared on a machine without one: its blocks are checked where it runs
-        capability = None
     head_dim = int(config.hidden_size) // int(config.num_attention_heads)
     blocks = {}
     if capability is not None:

@@ -1,9 +1,6 @@
-"""``transformers.modeling_attn_mask_utils`` (removed in 5.24) for 4.4x remote code (tokenkit).
-
-Our implementation of the names such code imports, with the semantics 4.4x documented;
-``compat.install_removed_module_shims`` serves it when transformers lacks the module (docs/
-BACKBONES.md, "Following transformers"). Masks are additive: 0 where a query may attend a key,
-the dtype's minimum elsewhere.
+"""``transformers.modeling_attn_mask_utils`` (removed in 5.24) for 4.4x remote code (tokenkit):
+the names such code imports, with 4.4x's documented semantics; additive masks (docs/
+BACKBONES.md, "Following transformers").
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""The byte-level Llama 3.2 3B Instruct (``benjamin/Llama3-2-3B-IT-Byte``, tokenkit).
-
-Its remote code adds an *expansion embedding*: the longest run of recent ids (most recent
-first, at most ``expand_input_ids_maxlen``) found in ``expand_input_ids_dict`` picks a row of
-``model.expand_embed_tokens``, so :meth:`Llama3ByteBackbone.embed` needs the id history. See
-docs/BACKBONES.md, "The byte Llama's input expansion".
+"""The byte-level Llama 3.2 3B Instruct (``benjamin/Llama3-2-3B-IT-Byte``, tokenkit), whose
+*expansion embedding* reads the id history (the longest recent run found in
+``expand_input_ids_dict``). See docs/BACKBONES.md, "The byte Llama's input expansion".
 """
 
 from __future__ import annotations

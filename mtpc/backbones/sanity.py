@@ -1,8 +1,5 @@
-"""Load-time sanity check of a real target: silent garbage must fail before training starts.
-
-:func:`check_target` raises TargetLoadError on meta tensors, rotary tables that differ from
-their closed form, or non-finite / constant logits of a fixed prompt. See docs/BACKBONES.md,
-"Load-time check".
+"""Load-time check of a real target (meta tensors, rotary tables, the logits of a fixed prompt):
+silent garbage must fail before training starts. See docs/BACKBONES.md, "Load-time check".
 """
 
 from __future__ import annotations
