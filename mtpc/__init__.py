@@ -1,8 +1,7 @@
-"""MTPC: multi-token prediction draft heads as probabilistic circuits.
+"""MTPC: multi-token prediction draft heads as probabilistic circuits (docs/DESIGN.md).
 
-Public API (see docs/DESIGN.md): ``MTPCHead``, ``MTPCModel``, ``generate``,
-``generate_hetero``. Names are resolved lazily so that ``import mtpc`` stays cheap and the
-circuit math can be used without the training stack.
+The public names are resolved lazily, so ``import mtpc`` stays cheap and the circuit math can
+be used without the training stack.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
-"""Measurement and report helpers shared by ``scripts/bench_*.py`` (a benchmark script is its
-setup plus calls to these; never used in tests' assertions), and a device's peak memory for
-the evaluation, the benchmarks and ``scripts/check_gpu.py``.
+"""Measurement and report helpers of ``scripts/bench_*.py``, and a device's peak memory (also
+for the evaluation and ``scripts/check_gpu.py``).
 
-Times are minima over rounds (on a shared machine other processes only ever add time) or
-medians of calls too long to repeat. Peak RSS is this process's since a reset (Linux
-``clear_refs`` + ``VmHWM``): ``ru_maxrss`` cannot be reset and survives fork + exec, so it
-reports a parent's peak. torch is imported where a function needs it, so that a parent that
-only starts measuring children (``scripts/bench_memory.py``) stays below their peak.
+Times are minima over rounds (other processes only ever add time). Peak RSS is this process's
+since a reset (``clear_refs`` + ``VmHWM``): ``ru_maxrss`` cannot be reset and survives fork +
+exec. torch is imported where needed, so a parent that only starts measuring children
+(``scripts/bench_memory.py``) stays below their peak.
 """
 
 from __future__ import annotations

@@ -46,16 +46,11 @@ def _get(cfg: Mapping[str, Any], dotted: str) -> Any:
     return node
 
 
-def _require(cfg: Mapping[str, Any], field: str) -> Any:
+def _check_choice(cfg: Mapping[str, Any], field: str, allowed: Iterable[str]) -> None:
+    allowed = tuple(allowed)
     value = _get(cfg, field)
     if value is _MISSING:
         raise ConfigError(f"{field} is missing from the config")
-    return value
-
-
-def _check_choice(cfg: Mapping[str, Any], field: str, allowed: Iterable[str]) -> None:
-    allowed = tuple(allowed)
-    value = _require(cfg, field)
     if value not in allowed:
         raise ConfigError(f"{field}={value!r} is not allowed; allowed: {', '.join(allowed)}")
 

@@ -1,9 +1,6 @@
-"""The one base class of errors caused by the user's input rather than by a bug.
-
-Entry points print a :class:`UserError` as one ``error: ...`` line and exit with status 2;
-every other exception is a bug and keeps its traceback (docs/TRAINING.md, "Errors and startup
-checks").
-"""
+"""The one base class of errors caused by the user's input rather than by a bug: entry points
+print them as one ``error: ...`` line and exit with status 2 (docs/TRAINING.md, "Errors and
+startup checks")."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""File machinery shared by training, data preparation, evaluation and regeneration
-(torch-free, cheap to import): folder locks, stale temporary files, JSON-lines files after a
-kill (the line in flight is cut off, or left out).
-
-Every temporary name in the project carries its writer's pid, in one of two spellings:
-``.<name>.tmp-<pid>`` (checkpoints, exports) or ``.<name>.<pid>.tmp`` (data preparation).
-"""
+"""File machinery shared by training, data, evaluation and regeneration (torch-free): folder
+locks, stale temporary files, JSON-lines files after a kill. Every temporary name carries its
+writer's pid: ``.<name>.tmp-<pid>`` (checkpoints, exports) or ``.<name>.<pid>.tmp`` (data)."""
 
 from __future__ import annotations
 
@@ -40,9 +36,7 @@ def pid_alive(pid: int) -> bool:
 def tmp_writer_pid(name: str) -> int | None:
     """The pid in a temporary file name (see the module docstring), or None."""
     match = _TMP_PID.search(name)
-    if match is None:
-        return None
-    return int(match.group(1) or match.group(2))
+    return None if match is None else int(match.group(1) or match.group(2))
 
 
 def remove_stale_tmp(folder: Path, what: str = "an interrupted write") -> list[Path]:
@@ -134,8 +128,7 @@ class BadJsonLine(ValueError):
 
     def __init__(self, path: Path, number: int) -> None:
         super().__init__(f"{path}:{number}")
-        self.path = path
-        self.number = number
+        self.path, self.number = path, number
 
 
 def trim_torn_line(path: Path) -> None:
@@ -150,11 +143,9 @@ def trim_torn_line(path: Path) -> None:
 
 
 def read_json_lines(path: Path) -> list[Any]:
-    """The JSON values of ``path``, one per line; [] when it does not exist.
-
-    A last line without its newline that does not parse (the line in flight at a kill) is
-    left out; any other that does not parse raises :class:`BadJsonLine`.
-    """
+    """The JSON values of ``path``, one per line ([] when it does not exist). A last line
+    without its newline that does not parse (in flight at a kill) is left out; any other
+    raises :class:`BadJsonLine`."""
     if not path.is_file():
         return []
     lines = path.read_bytes().split(b"\n")

@@ -125,11 +125,8 @@ def provenance(device: str, root: Path) -> dict[str, Any]:
 
 
 class AppendStore:
-    """A folder written by one process at a time, through append-only JSON-lines files.
-
-    Its users keep a manifest beside the lines whose identity fields must agree to resume
-    (:func:`changed`).
-    """
+    """A folder written by one process at a time, through append-only JSON-lines files; its
+    users keep a manifest beside them whose identity fields must agree to resume."""
 
     def __init__(self) -> None:
         self._lock: FolderLock | None = None

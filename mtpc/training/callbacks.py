@@ -69,12 +69,9 @@ class RNGStateCallback(L.Callback):
 
 
 class RunRecordCallback(L.Callback):
-    """Stores the run's comparable settings (``{dotted field: value}``) and its untrained
-    draft's metrics in every checkpoint, and puts ``new_lr`` (a changed ``optimizer.lr`` under
-    ``allow_resume_changes=true``) into restored optimizer states.
-
-    ``init_metrics`` is read at every save, so it may be filled after the callback is built.
-    """
+    """Stores the run's comparable settings and its untrained draft's metrics (read at every
+    save, so filled later) in every checkpoint; puts ``new_lr`` (a changed ``optimizer.lr``
+    under ``allow_resume_changes=true``) into restored optimizer states."""
 
     def __init__(
         self, config: dict[str, Any], init_metrics: dict[str, float], new_lr: float | None = None

@@ -1,9 +1,6 @@
-"""Training objectives for MTPC heads: the composite NLL (paper Eq. 4) and the forward KL
-(App. G, Eq. 5), both from per-window-position terms. See docs/TRAINING.md, "Objective".
-
-The NLL's conditionals are differences of the circuit's prefix marginals, so it is the
-circuit's joint distribution that is trained.
-"""
+"""Training objectives for MTPC heads: the composite NLL (paper Eq. 4; its conditionals come
+from the circuit's prefix marginals, so the joint is trained) and the forward KL (App. G,
+Eq. 5), both from per-window-position terms. See docs/TRAINING.md, "Objective"."""
 
 from __future__ import annotations
 

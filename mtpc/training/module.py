@@ -1,9 +1,5 @@
-"""``MTPCLightningModule``: trains an MTPC draft (head, and LoRA tail for k > 0).
-
-Only the head and the LoRA weights are trainable, and only they are checkpointed; the frozen
-target is rebuilt from its config on resume. The logged metrics (``loss``, ``loss_j``,
-``top1_j``, ``expected_accepted``): docs/TRAINING.md, "Objective".
-"""
+"""``MTPCLightningModule``: trains an MTPC draft's head (and LoRA tail for k > 0); only these
+are checkpointed. The logged metrics: docs/TRAINING.md, "Objective"."""
 
 from __future__ import annotations
 
@@ -183,14 +179,9 @@ class MTPCLightningModule(L.LightningModule):
 
     def gathered_trainable_state(self) -> dict[str, Tensor]:
         """The trainable weights as whole tensors on CPU, for a checkpoint or an export.
-
-        Collective under FSDP2 (rank 0 gets the tensors, the others ``{}``). The frozen trunk
-        is dropped *before* the gather, so a save moves megabytes, not the 13 GB target.
-        """
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-        )
+        Collective under FSDP2 (rank 0 gets the tensors, the others ``{}``); the frozen trunk
+        is dropped *before* the gather."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         options = StateDictOptions(
             full_state_dict=True, cpu_offload=True, ignore_frozen_params=True
@@ -216,13 +207,9 @@ class MTPCLightningModule(L.LightningModule):
         }
 
     def configure_model(self) -> None:
-        """FSDP2 under ``ModelParallelStrategy`` (``trainer=fsdp_cpu``); a no-op otherwise.
-
-        Every decoder layer is a ``fully_shard`` unit, the draft model the root, which keeps
-        its parameters gathered from forward to backward, so the chunked likelihood after
-        ``forward`` sees whole tensors. Called on every ``validate`` and ``fit``; shards once.
-        See docs/TRAINING.md, "Scale".
-        """
+        """FSDP2 under ``ModelParallelStrategy``, a no-op otherwise: each decoder layer a unit,
+        the draft model the root (its parameters stay gathered from forward to backward, for the
+        chunked likelihood). Shards on the first call only. See docs/TRAINING.md, "Scale"."""
         mesh = self.device_mesh  # set by ModelParallelStrategy, None otherwise
         if mesh is None:
             return
@@ -237,11 +224,8 @@ class MTPCLightningModule(L.LightningModule):
 
 
 def upcast_trainable(model: MTPCModel) -> list[str]:
-    """Makes every trainable tensor (head and LoRA) float32 and returns the names cast.
-
-    ``bf16-mixed`` keeps no float32 master copy, so on a bf16 trunk Adam's small updates to
-    bf16 LoRA weights rounded away (docs/TRAINING.md, "What is trained").
-    """
+    """Makes every trainable tensor (head and LoRA) float32 and returns the names cast: Adam's
+    small updates to bf16 weights round away (docs/TRAINING.md, "What is trained")."""
     trainable = {id(p) for p in model.trainable_parameters()}
     cast = []
     for name, param in model.named_parameters():

@@ -1,6 +1,6 @@
-"""One run per folder: the checkpoint to resume, the settings compared on resume, and the owner's ``.hydra/`` files (kept in ``.mtpc/hydra`` and put back when a refused
-command overwrote them). See docs/TRAINING.md, "Runs, outputs, resume".
-"""
+"""One run per folder: the checkpoint to resume, the settings compared on resume, and the
+owner's ``.hydra/`` files (kept in ``.mtpc/hydra``, put back when a refused command overwrote
+them). See docs/TRAINING.md, "Runs, outputs, resume"."""
 
 from __future__ import annotations
 
@@ -68,12 +68,9 @@ def _read_checkpoint(path: Path) -> dict[str, Any]:
 def find_resume_checkpoint(
     checkpoint_dir: Path, last_name: str = "last.ckpt"
 ) -> tuple[Path, dict[str, Any]] | None:
-    """The checkpoint to resume from and its contents, or None when the folder has none.
-
-    ``last.ckpt`` first, else the readable checkpoint with the highest global step, with a
-    warning (every rank makes the same choice). Raises :class:`CheckpointUnreadableError`
-    when none can be read.
-    """
+    """The checkpoint to resume from and its contents, or None when the folder has none:
+    ``last.ckpt``, else the readable one with the highest global step (a warning; every rank
+    chooses the same). :class:`CheckpointUnreadableError` when none can be read."""
     last = checkpoint_dir / last_name
     if not last.exists():
         return None
@@ -97,11 +94,7 @@ def find_resume_checkpoint(
         )
     step, path, checkpoint = max(readable, key=lambda item: (item[0], item[1].name))
     log.warning(
-        "%s is unreadable (%s); resuming from %s (global step %d) instead",
-        last,
-        reason,
-        path,
-        step,
+        "%s is unreadable (%s); resuming from %s (global step %d) instead", last, reason, path, step
     )
     return path, checkpoint
 
@@ -143,13 +136,9 @@ def check_resume_config(
     run_name: str,
     allow: bool,
 ) -> list[str]:
-    """Refuses to resume a checkpoint written with other settings, with a
-    :class:`ResumeConfigError` naming the fields and the ways out, unless ``allow``
-    (``allow_resume_changes=true``: a warning). Returns the changes.
-
-    ``saved`` is the checkpoint's comparable config (None: written before configs were stored);
-    ``run_name`` gives the suggested new name.
-    """
+    """Refuses to resume a checkpoint written with other settings (``saved``; None: written
+    before configs were stored), naming the fields and the ways out, unless ``allow`` (then a
+    warning). Returns the changes."""
     if saved is None:
         log.warning(
             "%s records no config; cannot check the settings of the resumed run", checkpoint_path

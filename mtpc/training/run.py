@@ -1,9 +1,6 @@
-"""``train(cfg)``: the whole training job behind ``python train.py`` and sweeps.
-
-Validate the config, build the data module and the model (``init_from``: the previous
-stage's weights), measure the untrained draft, fit (resuming from ``last.ckpt`` when the run
-folder has one), export the draft and write ``metrics.json``. See docs/TRAINING.md.
-"""
+"""``train(cfg)``: the whole training job behind ``python train.py`` and sweeps: validate, build
+the data and the draft, measure it untrained, fit (resuming from ``last.ckpt``), export the draft
+and write ``metrics.json``. See docs/TRAINING.md."""
 
 from __future__ import annotations
 
@@ -57,13 +54,9 @@ def build_model(
     chunk_size: int,
     **options: Any,
 ) -> MTPCModel:
-    """The draft to train, from :meth:`TrainSettings.model_arguments` (``options``: ``lora_*``
-    and the head's).
-
-    The target is loaded first (on the CPU; EvaByte's attention path for ``accelerator``'s
-    device), then, before the head is allocated, the head's memory and the ``lora.*`` settings
-    are checked against the device and the target.
-    """
+    """The draft to train, from :meth:`TrainSettings.model_arguments`. The target is loaded
+    first (on the CPU), then, before the head is allocated, the head's memory and the ``lora.*``
+    settings are checked against the device and the target."""
     from mtpc.backbones import load_backbone, run_device_for
     from mtpc.backbones.lora import as_settings, validate_lora
 
@@ -228,12 +221,8 @@ def _scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
-    """Trains the draft described by ``cfg``, holding the run folder's lock throughout.
-
-    Returns the trained draft's ``val/...`` metrics, the untrained draft's as ``init/...``
-    (measured when the run started, also after a resume), and ``train/steps``. Raises the
-    user errors of docs/TRAINING.md, "Errors and startup checks".
-    """
+    """Trains the draft described by ``cfg`` under the run folder's lock; returns ``val/...``,
+    ``init/...`` (the untrained draft's, also after a resume) and ``train/steps``."""
     validate_train_config(cfg)
     settings = TrainSettings.from_cfg(cfg)  # the only reading of cfg
     # the frozen target stays in eval mode on purpose (no dropout in the verifier's states)
@@ -294,8 +283,7 @@ def build_trainer(settings: TrainSettings, run_dir: Path, callbacks: list[L.Call
 
 
 def check_val_limit(value: Any) -> None:
-    """Refuses (ConfigError) a ``trainer.limit_val_batches`` Lightning would not take (or
-    take badly)."""
+    """Refuses a ``trainer.limit_val_batches`` Lightning would not take (or take badly)."""
     if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
         return
     if isinstance(value, float) and 0.0 <= value <= 1.0:
@@ -308,12 +296,8 @@ def check_val_limit(value: Any) -> None:
 
 
 def check_steps_left(state: Mapping[str, Any], trainer: TrainerSettings, run_dir: Path) -> None:
-    """Refuses a resume that asks for more steps than its epoch budget lets Lightning take.
-
-    A run that ended at ``trainer.max_epochs`` (an epoch-end checkpoint) takes no step when
-    resumed, whatever ``trainer.max_steps`` says: a longer ``max_steps`` would silently
-    re-export the same draft.
-    """
+    """Refuses a resume that asks for more steps than its epoch budget lets Lightning take (a
+    run that ended at ``trainer.max_epochs`` would silently re-export the same draft)."""
     max_steps, max_epochs = trainer.max_steps, trainer.max_epochs
     step = int(state.get("global_step", 0))
     if max_steps in (None, -1) or max_epochs in (None, -1) or step >= int(max_steps):
@@ -341,11 +325,9 @@ def _train_locked(settings: TrainSettings, run_dir: Path) -> dict[str, float]:
     snapshot_hydra(run_dir)
     # the trainer first: Lightning's refusals (devices, precision, accelerator) in seconds
     record = RunRecordCallback(comparable, init_metrics, new_lr)
-    trainer = build_trainer(
-        settings, run_dir, _callbacks(settings.callbacks, checkpoint_dir, record)
-    )
+    callbacks = _callbacks(settings.callbacks, checkpoint_dir, record)
+    trainer = build_trainer(settings, run_dir, callbacks)
     L.seed_everything(settings.run.seed, workers=True)
-
     sections, loss = settings.sections, settings.loss
     datamodule = instantiate(sections.data)
     model_args = settings.model_arguments()
@@ -447,11 +429,8 @@ def _sharded(module: MTPCLightningModule) -> bool:
 
 
 def unsharded_copy(model_args: dict[str, Any], module: MTPCLightningModule) -> MTPCModel:
-    """The trained draft as an ordinary model, for export after sharded training.
-
-    Collective: only the trained weights are gathered, on rank 0, into a model rebuilt from
-    ``model_args`` (the other ranks get the sharded module's model, unused).
-    """
+    """The trained draft as an ordinary model, for export after sharded training. Collective:
+    rank 0 gets the gathered trained weights in a rebuilt model, the others the sharded one."""
     full = module.gathered_trainable_state()  # rank 0: {name: whole tensor on CPU}; others: {}
     if not full:
         return module.model

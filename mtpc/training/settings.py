@@ -1,12 +1,8 @@
-"""The settings of a training run, read from the Hydra config once, at the door.
-
-:meth:`TrainSettings.from_cfg` is the only reader of the raw config; below ``train(cfg)``,
-functions take these frozen objects or their named fields (docs/DESIGN.md, the paragraph
-"Training does the same"). Every default is written once, here, and equals the value
-``train(cfg)`` took when the key is missing (a comment names a config file that gives
-another). Values are kept as given: a bad one is refused by
-:func:`mtpc.config.validate_train_config` or where it is used (Lightning's refusals).
-"""
+"""The settings of a training run, read from the Hydra config once, at the door, by
+:meth:`TrainSettings.from_cfg` (docs/DESIGN.md, "Training does the same"). Each default is
+written once, here, and equals what ``train(cfg)`` takes for a missing key (a comment names a
+config file that gives another). Values are kept as given: ``validate_train_config`` or
+Lightning refuses bad ones."""
 
 from __future__ import annotations
 
@@ -68,15 +64,12 @@ class ModelArgs:
 
 @dataclass(frozen=True)
 class CircuitSettings:
-    """The head (``circuit.*``; ``configs/circuit/btree.yaml``'s by default).
-
-    ``options``: the section's other keys, the head's options as given (``sum_init_std``,
-    ``identity_init``, ``extra_positions``; none by default, btree.yaml sets all three).
-    """
+    """The head (``circuit.*``; ``configs/circuit/btree.yaml``'s by default)."""
 
     kind: str = "btree"
     window: int = 8  # n, the bytes one draft proposes
     rank: int = 8  # r, the units per region
+    # the section's other keys, as given (btree.yaml: sum_init_std, identity_init, extra_positions)
     options: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -103,12 +96,9 @@ class LossSettings:
 
 @dataclass(frozen=True)
 class CallbackSettings:
-    """The checkpoint policy (``callbacks.*``; ``configs/callbacks/default.yaml``).
+    """The checkpoint policy (``callbacks.*``; ``configs/callbacks/default.yaml``)."""
 
-    ``checkpoint_every_n_steps``: ``last.ckpt`` every this many optimizer steps as well as at
-    each epoch's end; None: at epochs' ends only (default.yaml sets 50).
-    """
-
+    # last.ckpt every this many steps too; None: at epochs' ends only (default.yaml sets 50)
     checkpoint_every_n_steps: int | None = None
     monitor: str = "val/loss"  # the best checkpoints' metric (lower is better)
     save_top_k: int = 1
@@ -116,15 +106,12 @@ class CallbackSettings:
 
 @dataclass(frozen=True)
 class TrainerSettings:
-    """The Lightning trainer (``trainer.*``): the fields ``train`` reads itself, as given, and
-    the section. ``num_nodes`` and ``accumulate_grad_batches`` (used without
-    ``global_batch_size``): a missing or null value, or 0, is the default.
-    """
+    """The Lightning trainer (``trainer.*``): the fields ``train`` reads, and the section."""
 
     accelerator: str | None = None  # configs/trainer/cpu.yaml: cpu
     devices: Any = 1  # processes per node (an int, ``auto``, a list)
-    num_nodes: int = 1
-    accumulate_grad_batches: int = 1
+    num_nodes: int = 1  # missing, null or 0: this
+    accumulate_grad_batches: int = 1  # without global_batch_size; missing, null or 0: this
     fast_dev_run: bool = False  # also: no checkpoint resumed, no export, no logger
     max_steps: int | None = None  # -1 or None: no budget; cpu.yaml sets 300
     max_epochs: int | None = None  # -1 or None: no budget; cpu.yaml sets 1
@@ -135,14 +122,11 @@ class TrainerSettings:
 
 @dataclass(frozen=True)
 class RunSettings:
-    """The run's own fields (top-level keys of ``configs/train.yaml``).
-
-    ``root_dir`` is ``paths.root_dir``, where ``outputs/last_draft.txt`` is written
-    (``configs/paths/default.yaml``: ``$PROJECT_ROOT``, else this default).
-    """
+    """The run's own fields (top-level keys of ``configs/train.yaml``)."""
 
     run_name: str | None = None  # train.yaml builds it from the model, circuit, LoRA, stage
     run_dir: str | None = None  # outside a Hydra run; None: outputs/train/<run_name>
+    # paths.root_dir, where outputs/last_draft.txt goes (paths/default.yaml: $PROJECT_ROOT or .)
     root_dir: str = "."
     seed: int = 0
     init_from: str | None = None  # a previous stage's exported draft or checkpoint
@@ -187,12 +171,7 @@ def _read(
 
 @dataclass(frozen=True)
 class TrainSettings:
-    """Everything ``train(cfg)`` reads from its config, read once by :meth:`from_cfg`.
-
-    ``recorded``: the whole config as written (unresolved), the exported draft's
-    ``training_config``; ``resolved``: as plain values, resolved where it can be, what a
-    checkpoint records and a resume compares (``comparable_config``).
-    """
+    """Everything ``train(cfg)`` reads from its config, read once by :meth:`from_cfg`."""
 
     model: ModelArgs = field(default_factory=ModelArgs)
     circuit: CircuitSettings = field(default_factory=CircuitSettings)
@@ -202,8 +181,8 @@ class TrainSettings:
     trainer: TrainerSettings = field(default_factory=TrainerSettings)
     run: RunSettings = field(default_factory=RunSettings)
     sections: Sections = field(default_factory=Sections)
-    recorded: Mapping[str, Any] = field(default_factory=dict)
-    resolved: Mapping[str, Any] = field(default_factory=dict)
+    recorded: Mapping[str, Any] = field(default_factory=dict)  # as written: the draft's record
+    resolved: Mapping[str, Any] = field(default_factory=dict)  # plain: a resume compares it
 
     @classmethod
     def from_cfg(cls, cfg: DictConfig) -> TrainSettings:
@@ -233,10 +212,7 @@ class TrainSettings:
             trainer=replace(trainer, fields=dict(_get(cfg, "trainer") or {})),
             run=replace(run, root_dir=_get(cfg, "paths.root_dir", RunSettings.root_dir)),
             sections=Sections(
-                data=_node(cfg, "data"),
-                optimizer=_node(cfg, "optimizer"),
-                scheduler=_node(cfg, "scheduler"),
-                logger=_node(cfg, "logger"),
+                **{k: _node(cfg, k) for k in ("data", "optimizer", "scheduler", "logger")},
                 batch_size=_get(cfg, "data.batch_size"),
                 lr=_get(cfg, "optimizer.lr"),
             ),

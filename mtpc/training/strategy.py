@@ -1,9 +1,6 @@
-"""``trainer=fsdp`` / ``fsdp_cpu``: FSDP2 whose checkpoints gather only the trained weights.
-
-Lightning's ``ModelParallelStrategy`` gathers the whole model on rank 0 at every full-state
-save (for EvaByte the 13 GB frozen trunk, then dropped); this one gathers the trainable
-weights only. Loading stays Lightning's (non-strict). See docs/TRAINING.md, "Scale".
-"""
+"""``trainer=fsdp`` / ``fsdp_cpu``: FSDP2 whose full-state checkpoints gather the trainable
+weights only, not the whole model (13 GB for EvaByte) as Lightning's ``ModelParallelStrategy``
+does. Loading stays Lightning's (non-strict). See docs/TRAINING.md, "Scale"."""
 
 from __future__ import annotations
 
