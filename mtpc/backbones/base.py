@@ -96,12 +96,10 @@ def document_mask(documents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def tree_attention_mask(
     past: int, tree_mask: torch.Tensor, dtype: torch.dtype, batch: int = 1
 ) -> torch.Tensor:
-    """Additive mask (batch, 1, T, past + T) for T new tree nodes after ``past`` cached keys
-    (always visible); ``tree_mask`` (T, T) bool: node i may attend node j."""
+    """Additive mask (batch, 1, T, past + T): cached keys visible, new ones by ``tree_mask``."""
     t = tree_mask.shape[0]
-    allowed = torch.cat(
-        [tree_mask.new_ones(t, past, dtype=torch.bool), tree_mask.to(torch.bool)], 1
-    )  # (T, P + T)
+    cached = tree_mask.new_ones(t, past, dtype=torch.bool)  # (T, P)
+    allowed = torch.cat([cached, tree_mask.to(torch.bool)], 1)  # (T, P + T)
     return additive_mask(allowed, dtype)[None, None].expand(batch, 1, t, past + t)
 
 
@@ -186,13 +184,7 @@ class LayerCache:
 
     def clone(self) -> LayerCache:
         """An independent copy (shares the backbone, copies the cached tensors)."""
-        backbone, self.backbone = self.backbone, None  # type: ignore[assignment]
-        try:
-            new = copy.deepcopy(self)
-        finally:
-            self.backbone = backbone
-        new.backbone = backbone
-        return new
+        return copy.deepcopy(self, {id(self.backbone): self.backbone})
 
     def reset(self) -> None:
         """Empties the cache (a fresh native cache object)."""
@@ -212,8 +204,7 @@ class Backbone(nn.Module, ABC):
     supports_tree_mask = False
     """``run_layers(..., tree_mask=...)``: T new nodes attend their ancestors in one pass."""
     supports_batch = False
-    """``run_layers(..., attend=...)``, ``native_take/pad/merge``: one batched cache, rows at their
-    own lengths (``mtpc.decoding.layout``)."""
+    """``run_layers(..., attend=...)``, ``native_take/pad/merge``: rows at their own lengths."""
 
     def __init__(self, hf_model: nn.Module, name: str, codec: str, source: dict[str, Any]) -> None:
         super().__init__()
@@ -292,8 +283,7 @@ class Backbone(nn.Module, ABC):
         return None
 
     def native_compact(self, native: Any, base: int, keep: torch.Tensor) -> None:
-        """Keeps positions ``[0, base)`` and ``base + keep`` of a native cache (see
-        :meth:`LayerCache.compact`)."""
+        """Keeps ``[0, base)``, ``base + keep`` of a native cache (:meth:`LayerCache.compact`)."""
         raise NotImplementedError(f"{type(self).__name__} has no compaction by index")
 
     def native_take(self, native: Any, rows: torch.Tensor, index: torch.Tensor) -> None:
@@ -302,8 +292,7 @@ class Backbone(nn.Module, ABC):
         raise NotImplementedError(f"{type(self).__name__} has no batched cache")
 
     def native_pad(self, native: Any, length: int) -> None:
-        """Appends zero positions to a native cache up to ``length`` (masked out by the
-        caller; batched decoding merges caches of different lengths)."""
+        """Appends zero positions (masked out by the caller) to a native cache up to ``length``."""
         raise NotImplementedError(f"{type(self).__name__} has no batched cache")
 
     def native_merge(self, native: Any, other: Any) -> None:
@@ -328,8 +317,7 @@ class Backbone(nn.Module, ABC):
         tree_mask: torch.Tensor | None = None,
         attend: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Runs layers ``start..end-1`` (arguments as :meth:`run_layers`; ``native`` is
-        ``None`` without a cache)."""
+        """Runs layers ``start..end-1`` as :meth:`run_layers` (``native``: None without a cache)."""
 
     # --- shared machinery ------------------------------------------------------------------
     def norm(self, hidden: torch.Tensor) -> torch.Tensor:

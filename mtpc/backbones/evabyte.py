@@ -458,9 +458,8 @@ def load_evabyte(
     hf_model = load_remote_causal_lm(
         "evabyte", path, revision, dtype, device, attention_impl, run_device=run_device
     )
-    backbone = EvaByteBackbone(
-        hf_model, source={"model": "evabyte", "path": path, "revision": revision}
-    )
+    source = {"model": "evabyte", "path": path, "revision": revision}
+    backbone = EvaByteBackbone(hf_model, source=source)
     moved = backbone.use_triton and torch.device(device).type != "cuda" and run_device is not None
     if moved:
         hf_model.to(run_device)

@@ -148,9 +148,8 @@ class LlamaBackbone(Backbone):
             "position_embeddings": cos_sin,
         }
         if self._pass_cache_position:
-            kwargs["cache_position"] = torch.arange(
-                past, past + hidden.shape[1], device=hidden.device
-            )
+            t = hidden.shape[1]
+            kwargs["cache_position"] = torch.arange(past, past + t, device=hidden.device)
         for layer in self.layers[start:end]:
             out = layer(hidden, **kwargs)
             hidden = out[0] if isinstance(out, tuple) else out  # (B, T, d)

@@ -133,9 +133,8 @@ def save_tiny_target(
         raise ValueError("mtp_unembeddings block 0 must equal model.lm_head.weight")
     model.generation_config = tiny_generation_config()
     model.save_pretrained(path)
-    save_file(
-        {MTP_KEY: mtp_unembeddings.detach().contiguous().cpu()}, path / "mtp_heads.safetensors"
-    )
+    mtp = mtp_unembeddings.detach().contiguous().cpu()
+    save_file({MTP_KEY: mtp}, path / "mtp_heads.safetensors")
     meta = dict(metadata)
     meta["sha256"] = {name: sha256_file(path / name) for name in WEIGHT_FILES}
     (path / "metadata.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
