@@ -79,9 +79,10 @@ def _check_float(
     value = _get(cfg, field)
     if value is _MISSING or value is None:
         return
-    below = value <= low if low_open else value < low
-    above = value >= high if high_open else value > high
-    if isinstance(value, bool) or not isinstance(value, int | float) or below or above:
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    below = number and (value <= low if low_open else value < low)
+    above = number and (value >= high if high_open else value > high)
+    if not number or below or above:
         interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
         raise ConfigError(f"{field}={value!r} is not allowed; allowed: a number in {interval}")
 

@@ -137,6 +137,9 @@ def test_unknown_group_option_lists_allowed_values() -> None:
         (["circuit.identity_init=maybe"], "circuit.identity_init", "true, false"),
         (["loss.normalise_discount=2"], "loss.normalise_discount", "true, false"),
         (["optimizer.weight_decay=-1"], "optimizer.weight_decay", "[0.0, inf)"),
+        # not a number: the one-line error, not a TypeError from comparing a string
+        (["lora.alpha=abc"], "lora.alpha", "a number in (0.0, inf)"),
+        (["loss.gamma=high"], "loss.gamma", "a number in (0.0, 1.0]"),
         (["optimizer.betas=[0.9,1.5]"], "optimizer.betas", "two numbers in [0, 1)"),
         (["optimizer.betas=[0.9]"], "optimizer.betas", "two numbers in [0, 1)"),
     ],
