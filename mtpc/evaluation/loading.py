@@ -36,9 +36,7 @@ def resolve_drafts(draft: Any, root: Path, key: str = "draft") -> list[Path]:
     paths = [] if draft is None else [draft] if isinstance(draft, str | Path) else list(draft)
     out = []
     for p in paths:
-        path = Path(str(p))
-        if not path.is_absolute():
-            path = root / path
+        path = root / str(p)  # an absolute path stays as it is
         if not (path / CONFIG_NAME).is_file():
             if (path / "draft" / CONFIG_NAME).is_file():
                 raise DraftError(

@@ -144,10 +144,9 @@ def _by_set(records: Sequence[Mapping[str, Any]], window: int) -> dict[int, dict
 
 
 def _row(name: str, per_set: dict[int, dict[str, Any]], **extra: Any) -> dict[str, Any]:
-    row = {"name": name, **extra, **aggregate(list(per_set.values()))}
-    row["prompts"] = sum(m["prompts"] for m in per_set.values())
-    row["per_set"] = list(per_set.values())
-    return row
+    sets = list(per_set.values())
+    prompts = sum(m["prompts"] for m in sets)
+    return {"name": name, **extra, **aggregate(sets), "prompts": prompts, "per_set": sets}
 
 
 def _ratios(a: dict[int, dict[str, Any]], b: dict[int, dict[str, Any]], key: str) -> list[float]:
@@ -159,11 +158,22 @@ def _ratio(x: float, y: float) -> float:
     return x / y if y > 0 else math.nan
 
 
-def _tree_passes(passes: Any) -> list[str]:
-    """The ``tree<B>`` passes among ``passes``, by budget."""
-    return sorted(
+def _draft_passes(drafts: Sequence[Mapping[str, Any]], passes: Any) -> list[tuple[Any, str, str]]:
+    """(draft, pass, row name) of each draft's chain row and of each ``tree<B>`` pass among
+    ``passes``, by budget."""
+    trees = sorted(
         {p for p in passes if p.startswith("tree")}, key=lambda p: int(p.removeprefix("tree"))
     )
+    return [
+        (d, p, d["name"] if p == "speculative" else f"{d['name']} {p}")
+        for d in drafts
+        for p in ("speculative", *trees)
+    ]
+
+
+def _exact(checked: Sequence[bool]) -> str | None:
+    """The ``= AR`` cell: greedy outputs equal to AR's / checked."""
+    return f"{sum(checked)}/{len(checked)}" if checked else None
 
 
 def resolve_checks(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
@@ -215,39 +225,33 @@ def build_report(
     ar = _by_set(ar_recs, 1)
     rows = [_row("AR (target)", ar, kind="ar", peak_memory_mb=peaks.get(None))] if ar else []
     source_rows: list[dict[str, Any]] = []
-    trees = _tree_passes(p for _, p in groups)
-    for d in manifest["drafts"]:
-        for pass_name in ("speculative", *trees):
-            sd_recs = groups[(d["path"], pass_name)]
-            if pass_name != "speculative" and not sd_recs:
-                continue
-            name = d["name"] if pass_name == "speculative" else f"{d['name']} {pass_name}"
-            sd = _by_set(sd_recs, d["window"])
-            checked = [
-                r["equal_reference"] for r in sd_recs if r.get("equal_reference") is not None
-            ]
-            row = _row(
-                name, sd, path=d["path"], **{"pass": pass_name}, kind=d["kind"],
-                window=d["window"], rank=d["rank"],
-                lora_layers=d["lora_layers"], policy=settings.get("policy"),
-                draft_rule=next((r.get("draft_rule") for r in sd_recs), None),
-                baseline=bool(d.get("baseline")) and pass_name == "speculative",
-                peak_memory_mb=peaks.get(d["path"]),
-                exact=f"{sum(checked)}/{len(checked)}" if checked else None,
+    for d, pass_name, name in _draft_passes(manifest["drafts"], [p for _, p in groups]):
+        sd_recs = groups[(d["path"], pass_name)]
+        if pass_name != "speculative" and not sd_recs:
+            continue
+        sd = _by_set(sd_recs, d["window"])
+        checked = [r["equal_reference"] for r in sd_recs if r.get("equal_reference") is not None]
+        row = _row(
+            name, sd, path=d["path"], **{"pass": pass_name}, kind=d["kind"],
+            window=d["window"], rank=d["rank"],
+            lora_layers=d["lora_layers"], policy=settings.get("policy"),
+            draft_rule=next((r.get("draft_rule") for r in sd_recs), None),
+            baseline=bool(d.get("baseline")) and pass_name == "speculative",
+            peak_memory_mb=peaks.get(d["path"]), exact=_exact(checked),
+        )  # fmt: skip
+        mx = _by_set(groups[(d["path"], "max_throughput")], d["window"])
+        maxima = [m["tok_s"] for m in mx.values()] if pass_name == "speculative" else []
+        for key, values in (("speedup_ar", _ratios(sd, ar, "tok_s")), ("max_tok_s", maxima)):
+            if values:
+                row[key], row[f"{key}_std"] = mean_std(values)
+        rows.append(row)
+        for source in sorted({r["source"] for r in sd_recs}):
+            m = set_metrics([r for r in sd_recs if r["source"] == source], d["window"])
+            a = set_metrics([r for r in ar_recs if r["source"] == source])
+            source_rows.append(
+                {"name": name, "path": d["path"], "source": source, **m,
+                 "speedup_ar": _ratio(m["tok_s"], a["tok_s"])}
             )  # fmt: skip
-            mx = _by_set(groups[(d["path"], "max_throughput")], d["window"])
-            maxima = [m["tok_s"] for m in mx.values()] if pass_name == "speculative" else []
-            for key, values in (("speedup_ar", _ratios(sd, ar, "tok_s")), ("max_tok_s", maxima)):
-                if values:
-                    row[key], row[f"{key}_std"] = mean_std(values)
-            rows.append(row)
-            for source in sorted({r["source"] for r in sd_recs}):
-                m = set_metrics([r for r in sd_recs if r["source"] == source], d["window"])
-                a = set_metrics([r for r in ar_recs if r["source"] == source])
-                source_rows.append(
-                    {"name": name, "path": d["path"], "source": source, **m,
-                     "speedup_ar": _ratio(m["tok_s"], a["tok_s"])}
-                )  # fmt: skip
     hetero_rows, hetero_sources = hetero_report(settings, records, with_ar=not ar)
     return rows + hetero_rows, source_rows + hetero_sources
 
@@ -271,11 +275,8 @@ def spec_bench_report(
     tasks.append((OVERALL, set(categories)))
     ar_recs = [r for r in prompts if r["pass"] == "ar" and r.get("draft_path") is None]
     passes = [(None, "ar", "AR (target)", 1)] if with_ar else []
-    trees = _tree_passes(r["pass"] for r in prompts)
-    for d in manifest["drafts"]:
-        for p in ("speculative", *trees):
-            name = d["name"] if p == "speculative" else f"{d['name']} {p}"
-            passes.append((d["path"], p, name, d["window"]))
+    for d, p, name in _draft_passes(manifest["drafts"], [r["pass"] for r in prompts]):
+        passes.append((d["path"], p, name, d["window"]))
     rows = []
     for path, pass_name, name, window in passes:
         recs = [r for r in prompts if r.get("draft_path") == path and r["pass"] == pass_name]
@@ -305,7 +306,7 @@ def spec_bench_report(
                 "name": name, "path": path, "task": task, "pass": pass_name,
                 "questions": len({r["prompt_id"] for r in mine}),  # per run
                 "turns": sum(len(r.get("turns", [r])) for r in mine) // max(1, len(per_set)),
-                "exact": f"{sum(checked)}/{len(checked)}" if checked else None,
+                "exact": _exact(checked),
                 "per_set": per_set,
             }  # fmt: skip
             for key in ("mu_acc", "tok_s", "speedup_ar", "sb_tok_s", "sb_speedup"):
@@ -484,10 +485,8 @@ def report_folders(
     )
     seeds = seed_rows(rows, trainings(manifests), paired)
     first = manifests[0]
-    title = title_of(first, rows) + (
-        f" | {len(folders)} folders merged" if len(folders) > 1 else ""
-    )
-    table = format_table(rows, title)
+    merged = f" | {len(folders)} folders merged" if len(folders) > 1 else ""
+    table = format_table(rows, title_of(first, rows) + merged)
     source_table = format_table(
         source_rows, "per source (cycles of every set pooled)", SOURCE_COLUMNS
     )
@@ -556,86 +555,72 @@ def _write_csv(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
 def write_outputs(results: dict[str, Any], out_dir: Path, plots: bool = True) -> dict[str, str]:
     """results.json (strict JSON: NaN is null), results.csv, by_source.csv and the plots."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    files = {
-        "json": str(out_dir / "results.json"),
-        "csv": str(out_dir / "results.csv"),
-        "by_source_csv": str(out_dir / "by_source.csv"),
-    }
     rows = results["rows"]
-    _write_csv(Path(files["csv"]), rows)
-    _write_csv(Path(files["by_source_csv"]), results.get("by_source", []))
-    for key in ("paired", "seeds"):
-        if results.get(key):
-            files[f"{key}_csv"] = str(out_dir / f"{key}.csv")
-            _write_csv(Path(files[f"{key}_csv"]), results[key])
+    csvs = {"csv": ("results", rows), "by_source_csv": ("by_source", results.get("by_source", []))}
+    csvs |= {
+        f"{k}_csv": (k, results[k]) for k in ("paired", "seeds", "spec_bench") if results.get(k)
+    }
+    files = {"json": str(out_dir / "results.json")}
+    for key, (name, table_rows) in csvs.items():
+        files[key] = str(out_dir / f"{name}.csv")
+        _write_csv(Path(files[key]), table_rows)
     if results.get("spec_bench"):
-        files["spec_bench_csv"] = str(out_dir / "spec_bench.csv")
         files["spec_bench_md"] = str(out_dir / "spec_bench.md")
-        _write_csv(Path(files["spec_bench_csv"]), results["spec_bench"])
         Path(files["spec_bench_md"]).write_text(results["spec_bench_table"] + "\n")
     if plots and rows:
-        files.update(plot_tradeoff(rows, out_dir / "tradeoff.png"))
-        files.update(plot_acceptance(rows, out_dir / "acceptance.png"))
+        files.update(write_plots(rows, out_dir))
     write_json(Path(files["json"]), {**results, "files": files})
     return files
 
 
-def plot_tradeoff(rows: Sequence[dict[str, Any]], path: Path) -> dict[str, str]:
-    """Tokens per cycle vs latency, iso-throughput lines (paper Fig. 1)."""
+def write_plots(rows: Sequence[dict[str, Any]], out_dir: Path) -> dict[str, str]:
+    """tradeoff.png (paper Fig. 1: tokens per cycle vs latency, iso-throughput lines) and
+    acceptance.png (acceptance rate per window position, one line per draft)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in rows if r.get("mu_lat") is not None and r.get("tok_s")]
-    if not rows:
-        return {}
-    fig, ax = plt.subplots(figsize=(6, 4.5))
-    lats = [r["mu_lat"] * 1e3 for r in rows]
-    accs = [r["mu_acc"] for r in rows]
-    for r, x, y in zip(rows, lats, accs, strict=True):
-        ax.errorbar(
-            x, y, xerr=r.get("mu_lat_std", 0.0) * 1e3, yerr=r.get("mu_acc_std", 0.0),
-            fmt="s" if r.get("kind") == "ar" else "o", capsize=2,
-        )  # fmt: skip
-        ax.annotate(r["name"], (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    xmax = max(lats) * 1.3
-    ymax = max(accs) * 1.3
-    rates = sorted(r["tok_s"] for r in rows)
-    for rate in {rates[0], rates[len(rates) // 2], rates[-1]}:
-        xs = [0.0, xmax]
-        ax.plot(xs, [rate * x / 1e3 for x in xs], ":", color="gray", linewidth=0.8)
-        x_label = min(xmax * 0.95, ymax * 1e3 / rate * 0.95)
-        ax.text(x_label, rate * x_label / 1e3, f"{rate:.0f} tok/s", fontsize=6, color="gray")
-    ax.set_xlim(0, xmax)
-    ax.set_ylim(0, ymax)
-    ax.set_xlabel("mean latency per cycle mu_lat (ms)")
-    ax.set_ylabel("tokens per cycle mu_acc (incl. correction)")
-    ax.set_title("Acceptance vs latency (dotted: iso-throughput)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return {"tradeoff_plot": str(path)}
-
-
-def plot_acceptance(rows: Sequence[dict[str, Any]], path: Path) -> dict[str, str]:
-    """Acceptance rate per window position, one line per draft."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    figures: dict[str, Any] = {}
+    timed = [r for r in rows if r.get("mu_lat") is not None and r.get("tok_s")]
+    if timed:
+        fig, ax = plt.subplots(figsize=(6, 4.5))
+        lats = [r["mu_lat"] * 1e3 for r in timed]
+        accs = [r["mu_acc"] for r in timed]
+        for r, x, y in zip(timed, lats, accs, strict=True):
+            ax.errorbar(
+                x, y, xerr=r.get("mu_lat_std", 0.0) * 1e3, yerr=r.get("mu_acc_std", 0.0),
+                fmt="s" if r.get("kind") == "ar" else "o", capsize=2,
+            )  # fmt: skip
+            ax.annotate(r["name"], (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        xmax = max(lats) * 1.3
+        ymax = max(accs) * 1.3
+        rates = sorted(r["tok_s"] for r in timed)
+        for rate in {rates[0], rates[len(rates) // 2], rates[-1]}:
+            xs = [0.0, xmax]
+            ax.plot(xs, [rate * x / 1e3 for x in xs], ":", color="gray", linewidth=0.8)
+            x_label = min(xmax * 0.95, ymax * 1e3 / rate * 0.95)
+            ax.text(x_label, rate * x_label / 1e3, f"{rate:.0f} tok/s", fontsize=6, color="gray")
+        ax.set_xlim(0, xmax)
+        ax.set_ylim(0, ymax)
+        ax.set_xlabel("mean latency per cycle mu_lat (ms)")
+        ax.set_ylabel("tokens per cycle mu_acc (incl. correction)")
+        ax.set_title("Acceptance vs latency (dotted: iso-throughput)")
+        figures["tradeoff"] = fig
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in rows:
         acc = r.get("acceptance")
-        if not acc or r.get("kind") == "ar":
-            continue
-        ax.plot(range(1, len(acc) + 1), acc, marker="o", label=r["name"])
+        if acc and r.get("kind") != "ar":
+            ax.plot(range(1, len(acc) + 1), acc, marker="o", label=r["name"])
     ax.set_xlabel("window position")
     ax.set_ylabel("acceptance rate")
     ax.set_ylim(0, 1.05)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return {"acceptance_plot": str(path)}
+    figures["acceptance"] = fig
+    files: dict[str, str] = {}
+    for name, fig in figures.items():
+        fig.tight_layout()
+        fig.savefig(out_dir / f"{name}.png", dpi=120)
+        plt.close(fig)
+        files[f"{name}_plot"] = str(out_dir / f"{name}.png")
+    return files

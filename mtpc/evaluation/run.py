@@ -60,18 +60,9 @@ from mtpc.export import read_config
 logger = logging.getLogger(__name__)
 
 
-PASSES: dict[str, dict[str, Any]] = {
-    "ar": {"method": "autoregressive"},
-    "speculative": {},
-    "max_throughput": {"max_throughput": True},
-}
-"""The decoding passes of an evaluation and their ``mtpc.generate`` overrides; ``tree<B>``
-(from ``tree_budget``) decodes with a token tree of B nodes."""
-
-
 def pass_kwargs(pass_name: str, d: EvalDecoding) -> dict[str, Any]:
-    """The ``mtpc.generate`` keywords of a pass (``ar``, ``speculative``, ``tree<B>``, ...):
-    the decoding settings, the chain's drafting choice for the chain passes."""
+    """The ``mtpc.generate`` keywords of a pass: ``ar``, ``speculative``, ``max_throughput``
+    (accepting every draft) or ``tree<B>`` (a token tree of B nodes)."""
     kwargs = {
         "max_new_tokens": int(d.max_new_tokens), "greedy": bool(d.greedy), "policy": d.policy,
         "temperature": float(d.temperature), "top_k": d.top_k, "top_p": d.top_p,
@@ -81,8 +72,9 @@ def pass_kwargs(pass_name: str, d: EvalDecoding) -> dict[str, Any]:
         budget = int(pass_name.removeprefix("tree"))
         return {**kwargs, "tree_budget": budget, "tree_floor": float(d.tree_floor or 0.0)}
     if pass_name == "ar":
-        return {**kwargs, **PASSES[pass_name]}
-    return {**kwargs, "draft": d.drafting, "proposal": d.proposal, **PASSES[pass_name]}
+        return {**kwargs, "method": "autoregressive"}
+    chain = {**kwargs, "draft": d.drafting, "proposal": d.proposal}
+    return {**chain, "max_throughput": True} if pass_name == "max_throughput" else chain
 
 
 def _progress(enabled: bool, total: int, done: int, desc: str) -> Any:
@@ -93,11 +85,6 @@ def _progress(enabled: bool, total: int, done: int, desc: str) -> Any:
         total=total, initial=done, desc=desc, unit="prompt", leave=False,
         dynamic_ncols=True, disable=None if enabled else True,
     )  # fmt: skip
-
-
-def _step(bar: Any, note: str) -> None:
-    bar.set_postfix_str(note, refresh=False)
-    bar.update()
 
 
 def warmup_prompts(
@@ -210,7 +197,6 @@ class Lane:
     ) -> None:
         self.model = model
         self.settings = s
-        self.draft = draft
         self.pass_name = pass_name
         self.path = None if draft is None else draft["path"]
         self.name = "AR (target)" if draft is None else draft["name"]
@@ -293,7 +279,8 @@ def run_pass(
             refs = [reference.get((k, i), []) for k, i, _ in chunk]
             for (k, _, _), record in zip(chunk, lane.decode(chunk, refs), strict=True):
                 store.append(record)
-                _step(bar, f"set {k + 1}/{len(prompt_sets)}")
+                bar.set_postfix_str(f"set {k + 1}/{len(prompt_sets)}", refresh=False)
+                bar.update()
     finally:
         bar.close()
     lane.close(store, peak_memory_mb(device))
@@ -339,7 +326,8 @@ def run_interleaved(
                     record["slot"] = slot  # its place among this prompt's lanes
                     store.append(record)
                     decoded[lane] += 1
-                    _step(bar, f"set {k + 1}/{len(prompt_sets)}")
+                    bar.set_postfix_str(f"set {k + 1}/{len(prompt_sets)}", refresh=False)
+                    bar.update()
                     if lane.pass_name == "ar":
                         reference[(k, i)] = turn_hashes(record)
     finally:
@@ -371,9 +359,7 @@ def decode_all(
     one after the other (``interleave=true``: all at once, prompt by prompt); returns the
     prompt sets when a model was loaded (None when every record was there)."""
     entries = store.manifest["drafts"]
-    codec = str(s.model.codec)
-    if entries:
-        codec = read_config(Path(entries[0]["path"]))["codec"]
+    codec = read_config(Path(entries[0]["path"]))["codec"] if entries else str(s.model.codec)
     windows = [d["window"] for d in entries] or [0]
     new = int(s.decoding.max_new_tokens)
     passes = ["speculative"] + (["max_throughput"] if s.run.max_throughput else [])
@@ -476,10 +462,8 @@ def evaluate(
     baseline_set = {b.resolve() for b in base_paths}
     drafts = [d for d in drafts if d.resolve() not in baseline_set]  # also the baseline: once
     if drafts or base_paths:  # the target comes from the drafts
-        if explicit_model is None:
-            explicit_model = hydra_model_overrides(cfg)
-        target = resolve_target(s.model, [*drafts, *base_paths], explicit_model)
-        s = replace(s, model=target)
+        explicit = hydra_model_overrides(cfg) if explicit_model is None else explicit_model
+        s = replace(s, model=resolve_target(s.model, [*drafts, *base_paths], explicit))
     if s.run.num_threads:
         torch.set_num_threads(int(s.run.num_threads))
     use_device(str(s.run.device))  # device=cuda:1: kernels and counters on GPU 1

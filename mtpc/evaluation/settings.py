@@ -1,11 +1,7 @@
 """The settings of an evaluation (``eval.py``) and of a regeneration (``scripts/regenerate.py``),
-read from the Hydra config once, at the door (docs/DESIGN.md).
-
-The ``from_cfg`` methods are the only readers of the raw config (:func:`get_field` is used here
-and nowhere else, a test greps for it); each default is written once, below, and equals
-``configs/eval.yaml``'s (``configs/regenerate.yaml``'s), where each field is described. Values
-are kept as given: ``mtpc.evaluation.checks`` refuses a bad one.
-"""
+read from the Hydra config once, at the door, as given (docs/DESIGN.md). Each default is written
+once, here, and equals ``configs/eval.yaml``'s (``configs/regenerate.yaml``'s), where each field
+is described; :func:`get_field` is used here only (a test greps for it)."""
 
 from __future__ import annotations
 
@@ -195,12 +191,9 @@ class Drafter:
 
 @dataclass(frozen=True)
 class EvalSettings:
-    """Everything an evaluation reads from its config (``configs/eval.yaml``), parsed once.
-
-    ``given``: the measurement's settings as the config gives them (:data:`IDENTITY_FIELDS`,
-    None where missing): the manifest records exactly these, so a folder written before this
-    settings layer resumes.
-    """
+    """Everything an evaluation reads from its config, parsed once. ``given``: the settings
+    of :data:`IDENTITY_FIELDS` as the config gives them (None where missing): the manifest
+    records exactly these, so a folder written before this settings layer resumes."""
 
     draft: Any = None
     baseline: Any = None
@@ -251,12 +244,8 @@ class EvalSettings:
 
 def explicit_model_fields(overrides: list[str], cfg: Any) -> dict[str, Any]:
     """The ``model.*`` fields a command line sets (``model=<group>`` sets ``name``), with the
-    values ``cfg`` composed for them; every other field of ``cfg.model`` is a group default.
-
-    Args:
-        overrides: Hydra's task overrides (``HydraConfig.get().overrides.task``), e.g.
-            ``["draft=d", "model=evabyte", "model.path=/ckpt"]``.
-    """
+    values ``cfg`` composed for them; ``overrides``: Hydra's task overrides, e.g.
+    ``["draft=d", "model=evabyte", "model.path=/ckpt"]``."""
     fields: dict[str, Any] = {}
     for override in overrides:
         key = override.split("=", 1)[0].lstrip("+~")
@@ -302,23 +291,11 @@ class Settings:
         the same byte for byte; sampled output the same in distribution (not per seed), so a
         sampled folder records the decoder too.
         """
-        law: dict[str, Any] = {
-            "greedy": self.greedy,
-            "max_new_tokens": self.max_new_tokens,
-            "seed": self.seed,
-        }
-        if not self.greedy:
-            law |= {
-                "temperature": self.temperature,
-                "top_k": self.top_k,
-                "top_p": self.top_p,
-                "method": self.method,
-                "draft": self.draft,
-                "policy": self.policy,
-                "drafting": self.drafting,
-                "proposal": self.proposal,
-            }
-        return law
+        keys: tuple[str, ...] = ("greedy", "max_new_tokens", "seed")
+        if not self.greedy:  # the sampling parameters, then the decoder
+            keys += ("temperature", "top_k", "top_p")
+            keys += ("method", "draft", "policy", "drafting", "proposal")
+        return {k: getattr(self, k) for k in keys}
 
 
 def _regenerate_folder(cfg: Any, decoder: Settings) -> str:
@@ -338,12 +315,9 @@ fingerprint and name)."""
 
 @dataclass(frozen=True)
 class RegenerateSettings:
-    """Everything a regeneration reads from its config (``configs/regenerate.yaml``), parsed once.
-
-    ``decoder``: the manifest's ``settings`` and ``decoder``; ``data``: the fields of
+    """Everything a regeneration reads from its config, parsed once. ``data``: the fields of
     :data:`REGENERATE_DATA` (None where missing); ``root_dir`` None: the working directory;
-    ``batch_size`` is not part of the manifest (the rows do not depend on it).
-    """
+    ``batch_size`` is not part of the manifest (the rows do not depend on it)."""
 
     decoder: Settings = field(default_factory=Settings)
     model: ModelSettings = field(default_factory=ModelSettings)
@@ -359,8 +333,7 @@ class RegenerateSettings:
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> RegenerateSettings:
-        """Reads every field a regeneration uses (``mtpc.config.validate_regenerate_config``
-        checks them first: ``checks.parse_regenerate``)."""
+        """Reads every field a regeneration uses (checked first: ``checks.parse_regenerate``)."""
         d = Settings()
         draft = _read(cfg, "draft")
         top_p = _read(cfg, "top_p", d.top_p)
