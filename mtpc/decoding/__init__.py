@@ -85,29 +85,13 @@ def generate(
     tree_floor: float = 0.0,
     batch_size: int | None = None,
 ) -> GenerationResult | list[GenerationResult]:
-    """Generates a continuation of one prompt, or of each of many, with the target of ``model``.
+    """Generates a continuation of one prompt (ids, or a (T,) / (1, T) tensor), or of each of
+    a list of prompts (then a list of results, in order), with the target of ``model``.
 
     The output is the target's: greedy, token for token; sampled, in distribution (``drop`` is
-    exact for greedy only). The arguments: docs/DECODING.md, "API" and "Drafting".
-
-    Args:
-        prompt_ids: one prompt (ids, or a (T,) / (1, T) tensor), or a list of prompts.
-        seed: many prompts: one for all or one each (each row draws from its own generator:
-            its output never depends on the others).
-        draft, proposal: None: the family's measured default.
-        stop_ids: None: the codec's; ``()``: never stop early.
-        drafter: test hook replacing the circuit draft (``speculative.Drafter``).
-        tree_budget: nodes per token tree (0 or None: a chain); a backbone without tree
-            attention verifies the chain.
-        batch_size: many prompts: rows decoded at once (a finished row's place goes to the
-            next prompt); None: all; 1: one at a time (EvaByte: only this).
-
-    Returns:
-        A :class:`GenerationResult`; a list of them, in order, for a list of prompts (at
-        ``batch_size`` > 1 a row's times are its shares of the batch's cycles).
-
-    Raises:
-        ValueError: bad arguments or prompts (empty, too long): before any decoding.
+    exact for greedy only). The arguments, the result and the refusals (ValueError, before
+    any decoding): docs/DECODING.md, "API", "Drafting" and "Many prompts at once"; ``drafter``
+    is a test hook replacing the circuit draft (``speculative.Drafter``).
     """
     many = is_prompt_list(prompt_ids)
     items = list(prompt_ids) if many else [prompt_ids]

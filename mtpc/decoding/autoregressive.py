@@ -12,23 +12,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mtpc.decoding.common import GenerationResult, Request, emit
-from mtpc.decoding.layout import Padded, Stream
-from mtpc.decoding.loop import Layout, Row, Run, new_row, new_run, schedule
+from mtpc.decoding.common import GenerationResult, Request
+from mtpc.decoding.loop import Layout, Outcome, Row, Run, decode, new_row, settle
 
 
-@torch.no_grad()
 def autoregressive_generate(
     model: Any, prompts: Sequence[Tensor], requests: Sequence[Request], size: int = 1
 ) -> list[GenerationResult]:
-    """One token per target pass for every row; ``prompts`` ``(T_b,)``, ``requests`` checked
-    (``check_request``); ``size``: rows at once (1: each prompt in the model's own caches).
-    One result per prompt, one cycle per token."""
-    if size == 1:
-        return [schedule(new_run(model, r, None), [p], [r], Stream(model), 1, prefill, step)[0]
-                for p, r in zip(prompts, requests, strict=True)]  # fmt: skip
-    run = new_run(model, requests[0], None)
-    return schedule(run, prompts, requests, Padded(model), size, prefill, step)
+    """One token per target pass for every row (``loop.decode``, no proposer)."""
+    return decode(model, prompts, requests, None, size, prefill, step)
 
 
 def prefill(run: Run, layout: Layout, new: Sequence[tuple[int, Request, Tensor]]) -> list[Row]:
@@ -43,17 +35,11 @@ def prefill(run: Run, layout: Layout, new: Sequence[tuple[int, Request, Tensor]]
 
 def step(run: Run, layout: Layout, rows: Sequence[Row]) -> list[Row]:
     """One token of every row (the target's choice); returns the rows done."""
-    clock, request = run.clock, run.request
+    clock = run.clock
     done, going, tokens = [], [], []
     for row in rows:
         token = run.rule.pick(row.kept_logits[0], row.generator)
-        res = row.res
-        _, res.stopped = emit(res.tokens, [token], request, request.suppress_eos)
-        res.accepted.append(0)
-        res.emitted.append(1)
-        res.drafted.append(0)
-        res.offsets.append(0)
-        if res.stopped or len(res.tokens) >= request.max_new_tokens:
+        if settle(run, row, 0, Outcome([], token, drafted=0, keep=0, after=0)) is None:
             done.append(row)
         else:
             going.append(row)

@@ -24,50 +24,38 @@ SECTIONS = ("model", "head", "circuit", "verify", "cache")
 class GenerationResult:
     """Output of one prompt's decoding (``mtpc.generate``, ``mtpc.generate_hetero``).
 
-    Attributes:
-        tokens: the new ids, at most ``max_new_tokens``; ends with the stop id if one came.
-        accepted: drafts accepted per cycle (0 for every autoregressive step).
-        emitted: tokens appended per cycle (``accepted`` + the kept correction / bonus); the
-            last cycle may be cut by ``max_new_tokens`` or a stop id; sums to ``len(tokens)``.
-        drafted: drafts verified per cycle (n, or n - 1 when the window's first position is
-            the pending token, given as evidence; a tree's deepest node's depth).
-        offsets: window position of the first verified draft per cycle (1: after evidence).
-        cycle_seconds: synchronised wall time per cycle; many prompts at once: the row's
-            share of each batch cycle, so the rows' seconds add up to the call's wall time.
-        prefill_seconds: the prompt pass (many prompts: the row's share); ``seconds``: total.
-        trunk_passes: trunk calls after the prefill (one per cycle, plus one per recompute).
-        draft_rule: a ``DraftRule`` value, or ``tree<B>``; ``draft``, ``proposal``: the
-            drafting choice (``proposal`` None when greedy or for trees).
-        breakdown: ``profile=True``: seconds per section (:data:`SECTIONS`, ``overhead``).
-        nodes: token trees: draft nodes verified per cycle.
-        expected: token trees: per cycle, the circuit's predicted probability that at least
-            d drafts are accepted, d = 1..depth (sum of q over the depth-d nodes).
-        text, target_passes, drafter_passes, algorithm: ``mtpc.generate_hetero``'s (passes
-            with the prefill and psi enumeration; ``ar`` for the evaluation's reference).
+    ``emitted``: tokens appended per cycle (``accepted`` + the kept correction / bonus; the
+    last cycle may be cut short), sums to ``len(tokens)``. ``drafted``: drafts verified per
+    cycle (n, or n - 1 when the window's first position is the pending token, given as
+    evidence; a tree's deepest node's depth). ``cycle_seconds``, ``prefill_seconds``:
+    synchronised wall times; many prompts at once, the row's share of each batch cycle, so
+    the rows' seconds add up to the call's wall time. ``expected`` (token trees): per cycle,
+    the circuit's probability that at least d drafts are accepted, d = 1..depth (the sum of
+    q over the depth-d nodes).
     """
 
-    tokens: list[int]
-    accepted: list[int] = field(default_factory=list)
+    tokens: list[int]  # the new ids (<= max_new_tokens), ending with a stop id if one came
+    accepted: list[int] = field(default_factory=list)  # drafts accepted per cycle (AR: 0)
     emitted: list[int] = field(default_factory=list)
     drafted: list[int] = field(default_factory=list)
-    offsets: list[int] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)  # first verified window position
     cycle_seconds: list[float] = field(default_factory=list)
     prefill_seconds: float = 0.0
-    seconds: float = 0.0
-    trunk_passes: int = 0
-    stopped: bool = False
-    method: str = "speculative"
+    seconds: float = 0.0  # prefill + cycles
+    trunk_passes: int = 0  # after the prefill: one per cycle, plus one per recompute
+    stopped: bool = False  # a stop id ended the generation
+    method: str = "speculative"  # | autoregressive | hetero
     policy: str | None = None
-    draft_rule: str | None = None
+    draft_rule: str | None = None  # a DraftRule value, or tree<B>
     draft: str | None = None
-    proposal: str | None = None
-    breakdown: dict[str, float] | None = None
-    nodes: list[int] = field(default_factory=list)
+    proposal: str | None = None  # None when greedy or for trees
+    breakdown: dict[str, float] | None = None  # profile: seconds per section + overhead
+    nodes: list[int] = field(default_factory=list)  # token trees: nodes verified per cycle
     expected: list[list[float]] = field(default_factory=list)
-    text: str = ""
-    target_passes: int = 0
-    drafter_passes: int = 0
-    algorithm: str | None = None
+    text: str = ""  # mtpc.generate_hetero's: the tokens' text (specials skipped)
+    target_passes: int = 0  # hetero: prefill included
+    drafter_passes: int = 0  # hetero: psi enumeration included
+    algorithm: str | None = None  # hetero's (ar: the evaluation's reference)
 
     @property
     def num_cycles(self) -> int:
@@ -125,19 +113,16 @@ def prompt_tensor(model: Any, prompt_ids: Any, name: str = "prompt_ids") -> Tens
             )
         ids = prompt_ids.detach().to("cpu", torch.long)
     else:
+        bad = f"{name} must be a list of ints or a 1-D / (1, T) tensor; got {prompt_ids!r:.80}"
         try:
             items = list(prompt_ids)
         except TypeError as err:
-            raise ValueError(
-                f"{name} must be a list of ints or a 1-D / (1, T) tensor; got {prompt_ids!r:.80}"
-            ) from err
+            raise ValueError(bad) from err
         check_ids(name, items)  # SettingsError is a ValueError
         try:
             ids = torch.tensor(items, dtype=torch.long)
         except (TypeError, ValueError, RuntimeError) as err:
-            raise ValueError(
-                f"{name} must be a list of ints or a 1-D / (1, T) tensor; got {prompt_ids!r:.80}"
-            ) from err
+            raise ValueError(bad) from err
     if ids.dim() == 2 and ids.shape[0] == 1:
         ids = ids[0]
     if ids.dim() != 1:

@@ -1,35 +1,12 @@
 """Lossless speculative decoding across heterogeneous vocabularies (Timor et al., 2025).
 
-``generate_hetero(target, target_tokenizer, drafter, drafter_tokenizer, prompt, algorithm=...)``
-decodes with a drafter whose vocabulary differs from the target's. Algorithm numbers are the
-paper's:
-
-* ``standard`` (Alg. 5): same-vocabulary speculative decoding (checked: the two vocabularies
-  must be identical id for id).
-* ``union`` (Alg. 1): both distributions extended to T ∪ D; a drafted token outside T is
-  always rejected. Kept as the baseline TLI provably beats (Thm 4.1).
-* ``tli`` (Alg. 4): the drafter renormalised over T ∩ D (matched by bytes, see
-  :mod:`mtpc.decoding.vocab`), standard rejection sampling.
-* ``slem`` (Alg. 2): draft ``lookahead`` drafter tokens, decode them to bytes, re-tokenise
-  with the target (aligned against the last accepted target tokens with a bounded
-  look-behind, for non-injective tokenizers), verify all in one target pass by exact match
-  with the target's own choices, accept the longest matching prefix plus the target's next
-  token. Every emitted token is the target's own choice, so greedy SLEM output equals the
-  target's greedy decoding token for token; with ``greedy=False`` the target's choices are
-  samples, which is lossless too.
-* ``slrs`` (Alg. 3): draft until the target's first token is determined, propose
-  t = the longest eligible target token that prefixes the drafted bytes, accept it with
-  probability min(1, p(t) / psi(t)), otherwise sample the residual norm(max(0, p - psi)).
-  psi(t) is the drafter's probability of proposing t: ``psi = "enumerate"`` sums drafter
-  token paths over a prefix tree (bounded by ``max_psi_paths`` drafter passes);
-  ``psi = "circuit"`` (an MTPCModel drafter) reads it from the circuit's prefix marginals,
-  psi(t) = q(bytes t) - sum over minimal eligible extensions t' of q(bytes t').
-
-Targets and HF drafters run with KV caches (:class:`CachedLM`); the drafter's context is the
-generated text re-encoded with its own tokenizer each cycle (the cache keeps the common
-prefix). Verification uses the shared rules of :mod:`mtpc.decoding.verify`.
-
-See docs/HETERO.md.
+``generate_hetero`` decodes with a drafter whose vocabulary differs from the target's:
+``standard`` (Alg. 5, identical vocabularies), ``union`` (Alg. 1), ``tli`` (Alg. 4, the
+drafter renormalised over T ∩ D by bytes), ``slem`` (Alg. 2, string-level exact match with
+the target's own choices) and ``slrs`` (Alg. 3, string-level rejection sampling, psi by
+enumerated drafter paths or from an MTPC circuit's prefix marginals). Targets and HF drafters
+run with KV caches (:class:`CachedLM`); verification is :mod:`mtpc.decoding.verify`'s. See
+docs/HETERO.md, "Algorithms".
 """
 
 from __future__ import annotations
@@ -51,8 +28,6 @@ from mtpc.backbones.compat import (
     output_cache,
 )
 from mtpc.decoding.common import GenerationResult, TargetRule, cut_at_stop
-from mtpc.decoding.settings import ALGORITHMS as ALGORITHMS  # re-exported: the old home
-from mtpc.decoding.settings import PSI_METHODS as PSI_METHODS
 from mtpc.decoding.settings import check_settings
 from mtpc.decoding.verify import verify_greedy, verify_sampling
 from mtpc.decoding.vocab import (
@@ -80,14 +55,9 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class CachedLM:
-    """An HF causal LM with a KV cache that follows a token sequence.
-
-    :meth:`logits` makes the cache cover ``seq`` (reusing the longest common prefix with
-    the previous call, cropping the rest) and returns the last ``rows`` next-token logits.
-    Models whose output has no cache (stubs) are re-run on the whole sequence. The cache
-    keyword (``cache`` from transformers 5.24, ``past_key_values`` before) is read from the
-    model's signature once; a cache that does not grow by what a pass fed it is refused.
-    """
+    """An HF causal LM with a KV cache that follows a token sequence (reusing the common prefix
+    with the last call). Models whose output has no cache (stubs) are re-run on the whole
+    sequence; a cache that does not grow by what a pass fed it is refused."""
 
     def __init__(self, model: Any) -> None:
         self.model = model
@@ -124,12 +94,8 @@ class CachedLM:
 
 
 class CircuitDrafter:
-    """A byte-level MTPCModel as an SLRS drafter: exact conditionals and prefix marginals.
-
-    Args:
-        model: the MTPCModel (its backbone's ids are the codec's byte ids).
-        tokenizer: the codec adapter of the model's vocabulary.
-    """
+    """A byte-level MTPCModel as an SLRS drafter: exact conditionals and prefix marginals
+    (``tokenizer``: the codec adapter of its vocabulary)."""
 
     def __init__(self, model: Any, tokenizer: TokenizerAdapter) -> None:
         if not isinstance(tokenizer, CodecTokenizer):
@@ -190,8 +156,8 @@ def _is_mtpc(model: Any) -> bool:
 
 
 class _Session:
-    """State of one decoding run: target context, generated bytes, drafter context, and the
-    decision rule of the target (and of an HF drafter) with its generator."""
+    """One decoding run: target context, generated bytes, drafter context, and the decision
+    rule of the target (and of an HF drafter) with its generator."""
 
     def __init__(
         self,
@@ -235,7 +201,7 @@ class _Session:
 
     @property
     def drafter_passes(self) -> int:
-        return self.circuit.passes if self.circuit is not None else self.dlm.passes  # type: ignore[union-attr]
+        return (self.circuit or self.dlm).passes  # type: ignore[union-attr]
 
 
 # --- SLEM (Alg. 2) --------------------------------------------------------------------------
@@ -244,14 +210,8 @@ class _Session:
 def to_target_tokens(
     t_tok: TokenizerAdapter, context: Sequence[int], draft: bytes, look_behind: int = 8
 ) -> list[int]:
-    """Target tokens continuing ``context`` with the bytes ``draft`` (SLEM line 7).
-
-    A byte codec tokenises context-free. Otherwise the draft is encoded together with the
-    last k <= ``look_behind`` context tokens, and the largest k whose re-encoding reproduces
-    those k tokens aligns the new tokens (non-injective tokenizers: normalisation or merges
-    across the boundary change the re-encoding of the look-behind; smaller k are tried down
-    to k = 0, the draft alone). Returns [] when the draft cannot be expressed.
-    """
+    """Target tokens continuing ``context`` with the bytes ``draft`` (SLEM line 7; the
+    look-behind alignment: docs/HETERO.md, "Algorithms"); [] when it cannot be expressed."""
     if not draft:
         return []
     try:
@@ -365,21 +325,14 @@ def _token_cycle(sess: _Session, algorithm: str, lookahead: int) -> tuple[list[i
 
 @dataclass
 class SLRSTable:
-    """Eligible target tokens for SLRS proposals (non-special, 1..max_len bytes).
+    """Eligible target tokens for SLRS proposals (non-special, 1..max_len bytes)."""
 
-    Attributes:
-        ids: bytes -> target id.
-        strict_prefixes: proper prefixes of eligible tokens (b"" included): while the
-            drafted bytes are one of them, a longer eligible token may still match.
-        extensions: target id -> ids of its minimal eligible extensions (no other eligible
-            extension of t is a proper prefix of t'); their prefix events are disjoint.
-        max_len: the longest eligible token.
-    """
-
-    ids: dict[bytes, int]
+    ids: dict[bytes, int]  # bytes -> target id
+    # proper prefixes of eligible tokens (b"" included): a longer token may still match
     strict_prefixes: set[bytes]
+    # target id -> its minimal eligible extensions (their prefix events are disjoint)
     extensions: dict[int, list[int]]
-    max_len: int
+    max_len: int  # the longest eligible token
 
     @classmethod
     def build(cls, t_tok: TokenizerAdapter, max_len: int) -> SLRSTable:
@@ -431,17 +384,9 @@ def _prefix_upper(r: bytes) -> bytes | None:
 
 
 class PathEnumerator:
-    """Prefix probabilities of a drafter's byte stream by enumerating token paths.
-
-    Q(b) = P(the drafted bytes start with b) = sum over drafter token paths d_1..d_k whose
-    first k-1 tokens spell a proper prefix of b and whose k-th token covers the rest of b,
-    of prod q(d_j | context, d_<j). Each path prefix is one drafter pass, memoised per cycle.
-
-    Args:
-        dist: path -> q(. | context, path) over drafter ids, (V_D,).
-        token_bytes: bytes of each drafter id (None: special, ends the text).
-        max_paths: bound on drafter passes; past it :class:`PsiBoundError` names the token.
-    """
+    """Prefix probabilities Q(b) of a drafter's byte stream by enumerating token paths
+    (docs/HETERO.md, "SLRS"); ``dist``: path -> q(. | context, path) ``(V_D,)``, one drafter
+    pass per path prefix, memoised, at most ``max_paths`` (then :class:`PsiBoundError`)."""
 
     def __init__(
         self,
@@ -606,38 +551,10 @@ def generate_hetero(
 ) -> GenerationResult:
     """Lossless speculative decoding with a drafter of another vocabulary.
 
-    Args:
-        target: HF causal LM (``model(input_ids, past_key_values, use_cache)``).
-        target_tokenizer: its tokenizer: an HF fast tokenizer or an MTPC byte codec.
-        drafter: HF causal LM, or an MTPCModel on a byte-level backbone (``slrs`` only).
-        drafter_tokenizer: the drafter's tokenizer (HF fast tokenizer or byte codec).
-        prompt: text (encoded with the target tokenizer, BOS added) or target ids.
-        algorithm: ``slem`` | ``tli`` | ``slrs`` | ``union`` | ``standard``.
-        lookahead: drafter tokens per cycle (slem/tli/union/standard); for slrs the
-            longest target token (in bytes) that can be proposed (the threshold n of S_1;
-            drafting stops earlier once the first target token is determined).
-        greedy: argmax decoding (exact match); False: sampling from the processed target.
-        seed: seed of the generator used for drafts, acceptance tests and samples.
-        max_new_tokens: new target tokens at most.
-        temperature: sampling temperature (target and HF drafter).
-        top_k: top-k filtering (target and HF drafter).
-        top_p: nucleus filtering (target and HF drafter).
-        look_behind: SLEM: context tokens re-encoded with the draft to align tokenizations.
-        max_psi_paths: SLRS: bound on drafter passes of one psi enumeration.
-        psi: SLRS: ``circuit`` (MTPCModel drafter, prefix marginals), ``enumerate``
-            (token paths), ``auto`` (circuit when possible).
-        stop_ids: target ids that end generation (default: the target tokenizer's).
-
-    Returns:
-        A :class:`mtpc.decoding.common.GenerationResult` with ``method="hetero"``:
-        ``tokens`` (cut at a stop id or ``max_new_tokens``), ``text``, ``accepted`` (accepted
-        drafted target tokens per target pass), ``target_passes`` (prefill included),
-        ``drafter_passes``, ``seconds``, ``algorithm``.
-
-    Raises:
-        ValueError: bad settings; HeteroVocabularyError: empty T ∩ D for tli, different
-            vocabularies for standard; InexpressibleTextError: the drafter's tokenizer
-            cannot express the text; PsiBoundError: psi enumeration past its bound.
+    The arguments, the result (``method="hetero"``) and the errors: docs/HETERO.md, "API" and
+    "Errors". ``drafter``: an HF causal LM, or an MTPCModel on a byte-level backbone (``slrs``
+    only); ``prompt``: text (BOS added) or target ids; ``lookahead``: drafter tokens per cycle,
+    for ``slrs`` the longest target token (in bytes) that can be proposed.
     """
     checked = check_settings(  # model-free: the same refusals as mtpc.generate and evaluate
         algorithm=algorithm, lookahead=lookahead, greedy=greedy, seed=seed,
@@ -681,8 +598,7 @@ def _slrs_table(t_tok: TokenizerAdapter, lookahead: int) -> SLRSTable:
 
 
 def _psi_method(drafter: Any, algorithm: str, psi: str) -> str:
-    """SLRS's psi for this drafter (``auto``: ``circuit`` for an MTPCModel, else
-    ``enumerate``); an MTPCModel drafter works with ``slrs`` only."""
+    """SLRS's psi for this drafter (``auto``: ``circuit`` for an MTPCModel, else ``enumerate``)."""
     if _is_mtpc(drafter):
         if algorithm != "slrs":
             raise ValueError(
@@ -721,8 +637,7 @@ def _decode(
     stops: set[int],
     algorithm: str,
 ) -> GenerationResult:
-    """Runs ``cycle`` (new target tokens, drafts accepted) until ``max_new_tokens`` or a stop
-    id (:func:`mtpc.decoding.common.cut_at_stop`)."""
+    """Runs ``cycle`` (new target tokens, drafts accepted) until ``max_new_tokens`` or a stop."""
     res = GenerationResult(tokens=[], method="hetero", algorithm=algorithm)
     start = cycle_start = time.perf_counter()
     while len(res.tokens) < max_new_tokens:

@@ -1,32 +1,13 @@
 """Where the rows of one decoding call keep their caches: one stream, or one padded batch.
 
-The decoding loop (``mtpc.decoding.loop``) and the autoregressive decoder ask a layout for
-four things, for any list of the rows it holds:
-
-* ``target(rows, ids, trees)``: ONE trunk + verifier-tail pass over each row's new ids
-  (``(T_b,)``, a token tree's ``(depth, mask)`` or a chain), appended to the row's caches;
-  returns each row's trunk states ``(1, T_b, d)`` and target logits ``(T_b, V)``;
-* ``keep(rows, keeps)``: drops the rejected positions of that pass (a kept prefix length, or
-  ``(K,)`` kept offsets);
-* ``draft(rows, states)``: the draft tail over each row's kept states ``(1, K_b, d)``;
-  returns the last one's output ``(1, d)`` (None when K_b = 0);
-* ``release(rows)``: the rows have finished.
-
-:class:`Stream` holds one row in the model's own caches: every backbone (EvaByte included),
-the batch-1 numerics the exactness tests pin. :class:`Padded` holds B rows in ONE set of
-caches with a batch dimension, for backbones with ``supports_batch`` (the Llama family).
-
-The padded layout is exact by construction: each component's cache has P physical slots
-per row and :class:`Slots` records which of them hold that row's positions (a row's slots
-are its own: a rejected draft's slot, a padding slot or a left row's slot is never valid
-for another row). A pass appends T = max T_b slots to every row; row b attends exactly its
-valid slots and, among the new ones, its causal chain or tree (``attend``); its positions
-(rotary) are its own cache length + offset. Rejected slots become invalid; slots no row
-holds are cropped at the end; when the holes grow past a quarter of the cache, every row
-is packed to the left (:meth:`Slots.take`, also how finished rows leave). A masked key
-gets an additive -inf-like score, so its softmax weight is exactly 0: a row's numbers are
-those of its own sequence up to floating-point summation order (equal in float64;
-docs/DECODING.md, "Many prompts at once", measures float32).
+A layout does four things for any list of its rows: ``target`` (ONE trunk + verifier-tail
+pass over each row's new ids, a chain or a token tree: the trunk states ``(1, T_b, d)`` and
+target logits ``(T_b, V)``), ``keep`` (drop the rejected positions: a prefix length or
+``(K,)`` offsets), ``draft`` (the draft tail over the kept states: the last output ``(1, d)``,
+None when there are none) and ``release`` (finished rows leave). :class:`Stream`: one row in
+the model's own caches (every backbone; the batch-1 numerics the exactness tests pin);
+:class:`Padded`: B rows in one batched cache, each reading only its own slots
+(:class:`Slots`). See docs/DECODING.md, "Many prompts at once" (why it is exact).
 """
 
 from __future__ import annotations
@@ -105,10 +86,9 @@ class Stream:
 class Slots:
     """Which physical slots of a batched component cache hold which row's positions.
 
-    Args:
-        model: the ``MTPCModel`` (its backbone moves the native caches).
-        caches: the components sharing this layout (trunk and verifier tail see the same
-            positions; the draft tail has its own).
+    ``caches``: the components sharing this layout (trunk and verifier tail see the same
+    positions; the draft tail has its own). A row's slots are its own: a rejected draft's, a
+    padding or a left row's slot is never valid for another row.
     """
 
     slack = 16
@@ -126,13 +106,9 @@ class Slots:
         return self.valid.sum(1)
 
     def layout(self, offsets: Tensor, inner: Tensor) -> tuple[Tensor, Tensor]:
-        """Positions ``(B, T)`` and visibility ``(B, T, P + T)`` of T new slots per row.
-
-        Args:
-            offsets: ``(B, T)`` each new position's offset from its row's length (a chain's
-                0..T-1, a tree node's depth).
-            inner: ``(B, T, T)`` bool: which new positions each new one sees.
-        """
+        """Positions ``(B, T)`` and visibility ``(B, T, P + T)`` of T new slots per row, given
+        ``offsets`` ``(B, T)`` from each row's length (a chain's 0..T-1, a tree node's depth)
+        and ``inner`` ``(B, T, T)`` bool: which new positions each new one sees."""
         b, t = offsets.shape
         if not self.valid.shape[0]:  # a fresh batch
             self.valid = self.valid.new_zeros(b, 0)
@@ -225,11 +201,8 @@ class Slots:
 
 
 class Padded:
-    """B rows in one set of caches with a batch dimension (``supports_batch`` backbones).
-
-    ``rows`` are held in the caches' batch order; :meth:`admit` adds rows (continuous
-    batching: new prompts take the places of finished ones), :meth:`release` removes them.
-    """
+    """B rows, in ``rows``' order, in one set of caches with a batch dimension
+    (``supports_batch`` backbones); :meth:`admit` adds rows, :meth:`release` removes them."""
 
     def __init__(self, model: Any) -> None:
         self.model = model
@@ -335,8 +308,7 @@ class Padded:
         real = torch.zeros(b, width, dtype=torch.bool, device=device)
         for i, s in zip(order, states, strict=True):
             hidden[i, : s.shape[1]], real[i, : s.shape[1]] = s[0], True
-        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-        inner = causal | torch.eye(width, dtype=torch.bool, device=device)
+        inner = torch.ones(width, width, dtype=torch.bool, device=device).tril()  # causal
         offsets = torch.arange(width, device=device).expand(b, width)
         positions, attend = slots.layout(offsets, inner.expand(b, -1, -1))
         out = model.draft_tail(hidden, self.caches.draft, positions, attend=attend)  # (B, K, d)

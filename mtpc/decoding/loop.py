@@ -1,36 +1,14 @@
 """The self-speculative decoding loop, written once for chains and token trees (paper Alg. 2).
 
-One trunk pass per draft/verify cycle. Notation: e_t is the state after reading x_t; the
-verifier at e_t gives p(x_{t+1} | x_<=t), the draft at e_t gives the circuit
-q(x_{t+1..t+n} | x_<=t).
-
-A cycle (:func:`cycle`) starts from the last processed state e_t, its circuit parameters
-theta_t (the head there: :class:`HeadState`), and either
-
-* nothing pending (after the prefill, a ``recompute`` or a ``drop``): the verifier's
-  p(x_{t+1} | x_<=t) is kept from the previous pass; draft x_{t+1..t+n} ~ q; or
-* a pending token c = x_{t+1} (``condition``: the previous cycle's correction or bonus,
-  already emitted): draft x_{t+2..t+n} ~ q(. | x_{t+1} = c), the circuit conditioned on c
-  as evidence (exact for a PC).
-
-A :class:`Proposer` drafts and verifies: a chain (``speculative.Chain``, one branch of n
-tokens) or a token tree (``tree.Tree``, B nodes under a tree mask). The rest is the loop's:
-one trunk + verifier-tail pass over [c] + the drafts gives the target's distributions after
-every drafted prefix; the proposer accepts s drafts and names the next token (correction,
-or bonus when every draft was accepted); the caches keep the pending token and the accepted
-positions; the draft tail runs on exactly those kept trunk states (the new e_t, theta_t).
-
-Resume policies for the emitted correction / bonus token (:func:`resume`):
-
-* ``condition`` (default): keep it as the next cycle's pending token (no extra pass; every
-  cycle emits s + 1 tokens). Exact for greedy and sampling.
-* ``recompute``: keep it and run one extra trunk pass on it for its state. Exact.
-* ``drop``: the paper's Alg. 2: drop it when s >= 1 and redraft from e_{t+s} (the next
-  cycle re-verifies that position); when s = 0 keep it and recompute. Exact for greedy
-  only; biased for sampling (target p = (1/2, 1/2), a draft that always proposes A:
-  P(A) = 3/4 at the second position).
-
-A sequence's state is one :class:`Row` and the cycle a function of it.
+e_t is the state after reading x_t; the verifier at e_t gives p(x_{t+1} | x_<=t), the draft
+there the circuit q(x_{t+1..t+n} | x_<=t). A :func:`cycle` starts from e_t (its head:
+:class:`HeadState`) with either nothing pending (p(x_{t+1}) kept from the last pass) or a
+pending token c = x_{t+1} (``condition``), which the circuit is conditioned on as evidence. A
+:class:`Proposer` (``speculative.Chain`` or ``tree.Tree``) drafts; one trunk + verifier-tail
+pass over [c] + the drafts gives the target after every drafted prefix; the proposer accepts
+s drafts and names the next token; the caches keep c and the accepted positions, and the
+draft tail runs on exactly those states. :func:`resume` applies the policy to the emitted
+token. See docs/DECODING.md, "The cycle" (the policies, and why ``drop`` is biased).
 """
 
 from __future__ import annotations
@@ -50,17 +28,10 @@ Layout = Stream | Padded
 
 
 class HeadState:
-    """The draft head at one decoding state, evaluated only where a draft step asks.
-
-    Args:
-        model: an ``MTPCModel``.
-        hidden: the draft tail's output at the state, ``(1, d)``.
-        temperature: divides the input logits (sampling), None or 1.0: untempered.
-        lap: ``Stopwatch.lap``; the rows of W are charged to ``head``, the work before them
-            to ``circuit``.
-
-    Tempering the input units is a different (still normalised) circuit q, not the tempered
-    joint; any q keeps the output exact, a closer one is accepted more often.
+    """The draft head at one state (``hidden`` ``(1, d)``, the draft tail's output), evaluated
+    only where a draft step asks. ``temperature`` divides the input logits: a different
+    (normalised) circuit q, not the tempered joint; any q keeps the output exact. ``lap``:
+    ``Stopwatch.lap`` (the rows of W are charged to ``head``, the work before to ``circuit``).
     """
 
     def __init__(
@@ -100,15 +71,8 @@ class HeadState:
         return self._sum_logw
 
     def leaf_logp(self, positions: Tensor, units: Tensor | None = None) -> Tensor:
-        """Normalised (tempered) log phi of some input units, in fp32.
-
-        Args:
-            positions: ``(k,)`` window positions.
-            units: ``(k,)`` one unit per position, or None: every unit of the positions.
-
-        Returns:
-            ``(1, k, V)`` with ``units``, ``(1, k, r, V)`` without.
-        """
+        """Normalised (tempered) log phi (fp32) at ``positions`` ``(k,)``: of one unit each
+        (``units`` ``(k,)``): ``(1, k, V)``; of every unit (None): ``(1, k, r, V)``."""
         return self._tempered(torch.log_softmax(self.leaf_logits(positions, units), -1))
 
     def leaf_logits(self, positions: Tensor, units: Tensor | None = None) -> Tensor:
@@ -184,8 +148,7 @@ class Outcome:
 
 
 class Proposer(Protocol):
-    """What drafts and verifies: a chain or a token tree. ``labels`` name it in the result
-    (its ``draft_rule``, ``draft`` and ``proposal``)."""
+    """What drafts and verifies: a chain or a token tree (``labels``: its result fields)."""
 
     labels: dict[str, Any]
 
@@ -193,9 +156,8 @@ class Proposer(Protocol):
         """Work done as soon as a new state exists (a tree: theta_t's whole table)."""
 
     def draft(self, row: Row, evidence: Tensor | None, span: int) -> Proposal:
-        """Drafts from ``row.state`` given the pending token ``evidence`` ``(1, 1)`` (or
-        None); ``span``: positions one pass verifies exactly (EvaByte: to its window's end),
-        the pending token included."""
+        """Drafts from ``row.state`` given the pending token ``evidence`` ``(1, 1)`` or None;
+        ``span``: positions one pass verifies exactly, the pending token included."""
         ...
 
     def draft_rows(
@@ -206,7 +168,7 @@ class Proposer(Protocol):
 
     def verify(self, run: Run, row: Row, proposal: Proposal, target: Tensor) -> Outcome:
         """Accepts drafts given ``target`` ``(T + 1 - pre, V)``: the target's logits at the
-        first drafted position, then after each drafted position (row 1 + i: after draft i)."""
+        first drafted position, then after each (row 1 + i: after draft i)."""
         ...
 
 
@@ -221,8 +183,7 @@ class Run:
     clock: Stopwatch
 
     def head_state(self, hidden: Tensor, timed: bool = True) -> HeadState:
-        """The head at a new state ``(1, d)``, tempered when sampling; ``timed``: its work is
-        charged to the clock's sections."""
+        """The head at a new state ``(1, d)``, tempered when sampling; ``timed``: on the clock."""
         temperature = None if self.request.greedy else self.request.temperature
         return HeadState(self.model, hidden, temperature, self.clock.lap if timed else None)
 
@@ -240,29 +201,23 @@ def decode(
     model: Any,
     prompts: Sequence[Tensor],
     requests: Sequence[Request],
-    proposer: Proposer,
+    proposer: Proposer | None,
     size: int = 1,
+    admit: Admit | None = None,
+    step: Step | None = None,
 ) -> list[GenerationResult]:
-    """Self-speculative decoding of many prompts, one trunk pass per cycle for all rows.
+    """Decodes many prompts, one trunk pass per cycle for all rows (self-speculative; with
+    the autoregressive ``admit`` and ``step``, no proposer: one token per pass).
 
-    Args:
-        model: an ``MTPCModel``.
-        prompts: ``(T_b,)`` ids on the model's device.
-        requests: each prompt's checked arguments (``mtpc.decoding.common.check_request``;
-            they may differ in the seed only).
-        proposer: a chain or a token tree.
-        size: rows decoded at once (1: each prompt in the model's own caches; more: one
-            padded batch, ``mtpc.decoding.layout``); a finished row's place goes to the next
-            prompt.
-
-    Returns:
-        One :class:`GenerationResult` per prompt, in order.
+    ``prompts``: ``(T_b,)`` ids on the device; ``requests``: checked (``check_request``),
+    differing in the seed only; ``size``: rows at once (1: each prompt in the model's own
+    caches; more: one padded batch). One result per prompt, in order.
     """
     if size == 1:
-        return [schedule(new_run(model, r, proposer), [p], [r], Stream(model), 1)[0]
+        return [schedule(new_run(model, r, proposer), [p], [r], Stream(model), 1, admit, step)[0]
                 for p, r in zip(prompts, requests, strict=True)]  # fmt: skip
     run = new_run(model, requests[0], proposer)
-    return schedule(run, prompts, requests, Padded(model), size)
+    return schedule(run, prompts, requests, Padded(model), size, admit, step)
 
 
 def new_run(model: Any, request: Request, proposer: Any) -> Run:
@@ -286,11 +241,8 @@ def schedule(
     step: Step | None = None,
 ) -> list[GenerationResult]:
     """Cycles the rows until every prompt is done, ``size`` at most at once; a finished
-    row's place goes to the next prompt (continuous batching).
-
-    Args:
-        admit: prefills new rows (default: :func:`prefill`, the speculative one).
-        step: one cycle of the rows, returning those done (default: :func:`cycle`).
+    row's place goes to the next prompt (continuous batching). ``admit`` prefills new rows
+    (default :func:`prefill`); ``step`` cycles the rows, returning those done (:func:`cycle`).
     """
     admit, step = admit or prefill, step or cycle
     results: list[GenerationResult | None] = [None] * len(prompts)
@@ -358,7 +310,7 @@ def cycle(run: Run, layout: Layout, rows: Sequence[Row]) -> list[Row]:
     for row, proposal, outcome, states, target in zip(
         rows, proposals, outcomes, hidden, targets, strict=True
     ):
-        drop = settle(run, row, proposal, outcome)
+        drop = settle(run, row, proposal.pre, outcome)
         if drop is None:
             done.append(row)
             continue
@@ -389,9 +341,10 @@ def cycle(run: Run, layout: Layout, rows: Sequence[Row]) -> list[Row]:
     return done
 
 
-def settle(run: Run, row: Row, proposal: Proposal, outcome: Outcome) -> bool | None:
-    """Emits a verified proposal's tokens and records the cycle; None when the row is done,
-    else whether the correction / bonus token is dropped (the ``drop`` policy)."""
+def settle(run: Run, row: Row, pre: int, outcome: Outcome) -> bool | None:
+    """Emits a verified proposal's tokens (``pre``: its pending tokens) and records the cycle
+    (AR: an outcome of no drafts); None when the row is done, else whether the correction /
+    bonus token is dropped (the ``drop`` policy)."""
     request, res = run.request, row.res
     s = len(outcome.accepted)
     drop = request.policy == "drop" and s >= 1 and not request.max_throughput
@@ -400,7 +353,7 @@ def settle(run: Run, row: Row, proposal: Proposal, outcome: Outcome) -> bool | N
     res.accepted.append(s)
     res.emitted.append(count)
     res.drafted.append(outcome.drafted)
-    res.offsets.append(proposal.pre)
+    res.offsets.append(pre)
     row.length += count
     if stopped or len(res.tokens) >= request.max_new_tokens:
         res.stopped = stopped
@@ -411,14 +364,9 @@ def settle(run: Run, row: Row, proposal: Proposal, outcome: Outcome) -> bool | N
 def verify_pass(
     run: Run, layout: Layout, rows: Sequence[Row], proposals: Sequence[Proposal]
 ) -> tuple[list[Tensor], list[Tensor]]:
-    """ONE trunk + verifier-tail pass over the rows' proposals (rows with an empty one:
-    none).
-
-    Returns:
-        Per row, the trunk's states ``(1, T, d)`` and the target's logits
-        ``(T + 1 - pre, V)``: at the first drafted position (the kept ones when nothing is
-        pending), then after each drafted position.
-    """
+    """ONE trunk + verifier-tail pass over the rows' non-empty proposals; per row, the trunk's
+    states ``(1, T, d)`` and the target's logits ``(T + 1 - pre, V)``: at the first drafted
+    position (the kept ones when nothing is pending), then after each drafted position."""
     model = run.model
     busy = [i for i, p in enumerate(proposals) if p.ids.numel()]
     states: list[Tensor] = []
@@ -458,10 +406,10 @@ def resume(
     tokens: Sequence[int],
     dropped: Sequence[Tensor | None],
 ) -> list[Tensor]:
-    """Applies the resume policy to each row's emitted correction / bonus token: sets
-    ``row.pending`` and ``row.kept_logits`` (``dropped`` ``(1, V)``, the target after the
-    accepted drafts, on a ``drop``). ``kept`` ``(1, K, d)``: each row's kept trunk states (the
-    caches already cut to them). Returns the states the draft tail runs on."""
+    """Applies the resume policy to each row's emitted correction / bonus token (sets
+    ``pending``, ``kept_logits``; ``dropped`` ``(1, V)``: the target after the accepted
+    drafts, on a ``drop``). ``kept`` ``(1, K, d)``: each row's kept trunk states (the caches
+    already cut to them). Returns the states the draft tail runs on."""
     out = list(kept)
     extra = []
     for i, (row, token, after) in enumerate(zip(rows, tokens, dropped, strict=True)):

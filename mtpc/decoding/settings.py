@@ -1,26 +1,10 @@
-"""Decoding settings checked from the settings alone, before any model loads.
+"""Decoding settings checked from the settings alone, before any model loads (torch-free).
 
-The drafting vocabulary (docs/DECODING.md, "Drafting", is the one table of the choices):
-
-* ``draft``: what a cycle drafts: ``path`` (the latent path), ``map``, ``chain``, or ``tree``
-  (a token tree of ``tree_budget`` nodes);
-* ``proposal`` (sampling with a ``path`` draft): what speculative sampling verifies the
-  drafts against: ``path`` (q(. | z)), ``first_marginal`` (the marginal at the first draft,
-  then q(. | z)) or ``marginal``.
-
-:func:`check_settings` checks every setting a decoding call can be refused on without a
-model (method, greedy, seed, policy, the drafting choice (:func:`check_drafting`: a setting
-another one would silently ignore or override is refused), sampling, stop ids' integer-ness,
-max_new_tokens, the heterogeneous decoder's algorithm and lookahead, ...) into one
-:class:`DecodingSettings`; ``mtpc.generate``, ``mtpc.generate_hetero``, ``evaluate`` and
-regeneration all refuse through it, so a bad setting gets the same one-line message from
-each, in the caller's :class:`Spelling`. Once the circuit family is known, one table
-(:data:`CHAIN_RULES`, :meth:`DecodingSettings.rule_for`) maps the checked choice onto the
-draft step's internal :class:`DraftRule`, with the family's measured defaults. What needs
-the model (prompt ids in range, prompt vs context length, stop ids below the vocabulary) is
-checked at decode time (``mtpc.decoding.common.check_request``).
-
-This module is torch-free: evaluation configs are checked with it before anything loads.
+:func:`check_settings` is the one door of ``mtpc.generate``, ``mtpc.generate_hetero``,
+``evaluate`` and regeneration: a bad setting gets the same one-line message from each, in the
+caller's :class:`Spelling`. :data:`CHAIN_RULES` maps a drafting choice onto the draft step's
+:class:`DraftRule`. What needs the model is ``mtpc.decoding.common.check_request``'s. See
+docs/DECODING.md, "Drafting" (the choices, the refusals, the defaults).
 """
 
 from __future__ import annotations
@@ -30,14 +14,12 @@ import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, NoReturn
 
 from mtpc.choices import DRAFTS, METHODS, POLICIES, PROPOSALS
 
 DEFAULT_GREEDY_DRAFT = "path"
-"""Greedy draft of every family (measured, docs/BENCHMARKS.md "Latent-path drafts"): the most
-probable latent path reads n - 1 rows of W and runs no circuit pass; ``map`` accepts
-0.07-0.34 drafts per cycle more at a dearer cycle. For ff every draft gives the same tokens."""
+"""Greedy draft of every family (measured: docs/DECODING.md, "The draft step")."""
 
 DEFAULT_SAMPLING_PROPOSAL: dict[str, str] = {
     "ff": "path",
@@ -45,15 +27,12 @@ DEFAULT_SAMPLING_PROPOSAL: dict[str, str] = {
     "hmm": "first_marginal",
     "btree": "first_marginal",
 }
-"""Speculative-sampling proposal per family (measured, docs/BENCHMARKS.md). For ff the
-proposals coincide (one unit) and ``path`` reads the fewest rows; ``first_marginal`` accepts at
-least as much as ``path`` (Jensen) for the rows of one position, read only when asked."""
+"""Speculative-sampling proposal per family (measured: docs/DECODING.md, "The draft step")."""
 
 
 class DraftRule(StrEnum):
-    """How the draft step (``mtpc.decoding.speculative.draft_step``) drafts a chain and, when
-    sampling, what its drafts are verified against. Internal: a drafting choice maps onto it
-    by :data:`CHAIN_RULES`; results and records name it by its value."""
+    """How ``speculative.draft_step`` drafts a chain and, sampling, what it verifies against.
+    Internal (mapped from a drafting choice by :data:`CHAIN_RULES`); records name its value."""
 
     ZMAP = "zmap"  # the most probable latent path's tokens (greedy draft=path)
     MAP = "map"  # max-product over the whole (n, r, V) table (greedy draft=map)
@@ -75,8 +54,7 @@ CHAIN_RULES: dict[tuple[str, str | None], DraftRule] = {
 
 ALGORITHMS = ("slem", "tli", "slrs", "union", "standard")
 """Heterogeneous-vocabulary algorithms (``mtpc.generate_hetero``, docs/HETERO.md)."""
-PSI_METHODS = ("auto", "enumerate", "circuit")
-"""How SLRS computes psi (``mtpc.generate_hetero``'s ``psi``)."""
+PSI_METHODS = ("auto", "enumerate", "circuit")  # how SLRS computes psi
 
 
 class SettingsError(ValueError):
@@ -89,13 +67,9 @@ def _same(field: str) -> str:
 
 @dataclass(frozen=True)
 class Spelling:
-    """How a caller writes settings in a refusal (default: ``mtpc.generate``'s keywords).
-
-    Attributes:
-        name: the caller's name of a field (``evaluate``: ``drafting`` for ``draft``,
-            ``drafter.lookahead`` for ``lookahead``).
-        config: booleans as a YAML config writes them (``greedy=false``).
-    """
+    """How a caller writes settings in a refusal (default: ``mtpc.generate``'s keywords):
+    ``name`` maps a field to the caller's name (``evaluate``: ``drafting`` for ``draft``);
+    ``config``: booleans as YAML writes them (``greedy=false``)."""
 
     name: Callable[[str], str] = _same
     config: bool = False
@@ -108,25 +82,24 @@ class Spelling:
         text = str(value).lower() if self.config and isinstance(value, bool) else repr(value)
         return f"{self(field)}={text}"
 
+    def refuse(self, field: str, value: object, rest: str) -> NoReturn:
+        """Raises ``field=value is not allowed<rest>``."""
+        raise SettingsError(f"{self.eq(field, value)} is not allowed{rest}")
+
 
 CONFIG = Spelling(lambda field: "drafting" if field == "draft" else field, config=True)
-"""The spelling of eval.yaml and regenerate.yaml, where ``draft`` names the exported draft
-folder and the chain's draft is ``drafting``."""
+"""eval.yaml's and regenerate.yaml's spelling (``draft`` names the draft folder there)."""
 
 
 def _choice(spell: Spelling, field: str, value: object, allowed: tuple[str, ...]) -> str:
     if value not in allowed:
-        raise SettingsError(
-            f"{spell.eq(field, value)} is not allowed; allowed: {', '.join(allowed)}"
-        )
+        spell.refuse(field, value, f"; allowed: {', '.join(allowed)}")
     return str(value)
 
 
 def _integer(spell: Spelling, field: str, value: object, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise SettingsError(
-            f"{spell.eq(field, value)} is not allowed; allowed: an integer >= {minimum}"
-        )
+        spell.refuse(field, value, f"; allowed: an integer >= {minimum}")
     return value
 
 
@@ -137,18 +110,13 @@ def _check_tree(spell: Spelling, tree_budget: object, tree_floor: object) -> tup
         or not isinstance(tree_budget, int | None)
         or (tree_budget is not None and tree_budget < 0)
     ):
-        raise SettingsError(
-            f"{spell.eq('tree_budget', tree_budget)} is not allowed; allowed: an integer >= 0 or "
-            "None"
-        )
+        spell.refuse("tree_budget", tree_budget, "; allowed: an integer >= 0 or None")
     if (
         isinstance(tree_floor, bool)
         or not isinstance(tree_floor, int | float)
         or not 0 <= tree_floor < 1
     ):
-        raise SettingsError(
-            f"{spell.eq('tree_floor', tree_floor)} is not allowed; allowed: a number in [0, 1)"
-        )
+        spell.refuse("tree_floor", tree_floor, "; allowed: a number in [0, 1)")
     floor, budget = spell("tree_floor"), spell("tree_budget")
     if tree_floor and not tree_budget:
         raise SettingsError(
@@ -170,15 +138,14 @@ def _check_draft(spell: Spelling, greedy: bool, draft: object, budget: int) -> s
             f"per tree), or {name}=path | map | chain"
         )
     if draft != "tree" and budget:
-        raise SettingsError(
-            f"{spell.eq('draft', draft)} is not allowed with {trees}={budget}; allowed: "
-            f"{name}=tree (or leave {name} out), or {trees}=0 for a chain"
-        )
+        allowed = f"{name}=tree (or leave {name} out), or {trees}=0 for a chain"
+        spell.refuse("draft", draft, f" with {trees}={budget}; allowed: {allowed}")
     if not greedy and draft in ("map", "chain"):
-        raise SettingsError(
-            f"{spell.eq('draft', draft)} is not allowed with {spell.eq('greedy', False)} (its "
-            "drafts are not drawn from the circuit, so speculative sampling could not be exact); "
-            f"allowed: {name}=path or {name}=tree"
+        spell.refuse(
+            "draft",
+            draft,
+            f" with {spell.eq('greedy', False)} (its drafts are not drawn from the circuit, so "
+            f"speculative sampling could not be exact); allowed: {name}=path or {name}=tree",
         )
     return str(draft)
 
@@ -210,25 +177,9 @@ def check_drafting(
     tree_floor: object = 0.0,
     spell: Spelling = Spelling(),
 ) -> dict[str, Any]:
-    """Checks a drafting choice (docs/DECODING.md, Drafting); the same refusals for every
-    circuit family (the family fills its defaults later: :meth:`DecodingSettings.rule_for`).
-
-    Args:
-        greedy: greedy decoding (exact match) or speculative sampling.
-        draft: ``path`` | ``map`` | ``chain`` | ``tree``; None: ``tree`` with a
-            ``tree_budget``, else ``path``.
-        proposal: sampling a chain only: ``path`` | ``first_marginal`` | ``marginal``; None:
-            the family's default (:data:`DEFAULT_SAMPLING_PROPOSAL`).
-        tree_budget: nodes per tree (``draft=tree``); 0 or None: no tree.
-        tree_floor: tree nodes with q(path) below it are left out; needs a budget.
-        spell: how the caller names the fields.
-
-    Returns:
-        The checked ``draft``, ``proposal``, ``tree_budget`` (an int) and ``tree_floor``.
-
-    Raises:
-        SettingsError: an unknown value, or a setting another one would ignore or override.
-    """
+    """Checks a drafting choice, the same for every family (docs/DECODING.md, "Drafting");
+    returns the checked ``draft``, ``proposal``, ``tree_budget`` (an int) and ``tree_floor``.
+    SettingsError: an unknown value, or a setting another one would ignore or override."""
     budget, floor = _check_tree(spell, tree_budget, tree_floor)
     chosen = _check_draft(spell, greedy, draft, budget)
     asked = _check_proposal(spell, greedy, chosen, proposal)
@@ -237,13 +188,9 @@ def check_drafting(
 
 @dataclass(frozen=True)
 class DecodingSettings:
-    """Decoding settings checked without a model (:func:`check_settings`).
-
-    The shared fields apply to every decoder; ``method`` .. ``tree_floor`` to ``mtpc.generate``
-    (the drafting choice checked by :func:`check_drafting`: ``proposal`` None is the family's
-    default, :meth:`rule_for` fills it); ``algorithm`` .. ``psi`` to ``mtpc.generate_hetero``
-    (``algorithm`` None: not a heterogeneous decoding).
-    """
+    """Decoding settings checked without a model (:func:`check_settings`): the first fields
+    apply to every decoder, ``method`` .. ``tree_floor`` to ``mtpc.generate``, ``algorithm``
+    .. ``psi`` to ``mtpc.generate_hetero`` (``algorithm`` None: not a heterogeneous one)."""
 
     max_new_tokens: int = 64
     greedy: bool = True
@@ -268,9 +215,8 @@ class DecodingSettings:
     psi: str = "auto"
 
     def rule_for(self, kind: str) -> tuple[DraftRule, str | None]:
-        """The draft rule of the checked drafting choice for circuit family ``kind`` (a tree's:
-        the chain it falls back to) and the proposal a chain's drafts are verified against
-        (None: greedy, or a tree); where none was asked for, the family's measured default."""
+        """The draft rule for circuit family ``kind`` (a tree's: the chain it falls back to) and
+        the proposal a chain verifies against (None: greedy, a tree); defaults filled in."""
         if self.greedy:
             return CHAIN_RULES["path" if self.draft == "tree" else str(self.draft), None], None
         proposal = self.proposal or DEFAULT_SAMPLING_PROPOSAL[kind]
@@ -278,12 +224,8 @@ class DecodingSettings:
 
 
 def check_ids(name: str, items: Sequence[Any]) -> list[Any]:
-    """Refuses a float (or any non-integer) id instead of truncating it; one level of nesting
-    (rows of ids) allowed. Integer scalars (numpy, one-element integer tensors) pass.
-
-    Returns:
-        The items, ids as ``int`` (rows as lists).
-    """
+    """The items, ids as ``int`` (rows of ids as lists); refuses a non-integer id instead of
+    truncating it. Integer scalars (numpy, one-element integer tensors) pass."""
     out: list[Any] = []
     for item in items:
         nested = isinstance(item, list | tuple)
@@ -310,7 +252,7 @@ def _check_sampling(spell: Spelling, s: DecodingSettings) -> dict[str, Any]:
         or math.isnan(t)
         or (not s.greedy and math.isinf(t))
     ):
-        raise SettingsError(f"{spell.eq('temperature', t)} is not allowed; allowed: a number > 0")
+        spell.refuse("temperature", t, "; allowed: a number > 0")
     if not s.greedy and t <= 0:
         raise SettingsError(
             f"{spell.eq('temperature', t)} is not allowed with {spell.eq('greedy', False)}; "
@@ -320,30 +262,19 @@ def _check_sampling(spell: Spelling, s: DecodingSettings) -> dict[str, Any]:
         _integer(spell, "top_k", s.top_k, 1)
     p = s.top_p
     if p is not None and (isinstance(p, bool) or not isinstance(p, int | float) or not 0 < p <= 1):
-        raise SettingsError(
-            f"{spell.eq('top_p', p)} is not allowed; allowed: a number in (0, 1] or None"
-        )
+        spell.refuse("top_p", p, "; allowed: a number in (0, 1] or None")
     return {"temperature": float(t), "top_p": None if p is None else float(p)}
 
 
 def check_settings(
     spell: Callable[[str], str] | Spelling | None = None, **given: Any
 ) -> DecodingSettings:
-    """Checks decoding settings from the settings alone, before any model loads.
+    """Checks ``given`` fields of :class:`DecodingSettings` (the others: defaults).
 
-    Args:
-        spell: how the caller names the fields in messages (a :class:`Spelling`, or a function
-            of the field's name: ``evaluate``'s ``drafter.lookahead``); None: their own names.
-        **given: fields of :class:`DecodingSettings`; the others keep their defaults.
-            ``algorithm`` given (not None): a heterogeneous decoding (``max_new_tokens`` may
-            be 0; the drafting fields are not checked).
-
-    Returns:
-        The checked settings.
-
-    Raises:
-        SettingsError: one line naming the field and the allowed values.
-        TypeError: an unknown field.
+    ``spell``: a :class:`Spelling`, or a function of a field's name, for the messages. With
+    an ``algorithm`` (heterogeneous decoding) ``max_new_tokens`` may be 0 and the drafting
+    fields are not checked. SettingsError: one line naming the field and the allowed values;
+    TypeError: an unknown field.
     """
     sp = spell if isinstance(spell, Spelling) else Spelling(spell or _same)
     s = DecodingSettings(**given)
@@ -355,7 +286,7 @@ def check_settings(
     if not hetero:
         _choice(sp, "policy", s.policy, POLICIES)
     if not isinstance(s.greedy, bool):
-        raise SettingsError(f"{sp.eq('greedy', s.greedy)} is not allowed; allowed: True, False")
+        sp.refuse("greedy", s.greedy, "; allowed: True, False")
     drafting = {} if hetero else check_drafting(
         s.greedy, s.draft, s.proposal, s.tree_budget, s.tree_floor, sp
     )  # fmt: skip

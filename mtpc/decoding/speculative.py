@@ -1,30 +1,10 @@
 """Exactly lossless self-speculative decoding with a circuit draft: the chain (paper Sec. 3.4).
 
-The loop (prefill, verify pass, emit, resume policies) is ``mtpc.decoding.loop``; here is what
-a chain drafts and how it is verified. A chain is a one-branch proposal: the window
-[x_{t+1}..x_{t+n}] (the pending token c first when there is one), verified by greedy exact
-match or by rejection sampling against the draft's proposal (the circuit's exact
-conditionals q(x_i | x_<i) = ratio of prefix marginals, or q(. | z), and the residual).
-
-The internal modes named below are the public (``draft``, ``proposal``) choices mapped by
-``mtpc.decoding.settings`` (the one table: docs/DECODING.md, "Drafting").
-
-The draft step (:func:`draft_step`) reads the head through a ``HeadState``, which
-computes input logits only where asked. ``map`` and ``chain`` take all n·r·V of them; the
-path-drawn modes take what they use. They pick a latent path z from the sum weights and every
-unit's leaf at the evidence position (its value at the pending token): ``zmap`` (greedy)
-takes each sum unit's most probable child given the evidence (scored by each unit's logit at
-the pending token, without the normalisers that would need every row), then each drafted
-position's leaf argmax on z; ``zsample`` and ``sample`` draw z from its posterior, then each drafted
-position from its leaf on z (an ancestral sample). Sampling with ``zsample`` verifies against
-q(. | z): z is drawn before the target is seen and independently of it, and given z the
-positions are independent, so speculative sampling with the proposals q_i(.) = phi_{i, z_i}
-is exact for every z; a rejection's residual needs q_s(. | z), the row already computed.
-``sample`` verifies against the marginal q(x_i | x_<i) (:class:`MarginalProposal`), which
-reads every unit at a position only when a test asks for q there. ``zsample1`` takes the
-same draw and verifies the first draft against the marginal q(. | evidence) (x_1's law with z
-unseen; :class:`FirstMarginal`, read only when its test asks), the later ones against
-q(. | z): given x_1, z follows its posterior, independently of the target.
+What a chain drafts (:func:`draft_step`, through a ``HeadState`` that computes input logits
+only where asked) and how it is verified (exact match, or speculative sampling against the
+proposal the drafts were drawn from: q(. | z), or the lazily computed marginals); the loop
+is ``mtpc.decoding.loop``'s. The modes are the ``DraftRule`` values. See docs/DECODING.md,
+"Drafting" (the modes) and "The draft step" (what each reads, why each is exact).
 """
 
 from __future__ import annotations
@@ -51,35 +31,18 @@ Drafter = Callable[[CircuitParams, Tensor | None, int], Tensor]
 
 @dataclass
 class Draft:
-    """A drafted window and what verifying it needs.
+    """A drafted window and what verifying it needs (both None when greedy)."""
 
-    Attributes:
-        window: ``(1, n)``: the evidence (the pending token, if any), then the m drafts.
-        token_probs: ``(m,)`` the proposal's probability of each drafted token, the q_i of
-            the acceptance ratio p_i / q_i, or ``i -> q_i(x_i)`` computed on demand (None
-            when not asked for: greedy).
-        proposal: ``i -> (V,)`` the full proposal q_i(.) at the i-th draft, called at most
-            once, at the first rejection (for the residual); None when greedy.
-    """
-
-    window: Tensor
-    token_probs: Tensor | Callable[[int], float] | None = None
-    proposal: Callable[[int], Tensor] | None = None
+    window: Tensor  # (1, n): the evidence (the pending token, if any), then the m drafts
+    token_probs: Tensor | Callable[[int], float] | None = None  # (m,) q_i(x_i), or i -> q_i(x_i)
+    proposal: Callable[[int], Tensor] | None = None  # i -> (V,) q_i(.), at the first rejection
 
 
 class MarginalProposal:
-    """The circuit's exact conditionals q(x_i | x_<i) of a drafted window, computed lazily.
-
-    q_i needs every unit's leaf at the positions up to i (the latents' posterior given the
-    prefix). Those rows are read only when a test asks for q_i: ``verify_sampling_lazy`` asks
-    where u_i >= p_i(x_i) only, and stops at the first rejection, whose residual needs the
-    full conditional there (the same rows).
-
-    Args:
-        state: the head at the drafting state.
-        window: ``(1, n)`` the evidence then the drafts.
-        pre: evidence positions.
-        rows: ``(1, k, r, V)`` normalised leaves of the first k positions if already read.
+    """The circuit's exact conditionals q(x_i | x_<i) of a drafted ``window`` ``(1, n)`` (``pre``
+    evidence positions, then the drafts), computed lazily: q_i reads every unit's leaf at the
+    positions up to i, only when a test asks for it. ``rows`` ``(1, k, r, V)``: normalised
+    leaves of the first k positions if already read.
     """
 
     def __init__(self, state: HeadState, window: Tensor, pre: int, rows: Tensor | None = None):
@@ -128,17 +91,9 @@ def draft_step(
     *,
     sampling: bool,
 ) -> Draft:
-    """One draft: the window and, when ``sampling``, the proposal verification needs.
-
-    Args:
-        state: the head at the last processed state.
-        evidence: ``(1, pre)`` the pending token, or None.
-        mode: the internal mode of a drafting choice (``mtpc.decoding.settings``; the
-            table of the public names ``draft`` / ``proposal``: docs/DECODING.md,
-            "Drafting"); sampling needs ``sample``, ``zsample`` or ``zsample1``.
-        generator: RNG for the sampling modes.
-        sampling: also return the proposal (token probabilities and the full proposal).
-    """
+    """One draft from ``state``: the window and, when ``sampling``, the proposal verification
+    needs. ``evidence``: ``(1, pre)`` the pending token, or None; ``mode``: a ``DraftRule``
+    value (sampling needs ``sample``, ``zsample`` or ``zsample1``)."""
     circuit = state.circuit
     n = circuit.window
     pre = 0 if evidence is None else evidence.shape[1]
@@ -151,9 +106,8 @@ def draft_step(
         return Draft(decode(state.params(), evidence=evidence))
     rows = evidence_leaves = None
     if evidence is not None and circuit.rank > 1 and mode == "zmap":
-        # greedy: score the units by their logit at the pending token without the
-        # normalisers (r d-vectors of W, not r rows); any draft is exact when greedy, and
-        # the acceptance measured the same (docs/BENCHMARKS.md)
+        # greedy: each unit's logit at the pending token, no normalisers (r d-vectors of W,
+        # not r rows); any draft is exact when greedy (docs/DECODING.md, "Drafting")
         evidence_leaves = state.token_logits(evidence)  # (1, pre, r)
     elif evidence is not None and circuit.rank > 1:  # r = 1: one path, the evidence is moot
         rows = state.leaf_logp(torch.arange(pre))  # (1, pre, r, V): every unit, evidence only
@@ -178,23 +132,16 @@ def draft_step(
     if mode == "sample" and circuit.rank > 1:  # r = 1: q(. | z) is the marginal
         return MarginalProposal(state, window, pre, rows).draft()
     if mode == "zsample1" and circuit.rank > 1:
-        # (z, x_1) is an ancestral draw, so x_1's distribution is the marginal q(. | evidence)
-        # and z given x_1 is the posterior: verify x_1 against the marginal (computed only
-        # when the test or the residual asks), the later drafts against q(. | z)
+        # x_1 against the marginal q(. | evidence) (lazily), the later drafts against q(. | z):
+        # exact, as (z, x_1) is an ancestral draw (docs/DECODING.md, "The draft step")
         first = FirstMarginal(MarginalProposal(state, window, pre, rows), probs, tokens)
         return Draft(window, first.token_prob, first.dist)
     return Draft(window, probs.gather(1, tokens[:, None])[:, 0], probs.__getitem__)
 
 
 class FirstMarginal:
-    """``zsample1``'s proposal: the marginal q(. | evidence) at the first draft (the
-    :class:`MarginalProposal`'s, computed on demand), then q(. | z) at the later drafts.
-
-    Args:
-        marginal: the window's marginal proposal (asked at draft 0 only).
-        probs: ``(m, V)`` q(. | z) at the drafts.
-        tokens: ``(m,)`` the drafts.
-    """
+    """``zsample1``'s proposal: the ``marginal`` q(. | evidence) at the first draft (computed on
+    demand), then ``probs`` ``(m, V)`` q(. | z) at the later ``tokens`` ``(m,)``."""
 
     def __init__(self, marginal: MarginalProposal, probs: Tensor, tokens: Tensor) -> None:
         self.marginal, self.probs, self.tokens = marginal, probs, tokens
@@ -215,18 +162,8 @@ class FirstMarginal:
 
 def zmap_rows(states: Sequence[HeadState], evidence: Sequence[Tensor | None]) -> list[Tensor]:
     """The greedy latent-path draft (``zmap``, :func:`draft_step`) of B rows in one pass over
-    the head: their features ``(B, d)``, sum weights ``(B, U, r)``, the units' logits at
-    their pending tokens ``(B, 1, r)``, the most probable paths ``(B, n)``, then every unit's
-    logits at the drafted positions ``(B, m, r, V)`` (W's rows read once for all rows, not
-    one (V, d) row per row and position) and the path's argmax.
-
-    Args:
-        states: the rows' heads.
-        evidence: each row's pending token ``(1, 1)``; all None or none None.
-
-    Returns:
-        Each row's window ``(1, n)``: the pending token (if any), then the m drafts.
-    """
+    the head (W's rows read once for all rows); ``evidence``: each row's pending token
+    ``(1, 1)``, all None or none. Returns each row's window ``(1, n)``."""
     head, circuit = states[0].head, states[0].circuit
     n, r = circuit.window, circuit.rank
     pre = 0 if evidence[0] is None else 1
@@ -256,13 +193,8 @@ def zmap_rows(states: Sequence[HeadState], evidence: Sequence[Tensor | None]) ->
 
 
 class Chain:
-    """The chain proposer: :func:`draft_step`'s window (or a test hook's), one branch of n
-    positions, verified by exact match (greedy) or speculative sampling.
-
-    Args:
-        request: checked arguments (the draft rule; sampling needs the proposal).
-        drafter: optional test hook replacing the circuit draft (see :data:`Drafter`).
-    """
+    """The chain proposer: :func:`draft_step`'s window (or the test hook ``drafter``'s), one
+    branch of n positions, verified by exact match (greedy) or speculative sampling."""
 
     def __init__(self, request: Request, drafter: Drafter | None = None) -> None:
         self.rule = request.draft_rule
@@ -280,9 +212,8 @@ class Chain:
     def draft_rows(
         self, rows: Sequence[Row], evidence: Sequence[Tensor | None], spans: Sequence[int]
     ) -> list[Proposal]:
-        """Every row's window: the greedy latent-path draft (``zmap``) of many rows at once
-        (:func:`zmap_rows`) where they are at least r (it reads the r units' rows of W once
-        for all, where a row alone reads its path's one), else row by row (:meth:`draft`)."""
+        """Every row's window: ``zmap`` rows at once (:func:`zmap_rows`) where they are at
+        least r (it reads all r units' rows of W, a row alone its path's one), else each."""
         batched = self.rule == DraftRule.ZMAP and self.drafter is None and len(rows) > 1
         out: list[Proposal | None] = [None] * len(rows)
         least = max(2, rows[0].head.circuit.rank) if rows else 2
@@ -334,12 +265,5 @@ class Chain:
 def speculative_generate(
     model: Any, prompt: Tensor, request: Request, drafter: Drafter | None = None
 ) -> GenerationResult:
-    """Self-speculative decoding of a chain (``mtpc.decoding.loop.decode``).
-
-    Args:
-        model: an ``MTPCModel``.
-        prompt: (1, T) ids on the model's device.
-        request: checked arguments (``mtpc.decoding.common.check_request``).
-        drafter: optional test hook replacing the circuit draft (see :data:`Drafter`).
-    """
+    """Self-speculative decoding of a chain of one ``prompt`` ``(1, T)`` (a test helper)."""
     return decode(model, [prompt[0]], [request], Chain(request, drafter))[0]

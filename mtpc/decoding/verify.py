@@ -1,20 +1,10 @@
-"""Verification rules shared by every speculative decoder in MTPC.
+"""The verification rules of every speculative decoder (self-speculative and heterogeneous).
 
-Self-speculative decoding with circuit drafts (``mtpc.decoding.speculative``) and the
-heterogeneous-vocabulary algorithms (``mtpc.decoding.hetero``) verify drafts with the same
-two rules, implemented once here:
-
-* greedy (exact match): accept the longest prefix of the draft that equals the target's
-  argmax at each position, then emit the target's own argmax (the correction, or the
-  bonus token when every draft was accepted);
-* speculative sampling (Leviathan et al., 2023; Chen et al., 2023): accept draft x_i with
-  probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection emit a sample of the
-  residual norm(max(0, p_i - q_i)); if all are accepted emit a sample of p_{n+1}. The
-  emitted tokens are distributed exactly as the target's, whatever q is, as long as
-  x_i was drawn from q_i (the draft's conditional given the accepted prefix).
-
-And the logit processing (temperature, top-k, top-p) that must be applied identically to
-the target and the draft for the output to follow the processed target distribution.
+Greedy: accept the longest draft prefix equal to the target's argmax, then emit the target's
+argmax. Speculative sampling (Leviathan et al., 2023): accept x_i w.p. min(1, p_i / q_i), at
+the first rejection emit a sample of norm(max(0, p_i - q_i)), else one of p_{n+1}; exact for
+any q as long as x_i was drawn from q_i. And the logit processing, applied identically to
+target and draft. See docs/DECODING.md, "The cycle".
 """
 
 from __future__ import annotations
@@ -28,26 +18,17 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class Verdict:
-    """Result of verifying one drafted window.
+    """Result of verifying one drafted window."""
 
-    Attributes:
-        accepted: s, the number of drafted tokens accepted (0..n).
-        next_token: the token emitted after them: the correction sampled from the residual
-            (or the target's argmax) when s < n, the bonus token from the target when s = n.
-    """
-
-    accepted: int
-    next_token: int
+    accepted: int  # s, the drafts accepted (0..n)
+    next_token: int  # the correction (s < n) or the bonus token (s = n)
 
 
 def process_logits(
     logits: Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None
 ) -> Tensor:
-    """Temperature, then top-k, then top-p (nucleus) filtering; returns log-probs (..., V).
-
-    Removed tokens get -inf. ``temperature`` must be > 0 (greedy decoding uses argmax
-    and needs no processing).
-    """
+    """Temperature, then top-k, then top-p filtering: log-probs (..., V), removed tokens -inf.
+    ``temperature`` must be > 0 (greedy decoding uses argmax)."""
     if not temperature > 0:  # also refuses NaN
         raise ValueError(f"temperature must be > 0, got {temperature}; use greedy=True for argmax")
     scores = logits.float() / temperature
@@ -72,11 +53,8 @@ def process_logits(
 
 
 def residual(target_probs: Tensor, draft_probs: Tensor) -> Tensor:
-    """norm(max(0, p - q)) over the last dim; falls back to p where p <= q everywhere.
-
-    The fallback is only reachable through rounding (a rejection has probability
-    1 - sum min(p, q) = 0 when p <= q everywhere), so it never changes the distribution.
-    """
+    """norm(max(0, p - q)) over the last dim; p where p <= q everywhere (reachable through
+    rounding only: a rejection then has probability 0, so the distribution is unchanged)."""
     diff = (target_probs - draft_probs).clamp(min=0.0)
     mass = diff.sum(dim=-1, keepdim=True)
     return torch.where(mass > 0, diff / mass.clamp(min=torch.finfo(diff.dtype).tiny), target_probs)
@@ -87,13 +65,8 @@ def _sample(probs: Tensor, generator: torch.Generator | None) -> int:
 
 
 def verify_greedy(target_argmax: Tensor, draft: Tensor) -> Verdict:
-    """Exact-match verification.
-
-    Args:
-        target_argmax: the target's argmax after the context and after each drafted
-            prefix; (n + 1,) int.
-        draft: drafted tokens; (n,) int.
-    """
+    """Exact-match verification: ``target_argmax`` ``(n + 1,)`` after the context and after
+    each drafted prefix; ``draft`` ``(n,)``."""
     n = draft.shape[0]
     if target_argmax.shape[0] != n + 1:
         raise ValueError(
@@ -110,14 +83,9 @@ def verify_sampling(
     draft: Tensor,
     generator: torch.Generator | None = None,
 ) -> Verdict:
-    """Speculative-sampling verification (rejection + residual + bonus).
-
-    Args:
-        target_probs: p(. | context, x_1..x_{i-1}) for i = 1..n+1; (n + 1, V).
-        draft_probs: q(. | context, x_1..x_{i-1}) the drafts were drawn from; (n, V).
-        draft: the drafted tokens; (n,).
-        generator: RNG for the acceptance tests and the emitted sample.
-    """
+    """Speculative-sampling verification (rejection + residual + bonus): ``target_probs``
+    ``(n + 1, V)`` p(. | context, x_<i) for i = 1..n+1, ``draft_probs`` ``(n, V)`` the q the
+    drafts ``(n,)`` were drawn from."""
     n = draft.shape[0]
     if draft_probs.shape[0] != n:
         raise ValueError(
@@ -137,22 +105,11 @@ def verify_sampling_lazy(
     draft_dist: Callable[[int], Tensor],
     generator: torch.Generator | None = None,
 ) -> Verdict:
-    """Speculative-sampling verification with the draft's full conditional computed on demand.
+    """:func:`verify_sampling` with the draft's full conditional computed on demand.
 
-    The same rule as :func:`verify_sampling`, for drafters whose full conditionals are costly
-    but whose probability at the drafted token is cheap (a circuit: all ``q(x_i | x_<i)`` at
-    the drafted tokens come from one prefix-marginal pass; the full ``q(. | x_<s)`` is needed
-    only at the first rejection, for the residual).
-
-    Args:
-        target_probs: p(. | context, x_1..x_{i-1}) for i = 1..n+1; (n + 1, V).
-        draft_token_probs: q(x_i | context, x_1..x_{i-1}) at the drafted tokens; (n,), or
-            ``i -> q_i(x_i)`` computed on demand: asked only where the test needs it (u_i >=
-            p_i(x_i); below that, x_i is accepted whatever q_i <= 1), up to the first rejection.
-        draft: the drafted tokens; (n,).
-        draft_dist: ``s -> q(. | context, x_1..x_s)`` (V,), called at most once, with the
-            index s of the first rejected draft.
-        generator: RNG for the acceptance tests and the emitted sample.
+    ``draft_token_probs``: q_i(x_i) at the drafts ``(n,)``, or ``i -> q_i(x_i)``, asked only
+    where the test needs it (u_i >= p_i(x_i); below, x_i is accepted whatever q_i <= 1), up to
+    the first rejection s; ``draft_dist``: ``s -> (V,)`` q_s(.), called at most once, there.
     """
     n = draft.shape[0]
     shape = tuple(draft_token_probs.shape) if isinstance(draft_token_probs, Tensor) else None

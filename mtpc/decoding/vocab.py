@@ -1,21 +1,10 @@
-"""Byte-aware tokenizer adapters and target/drafter vocabulary mappings.
+"""Byte-aware tokenizer adapters and target/drafter vocabulary mappings (docs/HETERO.md).
 
-Heterogeneous-vocabulary decoding (``mtpc.decoding.hetero``) needs, for both models, the
-bytes every token stands for, so that tokens are compared by what they decode to rather than
-by their surface strings (GPT-2 byte-level BPE writes the byte 0x20 as ``"Ġ"``, SentencePiece
-writes it as ``"▁"``, MTPC's byte codecs have no strings at all). This module wraps both kinds
-of tokenizer behind one small interface, :class:`TokenizerAdapter`:
-
-* :class:`CodecTokenizer`: an MTPC byte codec (``get_codec("tiny" | "evabyte" |
-  "llama3_byte")``), so the byte-level targets plug in;
-* :class:`HFTokenizer`: a Hugging Face tokenizer (``PreTrainedTokenizerFast``, e.g. built
-  from a ``tokenizers.Tokenizer``). Token bytes follow the tokenizer's decoder: ByteLevel
-  (GPT-2 byte-to-unicode strings), ByteFallback (``<0xNN>``), Metaspace/Replace (``▁`` is a
-  space), otherwise the UTF-8 of the token string.
-
-:func:`vocab_mapping` builds the intersection T ∩ D by bytes (special tokens by their text),
-once per (target, drafter) pair, and caches it. :func:`prompt_overlap` gives the per-task
-overlap |T' ∩ D'| / |T'| of Timor et al.'s Table 6.
+Tokens are compared by the bytes they decode to, not their strings (GPT-2 writes the space
+byte ``"Ġ"``, SentencePiece ``"▁"``, MTPC's byte codecs have no strings):
+:class:`TokenizerAdapter` wraps a byte codec (:class:`CodecTokenizer`) or an HF tokenizer
+(:class:`HFTokenizer`); :func:`vocab_mapping` is T ∩ D by bytes (specials by text), cached per
+pair; :func:`prompt_overlap` is Timor et al.'s Table 6 overlap.
 """
 
 from __future__ import annotations
@@ -28,7 +17,7 @@ import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from functools import cache
+from functools import cache, cached_property
 from typing import Any
 
 import torch
@@ -65,11 +54,8 @@ def unicode_to_byte() -> dict[str, int]:
 
 
 def utf8_complete(data: bytes) -> int:
-    """Length of the longest prefix of ``data`` that does not end inside a UTF-8 character.
-
-    Only an incomplete trailing sequence (at most 3 bytes) is held back; invalid bytes
-    elsewhere are left to ``errors="replace"`` decoding.
-    """
+    """Length of the longest prefix of ``data`` not ending inside a UTF-8 character (only an
+    incomplete trailing sequence is held back; invalid bytes are left to ``errors="replace"``)."""
     for back in range(1, min(4, len(data)) + 1):
         b = data[-back]
         if b & 0xC0 == 0x80:  # continuation byte: keep looking for the lead byte
@@ -80,32 +66,18 @@ def utf8_complete(data: bytes) -> int:
 
 
 class TokenizerAdapter(ABC):
-    """What the heterogeneous decoders need from a tokenizer.
+    """What the heterogeneous decoders need from a tokenizer."""
 
-    Attributes:
-        name: a label for messages.
-        vocab_size: number of ids (the model's logits may be wider; extra ids are ignored).
-        token_bytes: bytes of every id; None for special tokens (they carry no text).
-        special_names: special id -> its text (``"<|eot_id|>"``), matched across tokenizers
-            by this text.
-        prefix_ids: ids a prompt starts with (BOS), added by :meth:`prompt_ids`.
-        stop_ids: ids that end generation.
-    """
-
-    name: str
-    vocab_size: int
-    token_bytes: list[bytes | None]
-    special_names: dict[int, str]
-    prefix_ids: list[int]
+    name: str  # a label for messages
+    vocab_size: int  # ids (the model's logits may be wider; extra ids are ignored)
+    token_bytes: list[bytes | None]  # every id's bytes; None: a special (no text)
+    special_names: dict[int, str]  # special id -> its text, matched across tokenizers by it
+    prefix_ids: list[int]  # ids a prompt starts with (BOS), added by prompt_ids
     stop_ids: tuple[int, ...]
 
     @abstractmethod
     def encode_bytes(self, data: bytes) -> list[int]:
-        """Ids of ``data`` without special tokens.
-
-        Raises:
-            InexpressibleTextError: the tokenizer cannot express the text.
-        """
+        """Ids of ``data`` without special tokens (InexpressibleTextError: it cannot)."""
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
         """Concatenated bytes of ``ids``; special ids contribute nothing."""
@@ -121,19 +93,15 @@ class TokenizerAdapter(ABC):
         data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
         return [*self.prefix_ids, *self.encode_bytes(data)]
 
-    @property
+    @cached_property
     def fingerprint(self) -> str:
         """sha256 of the byte vocabulary and the special names (the mapping cache key)."""
-        cached = getattr(self, "_fingerprint", None)
-        if cached is None:
-            digest = hashlib.sha256()
-            for i, b in enumerate(self.token_bytes):
-                digest.update(b"\x00N" if b is None else b"\x00B" + b)
-                if i in self.special_names:
-                    digest.update(self.special_names[i].encode())
-            cached = digest.hexdigest()
-            self._fingerprint = cached
-        return cached
+        digest = hashlib.sha256()
+        for i, b in enumerate(self.token_bytes):
+            digest.update(b"\x00N" if b is None else b"\x00B" + b)
+            if i in self.special_names:
+                digest.update(self.special_names[i].encode())
+        return digest.hexdigest()
 
 
 class CodecTokenizer(TokenizerAdapter):
@@ -173,12 +141,9 @@ def _decoder_types(spec: Any) -> set[str]:
 
 
 class HFTokenizer(TokenizerAdapter):
-    """A Hugging Face (fast) tokenizer with byte-aware token strings.
-
-    Args:
-        tokenizer: a ``PreTrainedTokenizerFast`` (or anything with ``backend_tokenizer``,
-            ``convert_ids_to_tokens``, ``all_special_ids``).
-    """
+    """A Hugging Face fast tokenizer with byte-aware token strings: the bytes follow its
+    decoder (ByteLevel: GPT-2 strings; ByteFallback: ``<0xNN>``; Metaspace / Replace: ``▁``
+    is a space; otherwise the UTF-8 of the string)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -245,11 +210,8 @@ _ADAPTERS: dict[int, tuple[weakref.ReferenceType[Any], TokenizerAdapter]] = {}
 
 
 def as_tokenizer(obj: Any) -> TokenizerAdapter:
-    """Wraps a byte codec or an HF tokenizer (cached per object); adapters pass through.
-
-    Raises:
-        TypeError: ``obj`` is neither.
-    """
+    """Wraps a byte codec or an HF tokenizer (cached per object; TypeError for anything
+    else); adapters pass through."""
     if isinstance(obj, TokenizerAdapter):
         return obj
     hit = _ADAPTERS.get(id(obj))
@@ -271,24 +233,15 @@ def as_tokenizer(obj: Any) -> TokenizerAdapter:
 
 @dataclass(frozen=True)
 class VocabMapping:
-    """T ∩ D by bytes (specials by text), built once per (target, drafter) pair.
+    """T ∩ D by bytes (specials by text) as (target id, drafter id) pairs: a target id appears
+    more than once when several drafter ids decode to the same bytes."""
 
-    Attributes:
-        target_ids: (K,) target ids of the shared tokens.
-        drafter_ids: (K,) the drafter ids they correspond to (pairs; a target id appears
-            more than once when several drafter ids decode to the same bytes).
-        drafter_to_target: drafter id -> target id for shared tokens.
-        target_size: |T| (ids with bytes or a special name).
-        drafter_size: |D|.
-        identical: the two vocabularies are the same id for id (standard SD applies).
-    """
-
-    target_ids: Tensor
-    drafter_ids: Tensor
+    target_ids: Tensor  # (K,)
+    drafter_ids: Tensor  # (K,)
     drafter_to_target: dict[int, int] = field(repr=False)
-    target_size: int
-    drafter_size: int
-    identical: bool
+    target_size: int  # |T|: ids with bytes or a special name
+    drafter_size: int  # |D|
+    identical: bool  # the same vocabulary id for id (standard SD applies)
 
     @property
     def intersection_size(self) -> int:
@@ -315,10 +268,7 @@ def vocab_mapping(target_tokenizer: Any, drafter_tokenizer: Any) -> VocabMapping
     key = (t.fingerprint, d.fingerprint)
     if key in _MAPPINGS:
         return _MAPPINGS[key]
-    by_bytes: dict[bytes, int] = {}
-    for i, b in enumerate(t.token_bytes):
-        if b and b not in by_bytes:
-            by_bytes[b] = i
+    by_bytes = {b: i for i, b in reversed(list(enumerate(t.token_bytes))) if b}  # the first id
     by_name = {name: i for i, name in sorted(t.special_names.items(), reverse=True)}
     pairs: list[tuple[int, int]] = []
     for j, b in enumerate(d.token_bytes):
@@ -346,11 +296,8 @@ def vocab_mapping(target_tokenizer: Any, drafter_tokenizer: Any) -> VocabMapping
 def prompt_overlap(
     target_tokenizer: Any, drafter_tokenizer: Any, texts: Sequence[str | bytes]
 ) -> dict[str, float]:
-    """|T' ∩ D'| / |T'| over the tokens that occur in ``texts`` (Timor et al.'s Table 6).
-
-    T' (D') is the set of target (drafter) tokens used to tokenise the texts; tokens are
-    compared by bytes.
-    """
+    """|T' ∩ D'| / |T'|, T' (D') the target (drafter) tokens of ``texts``, compared by bytes
+    (Timor et al.'s Table 6)."""
     t, d = as_tokenizer(target_tokenizer), as_tokenizer(drafter_tokenizer)
     t_used: set[bytes] = set()
     d_used: set[bytes] = set()
