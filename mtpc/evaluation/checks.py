@@ -1,7 +1,6 @@
-"""Evaluation settings checked before anything loads: one line naming the field and the
-allowed values. :func:`parse_eval` and :func:`parse_regenerate` are the doors: they read the
-config once (``mtpc.evaluation.settings``) and check it (the drafting choice:
-``mtpc.evaluation.drafting``)."""
+"""The doors :func:`parse_eval` and :func:`parse_regenerate`: the config read once
+(``mtpc.evaluation.settings``) and checked before anything loads, a bad field refused in one
+line naming it and the allowed values."""
 
 from __future__ import annotations
 
@@ -27,13 +26,8 @@ class EvalConfigError(UserError, ValueError):
 
 
 def parse_eval(cfg: Any) -> EvalSettings:
-    """``evaluate``'s door: the config read once and checked, before anything loads
-    (``mtpc.config.validate_eval_config``: target, data, counts; then the evaluator's fields).
-
-    Raises:
-        ConfigError: a bad target, data or count field.
-        EvalConfigError: a bad evaluation field.
-    """
+    """``evaluate``'s door (``mtpc.config.validate_eval_config`` checks the target, data and
+    counts first: ``ConfigError``; then the evaluator's fields: ``EvalConfigError``)."""
     validate_eval_config(cfg)
     settings = EvalSettings.from_cfg(cfg)
     check_eval_settings(settings)
@@ -41,11 +35,8 @@ def parse_eval(cfg: Any) -> EvalSettings:
 
 
 def parse_regenerate(cfg: Any) -> RegenerateSettings:
-    """``regenerate``'s door: the config checked and read once, before anything loads.
-
-    Raises:
-        ConfigError: a bad field.
-    """
+    """``regenerate``'s door: the config checked (a bad field: ``ConfigError``) and read once,
+    before anything loads."""
     validate_regenerate_config(cfg)
     settings = RegenerateSettings.from_cfg(cfg)
     check_batch_size(settings.batch_size, ConfigError)

@@ -1,8 +1,6 @@
 """The drafting choice of an evaluation (``drafting``, ``proposal``, ``tree_budget``,
 ``tree_floor``; docs/DECODING.md, "Drafting"): the evaluation's own refusals and what the
-manifest records. In ``configs/eval.yaml`` the chain's draft is ``drafting`` (``draft`` names
-the draft folder) and ``tree_budget`` adds one ``tree<B>`` row per budget beside the chain row.
-"""
+manifest records. ``tree_budget`` adds one ``tree<B>`` row per budget beside the chain row."""
 
 from __future__ import annotations
 

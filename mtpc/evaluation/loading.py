@@ -202,7 +202,6 @@ def load_prompts(s: EvalSettings, codec: str, max_prompt_length: int | None) -> 
                 path=spec_bench_path(p.spec_bench, s.output.root_dir),
             )
         )  # fmt: skip
-
     module = instantiate(s.data, codec=codec) if s.data is not None else None
     if module is None:
         from mtpc.data.datamodule import build_datamodule

@@ -171,8 +171,14 @@ def _draft_passes(drafts: Sequence[Mapping[str, Any]], passes: Any) -> list[tupl
     ]
 
 
-def _exact(checked: Sequence[bool]) -> str | None:
-    """The ``= AR`` cell: greedy outputs equal to AR's / checked."""
+def _exact(records: Sequence[Mapping[str, Any]], per_turn: bool = False) -> str | None:
+    """The ``= AR`` cell: greedy outputs equal to AR's / checked (``per_turn``: each turn's)."""
+    checked = [
+        bool(t["equal_reference"])
+        for r in records
+        for t in (r.get("turns", [r]) if per_turn else [r])
+        if t.get("equal_reference") is not None
+    ]
     return f"{sum(checked)}/{len(checked)}" if checked else None
 
 
@@ -230,14 +236,13 @@ def build_report(
         if pass_name != "speculative" and not sd_recs:
             continue
         sd = _by_set(sd_recs, d["window"])
-        checked = [r["equal_reference"] for r in sd_recs if r.get("equal_reference") is not None]
         row = _row(
             name, sd, path=d["path"], **{"pass": pass_name}, kind=d["kind"],
             window=d["window"], rank=d["rank"],
             lora_layers=d["lora_layers"], policy=settings.get("policy"),
             draft_rule=next((r.get("draft_rule") for r in sd_recs), None),
             baseline=bool(d.get("baseline")) and pass_name == "speculative",
-            peak_memory_mb=peaks.get(d["path"]), exact=_exact(checked),
+            peak_memory_mb=peaks.get(d["path"]), exact=_exact(sd_recs),
         )  # fmt: skip
         mx = _by_set(groups[(d["path"], "max_throughput")], d["window"])
         maxima = [m["tok_s"] for m in mx.values()] if pass_name == "speculative" else []
@@ -296,17 +301,11 @@ def spec_bench_report(
                      "speedup_ar": _ratio(m["tok_s"], a["tok_s"]),
                      "sb_tok_s": sb, "sb_speedup": _ratio(sb, _sb_tok_s(ar_set))}
                 )  # fmt: skip
-            checked = [  # per turn: greedy speculative output == AR output
-                bool(t["equal_reference"])
-                for r in mine
-                for t in r.get("turns", [r])
-                if t.get("equal_reference") is not None
-            ]
             row: dict[str, Any] = {
                 "name": name, "path": path, "task": task, "pass": pass_name,
                 "questions": len({r["prompt_id"] for r in mine}),  # per run
                 "turns": sum(len(r.get("turns", [r])) for r in mine) // max(1, len(per_set)),
-                "exact": _exact(checked),
+                "exact": _exact(mine, per_turn=True),
                 "per_set": per_set,
             }  # fmt: skip
             for key in ("mu_acc", "tok_s", "speedup_ar", "sb_tok_s", "sb_speedup"):
@@ -316,8 +315,7 @@ def spec_bench_report(
 
 
 def _sb_tok_s(records: Sequence[Mapping[str, Any]]) -> float:
-    """Spec-Bench's throughput: per question, new tokens / wall seconds of all its turns,
-    averaged over the questions."""
+    """Spec-Bench's tok/s: per question, new tokens / wall seconds of all its turns, averaged."""
     rates = [r["new_tokens"] / r["seconds"] for r in records if r["seconds"] > 0]
     return sum(rates) / len(rates) if rates else math.nan
 
@@ -325,10 +323,9 @@ def _sb_tok_s(records: Sequence[Mapping[str, Any]]) -> float:
 def hetero_report(
     settings: Mapping[str, Any], records: Sequence[Mapping[str, Any]], with_ar: bool
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Rows and per-source rows of ``drafter=hetero`` from its records (none without them),
-    as :func:`build_report`'s; ``x AR`` against the target alone (``hetero_ar``) on the same
-    prompts. ``with_ar``: add that row as ``AR (target)`` (a folder with no self-speculative
-    draft has no other AR row)."""
+    """Rows and per-source rows of ``drafter=hetero`` from its records (none without them);
+    ``x AR`` against the target alone (``hetero_ar``), which ``with_ar`` adds as the AR row (a
+    folder with no self-speculative draft has no other)."""
     drafter = settings.get("drafter") or {}
     key = hetero_draft_path(drafter)
     prompts = [r for r in records if r.get("type") == "prompt" and r.get("draft_path") == key]
@@ -389,8 +386,8 @@ def _baseline_speedups(rows: list[dict[str, Any]]) -> None:
 
     ref = by_set(base[0])
     for row in rows:
-        per = by_set(row)
-        row["speedup_baseline"], row["speedup_baseline_std"] = mean_std(_ratios(per, ref, "tok_s"))
+        ratios = _ratios(by_set(row), ref, "tok_s")
+        row["speedup_baseline"], row["speedup_baseline_std"] = mean_std(ratios)
 
 
 def paired_title(paired: Sequence[Mapping[str, Any]]) -> str:
@@ -452,20 +449,16 @@ def spec_bench_title(manifest: Mapping[str, Any], rows: Sequence[Mapping[str, An
             title += f" | prompts.{key}={data[key]}"
     if s.get("num_prompts") is not None:
         title += f" | num_prompts={s['num_prompts']}"
-    return (
-        title + f" | {s.get('num_prompt_sets')} run(s) x {s.get('max_new_tokens')} bytes per turn"
-    )
+    runs = f" | {s.get('num_prompt_sets')} run(s) x {s.get('max_new_tokens')} bytes per turn"
+    return title + runs
 
 
 def report_folders(
     folders: Sequence[Path], out_dir: Path, plots: bool = True, echo: bool = True
 ) -> dict[str, Any]:
-    """Tables, results.json, CSVs and plots of one evaluation folder or several merged, written
-    to ``out_dir``; returns what results.json holds. ``echo``: print the tables.
-
-    Merged folders must agree (:func:`mtpc.evaluation.records.check_mergeable`): the AR row is
-    the first folder's, each draft's ``x AR`` is against its own folder's AR (same machine,
-    same call).
+    """Tables, results.json, CSVs and plots of one evaluation folder or several merged
+    (docs/EVALUATION.md, "Reports without decoding"), written to ``out_dir``; returns what
+    results.json holds. ``echo``: print the tables.
 
     Raises:
         RecordsError: the folders cannot be merged.
@@ -498,13 +491,9 @@ def report_folders(
         "paired": (paired, format_table(paired, paired_title(paired), PAIRED_COLUMNS, PAIRED_NOTE)),
         "seeds": (seeds, format_table(seeds, seeds_title, SEED_COLUMNS, SEED_NOTE)),
     }  # fmt: skip
-    if echo:
-        print(table)
-        if source_rows:
-            print(source_table)
-        for extra_rows, extra_table in extra.values():
-            if extra_rows:
-                print(extra_table)
+    if echo:  # the main table always, the others when they have rows
+        shown = [(source_rows, source_table), *extra.values()]
+        print("\n".join([table, *(t for r, t in shown if r)]))
     results: dict[str, Any] = {
         **{k: first.get(k) for k in ("settings", "target", "data", "device_name")},
         "drafts": [d for m in manifests for d in m["drafts"]],

@@ -22,12 +22,8 @@ from mtpc.backbones.codecs import get_codec
 from mtpc.benchmarking import peak_memory_mb, sync_memory_reset
 from mtpc.decoding import generate
 from mtpc.decoding.common import cut_at_stop
-from mtpc.evaluation.checks import (
-    EvalConfigError,
-    check_batch_backbone,
-    check_eval_fields,  # noqa: F401 (tests import evaluate's check from here)
-    parse_eval,
-)
+from mtpc.evaluation.checks import EvalConfigError, check_batch_backbone, parse_eval
+from mtpc.evaluation.checks import check_eval_fields as check_eval_fields  # tests import it here
 from mtpc.evaluation.drafting import tree_budgets
 from mtpc.evaluation.folders import build_manifest, check_prompts, eval_folder, fresh_folder
 from mtpc.evaluation.hetero import decode_hetero
@@ -118,15 +114,11 @@ def decode_prompts(
     references: Sequence[Sequence[str] | None],
     batch_size: int = 1,
 ) -> list[dict[str, Any]]:
-    """Decodes prompts, every turn of a multi-turn one; returns each record's measurements.
-
-    A later turn (``later_turns``: Spec-Bench's MT-bench questions) is asked after the model's
-    own answer to the turn before (cut after its first stop id), in the target's chat
-    template; the record pools the turns (docs/EVALUATION.md, "Records"). The prompts' k-th
-    turns are decoded together, ``batch_size`` at once (a row's times are its shares).
-    ``per_cycle``: keep the per-cycle lists (drafting passes); ``references``: per prompt, AR's
-    ``tokens_sha1`` per turn (the greedy check), or None.
-    """
+    """Decodes prompts, every turn of a multi-turn one (each later turn after the model's own
+    answer, cut at its first stop id); returns each record's measurements, the turns pooled
+    (docs/EVALUATION.md, "Records"). The prompts' k-th turns are decoded together,
+    ``batch_size`` at once. ``per_cycle``: keep the per-cycle lists (drafting passes);
+    ``references``: per prompt, AR's ``tokens_sha1`` per turn (the greedy check), or None."""
     convs = [_Conversation(p) for p in prompts]
     for turn in range(max(len(c.later) for c in convs) + 1):
         going = [c for c in convs if turn <= len(c.later)]
@@ -187,10 +179,9 @@ class _Conversation:
 
 
 class Lane:
-    """One draft's decoding pass (or AR's: ``draft`` None, the draft's backbone is the
-    target), decoded into the records by :func:`run_pass` or, several lanes prompt by prompt,
-    :func:`run_interleaved`; ``path`` and ``name`` are the records' ``draft_path`` and
-    ``draft``."""
+    """One draft's decoding pass (or AR's: ``draft`` None, the draft's backbone is the target),
+    decoded into the records by :func:`run_pass` or, several lanes prompt by prompt,
+    :func:`run_interleaved`; ``path``, ``name``: the records' ``draft_path``, ``draft``."""
 
     def __init__(
         self, model: Any, s: EvalSettings, draft: Mapping[str, Any] | None, pass_name: str
@@ -247,10 +238,8 @@ class Lane:
 
     def close(self, store: RecordStore, peak_mb: float | None) -> None:
         """The ``pass`` record: every prompt of this lane is recorded."""
-        store.append(
-            {"type": "pass", "draft_path": self.path, "pass": self.pass_name,
-             "peak_memory_mb": peak_mb}
-        )  # fmt: skip
+        record = {"type": "pass", "draft_path": self.path, "pass": self.pass_name}
+        store.append({**record, "peak_memory_mb": peak_mb})
 
 
 def run_pass(
@@ -453,7 +442,6 @@ def evaluate(
     spec_bench_questions(s)  # prompts=spec_bench: a bad file is refused before anything loads
     if s.output.report:
         return rebuild_report(s)
-
     drafter = s.drafter
     root = s.output.root_dir
     # drafter=hetero alone evaluates only the other-vocabulary drafter; with draft= both

@@ -66,11 +66,10 @@ chunks of this many times B: the places of finished rows go to waiting ones with
 
 # ------------------------------------------------------------------------ evaluation ----
 IDENTITY_FIELDS = (
-    "greedy", "policy", "temperature", "top_k", "top_p", "num_prompts",
-    "num_prompt_sets", "max_new_tokens", "warmup", "warmup_window", "suppress_eos",
-    "max_throughput",
-    "device", "english_only", "seed", "num_threads", "max_prompt_length", "sources",
-    "tree_budget", "tree_floor",
+    "greedy", "policy", "temperature", "top_k", "top_p", "num_prompts", "num_prompt_sets",
+    "max_new_tokens", "warmup", "warmup_window", "suppress_eos", "max_throughput", "device",
+    "english_only", "seed", "num_threads", "max_prompt_length", "sources", "tree_budget",
+    "tree_floor",
 )  # fmt: skip
 """Settings that define a measurement (their change starts another evaluation folder), in the
 manifest's order. ``batch_size`` > 1 is added to them (another timing protocol)."""
