@@ -1,12 +1,7 @@
-"""Lossless speculative decoding across heterogeneous vocabularies (Timor et al., 2025).
-
-``generate_hetero`` decodes with a drafter whose vocabulary differs from the target's:
-``standard`` (Alg. 5, identical vocabularies), ``union`` (Alg. 1), ``tli`` (Alg. 4, the
-drafter renormalised over T ∩ D by bytes), ``slem`` (Alg. 2, string-level exact match with
-the target's own choices) and ``slrs`` (Alg. 3, string-level rejection sampling, psi by
-enumerated drafter paths or from an MTPC circuit's prefix marginals). Targets and HF drafters
-run with KV caches (:class:`CachedLM`); verification is :mod:`mtpc.decoding.verify`'s. See
-docs/HETERO.md, "Algorithms".
+"""Lossless speculative decoding across heterogeneous vocabularies (Timor et al., 2025):
+``generate_hetero`` with ``standard``, ``union``, ``tli``, ``slem`` and ``slrs`` (the paper's
+Alg. 5, 1, 4, 2, 3), verified by :mod:`mtpc.decoding.verify`'s rules. See docs/HETERO.md,
+"Algorithms".
 """
 
 from __future__ import annotations
@@ -503,12 +498,7 @@ def _slrs_cycle(
 
 
 def slrs_psi(
-    table: SLRSTable,
-    sess: _Session,
-    enum: PathEnumerator,
-    pending: bytes,
-    vocab: int,
-    method: str,
+    table: SLRSTable, sess: _Session, enum: PathEnumerator, pending: bytes, vocab: int, method: str
 ) -> Tensor:
     """psi over the target vocabulary, (vocab,) float64 (mass left over is ⊥)."""
     strings = list(table.ids)

@@ -1,13 +1,10 @@
 """Where the rows of one decoding call keep their caches: one stream, or one padded batch.
 
-A layout does four things for any list of its rows: ``target`` (ONE trunk + verifier-tail
-pass over each row's new ids, a chain or a token tree: the trunk states ``(1, T_b, d)`` and
-target logits ``(T_b, V)``), ``keep`` (drop the rejected positions: a prefix length or
-``(K,)`` offsets), ``draft`` (the draft tail over the kept states: the last output ``(1, d)``,
-None when there are none) and ``release`` (finished rows leave). :class:`Stream`: one row in
-the model's own caches (every backbone; the batch-1 numerics the exactness tests pin);
-:class:`Padded`: B rows in one batched cache, each reading only its own slots
-(:class:`Slots`). See docs/DECODING.md, "Many prompts at once" (why it is exact).
+A layout runs ``target`` (ONE trunk + verifier-tail pass over each row's new ids, a chain or
+a token tree), ``keep`` (drops the rejected positions), ``draft`` (the draft tail over the
+kept states) and ``release`` (finished rows leave). :class:`Stream`: one row in the model's
+own caches (every backbone); :class:`Padded`: B rows in one batched cache, each reading only
+its own slots (:class:`Slots`). See docs/DECODING.md, "Many prompts at once".
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """The self-speculative decoding loop, written once for chains and token trees (paper Alg. 2).
 
-e_t is the state after reading x_t; the verifier at e_t gives p(x_{t+1} | x_<=t), the draft
-there the circuit q(x_{t+1..t+n} | x_<=t). A :func:`cycle` starts from e_t (its head:
-:class:`HeadState`) with either nothing pending (p(x_{t+1}) kept from the last pass) or a
-pending token c = x_{t+1} (``condition``), which the circuit is conditioned on as evidence. A
-:class:`Proposer` (``speculative.Chain`` or ``tree.Tree``) drafts; one trunk + verifier-tail
-pass over [c] + the drafts gives the target after every drafted prefix; the proposer accepts
-s drafts and names the next token; the caches keep c and the accepted positions, and the
-draft tail runs on exactly those states. :func:`resume` applies the policy to the emitted
-token. See docs/DECODING.md, "The cycle" (the policies, and why ``drop`` is biased).
+A :func:`cycle` drafts from the last processed state (:class:`HeadState`) and the pending
+token, if any (a :class:`Proposer`: ``speculative.Chain`` or ``tree.Tree``), verifies in one
+trunk + verifier-tail pass, keeps the accepted positions and applies the resume policy
+(:func:`resume`). See docs/DECODING.md, "The cycle".
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """Decoding settings checked from the settings alone, before any model loads (torch-free).
 
 :func:`check_settings` is the one door of ``mtpc.generate``, ``mtpc.generate_hetero``,
-``evaluate`` and regeneration: a bad setting gets the same one-line message from each, in the
-caller's :class:`Spelling`. :data:`CHAIN_RULES` maps a drafting choice onto the draft step's
-:class:`DraftRule`. What needs the model is ``mtpc.decoding.common.check_request``'s. See
-docs/DECODING.md, "Drafting" (the choices, the refusals, the defaults).
+``evaluate`` and regeneration (the same one-line refusal from each, in the caller's
+:class:`Spelling`); :data:`CHAIN_RULES` maps a drafting choice onto a :class:`DraftRule`.
+See docs/DECODING.md, "Drafting".
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""Exactly lossless self-speculative decoding with a circuit draft: the chain (paper Sec. 3.4).
-
-What a chain drafts (:func:`draft_step`, through a ``HeadState`` that computes input logits
-only where asked) and how it is verified (exact match, or speculative sampling against the
-proposal the drafts were drawn from: q(. | z), or the lazily computed marginals); the loop
-is ``mtpc.decoding.loop``'s. The modes are the ``DraftRule`` values. See docs/DECODING.md,
-"Drafting" (the modes) and "The draft step" (what each reads, why each is exact).
+"""Exactly lossless self-speculative decoding with a circuit draft: the chain (paper Sec. 3.4):
+what a chain drafts (:func:`draft_step`) and how it is verified; the loop is
+``mtpc.decoding.loop``'s. See docs/DECODING.md, "Drafting" and "The draft step".
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""Token-tree self-speculative decoding: the circuit's B most probable prefixes, one pass.
-
-The proposer :class:`Tree` drafts with ``build_tree``, lays out [pending root] + the nodes
-for one pass under a tree mask (:func:`verify_layout`) and verifies by :func:`walk`: every
-emitted token is the target's own choice given the emitted prefix, so the output is the
-target's whatever the tree, and for a deterministic tree no exact rule accepts more. See
-docs/DECODING.md, "Token trees".
+"""Token-tree self-speculative decoding: the circuit's B most probable prefixes verified in one
+pass under a tree mask, accepted by :func:`walk` (the target's own choices, so exact whatever
+the tree). See docs/DECODING.md, "Token trees".
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""The verification rules of every speculative decoder (self-speculative and heterogeneous).
-
-Greedy: accept the longest draft prefix equal to the target's argmax, then emit the target's
-argmax. Speculative sampling (Leviathan et al., 2023): accept x_i w.p. min(1, p_i / q_i), at
-the first rejection emit a sample of norm(max(0, p_i - q_i)), else one of p_{n+1}; exact for
-any q as long as x_i was drawn from q_i. And the logit processing, applied identically to
-target and draft. See docs/DECODING.md, "The cycle".
+"""The verification rules of every speculative decoder (exact match; speculative sampling,
+exact for any q as long as x_i was drawn from q_i) and the logit processing, applied
+identically to target and draft. See docs/DECODING.md, "The cycle".
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""Byte-aware tokenizer adapters and target/drafter vocabulary mappings (docs/HETERO.md).
-
-Tokens are compared by the bytes they decode to, not their strings (GPT-2 writes the space
-byte ``"Ġ"``, SentencePiece ``"▁"``, MTPC's byte codecs have no strings):
-:class:`TokenizerAdapter` wraps a byte codec (:class:`CodecTokenizer`) or an HF tokenizer
-(:class:`HFTokenizer`); :func:`vocab_mapping` is T ∩ D by bytes (specials by text), cached per
-pair; :func:`prompt_overlap` is Timor et al.'s Table 6 overlap.
+"""Byte-aware tokenizer adapters (byte codecs, HF tokenizers) and the target/drafter
+vocabulary mapping, tokens compared by the bytes they decode to. See docs/HETERO.md,
+"Algorithms".
 """
 
 from __future__ import annotations
