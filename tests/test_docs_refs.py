@@ -8,14 +8,16 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# docs/X.md, optionally closed by `` (rst literal), then optionally , or : and a "Section"
-POINTER = re.compile(r'docs/([A-Z_]+\.md)(?:``)?(?:[,:]?\s+"([^"\n]+)")?')
+# docs/X.md, optionally closed by `` (rst literal), then optionally , or : and a "Section" (or
+# 'Section' inside a message string)
+POINTER = re.compile(r"""docs/([A-Z_]+\.md)(?:``)?(?:[,:]?\s+(["'])([^"'\n]+)\2)?""")
 
 
 def _headings(doc: Path) -> list[str]:
-    return [
-        line.lstrip("#").strip() for line in doc.read_text().splitlines() if line.startswith("#")
-    ]
+    """A document's headings and its paragraphs' bold run-in titles (``**Load-time check**``)."""
+    lines = doc.read_text().splitlines()
+    titles = [line.lstrip("#").strip() for line in lines if line.startswith("#")]
+    return titles + [line[2:].split("**")[0] for line in lines if line.startswith("**")]
 
 
 def _pointers() -> list[tuple[str, str, str | None]]:
@@ -24,7 +26,7 @@ def _pointers() -> list[tuple[str, str, str | None]]:
     for path in files:
         # docstrings wrap: a pointer may continue on the next line after its indentation
         text = re.sub(r"\n\s*", " ", path.read_text())
-        for name, section in POINTER.findall(text):
+        for name, _, section in POINTER.findall(text):
             found.append((str(path.relative_to(ROOT)), name, section or None))
     return found
 
@@ -44,6 +46,6 @@ def test_code_points_at_documents_and_sections_that_exist() -> None:
 
 def test_a_pointer_to_a_missing_section_is_caught(tmp_path: Path) -> None:
     text = 'See docs/DECODING.md, "No such section".'
-    name, section = POINTER.findall(text)[0]
+    name, _, section = POINTER.findall(text)[0]
     assert (name, section) == ("DECODING.md", "No such section")
     assert not any(h.startswith(section) for h in _headings(ROOT / "docs" / name))

@@ -1,5 +1,5 @@
 """The settings of a training run, read from the Hydra config once, at the door, by
-:meth:`TrainSettings.from_cfg` (docs/DESIGN.md, "Training does the same"). Each default is
+:meth:`TrainSettings.from_cfg` (docs/TRAINING.md, "Training MTPC drafts"). Each default is
 written once, here, and equals what ``train(cfg)`` takes for a missing key (a comment names a
 config file that gives another). Values are kept as given: ``validate_train_config`` or
 Lightning refuses bad ones."""
