@@ -60,9 +60,8 @@ class Circuit:
                 whole = la.view_start == 0 and self.layers[src].num_folds == la.num_folds * la.arity
                 view = (src, not whole, la.view_start)
             F, R, lo, slots = la.num_folds, la.num_units, la.sum_offset, tuple(la.slots)
-            is_sum = la.kind == "sum"
             self._plan.append(
-                _LayerStep(is_sum, F, R, la.arity, slots[0], view, lo, lo + F * R, slots)
+                _LayerStep(la.kind == "sum", F, R, la.arity, slots[0], view, lo, lo + F * R, slots)
             )
         # prefix fast path: layer 1 multiplies consecutive inputs and nobody else reads them
         self._prefix_index: Tensor | None = None
@@ -75,10 +74,8 @@ class Circuit:
             and l1.num_folds * l1.arity == n
             and readers == l1.arity
         ):
-            A = l1.arity
-            k = torch.arange(n)
-            starts = torch.arange(l1.num_folds) * A
-            self._prefix_index = (k[None, :] - starts[:, None] + 1).clamp(0, A)  # (F, n)
+            starts = torch.arange(l1.num_folds) * l1.arity  # (F,) first inputs; the index: (F, n)
+            self._prefix_index = (torch.arange(n)[None] - starts[:, None] + 1).clamp(0, l1.arity)
         # top-down walk: per sum layer, root first, the weight row of unit 0 of each position's
         # ancestor fold there (tree-shaped: at most one fold of a layer holds a position), and
         # which positions have one; products keep the unit index (Hadamard)
@@ -103,17 +100,14 @@ class Circuit:
 
     @property
     def kind(self) -> str:
-        """Family name."""
         return self.structure.kind
 
     @property
     def window(self) -> int:
-        """Window length n."""
         return self.structure.window
 
     @property
     def rank(self) -> int:
-        """Units per region r."""
         return self.structure.rank
 
     @property
@@ -202,14 +196,13 @@ class Circuit:
             inputs = {(0, p): leaves[:, p].unsqueeze(-1).to(next_logp.dtype) for p in range(m)}
             inputs[(0, m)] = unit.unsqueeze(0)
             log_g = self._prefix_values(plan, inputs, _f32(sum_logw).to(next_logp.dtype))[:, 0]
-            root = torch.logsumexp(log_g.unsqueeze(-1) + next_logp, dim=1)  # (B, V)
-            return torch.log_softmax(root, dim=-1)
-        parts = [leaves.unsqueeze(-1).expand(B, m, r, r).to(next_logp.dtype)] if m else []
-        parts.append(unit.expand(B, 1, r, r))
-        if m + 1 < self.window:
-            parts.append(next_logp.new_zeros(B, self.window - m - 1, r, r))
-        cols = torch.cat(parts, 1) if len(parts) > 1 else parts[0]  # (B, n, r, r)
-        log_g = self._upward(cols, sum_logw)[0][:, 0]  # (B, r)
+        else:
+            parts = [leaves.unsqueeze(-1).expand(B, m, r, r).to(next_logp.dtype)] if m else []
+            parts.append(unit.expand(B, 1, r, r))
+            if m + 1 < self.window:
+                parts.append(next_logp.new_zeros(B, self.window - m - 1, r, r))
+            cols = torch.cat(parts, 1) if len(parts) > 1 else parts[0]  # (B, n, r, r)
+            log_g = self._upward(cols, sum_logw)[0][:, 0]  # (B, r)
         root = torch.logsumexp(log_g.unsqueeze(-1) + next_logp, dim=1)  # (B, V)
         return torch.log_softmax(root, dim=-1)
 
@@ -306,13 +299,10 @@ class Circuit:
             return evidence.clone()
         leaves = None
         if max_product or m > 0:
-            parts = []
+            leaves = lp[:, m:].amax(-1) if max_product else lp.new_zeros(B, n - m, r)
             if m:
                 assert evidence is not None
-                parts.append(self._leaf_values(lp, evidence))  # (B, m, r)
-            free = lp[:, m:].amax(-1) if max_product else lp.new_zeros(B, n - m, r)
-            parts.append(free)
-            leaves = torch.cat(parts, 1) if len(parts) > 1 else parts[0]  # (B, n, r)
+                leaves = torch.cat([self._leaf_values(lp, evidence), leaves], 1)  # (B, n, r)
         if lw is None:  # no sum unit: one unit per position
             units = torch.zeros(B, n, dtype=torch.long, device=lp.device)
         else:  # every choice at once (leaves None: the prior); the walk down follows indices
@@ -364,16 +354,14 @@ class Circuit:
             device = torch.device("cpu") if ev is None else ev.device
             return torch.zeros(batch_size, n, dtype=torch.long, device=device)
         lw = _f32(sum_logw)
-        if ev is not None and ev.shape[1] == 0:
-            ev = None
-        plan = None if ev is None else self._prefix_plan(ev.shape[1])
-        if ev is not None and plan is not None:  # a short prefix: only its ancestors change
-            scores = self._prefix_posterior(plan, ev, lw)
-        elif ev is not None:
-            leaves = torch.cat([ev, ev.new_zeros(batch_size, n - ev.shape[1], r)], 1)
-            scores = self._posterior(leaves, lw, max_product=False)
-        else:
-            scores = lw  # the prior
+        scores = lw  # the prior
+        if ev is not None and ev.shape[1]:
+            plan = self._prefix_plan(ev.shape[1])
+            if plan is not None:  # a short prefix: only its ancestors change
+                scores = self._prefix_posterior(plan, ev, lw)
+            else:
+                leaves = torch.cat([ev, ev.new_zeros(batch_size, n - ev.shape[1], r)], 1)
+                scores = self._posterior(leaves, lw, max_product=False)
         choice = scores.argmax(-1) if most_probable else categorical(scores, generator)
         return self._walk_down(choice)  # (B, n)
 
@@ -457,8 +445,7 @@ class Circuit:
         for lid, layer in enumerate(self.layers):
             c = sum_inputs[lid]
             if c is not None:
-                F, R = layer.num_folds, layer.num_units
-                lo = layer.sum_offset
+                F, R, lo = layer.num_folds, layer.num_units, layer.sum_offset
                 w = lw[:, lo : lo + F * R].view(B, F, R, r)
                 pieces.append((w + c[..., 0].unsqueeze(2)).view(B, F * R, r))
         return torch.cat(pieces, 1) if len(pieces) > 1 else pieces[0]
@@ -511,8 +498,7 @@ class Circuit:
             raise ValueError(
                 f"params.input_logp must have shape (B, n={n}, r={r}, V), got {tuple(lp.shape)}"
             )
-        U = self.structure.num_sum_rows
-        lw = params.sum_logw
+        U, lw = self.num_sum_units, params.sum_logw
         if U == 0:
             return lp, None
         if lw is None or lw.shape != (lp.shape[0], U, r):
