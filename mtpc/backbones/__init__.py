@@ -76,11 +76,8 @@ def tiny_backbone(
     """The tiny target (a ``LlamaForCausalLM`` + EvaByte-layout MTP unembeddings)."""
     from mtpc.backbones.llama import LlamaBackbone
 
-    backbone = LlamaBackbone(
-        hf_model, name="tiny", codec="tiny", source={"model": "tiny", "path": path}
-    )
-    backbone.extra_mtp = mtp_unembeddings
-    return backbone
+    source = {"model": "tiny", "path": path}
+    return LlamaBackbone(hf_model, "tiny", codec="tiny", source=source, extra_mtp=mtp_unembeddings)
 
 
 def _is_bundled_tiny(hf_model: nn.Module) -> bool:
@@ -123,6 +120,4 @@ def backbone_from_hf(target: Any, mtp_unembeddings: torch.Tensor | None = None) 
         return tiny_backbone(target, mtp_unembeddings, None)
     from mtpc.backbones.llama import LlamaBackbone
 
-    backbone = LlamaBackbone(target)
-    backbone.extra_mtp = mtp_unembeddings
-    return backbone
+    return LlamaBackbone(target, extra_mtp=mtp_unembeddings)

@@ -133,7 +133,12 @@ class LayerCache:
         self.backbone = backbone
         self.start = start
         self.end = end
-        self.native: Any = backbone.new_native_cache(start, end) if end > start else None
+        self.reset()
+
+    def reset(self) -> None:
+        """Empties the cache (a fresh native cache object)."""
+        start, end = self.start, self.end
+        self.native: Any = self.backbone.new_native_cache(start, end) if end > start else None
         self.length = 0
         self.ids: torch.Tensor | None = None  # (B, length) ids recorded with record_ids
 
@@ -186,14 +191,6 @@ class LayerCache:
         """An independent copy (shares the backbone, copies the cached tensors)."""
         return copy.deepcopy(self, {id(self.backbone): self.backbone})
 
-    def reset(self) -> None:
-        """Empties the cache (a fresh native cache object)."""
-        self.native = (
-            self.backbone.new_native_cache(self.start, self.end) if self.end > self.start else None
-        )
-        self.length = 0
-        self.ids = None
-
 
 class Backbone(nn.Module, ABC):
     """A decoder-only LM behind one split-at-layer interface: subclasses implement the model's
@@ -213,8 +210,7 @@ class Backbone(nn.Module, ABC):
         self.codec = codec
         self.source = dict(source)
         self.lora: Any = None
-        for p in hf_model.parameters():
-            p.requires_grad_(False)
+        hf_model.requires_grad_(False)
 
     # --- model-specific pieces (defaults: the HF decoder layout ``hf_model.model.*``) ------
     @property
@@ -224,10 +220,6 @@ class Backbone(nn.Module, ABC):
     @property
     def layers(self) -> nn.ModuleList:
         return self.inner.layers
-
-    @property
-    def final_norm(self) -> nn.Module:
-        return self.inner.norm
 
     @property
     def config(self) -> Any:
@@ -322,7 +314,7 @@ class Backbone(nn.Module, ABC):
     # --- shared machinery ------------------------------------------------------------------
     def norm(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm: pre-norm hidden states (..., d) -> features (..., d)."""
-        return self.final_norm(hidden)
+        return self.inner.norm(hidden)
 
     def stp_logits(self, features: torch.Tensor) -> torch.Tensor:
         """Next-token logits of normed features (..., d) -> (..., V)."""

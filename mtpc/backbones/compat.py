@@ -197,10 +197,9 @@ def _unavailable(module: str, package: str, reason: str) -> Callable[[str], Any]
 class _StubOnOptionalImport(importlib.abc.Loader):
     """Runs a remote module; if it fails importing an optional package, leaves a placeholder."""
 
-    def __init__(self, loader: Any, optional: frozenset[str], blocked: frozenset[str]) -> None:
+    def __init__(self, loader: Any, reasons: dict[str, str]) -> None:
         self.loader = loader
-        self.optional = optional
-        self.blocked = blocked
+        self.reasons = reasons  # optional package -> why it is missing
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         return self.loader.create_module(spec)
@@ -210,10 +209,9 @@ class _StubOnOptionalImport(importlib.abc.Loader):
             self.loader.exec_module(module)
         except ModuleNotFoundError as error:
             package = (error.name or "").split(".")[0]
-            if package not in self.optional:
+            reason = self.reasons.get(package)
+            if reason is None:
                 raise
-            blocked = package in self.blocked
-            reason = "disabled (model.attention_impl=torch)" if blocked else "not installed"
             module.__getattr__ = _unavailable(module.__name__, package, reason)  # type: ignore[method-assign]
             module.__mtpc_unavailable__ = package  # type: ignore[attr-defined]
             message = "%s imports %s (%s): its functions are placeholders"
@@ -223,9 +221,8 @@ class _StubOnOptionalImport(importlib.abc.Loader):
 class _RemoteModuleFinder(importlib.abc.MetaPathFinder):
     """Wraps the loaders of ``transformers_modules.*`` (remote code) in :class:`_StubOnOptionalImport`."""
 
-    def __init__(self, optional: frozenset[str], blocked: frozenset[str]) -> None:
-        self.optional = optional
-        self.blocked = blocked
+    def __init__(self, reasons: dict[str, str]) -> None:
+        self.reasons = reasons
 
     def find_spec(
         self, fullname: str, path: Any = None, target: ModuleType | None = None
@@ -235,7 +232,7 @@ class _RemoteModuleFinder(importlib.abc.MetaPathFinder):
         spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
         if spec is None or spec.loader is None or spec.submodule_search_locations is not None:
             return spec
-        spec.loader = _StubOnOptionalImport(spec.loader, self.optional, self.blocked)
+        spec.loader = _StubOnOptionalImport(spec.loader, self.reasons)
         return spec
 
 
@@ -258,7 +255,9 @@ def remote_imports(
         del sys.modules[name]
     for package in blocked:
         sys.modules[package] = None  # type: ignore[assignment]
-    finder = _RemoteModuleFinder(optional | blocked, blocked)
+    reasons = dict.fromkeys(optional, "not installed")
+    reasons.update(dict.fromkeys(blocked, "disabled (model.attention_impl=torch)"))
+    finder = _RemoteModuleFinder(reasons)
     sys.meta_path.insert(0, finder)
     try:
         yield
@@ -295,11 +294,9 @@ def install_removed_module_shims() -> list[str]:
             if getattr(current, "__name__", name) != name:
                 installed.append(name)
             continue
-        try:
+        with contextlib.suppress(ModuleNotFoundError):
             importlib.import_module(name)
             continue
-        except ModuleNotFoundError:
-            pass
         shim = importlib.import_module(ours)
         sys.modules[name] = shim
         parent, _, child = name.rpartition(".")

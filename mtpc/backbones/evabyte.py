@@ -393,8 +393,7 @@ class EvaByteBackbone(Backbone):
             return self._prefill_remote(hidden, start, end, positions, native)
         pieces, i = [], 0
         while i < t:  # a causal run is cut at window boundaries (each piece: one pass)
-            if i:
-                self._settle(native)
+            self._settle(native)
             take = self.one_pass_span(native.length, t - i)
             chain = torch.ones(take, take, dtype=torch.bool, device=hidden.device).tril()
             piece = hidden[:, i : i + take]

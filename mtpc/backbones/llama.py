@@ -36,9 +36,10 @@ class LlamaBackbone(Backbone):
         name: str = "llama",
         codec: str = "tiny",
         source: dict[str, Any] | None = None,
+        extra_mtp: torch.Tensor | None = None,
     ) -> None:
         super().__init__(hf_model, name, codec, source or hf_source(hf_model))
-        self.extra_mtp: torch.Tensor | None = None  # MTP unembeddings kept beside the model
+        self.extra_mtp = extra_mtp  # MTP unembeddings kept beside the model
         inner: Any = hf_model.model
         layer_cls = type(inner.layers[0])
         self.cache_kw = cache_keyword(layer_cls)
@@ -52,8 +53,7 @@ class LlamaBackbone(Backbone):
 
     def mtp_unembeddings(self) -> torch.Tensor | None:
         mtp = self.extra_mtp
-        if mtp is None:
-            mtp = getattr(self.hf_model, "mtp_unembeddings", None)
+        mtp = getattr(self.hf_model, "mtp_unembeddings", None) if mtp is None else mtp
         if mtp is None:
             return None
         w: Any = mtp.weight if isinstance(mtp, nn.Module) else mtp
@@ -73,15 +73,15 @@ class LlamaBackbone(Backbone):
     def native_compact(self, native: Any, base: int, keep: torch.Tensor) -> None:
         # move only the kept tail down to base.. (kept[i] >= base + i, so the copy is safe);
         # the prefix [0, base) stays in place
-        count, kept, length = keep.numel(), None, None
-        for layer in native.layers:
-            if getattr(layer, "is_initialized", True) and layer.keys is not None:
-                if kept is None:
-                    kept = base + keep.to(layer.keys.device)  # (K,)
-                    length = layer.keys.shape[-2]
-                layer.keys[:, :, base : base + count] = layer.keys[:, :, kept]  # (B, H, K, D)
-                layer.values[:, :, base : base + count] = layer.values[:, :, kept]
-        if length is not None and length > base + count:
+        filled, count = _filled(native), keep.numel()
+        if not filled:
+            return
+        kept = base + keep.to(filled[0].keys.device)  # (K,)
+        for layer in filled:
+            layer.keys[:, :, base : base + count] = layer.keys[:, :, kept]  # (B, H, K, D)
+            layer.values[:, :, base : base + count] = layer.values[:, :, kept]
+        length = filled[0].keys.shape[-2]
+        if length > base + count:
             native.crop(base + count - length)  # transformers takes a negative count here
 
     supports_batch = True

@@ -115,9 +115,8 @@ class ExpansionLookup:
         d = self.depth
         padded = torch.cat([x.new_zeros(b, d), x], dim=1)  # (B, d + S): 0 before the row
         # cols[:, p, j]: the shifted id j steps before position first + p (0 before the row)
-        back = torch.arange(first + d, s + d, device=ids.device)[:, None] - torch.arange(
-            d, device=ids.device
-        )  # (P, d)
+        steps = torch.arange(d, device=ids.device)  # (d,)
+        back = torch.arange(first + d, s + d, device=ids.device)[:, None] - steps  # (P, d)
         cols = padded[:, back]  # (B, P, d)
         node = torch.zeros(b, s - first, dtype=torch.long, device=ids.device)  # (B, P) trie node
         best = torch.zeros_like(node)  # (B, P): the deepest key's value (0: no key matched)

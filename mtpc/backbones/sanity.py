@@ -54,8 +54,7 @@ def rotary_problems(hf_model: nn.Module) -> list[str]:
             )
             continue
         cos = module._buffers.get("cos_cached")
-        sin = module._buffers.get("sin_cached")
-        if cos is None or sin is None:
+        if cos is None or module._buffers.get("sin_cached") is None:
             continue
         positions = torch.arange(cos.shape[0], dtype=torch.float32)  # (S,)
         if "linear" in type(module).__name__.lower():

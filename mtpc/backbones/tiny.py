@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from torch.nn.utils.rnn import pad_sequence
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from mtpc.backbones.codecs import ByteCodec, get_codec
@@ -191,18 +192,15 @@ def load_tiny_target(
         model = LlamaForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
     except (OSError, ValueError, SafetensorError, json.JSONDecodeError) as err:
         raise _asset_error(folder / "model.safetensors", f"could not be loaded ({err})") from err
+    mtp_file = folder / "mtp_heads.safetensors"
     try:
-        mtp = load_file(folder / "mtp_heads.safetensors")[MTP_KEY].to(dtype)
+        mtp = load_file(mtp_file)[MTP_KEY].to(dtype)
     except (OSError, KeyError, SafetensorError) as err:
-        raise _asset_error(
-            folder / "mtp_heads.safetensors", f"could not be loaded ({err})"
-        ) from err
-    vocab, d = model.config.vocab_size, model.config.hidden_size
-    if tuple(mtp.shape) != (NUM_MTP_HEADS * vocab, d):
-        raise _asset_error(
-            folder / "mtp_heads.safetensors",
-            f"has {MTP_KEY} of shape {tuple(mtp.shape)}, expected {(NUM_MTP_HEADS * vocab, d)}",
-        )
+        raise _asset_error(mtp_file, f"could not be loaded ({err})") from err
+    expected_shape = (NUM_MTP_HEADS * model.config.vocab_size, model.config.hidden_size)
+    if tuple(mtp.shape) != expected_shape:
+        shape = f"{MTP_KEY} of shape {tuple(mtp.shape)}, expected {expected_shape}"
+        raise _asset_error(mtp_file, f"has {shape}")
     model.eval()
     return TinyTarget(model=model, mtp_unembeddings=mtp, metadata=metadata, path=folder)
 
@@ -250,15 +248,11 @@ def validation_metrics(
 
     for start in range(0, len(encoded), batch_size):
         chunk = encoded[start : start + batch_size]
-        length = max(len(ids) for ids, _ in chunk)
-        ids = torch.full((len(chunk), length), pad, dtype=torch.long)
-        valid = torch.zeros(len(chunk), length, dtype=torch.bool)
-        assistant = torch.zeros(len(chunk), length, dtype=torch.bool)
-        for i, (row_ids, row_mask) in enumerate(chunk):
-            ids[i, : len(row_ids)] = torch.tensor(row_ids)
-            valid[i, : len(row_ids)] = True
-            assistant[i, : len(row_ids)] = torch.tensor(row_mask)
-        ids, valid, assistant = ids.to(device), valid.to(device), assistant.to(device)
+        rows_ids = [torch.tensor(row_ids) for row_ids, _ in chunk]
+        masks = [torch.tensor(row_mask, dtype=torch.bool) for _, row_mask in chunk]
+        ids = pad_sequence(rows_ids, batch_first=True, padding_value=pad).to(device)  # (B, T)
+        valid = pad_sequence([torch.ones_like(m) for m in masks], batch_first=True).to(device)
+        assistant = pad_sequence(masks, batch_first=True).to(device)  # (B, T)
         out = model.model(input_ids=ids, attention_mask=valid.long())
         hidden = out.last_hidden_state  # (B, T, d)
         log_probs = model.lm_head(hidden).float().log_softmax(-1)  # (B, T, V)
