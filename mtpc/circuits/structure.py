@@ -133,9 +133,8 @@ class StructureBuilder:
             slots = tuple(
                 _make_slot([where[ch[a]] for ch in children], layers) for a in range(arity)
             )
-            view_start = None
-            if kind == "product":
-                view_start = _view_start([[where[c] for c in ch] for ch in children])
+            flat = [where[c] for ch in children for c in ch]  # fold-major: f * A + a
+            view_start = _run_start(flat) if kind == "product" else None
             offset = rows.add(self, members, units) if kind == "sum" else 0
             scopes = tuple(self.nodes[v].scope for v in members)
             layers.append(Layer(kind, len(members), units, slots, view_start, offset, scopes))  # type: ignore[arg-type]
@@ -235,27 +234,20 @@ def _make_slot(children: list[tuple[int, int]], layers: list[Layer]) -> Slot:
         offsets[s] = acc
         acc += layers[s].num_folds
     index = torch.tensor([offsets[lid] + f for lid, f in children], dtype=torch.long)
-    start = None
-    if len(sources) == 1:
-        folds = [f for _, f in children]
-        if folds == list(range(folds[0], folds[0] + len(folds))):
-            start = folds[0]
     parts = []
     for s in sources:
         pos = [i for i, (lid, _) in enumerate(children) if lid == s]
         child = [children[i][1] for i in pos]
-        parts.append(
-            (s, torch.tensor(pos, dtype=torch.long), torch.tensor(child, dtype=torch.long))
-        )
-    return Slot(sources, index, start, tuple(parts))
+        parts.append((s, torch.tensor(pos), torch.tensor(child)))  # int64: never empty
+    return Slot(sources, index, _run_start(children), tuple(parts))
 
 
-def _view_start(children: list[list[tuple[int, int]]]) -> int | None:
-    src = {lid for ch in children for lid, _ in ch}
-    if len(src) != 1:
+def _run_start(children: list[tuple[int, int]]) -> int | None:
+    """The first fold when ``children`` (layer, fold) are consecutive folds of one layer."""
+    folds = [f for _, f in children]
+    if len({lid for lid, _ in children}) != 1:
         return None
-    flat = [f for ch in children for _, f in ch]
-    return flat[0] if flat == list(range(flat[0], flat[0] + len(flat))) else None
+    return folds[0] if folds == list(range(folds[0], folds[0] + len(folds))) else None
 
 
 def build_ff(b: StructureBuilder) -> int:
