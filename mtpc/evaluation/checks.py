@@ -172,7 +172,7 @@ def _check_drafter(drafter: Drafter, greedy: Any) -> None:
     allowed = "allowed: a local HF causal-LM folder or " + ", ".join(
         FIXTURE_PREFIX + f for f in FIXTURES
     )
-    if model.startswith(FIXTURE_PREFIX) and model[len(FIXTURE_PREFIX) :] not in FIXTURES:
+    if model.startswith(FIXTURE_PREFIX) and model.removeprefix(FIXTURE_PREFIX) not in FIXTURES:
         raise EvalConfigError(f"drafter.model={model!r} is not allowed; {allowed}")
     if not model.startswith(FIXTURE_PREFIX) and not Path(model).expanduser().is_dir():
         raise EvalConfigError(f"drafter.model={model!r} does not exist; {allowed}")

@@ -18,7 +18,7 @@ def load_drafter(model: str, tokenizer: str | None = None, device: str = "cpu") 
         ValueError: an unknown fixture name.
     """
     if model.startswith(FIXTURE_PREFIX):
-        name = model[len(FIXTURE_PREFIX) :]
+        name = model.removeprefix(FIXTURE_PREFIX)
         if name not in FIXTURES:
             raise ValueError(f"drafter.model is {model!r}; allowed fixtures: {FIXTURES}")
         from mtpc.evaluation.fixture_drafters import trained_models

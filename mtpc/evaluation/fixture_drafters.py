@@ -23,13 +23,10 @@ def corpus(num_rows: int = 400, seed: int = 0, chat: bool = False) -> list[str]:
     """Conversations from the synthetic chat rows: ``"role: content"`` lines, or (``chat``)
     the tiny target's chat template without its special tokens (what a drafter sees)."""
     codec = get_codec("tiny")
-    texts = []
-    for row in generate_rows(num_rows, seed):
-        if chat:
-            texts.append(codec.decode(codec.apply_chat_template(row["messages"]).ids))
-        else:
-            texts.append("".join(f"{m['role']}: {m['content']}\n" for m in row["messages"]))
-    return texts
+    rows = generate_rows(num_rows, seed)
+    if chat:
+        return [codec.decode(codec.apply_chat_template(r["messages"]).ids) for r in rows]
+    return ["".join(f"{m['role']}: {m['content']}\n" for m in r["messages"]) for r in rows]
 
 
 def bpe_tokenizer(

@@ -11,7 +11,6 @@ from typing import Any
 from mtpc.evaluation.drafting import asked, chain_rule
 from mtpc.evaluation.loading import (
     check_target_name,
-    spec_bench_categories,
     spec_bench_path,
     spec_bench_questions,
 )
@@ -23,7 +22,7 @@ from mtpc.evaluation.records import (
     draft_fingerprint,
     folder_name,
 )
-from mtpc.evaluation.settings import IDENTITY_FIELDS, EvalSettings
+from mtpc.evaluation.settings import IDENTITY_FIELDS, EvalSettings, name_list
 from mtpc.evaluation.statistics import training_config
 
 logger = logging.getLogger(__name__)
@@ -68,8 +67,7 @@ def build_manifest(
         settings_record["interleave"] = True
     if s.run.batch_size > 1:  # times are a batch's shares: another protocol, another folder
         settings_record["batch_size"] = s.run.batch_size
-    if isinstance(settings_record["sources"], str):  # sources=a is sources=[a]
-        settings_record["sources"] = [settings_record["sources"]]
+    settings_record["sources"] = name_list(settings_record["sources"])
     manifest: dict[str, Any] = {
         "format": FORMAT_VERSION,
         "settings": settings_record,
@@ -89,7 +87,7 @@ def build_manifest(
         bench = s.prompts.spec_bench
         manifest["data"] = {
             "prompts": "spec_bench", "file": spec_bench_path(bench, s.output.root_dir).name,
-            "sha256": spec[1], "categories": spec_bench_categories(bench),
+            "sha256": spec[1], "categories": name_list(bench.categories),
             "per_category": bench.per_category, "turns": bench.turns,
             "questions": len(spec[0]),
         }  # fmt: skip

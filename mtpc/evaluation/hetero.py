@@ -168,12 +168,9 @@ def decode_hetero(s: EvalSettings, store: RecordStore, prompt_sets: list[list[An
     codec = get_codec(str(s.model.codec))
     drafter_model = str(drafter.model)
     model, tokenizer = load_drafter(drafter_model, drafter.tokenizer, device=device)
-    options: dict[str, Any] = {
-        "look_behind": drafter.look_behind, "max_psi_paths": drafter.max_psi_paths,
-        "psi": drafter.psi,
-    }  # fmt: skip
+    options = {k: getattr(drafter, k) for k in ("look_behind", "max_psi_paths", "psi")}
     if not d.greedy:
-        options.update({"temperature": d.temperature, "top_k": d.top_k, "top_p": d.top_p})
+        options |= {k: getattr(d, k) for k in ("temperature", "top_k", "top_p")}
     algorithm = str(drafter.algorithm)
     decoders = hetero_decoders(
         backbone, codec, model, tokenizer, algorithm=algorithm, lookahead=int(drafter.lookahead),

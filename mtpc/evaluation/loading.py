@@ -14,7 +14,7 @@ from mtpc.benchmarking import cuda_index
 from mtpc.data.prompts import UnknownSourceError
 from mtpc.errors import DraftError
 from mtpc.evaluation.checks import EvalConfigError
-from mtpc.evaluation.settings import EvalSettings, ModelSettings, SpecBench, plain
+from mtpc.evaluation.settings import EvalSettings, ModelSettings, SpecBench, name_list, plain
 from mtpc.export import CONFIG_NAME, TargetMismatchError, read_config
 
 TRAIN_HINT = "train one with `python train.py` or pass draft=<exported draft dir>"
@@ -153,13 +153,6 @@ def spec_bench_path(spec: SpecBench, root: Path) -> Path:
     return path if path.is_absolute() else root / path
 
 
-def spec_bench_categories(spec: SpecBench) -> list[str] | None:
-    """``prompts.categories`` as a list (``prompts.categories=writing`` is ``[writing]``);
-    None: every category."""
-    categories = spec.categories
-    return [categories] if isinstance(categories, str) else categories
-
-
 def spec_bench_questions(s: EvalSettings) -> tuple[list[Any], str] | None:
     """``prompts=spec_bench``: the selected questions and the file's sha256; None for the
     data group's prompts.
@@ -174,7 +167,7 @@ def spec_bench_questions(s: EvalSettings) -> tuple[list[Any], str] | None:
 
     path = spec_bench_path(spec, s.output.root_dir)
     questions, sha256 = read_questions(path)
-    return select_questions(questions, path, spec_bench_categories(spec), spec.turns), sha256
+    return select_questions(questions, path, name_list(spec.categories), spec.turns), sha256
 
 
 def load_prompts(s: EvalSettings, codec: str, max_prompt_length: int | None) -> list[list[Any]]:
@@ -208,7 +201,7 @@ def load_prompts(s: EvalSettings, codec: str, max_prompt_length: int | None) -> 
 
         module = build_datamodule(codec=codec)
     seed, sets = int(s.decoding.seed), int(p.num_prompt_sets)
-    sources = p.source_list
+    sources = name_list(p.sources)
     try:
         return module.prompt_sets(
             num_prompts=int(p.num_prompts or 0),

@@ -178,10 +178,8 @@ class RecordStore(MemoryRecords, AppendStore):
                     + ". Use another output_dir (or none: each evaluation gets its own folder),"
                     " or resume=force to add to these records anyway."
                 )
-            store.manifest = {
-                **manifest,
-                "sessions": old.get("sessions", []) + manifest["sessions"],
-            }
+            sessions = old.get("sessions", []) + manifest["sessions"]
+            store.manifest = {**manifest, "sessions": sessions}
         write_json(folder / MANIFEST, store.manifest)
         store.open_lines(folder / RECORDS)
         MemoryRecords.__init__(store, read_records(folder))

@@ -397,17 +397,14 @@ def regenerate_shard(
     from tqdm.auto import tqdm
 
     shard, num_shards = store.shard, store.num_shards
-    total = None
-    if source.num_rows is not None:
-        total = len(shard_indices(source.num_rows, shard, num_shards))
+    rows_total = source.num_rows
+    total = None if rows_total is None else len(shard_indices(rows_total, shard, num_shards))
     bar = tqdm(
         total=total, initial=len(store.done), unit="row", desc=f"regenerate {store.stem}",
         dynamic_ncols=True, disable=not progress,
     )  # fmt: skip
     start, rows, tokens = time.perf_counter(), 0, 0
-    chunk: list[tuple[int, Any]] = []
-    # rows decoded together: a finished row's place in the batch goes to the next (a kill
-    # loses at most this many rows' work; the rows are written in source order)
+    chunk: list[tuple[int, Any]] = []  # rows decoded together, written in source order
     size = 1 if batch_size == 1 else CHUNK_BATCHES * batch_size
 
     def flush() -> None:

@@ -125,14 +125,13 @@ def format_table(
     header = [label for _, label, _ in columns]
     body = [[_cell(r, key, fmt) for key, _, fmt in columns] for r in rows]
     widths = [max([len(h), *(len(b[i]) for b in body)]) for i, h in enumerate(header)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
+
+    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     lines = [title] if title else []
-    lines.append("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |")
-    lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for b in body:
-        lines.append("| " + " | ".join(c.ljust(w) for c, w in zip(b, widths, strict=True)) + " |")
-    if note:
-        lines.append(note)
-    return "\n".join(lines)
+    return "\n".join([*lines, line(header), rule, *map(line, body), *([note] if note else [])])
 
 
 def _by_set(records: Sequence[Mapping[str, Any]], window: int) -> dict[int, dict[str, Any]]:
@@ -280,8 +279,8 @@ def spec_bench_report(
     tasks.append((OVERALL, set(categories)))
     ar_recs = [r for r in prompts if r["pass"] == "ar" and r.get("draft_path") is None]
     passes = [(None, "ar", "AR (target)", 1)] if with_ar else []
-    for d, p, name in _draft_passes(manifest["drafts"], [r["pass"] for r in prompts]):
-        passes.append((d["path"], p, name, d["window"]))
+    drafted = _draft_passes(manifest["drafts"], [r["pass"] for r in prompts])
+    passes += [(d["path"], p, name, d["window"]) for d, p, name in drafted]
     rows = []
     for path, pass_name, name, window in passes:
         recs = [r for r in prompts if r.get("draft_path") == path and r["pass"] == pass_name]
@@ -465,7 +464,17 @@ def report_folders(
     """
     manifests = [read_manifest(f) for f in folders]
     check_mergeable(manifests, folders)
-    placed, source_rows, spec_rows, prompts_of = _read_folders(folders, manifests)
+    source_rows: list[dict[str, Any]] = []
+    spec_rows: list[dict[str, Any]] = []
+    placed: list[tuple[dict[str, Any], int]] = []  # (row, its folder's index)
+    prompts_of: list[Groups] = []  # per folder: prompt records by (draft path, pass)
+    for index, (folder, manifest) in enumerate(zip(folders, manifests, strict=True)):
+        records = read_records(folder)
+        folder_rows, folder_sources = build_report(manifest, records)
+        placed += [(r, index) for r in folder_rows if index == 0 or r["kind"] != "ar"]
+        source_rows += folder_sources
+        spec_rows += spec_bench_report(manifest, records, with_ar=index == 0)
+        prompts_of.append(prompt_groups(records))
     placed.sort(key=lambda p: bool(p[0].get("baseline")))  # baselines last (stable)
     rows = [r for r, _ in placed]
     _baseline_speedups(rows)
@@ -511,36 +520,6 @@ def report_folders(
     return results
 
 
-def _read_folders(
-    folders: Sequence[Path], manifests: Sequence[Mapping[str, Any]]
-) -> tuple[
-    list[tuple[dict[str, Any], int]], list[dict[str, Any]], list[dict[str, Any]], list[Groups]
-]:
-    """Each folder's rows, each with its folder's index (the AR row of the first folder only),
-    per-source rows, Spec-Bench rows and prompt records by (draft path, pass)."""
-    source_rows: list[dict[str, Any]] = []
-    spec_rows: list[dict[str, Any]] = []
-    placed: list[tuple[dict[str, Any], int]] = []  # (row, its folder's index)
-    prompts_of: list[Groups] = []  # per folder
-    for index, (folder, manifest) in enumerate(zip(folders, manifests, strict=True)):
-        records = read_records(folder)
-        folder_rows, folder_sources = build_report(manifest, records)
-        placed += [(r, index) for r in folder_rows if index == 0 or r["kind"] != "ar"]
-        source_rows += folder_sources
-        spec_rows += spec_bench_report(manifest, records, with_ar=index == 0)
-        prompts_of.append(prompt_groups(records))
-    return placed, source_rows, spec_rows, prompts_of
-
-
-def _write_csv(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
-    keys = sorted({k for r in rows for k, v in r.items() if not isinstance(v, list | dict)})
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=keys)
-        writer.writeheader()
-        for r in rows:
-            writer.writerow({k: r.get(k) for k in keys})
-
-
 def write_outputs(results: dict[str, Any], out_dir: Path, plots: bool = True) -> dict[str, str]:
     """results.json (strict JSON: NaN is null), results.csv, by_source.csv and the plots."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -550,9 +529,13 @@ def write_outputs(results: dict[str, Any], out_dir: Path, plots: bool = True) ->
         f"{k}_csv": (k, results[k]) for k in ("paired", "seeds", "spec_bench") if results.get(k)
     }
     files = {"json": str(out_dir / "results.json")}
-    for key, (name, table_rows) in csvs.items():
+    for key, (name, table_rows) in csvs.items():  # the scalar fields, sorted
         files[key] = str(out_dir / f"{name}.csv")
-        _write_csv(Path(files[key]), table_rows)
+        keys = {k for r in table_rows for k, v in r.items() if not isinstance(v, list | dict)}
+        with open(files[key], "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=sorted(keys), extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(table_rows)
     if results.get("spec_bench"):
         files["spec_bench_md"] = str(out_dir / "spec_bench.md")
         Path(files["spec_bench_md"]).write_text(results["spec_bench_table"] + "\n")

@@ -50,6 +50,11 @@ def _read_all(cls: Any, cfg: Any, prefix: str = "", skip: tuple[str, ...] = ()) 
     }
 
 
+def name_list(value: Any) -> Any:
+    """A list of names given as one name or a list (``sources=a`` is ``[a]``); None stays."""
+    return [value] if isinstance(value, str) else value
+
+
 def _output_dir(cfg: Any) -> str | None:
     """``output_dir``; None also when it cannot resolve (``${hydra:...}`` outside a Hydra run)."""
     try:
@@ -138,11 +143,6 @@ class EvalPrompts:
     sources: Any = None
     max_prompt_length: int | None = None
     spec_bench: SpecBench | None = None
-
-    @property
-    def source_list(self) -> list[str] | None:
-        """``sources`` as a list (``sources=a`` is ``[a]``); None: every source."""
-        return [self.sources] if isinstance(self.sources, str) else self.sources
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -162,11 +163,8 @@ def reference_of(rows: Sequence[Mapping[str, Any]], folders: Sequence[int]) -> l
     for i in base:
         own.setdefault(folders[i], i)
     fallback = base[0] if base else (drafts[0] if drafts else None)
-    out: list[int | None] = []
-    for i, _ in enumerate(rows):
-        ref = own.get(folders[i], fallback)
-        out.append(ref if i in drafts and ref is not None and ref != i else None)
-    return out
+    refs = [own.get(folders[i], fallback) for i in range(len(rows))]
+    return [ref if i in drafts and ref not in (None, i) else None for i, ref in enumerate(refs)]
 
 
 def paired_rows(
@@ -211,15 +209,11 @@ def training_config(path: str | Path) -> dict[str, Any] | None:
         text = (Path(path) / "README.md").read_text(encoding="utf-8")
     except OSError:
         return None
-    start = text.find("## Training config")
-    if start < 0:
-        return None
-    begin = text.find("```json\n", start)
-    end = text.find("\n```", begin + 8)
-    if begin < 0 or end < 0:
+    section = re.search(r"## Training config.*?```json\n(.*?)\n```", text, re.DOTALL)
+    if section is None:
         return None
     try:
-        config = json.loads(text[begin + 8 : end])
+        config = json.loads(section[1])
     except json.JSONDecodeError:
         return None
     return config if isinstance(config, dict) else None
