@@ -75,9 +75,8 @@ class MTPCHead(nn.Module):
             )
         self.extra_positions = extra_positions
         self.init_std = float(init_std)
-        self.structure = build_structure(kind, window, rank, **options)
-        self.circuit = Circuit(self.structure)
-        s = self.structure
+        s = self.structure = build_structure(kind, window, rank, **options)
+        self.circuit = Circuit(s)
         # (n, r, V, d): one matmul gives the (B, n, r, V) input logits
         self.unembedding = nn.Parameter(
             torch.randn(window, rank, vocab_size, hidden_size) * init_std
@@ -121,11 +120,6 @@ class MTPCHead(nn.Module):
             f"vocab_size={self.vocab_size}, hidden_size={self.hidden_size}"
         )
 
-    @property
-    def num_sum_units(self) -> int:
-        """Number of sum units U of the circuit."""
-        return self.structure.num_sum_rows
-
     @torch.no_grad()
     def reset_sum_parameters(self) -> None:
         """Random projections ``R ~ N(0, sum_init_std^2)``, zero bias, identity transitions."""
@@ -144,9 +138,7 @@ class MTPCHead(nn.Module):
         self, unembeddings: Tensor, noise_std: float = 0.0, generator: torch.Generator | None = None
     ) -> MTPCHead:
         """Initialise W from ``(m, V, d)`` or ``(V, d)`` unembeddings: an exact FF start."""
-        u = unembeddings
-        if u.dim() == 2:
-            u = u.unsqueeze(0)
+        u = unembeddings.unsqueeze(0) if unembeddings.dim() == 2 else unembeddings
         V, d = self.vocab_size, self.hidden_size
         if u.dim() != 3 or u.shape[1:] != (V, d):
             raise ValueError(
@@ -246,9 +238,7 @@ class MTPCHead(nn.Module):
     def sum_log_weights(self, e: Tensor) -> Tensor | None:
         """Normalised sum log-weights ``(B, U, r)`` in fp32 or fp64 (None for ff)."""
         z = self.sum_logits(e)
-        if z is None:
-            return None
-        return torch.log_softmax(_f32(z), -1)
+        return None if z is None else torch.log_softmax(_f32(z), -1)
 
     def leaf_log_prob(self, e: Tensor, x: Tensor, mask: Tensor | None = None) -> Tensor:
         """``(B, n, r)`` log phi at tokens ``x`` ``(B, n)``; 0 where ``mask`` is False."""
@@ -324,10 +314,8 @@ def chunked_log_likelihood(
     for s in range(0, T, chunk_size):
         h, x = hidden[s : s + chunk_size], targets[s : s + chunk_size]
         m = None if mask is None else mask[s : s + chunk_size]
-        if use_ckpt:
-            outs.append(_checkpoint(chunk, h, x, m, use_reentrant=False))
-        else:
-            outs.append(chunk(h, x, m))
+        out = _checkpoint(chunk, h, x, m, use_reentrant=False) if use_ckpt else chunk(h, x, m)
+        outs.append(out)
     if not outs:
         return hidden.new_zeros(0, n, dtype=torch.float32)
     return torch.cat(outs) if len(outs) > 1 else outs[0]

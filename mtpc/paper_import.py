@@ -476,10 +476,7 @@ def head_state(draft: PaperDraft, structure: Any) -> dict[str, Tensor]:
     r, d = draft.rank, draft.hidden_size
     unembedding = torch.empty_like(draft.categorical)  # (n, r, V, d)
     unembedding[draft.scope_idx] = draft.categorical  # their fold f is window position scope[f]
-    theirs: dict[frozenset[int], tuple[int, int]] = {}
-    for k, scopes in enumerate(draft.sum_scopes):
-        for f, scope in enumerate(scopes):
-            theirs[scope] = (k, f)
+    theirs = {scope: (k, f) for k, sc in enumerate(draft.sum_scopes) for f, scope in enumerate(sc)}
     P = structure.num_param_rows
     sum_proj = torch.zeros(P, r, d, dtype=draft.dtype)  # (P, r, d): our row u, input unit i
     matched = 0
@@ -555,12 +552,9 @@ def import_paper_draft(
         backbone = backbone_from_hf(target)
     else:
         name, path = _target_name(draft, model, model_path)
-        kwargs: dict[str, Any] = {"path": path, "revision": revision, "device": device}
-        if dtype is not None:
-            kwargs["dtype"] = dtype
-        elif name != "tiny":
-            kwargs["dtype"] = "bfloat16"
-        backbone = load_backbone(name, **kwargs)
+        if dtype is None:  # the tiny target loads in load_backbone's default, float32
+            dtype = "float32" if name == "tiny" else "bfloat16"
+        backbone = load_backbone(name, path=path, revision=revision, dtype=dtype, device=device)
     _check_target_fits(draft, backbone)
     options: dict[str, Any] = {}
     if draft.kind in ("hmm", "btree"):
@@ -649,5 +643,4 @@ def main(argv: list[str] | None = None) -> Path:
         print(f"imported {args.folder} -> {out} (evaluate: python eval.py draft={out})")
         return out
 
-    result: Path = run_reporting_user_errors(run)
-    return result
+    return run_reporting_user_errors(run)
