@@ -202,7 +202,6 @@ def resolve_checks(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, An
 
 
 Groups = defaultdict[tuple[Any, str], list[Mapping[str, Any]]]
-"""Prompt records by (draft path, pass)."""
 
 
 def prompt_groups(records: Sequence[Mapping[str, Any]]) -> Groups:
