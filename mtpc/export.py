@@ -133,8 +133,8 @@ def save_draft(
     lora = model.lora_state_dict()
     if lora:
         save_file({k: v.contiguous().cpu() for k, v in lora.items()}, out / ADAPTER_NAME)
-    elif (out / ADAPTER_NAME).exists():
-        (out / ADAPTER_NAME).unlink()
+    else:
+        (out / ADAPTER_NAME).unlink(missing_ok=True)
     (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     (out / CARD_NAME).write_text(model_card(config, training_config, metrics), encoding="utf-8")
     return out

@@ -132,13 +132,9 @@ class MTPCModel(nn.Module):
         validate_lora(settings, backbone.layers)
         dtype = resolve_dtype(head_dtype, backbone.device)
         head = MTPCHead(
-            kind,
-            window,
-            rank,
-            vocab_size=backbone.vocab_size,
-            hidden_size=backbone.hidden_size,
-            **head_options,
-        ).to(device=backbone.device, dtype=dtype)
+            kind, window, rank, backbone.vocab_size, backbone.hidden_size, **head_options
+        )
+        head.to(device=backbone.device, dtype=dtype)
         if head_init != "random":
             mtp = backbone.mtp_unembeddings() if head_init == "pretrained" else None
             head.from_pretrained_unembeddings(
@@ -186,14 +182,7 @@ class MTPCModel(nn.Module):
         **kwargs: Any,
     ) -> MTPCModel:
         """Flat builder for Hydra: loads ``model`` (see ``load_backbone``) and attaches a head."""
-        backbone = load_backbone(
-            model,
-            path=path,
-            revision=revision,
-            dtype=dtype,
-            device=device,
-            attention_impl=attention_impl,
-        )
+        backbone = load_backbone(model, path, revision, dtype, device, attention_impl)
         return cls.from_backbone(backbone, kind, window, rank, lora_layers, **kwargs)
 
     @property
