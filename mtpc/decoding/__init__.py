@@ -183,12 +183,12 @@ def _decode(
         model.eval()
     request = requests[0]
     try:
-        if request.method == "autoregressive":
-            from mtpc.decoding.autoregressive import autoregressive_generate
-
-            return autoregressive_generate(model, prompts, requests, size)
         from mtpc.decoding.loop import decode
 
+        if request.method == "autoregressive":
+            from mtpc.decoding.autoregressive import prefill, step
+
+            return decode(model, prompts, requests, None, size, prefill, step)
         if request.tree_budget:
             from mtpc.decoding.tree import Tree
 

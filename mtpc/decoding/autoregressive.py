@@ -1,4 +1,5 @@
-"""Autoregressive decoding of the target with a KV cache: the STP baseline and the oracle.
+"""Autoregressive decoding of the target with a KV cache: the STP baseline and the oracle, as
+``loop.decode``'s ``admit`` and ``step`` (no proposer: one token per target pass).
 
 The same split (trunk, verifier tail with LoRA off, STP head) and layouts as the speculative
 decoder, so both see the same logits.
@@ -7,20 +8,12 @@ decoder, so both see the same logits.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import Tensor
 
-from mtpc.decoding.common import GenerationResult, Request
-from mtpc.decoding.loop import Layout, Outcome, Row, Run, decode, new_row, settle
-
-
-def autoregressive_generate(
-    model: Any, prompts: Sequence[Tensor], requests: Sequence[Request], size: int = 1
-) -> list[GenerationResult]:
-    """One token per target pass for every row (``loop.decode``, no proposer)."""
-    return decode(model, prompts, requests, None, size, prefill, step)
+from mtpc.decoding.common import Request
+from mtpc.decoding.loop import Layout, Outcome, Row, Run, new_row, settle
 
 
 def prefill(run: Run, layout: Layout, new: Sequence[tuple[int, Request, Tensor]]) -> list[Row]:

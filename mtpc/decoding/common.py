@@ -276,15 +276,3 @@ def cut_at_stop(
             if tok in stop_ids:
                 return kept[: i + 1], True
     return kept, False
-
-
-def emit(
-    out: list[int], new: list[int], request: Request, ignore_stops: bool = False
-) -> tuple[int, bool]:
-    """Appends ``new`` to ``out`` up to ``max_new_tokens`` and the first stop id; returns
-    (tokens appended, stopped)."""
-    kept, stopped = cut_at_stop(
-        new, request.max_new_tokens - len(out), request.stop_ids, ignore_stops
-    )
-    out.extend(kept)
-    return len(kept), stopped

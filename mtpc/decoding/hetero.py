@@ -123,21 +123,19 @@ class CircuitDrafter:
     @torch.no_grad()
     def dist(self, path: Sequence[int]) -> Tensor:
         """q(x_{m+1} | context, path) over the vocabulary; (V,)."""
-        prefix = torch.tensor([list(path)], dtype=torch.long) if path else None
-        if prefix is not None:
-            prefix = prefix.to(self.params.input_logp.device)
+        device = self.params.input_logp.device
+        prefix = torch.tensor([list(path)], dtype=torch.long, device=device) if path else None
         return self.model.head.circuit.conditional_log_prob(self.params, prefix)[0].exp().float()
 
     @torch.no_grad()
     def prefix_probs(self, strings: Sequence[Sequence[int]]) -> Tensor:
         """q(window starts with s) for each id string s (1 <= len <= window); (K,)."""
         n, k = self.window, len(strings)
-        x = torch.zeros(k, n, dtype=torch.long)
-        mask = torch.zeros(k, n, dtype=torch.bool)
         last = torch.tensor([len(s) - 1 for s in strings])
+        mask = torch.arange(n) <= last[:, None]  # (K, n)
+        x = torch.zeros(k, n, dtype=torch.long)
         for row, s in enumerate(strings):
             x[row, : len(s)] = torch.tensor(list(s))
-            mask[row, : len(s)] = True
         p = self.params
         lw = None if p.sum_logw is None else p.sum_logw.expand(k, *p.sum_logw.shape[1:])
         expanded = type(p)(p.input_logp.expand(k, *p.input_logp.shape[1:]), lw)
@@ -193,10 +191,6 @@ class _Session:
     def extend(self, tokens: Sequence[int]) -> None:
         self.ctx.extend(tokens)
         self.data += self.t_tok.decode_bytes(tokens)
-
-    @property
-    def drafter_passes(self) -> int:
-        return (self.circuit or self.dlm).passes  # type: ignore[union-attr]
 
 
 # --- SLEM (Alg. 2) --------------------------------------------------------------------------
@@ -257,12 +251,9 @@ def _slem_cycle(sess: _Session, lookahead: int, look_behind: int) -> tuple[list[
 def _token_cycle(sess: _Session, algorithm: str, lookahead: int) -> tuple[list[int], int]:
     rule, g = sess.rule, sess.generator
     mapping = vocab_mapping(sess.t_tok, sess.d_tok)
-    if algorithm == "standard":
-        d_ids, pending = list(sess.ctx), b""
-    else:
-        d_ids, pending = sess.drafter_context()
+    d_ids, pending = (list(sess.ctx), b"") if algorithm == "standard" else sess.drafter_context()
     drafts: list[int] = []  # target ids (or _BOTTOM)
-    rows_q: list[tuple[Tensor, Tensor, float]] = []  # (target ids, probs, bottom mass)
+    rows_q: list[tuple[Tensor, float]] = []  # (probs of mapping's pairs, bottom mass)
     path: list[int] = []
     mapped_d, mapped_t = mapping.drafter_ids, mapping.target_ids
     for _ in range(0 if pending else lookahead):
@@ -278,7 +269,7 @@ def _token_cycle(sess: _Session, algorithm: str, lookahead: int) -> tuple[list[i
                     break
                 sub = sub / mass
                 k = rule.sample(sub, g)
-                rows_q.append((mapped_t, sub, 0.0))
+                rows_q.append((sub, 0.0))
             d, t = int(mapped_d[k]), int(mapped_t[k])
         else:  # union
             if rule.greedy:
@@ -287,31 +278,44 @@ def _token_cycle(sess: _Session, algorithm: str, lookahead: int) -> tuple[list[i
                 q = rule.probs(logits)  # (V_D,)
                 d = rule.sample(q, g)
                 sub = q[mapped_d]
-                rows_q.append((mapped_t, sub, max(0.0, 1.0 - float(sub.sum()))))
+                rows_q.append((sub, max(0.0, 1.0 - float(sub.sum()))))
             t = mapping.drafter_to_target.get(d, _BOTTOM)
         drafts.append(t)
         if t == _BOTTOM:
             break
         path.append(d)
-    real = [t for t in drafts if t != _BOTTOM]
+
+    def draft_probs(vocab: int) -> Tensor:
+        q = torch.zeros(len(drafts), vocab + 1, dtype=torch.float32)  # rule.probs' dtype
+        for j, (probs, rest) in enumerate(rows_q):
+            q[j].index_add_(0, mapped_t, probs)
+            q[j, vocab] = rest
+        return q
+
+    bottom = _BOTTOM in drafts
+    return _verify(sess, drafts[:-1] if bottom else drafts, bottom, draft_probs)
+
+
+def _verify(
+    sess: _Session, real: list[int], bottom: bool, draft_probs: Callable[[int], Tensor]
+) -> tuple[list[int], int]:
+    """Verifies the target-id drafts ``real``, then ⊥ if ``bottom`` (always rejected);
+    ``draft_probs(V)``: the q they were drawn from, ``(n, V + 1)``, asked when sampling."""
+    rule = sess.rule
     rows = sess.tlm.logits(sess.ctx + real, len(real) + 1)  # (m + 1, V)
     vocab = rows.shape[-1]
-    bottom = len(real) < len(drafts)
-    draft = torch.tensor([vocab if t == _BOTTOM else t for t in drafts], dtype=torch.long)
+    draft = torch.tensor([*real, vocab] if bottom else real, dtype=torch.long)
     if rule.greedy:
         choice = rule.argmax(rows)
-        if bottom:
+        if bottom:  # the row after ⊥ is never read: ⊥ is always rejected
             choice = torch.cat([choice, choice[-1:]])
         verdict = verify_greedy(choice, draft)
     else:
-        p = torch.nn.functional.pad(rule.probs(rows), (0, 1))  # (m + 1, V + 1): T ∪ {⊥}
-        if bottom:  # the row after ⊥ is never read: ⊥ is always rejected
+        q = draft_probs(vocab)
+        p = torch.nn.functional.pad(rule.probs(rows), (0, 1)).to(q.dtype)  # (m + 1, V + 1)
+        if bottom:  # T ∪ {⊥}, as above
             p = torch.cat([p, p[-1:]])
-        q = torch.zeros(len(drafts), vocab + 1, dtype=p.dtype)
-        for j, (ids, probs, rest) in enumerate(rows_q):
-            q[j].index_add_(0, ids, probs.to(q.dtype))
-            q[j, vocab] = rest
-        verdict = verify_sampling(p, q, draft, g)
+        verdict = verify_sampling(p, q, draft, sess.generator)
     return [*real[: verdict.accepted], verdict.next_token], verdict.accepted
 
 
@@ -454,20 +458,17 @@ def _slrs_cycle(
     d_ids, pending = sess.drafter_context()
     if circuit is not None:
         circuit.condition(d_ids)
-        limit = circuit.window
 
-        def dist(path: tuple[int, ...]) -> Tensor:
+    def dist(path: tuple[int, ...]) -> Tensor:
+        if circuit is not None:
             return circuit.dist(path)
-    else:
-        limit = table.max_len + len(pending)
-
-        def dist(path: tuple[int, ...]) -> Tensor:
-            logits = sess.drafter_logits(d_ids + list(path))[: len(d_tb)]
-            if rule.greedy:
-                return torch.nn.functional.one_hot(rule.argmax(logits), len(d_tb)).double()
-            return rule.probs(logits)
+        logits = sess.drafter_logits(d_ids + list(path))[: len(d_tb)]
+        if rule.greedy:
+            return torch.nn.functional.one_hot(rule.argmax(logits), len(d_tb)).double()
+        return rule.probs(logits)
 
     enum = PathEnumerator(dist, d_tb, max_psi_paths)
+    limit = table.max_len + len(pending) if circuit is None else circuit.window
     path: tuple[int, ...] = ()
     drafted = b""
     while len(path) < limit and not table.determined(drafted, pending):
@@ -478,23 +479,13 @@ def _slrs_cycle(
             break
         path, drafted = (*path, tok), drafted + piece
     proposal = table.propose(drafted, pending)
-    real = [] if proposal == _BOTTOM else [proposal]
-    rows = sess.tlm.logits(sess.ctx + real, len(real) + 1)  # (1 or 2, V)
-    vocab = rows.shape[-1]
-    draft = torch.tensor([vocab if proposal == _BOTTOM else proposal], dtype=torch.long)
-    if rule.greedy:
-        choice = rule.argmax(rows)
-        if not real:
-            choice = torch.cat([choice, choice])
-        verdict = verify_greedy(choice, draft)
-    else:
+
+    def draft_probs(vocab: int) -> Tensor:
         psi = slrs_psi(table, sess, enum, pending, vocab, psi_method)  # (V,)
-        p = torch.nn.functional.pad(rule.probs(rows), (0, 1)).double()  # (m + 1, V + 1)
-        if not real:
-            p = torch.cat([p, p])
-        q = torch.cat([psi, (1.0 - psi.sum()).clamp(min=0.0).reshape(1)])[None]  # (1, V + 1)
-        verdict = verify_sampling(p, q, draft, g)
-    return [*real[: verdict.accepted], verdict.next_token], verdict.accepted
+        return torch.cat([psi, (1.0 - psi.sum()).clamp(min=0.0).reshape(1)])[None]  # (1, V + 1)
+
+    bottom = proposal == _BOTTOM
+    return _verify(sess, [] if bottom else [proposal], bottom, draft_probs)
 
 
 def slrs_psi(
@@ -508,12 +499,10 @@ def slrs_psi(
             raise ValueError("psi='circuit' needs an MTPCModel drafter")
         assert isinstance(sess.d_tok, CodecTokenizer)
         offset = sess.d_tok.codec.byte_offset
-        q_all = circuit.prefix_probs([[b + offset for b in pending + s] for s in strings])
-        q = {table.ids[b]: float(v) for b, v in zip(strings, q_all.tolist(), strict=True)}
+        values = circuit.prefix_probs([[b + offset for b in pending + s] for s in strings]).tolist()
     else:
         values = enum.prefix_probs([pending + b for b in strings])
-        q = {table.ids[b]: v for b, v in zip(strings, values, strict=True)}
-    return table.psi(q, vocab)
+    return table.psi({table.ids[b]: v for b, v in zip(strings, values, strict=True)}, vocab)
 
 
 # --- driver ----------------------------------------------------------------------------------
@@ -553,7 +542,9 @@ def generate_hetero(
         stop_ids=None if stop_ids is None else tuple(stop_ids),
     )  # fmt: skip
     t_tok, d_tok = as_tokenizer(target_tokenizer), as_tokenizer(drafter_tokenizer)
-    prompt_ids = _prompt_ids(t_tok, prompt)
+    prompt_ids = t_tok.prompt_ids(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
+    if not prompt_ids:
+        raise ValueError("prompt is empty: give text or at least one target id (e.g. BOS)")
     psi = _psi_method(drafter, algorithm, psi)
     _check_vocabularies(t_tok, d_tok, algorithm)
     rule = TargetRule(greedy, checked.temperature, top_k, checked.top_p, sample_dtype=torch.float64)
@@ -565,26 +556,13 @@ def generate_hetero(
     if algorithm == "slem":
         cycle = partial(_slem_cycle, sess, lookahead, look_behind)
     elif algorithm == "slrs":
-        cycle = partial(_slrs_cycle, sess, _slrs_table(t_tok, lookahead), psi, max_psi_paths)
+        table = SLRSTable.build(t_tok, lookahead)
+        if not table.ids:
+            raise HeteroVocabularyError(f"target {t_tok.name} has no token of 1..{lookahead} bytes")
+        cycle = partial(_slrs_cycle, sess, table, psi, max_psi_paths)
     else:
         cycle = partial(_token_cycle, sess, algorithm, lookahead)
     return _decode(sess, cycle, max_new_tokens, stops, algorithm)
-
-
-def _prompt_ids(t_tok: TokenizerAdapter, prompt: str | Sequence[int]) -> list[int]:
-    """Target ids of a prompt: text (encoded, BOS added) or ids."""
-    ids = t_tok.prompt_ids(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
-    if not ids:
-        raise ValueError("prompt is empty: give text or at least one target id (e.g. BOS)")
-    return ids
-
-
-def _slrs_table(t_tok: TokenizerAdapter, lookahead: int) -> SLRSTable:
-    """SLRS's eligible target tokens; refused when there is none of 1..lookahead bytes."""
-    table = SLRSTable.build(t_tok, lookahead)
-    if not table.ids:
-        raise HeteroVocabularyError(f"target {t_tok.name} has no token of 1..{lookahead} bytes")
-    return table
 
 
 def _psi_method(drafter: Any, algorithm: str, psi: str) -> str:
@@ -645,5 +623,5 @@ def _decode(
     res.seconds = time.perf_counter() - start
     res.text = sess.t_tok.decode(res.tokens)
     res.target_passes = sess.tlm.passes
-    res.drafter_passes = sess.drafter_passes
+    res.drafter_passes = (sess.circuit or sess.dlm).passes  # type: ignore[union-attr]
     return res

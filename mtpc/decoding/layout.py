@@ -43,9 +43,7 @@ class Stream:
         (row_ids,), (tree,) = ids, trees
         model, caches = self.model, self.caches
         self.base = len(caches.trunk)
-        kw = {}
-        if tree is not None:
-            kw = {"positions": len(caches.trunk) + tree[0], "tree_mask": tree[1]}
+        kw = {} if tree is None else {"positions": self.base + tree[0], "tree_mask": tree[1]}
         hidden = model.trunk(row_ids[None], caches.trunk, **kw)  # (1, T, d)
         tail = model.verifier_tail(hidden, caches.verifier, **kw)  # (1, T, d)
         logits = model.verifier_logits(tail[0, -1:] if last else tail[0])  # (T, V)

@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 
 from mtpc.circuits.params import CircuitParams
-from mtpc.decoding.common import GenerationResult, Request, Stopwatch, TargetRule, emit
-from mtpc.decoding.layout import Padded, Stream
+from mtpc.decoding.common import GenerationResult, Request, Stopwatch, TargetRule, cut_at_stop
+from mtpc.decoding.layout import Padded, Stream, Tree
 
 Layout = Stream | Padded
 
@@ -127,8 +127,7 @@ class Proposal:
     ids: Tensor  # (1, T) the pending token (if any), then the drafts
     pre: int  # 1 when ids start with the pending token, else 0
     drafts: Any  # the proposer's own record: a chain's Draft, a tree's TokenTree
-    depth: Tensor | None = None  # (T,) offsets from the cache length (a tree's); None: 0..T-1
-    tree_mask: Tensor | None = None  # (T, T) who sees whom (a tree); None: causal
+    tree: Tree = None  # a token tree's (depth (T,), mask (T, T)) in the pass; None: a chain
 
 
 @dataclass
@@ -344,12 +343,14 @@ def settle(run: Run, row: Row, pre: int, outcome: Outcome) -> bool | None:
     s = len(outcome.accepted)
     drop = request.policy == "drop" and s >= 1 and not request.max_throughput
     new = outcome.accepted + ([] if drop else [outcome.token])
-    count, stopped = emit(res.tokens, new, request, ignore_stops=request.suppress_eos)
+    room = request.max_new_tokens - len(res.tokens)
+    kept, stopped = cut_at_stop(new, room, request.stop_ids, request.suppress_eos)
+    res.tokens.extend(kept)
     res.accepted.append(s)
-    res.emitted.append(count)
+    res.emitted.append(len(kept))
     res.drafted.append(outcome.drafted)
     res.offsets.append(pre)
-    row.length += count
+    row.length += len(kept)
     if stopped or len(res.tokens) >= request.max_new_tokens:
         res.stopped = stopped
         return None
@@ -364,33 +365,23 @@ def verify_pass(
     position (the kept ones when nothing is pending), then after each drafted position."""
     model = run.model
     busy = [i for i, p in enumerate(proposals) if p.ids.numel()]
-    states: list[Tensor] = []
-    logits: list[Tensor] = []
+    passed: dict[int, tuple[Tensor, Tensor]] = {}
     if busy:
-        trees = [_tree(proposals[i]) for i in busy]
-        ids = [proposals[i].ids[0] for i in busy]
+        ids, trees = [proposals[i].ids[0] for i in busy], [proposals[i].tree for i in busy]
         states, logits = layout.target([rows[i] for i in busy], ids, trees)
+        passed = dict(zip(busy, zip(states, logits, strict=True), strict=True))
         for i in busy:
             rows[i].res.trunk_passes += 1
     hidden, targets = [], []
     for i, row in enumerate(rows):
-        if busy and busy[0] == i:
-            busy.pop(0)
-            h, out = states.pop(0), logits.pop(0)
+        if i in passed:
+            h, out = passed[i]
         else:  # an empty tree and nothing pending: the target's kept choice only
             h = row.kept_logits.new_zeros(1, 0, model.backbone.hidden_size)
             out = row.kept_logits.new_zeros(0, row.kept_logits.shape[-1])
         hidden.append(h)
         targets.append(out if row.pending is not None else torch.cat([row.kept_logits, out]))
     return hidden, targets
-
-
-def _tree(proposal: Proposal) -> tuple[Tensor, Tensor] | None:
-    """A token tree's layout in a pass (None: a chain)."""
-    if proposal.tree_mask is None:
-        return None
-    assert proposal.depth is not None
-    return proposal.depth, proposal.tree_mask
 
 
 def resume(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any, NoReturn
 
@@ -297,14 +297,12 @@ def check_settings(
         _integer(sp, "lookahead", s.lookahead, 1)
         _integer(sp, "look_behind", s.look_behind, 0)
         _integer(sp, "max_psi_paths", s.max_psi_paths, 1)
-    return DecodingSettings(
-        **{
-            **given,
-            **drafting,
-            **sampling,
-            "stop_ids": stops,
-            "suppress_eos": bool(s.suppress_eos),
-            "max_throughput": bool(s.max_throughput),
-            "profile": bool(s.profile),
-        }
+    return replace(
+        s,
+        **drafting,
+        **sampling,
+        stop_ids=stops,
+        suppress_eos=bool(s.suppress_eos),
+        max_throughput=bool(s.max_throughput),
+        profile=bool(s.profile),
     )

@@ -82,7 +82,7 @@ class Tree:
             state.circuit, state.params(), evidence, self.budget, self.floor, span - pre
         )
         ids, mask, depth = verify_layout(tree, row.pending)
-        return Proposal(ids[None], pre, tree, depth, mask)
+        return Proposal(ids[None], pre, tree, (depth, mask))
 
     def draft_rows(
         self, rows: Sequence[Row], evidence: Sequence[Tensor | None], spans: Sequence[int]

@@ -148,7 +148,6 @@ class HFTokenizer(TokenizerAdapter):
         self.vocab_size = len(tokenizer)
         spec = json.loads(self.backend.to_str())
         kinds = _decoder_types(spec.get("decoder"))
-        self.decoder_kinds = kinds
         specials = set(tokenizer.all_special_ids)
         for added in spec.get("added_tokens") or []:
             if added.get("special"):
@@ -272,19 +271,12 @@ def vocab_mapping(target_tokenizer: Any, drafter_tokenizer: Any) -> VocabMapping
         if hit is not None:
             pairs.append((hit, j))
     mapping = dict((j, i) for i, j in pairs)
-    t_size = sum(1 for i, b in enumerate(t.token_bytes) if b or i in t.special_names)
-    d_size = sum(1 for j, b in enumerate(d.token_bytes) if b or j in d.special_names)
-    identical = (
-        t.vocab_size == d.vocab_size
-        and all(
-            mapping.get(j) == j
-            for j in range(d.vocab_size)
-            if d.token_bytes[j] or j in d.special_names
-        )
-        and t_size == d_size
-    )
+    t_named = [i for i, b in enumerate(t.token_bytes) if b or i in t.special_names]
+    d_named = [j for j, b in enumerate(d.token_bytes) if b or j in d.special_names]
+    identical = t.vocab_size == d.vocab_size and len(t_named) == len(d_named)
+    identical = identical and all(mapping.get(j) == j for j in d_named)
     ids = torch.tensor(pairs, dtype=torch.long).reshape(-1, 2)  # (K, 2)
-    result = VocabMapping(ids[:, 0], ids[:, 1], mapping, t_size, d_size, identical)
+    result = VocabMapping(ids[:, 0], ids[:, 1], mapping, len(t_named), len(d_named), identical)
     _MAPPINGS[key] = result
     return result
 
@@ -299,10 +291,8 @@ def prompt_overlap(
     d_used: set[bytes] = set()
     for text in texts:
         data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
-        t_used.update(t.token_bytes[i] or b"" for i in t.encode_bytes(data))
-        d_used.update(d.token_bytes[i] or b"" for i in d.encode_bytes(data))
-    t_used.discard(b"")
-    d_used.discard(b"")
+        for tok, used in ((t, t_used), (d, d_used)):
+            used.update(filter(None, (tok.token_bytes[i] for i in tok.encode_bytes(data))))
     k = len(t_used & d_used)
     return {
         "prompt_tokens_target": float(len(t_used)),
