@@ -46,6 +46,8 @@ class Circuit:
 
     def __init__(self, structure: Structure) -> None:
         self.structure = structure
+        self.kind, self.window, self.rank = structure.kind, structure.window, structure.rank
+        self.num_sum_units = structure.num_sum_rows  # U, rows of ``CircuitParams.sum_logw``
         self.layers: tuple[Layer, ...] = structure.layers
         n = structure.window
         # prefix mask: column k keeps positions 0..k
@@ -97,23 +99,6 @@ class Circuit:
                     for f, ch in zip(folds.tolist(), child.tolist(), strict=True):
                         self._kids.setdefault((lid, f), []).append((src, ch))
         self._prefix_plans: dict[int, tuple[_Step, ...] | None] = {}
-
-    @property
-    def kind(self) -> str:
-        return self.structure.kind
-
-    @property
-    def window(self) -> int:
-        return self.structure.window
-
-    @property
-    def rank(self) -> int:
-        return self.structure.rank
-
-    @property
-    def num_sum_units(self) -> int:
-        """Rows U of ``CircuitParams.sum_logw``."""
-        return self.structure.num_sum_rows
 
     def __repr__(self) -> str:
         return f"Circuit({self.structure!r})"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -46,17 +47,23 @@ class CircuitParams:
         """Select batch rows (an int keeps the batch dim: ``params[3]`` has B = 1)."""
         if isinstance(index, int):
             index = slice(index, index + 1 if index != -1 else None)
-        lw = None if self.sum_logw is None else self.sum_logw[index]
-        return CircuitParams(self.input_logp[index], lw)
+        return self.apply(lambda t: t[index])
 
     def to(self, *args: object, **kwargs: object) -> CircuitParams:
         """``Tensor.to`` applied to every tensor (dtype and/or device)."""
-        lw = None if self.sum_logw is None else self.sum_logw.to(*args, **kwargs)  # type: ignore[call-overload]
-        return CircuitParams(self.input_logp.to(*args, **kwargs), lw)  # type: ignore[call-overload]
+        return self.apply(lambda t: t.to(*args, **kwargs))  # type: ignore[call-overload]
 
     def detach(self) -> CircuitParams:
-        lw = None if self.sum_logw is None else self.sum_logw.detach()
-        return CircuitParams(self.input_logp.detach(), lw)
+        return self.apply(Tensor.detach)
+
+    def expand(self, rows: int) -> CircuitParams:
+        """One example's parameters (B = 1) repeated ``rows`` times (views, no copies)."""
+        return self.apply(lambda t: t.expand(rows, *t.shape[1:]))
+
+    def apply(self, fn: Callable[[Tensor], Tensor]) -> CircuitParams:
+        """``fn`` applied to every tensor."""
+        lw = self.sum_logw
+        return CircuitParams(fn(self.input_logp), None if lw is None else fn(lw))
 
     @staticmethod
     def cat(params: list[CircuitParams]) -> CircuitParams:

@@ -54,13 +54,6 @@ class TokenTree:
         return mask.to(self.tokens.device)
 
 
-def _rows(params: CircuitParams, rows: int) -> CircuitParams:
-    """theta of one state (B = 1) repeated for ``rows`` queries (views, no copies)."""
-    lp = params.input_logp.expand(rows, *params.input_logp.shape[1:])
-    lw = None if params.sum_logw is None else params.sum_logw.expand(rows, -1, -1)
-    return CircuitParams(lp, lw)
-
-
 @torch.no_grad()
 def build_tree(
     circuit: Any,
@@ -93,7 +86,7 @@ def build_tree(
         if independent:  # q(x_d | prefix) is the marginal of position d, the same for every row
             cond = circuit.conditional_log_prob(params, prefixes[:1])  # (1, V)
         else:
-            cond = circuit.conditional_log_prob(_rows(params, prefixes.shape[0]), prefixes)
+            cond = circuit.conditional_log_prob(params.expand(prefixes.shape[0]), prefixes)
         joint = (level_logp[:, None] + cond.clamp(max=0.0)).flatten()  # (P * V,)
         top = joint.topk(min(budget, joint.numel()))
         ok = top.values > cut
