@@ -619,17 +619,16 @@ def main(argv: list[str] | None = None) -> Path:
     )
     parser.add_argument("folder", help="the paper draft folder (config.yaml, model@<step>.pt)")
     parser.add_argument("--out", required=True, help="the draft folder to write")
-    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: last)")
+    parser.add_argument("--step", type=int, help="checkpoint step (default: last)")
     parser.add_argument(
         "--model",
         choices=list(MODEL_NAMES),
-        default=None,
         help="our target name (default: from the config's lm.model.from_huggingface)",
     )
     parser.add_argument(
-        "--model-path", default=None, help="local checkpoint or hub id of the target (model.path=)"
+        "--model-path", help="local checkpoint or hub id of the target (model.path=)"
     )
-    parser.add_argument("--revision", default=None, help="hub revision of the target")
+    parser.add_argument("--revision", help="hub revision of the target")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", help="target dtype (default: bf16 for real targets)")
     args = parser.parse_args(argv)
