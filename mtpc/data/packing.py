@@ -90,24 +90,20 @@ def plan_packing(doc_lengths: np.ndarray, seq_len: int, pack: bool = True) -> Pa
     lengths = np.asarray(doc_lengths, dtype=np.int64)
     if lengths.size and lengths.min() < 1:
         raise ValueError("every document needs at least one id")
-    # pieces: full seq_len chunks of long documents (each fills a sequence) + remainders
-    items_doc: list[int] = []
-    items_start: list[int] = []
-    items_len: list[int] = []
-    full: list[tuple[int, int]] = []
+    # pieces (doc, start, length): full seq_len chunks of long documents, each filling a
+    # sequence, and the remainders, which are packed
+    full: list[tuple[int, int, int]] = []
+    items: list[tuple[int, int, int]] = []
     for doc, length in enumerate(lengths.tolist()):
-        start = 0
-        while length - start > seq_len:
-            full.append((doc, start))
-            start += seq_len
-        items_doc.append(doc)
-        items_start.append(start)
-        items_len.append(length - start)
+        cut = (length - 1) // seq_len * seq_len  # the remainder's start
+        full.extend((doc, start, seq_len) for start in range(0, cut, seq_len))
+        items.append((doc, cut, length - cut))
     bins: list[list[int]] = []  # sequence -> item indices
     by_room: list[list[int]] = [[] for _ in range(seq_len + 1)]  # room -> open sequences
     tree = _Fenwick(seq_len)
-    for item in np.argsort(-np.asarray(items_len, dtype=np.int64), kind="stable").tolist():
-        size = items_len[item]
+    sizes = np.asarray([size for _, _, size in items], dtype=np.int64)
+    for item in np.argsort(-sizes, kind="stable").tolist():
+        size = items[item][2]
         if not pack:
             bins.append([item])
             continue
@@ -123,23 +119,10 @@ def plan_packing(doc_lengths: np.ndarray, seq_len: int, pack: bool = True) -> Pa
         if left > 0:
             by_room[left].append(seq)
             tree.add(left, 1)
-    seg_doc: list[int] = [d for d, _ in full]
-    seg_start: list[int] = [s for _, s in full]
-    seg_len: list[int] = [seq_len] * len(full)
-    seq_offsets = list(range(len(full) + 1))
-    for members in bins:
-        for item in members:
-            seg_doc.append(items_doc[item])
-            seg_start.append(items_start[item])
-            seg_len.append(items_len[item])
-        seq_offsets.append(len(seg_doc))
-    return PackPlan(
-        seq_len=seq_len,
-        seq_offsets=np.asarray(seq_offsets, dtype=np.int64),
-        seg_doc=np.asarray(seg_doc, dtype=np.int64),
-        seg_start=np.asarray(seg_start, dtype=np.int64),
-        seg_len=np.asarray(seg_len, dtype=np.int64),
-    )
+    segments = full + [items[item] for members in bins for item in members]
+    seg_doc, seg_start, seg_len = np.asarray(segments, dtype=np.int64).reshape(-1, 3).T.copy()
+    counts = [0] + [1] * len(full) + [len(members) for members in bins]
+    return PackPlan(seq_len, np.cumsum(counts, dtype=np.int64), seg_doc, seg_start, seg_len)
 
 
 def build_sequence(

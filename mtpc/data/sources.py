@@ -123,19 +123,6 @@ def local_source(path: str | os.PathLike[str]) -> RowSource:
             ".arrow file, or a folder of them"
         )
     fingerprint = f"local:{p.resolve()}:{_files_fingerprint(p)}"
-    if p.is_file():
-        suffix = p.suffix.lower()
-        if suffix in (".jsonl", ".json"):
-            return RowSource(p.name, fingerprint, lambda: _iter_json(p))
-        if suffix == ".parquet":
-            return RowSource(p.name, fingerprint, lambda: _iter_parquet([p]))
-        if suffix == ".arrow":
-            import datasets
-
-            return _arrow_source(datasets.Dataset.from_file(str(p)), p.name, fingerprint)
-        raise DataError(
-            f"data.path {str(p)!r}: unknown file type {suffix!r}; use .jsonl, .json, .parquet or .arrow"
-        )
     if (p / "state.json").is_file() or (p / "dataset_dict.json").is_file():
         import datasets
 
@@ -144,20 +131,25 @@ def local_source(path: str | os.PathLike[str]) -> RowSource:
             split = "train" if "train" in loaded else next(iter(loaded))
             loaded = loaded[split]
         return _arrow_source(loaded, p.name, fingerprint)
-    for pattern in ("*.parquet", "*.arrow", "*.jsonl", "*.json"):
-        files = sorted(p.rglob(pattern))
-        if not files:
-            continue
-        if pattern == "*.parquet":
-            return RowSource(p.name, fingerprint, partial(_iter_parquet, files))
-        if pattern == "*.arrow":
-            import datasets
-
-            ds = datasets.concatenate_datasets([datasets.Dataset.from_file(str(f)) for f in files])
-            return _arrow_source(ds, p.name, fingerprint)
+    patterns = ("*.parquet", "*.arrow", "*.jsonl", "*.json")  # a folder: the first that has files
+    found = iter([[p]]) if p.is_file() else (sorted(p.rglob(pattern)) for pattern in patterns)
+    files = next(filter(None, found), [])
+    if not files:
+        raise DataError(
+            f"data.path {str(p)!r}: no .jsonl, .json, .parquet or .arrow files and no save_to_disk dataset"
+        )
+    suffix = files[0].suffix.lower()
+    if suffix in (".jsonl", ".json"):
         return RowSource(p.name, fingerprint, partial(_iter_json_files, files))
+    if suffix == ".parquet":
+        return RowSource(p.name, fingerprint, partial(_iter_parquet, files))
+    if suffix == ".arrow":
+        import datasets
+
+        ds = datasets.concatenate_datasets([datasets.Dataset.from_file(str(f)) for f in files])
+        return _arrow_source(ds, p.name, fingerprint)
     raise DataError(
-        f"data.path {str(p)!r}: no .jsonl, .json, .parquet or .arrow files and no save_to_disk dataset"
+        f"data.path {str(p)!r}: unknown file type {suffix!r}; use .jsonl, .json, .parquet or .arrow"
     )
 
 
