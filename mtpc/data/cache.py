@@ -27,8 +27,6 @@ from mtpc.data.packing import PackPlan, plan_packing
 from mtpc.data.preprocess import (
     DEFAULT_MAX_BYTES,
     DEFAULT_VALIDATION_FRACTION,
-    DropStats,
-    TokenizedDocs,
     split_indices,
     tokenize_rows,
 )
@@ -175,11 +173,8 @@ def prepare(
     tmp = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    start = time.perf_counter()
     try:
-        summary, meta = _build_cache(
-            tmp, folder, parts, source, codec, max_bytes, seed, validation_fraction, start
-        )
+        summary, meta = _build_cache(tmp, folder, parts, source)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -201,18 +196,26 @@ def prepare(
 
 
 def _build_cache(
-    tmp: Path,
-    folder: Path,
-    parts: dict[str, Any],
-    source: RowSource,
-    codec: str,
-    max_bytes: int,
-    seed: int,
-    validation_fraction: float,
-    start: float,
+    tmp: Path, folder: Path, parts: dict[str, Any], source: RowSource
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Writes ``prepare``'s files into ``tmp``; returns its summary and meta."""
-    docs, stats = _tokenize_into(tmp, source, codec, max_bytes)
+    """Writes ``prepare``'s files (for the key ``parts``) into ``tmp``; returns its summary and
+    meta."""
+    start = time.perf_counter()
+    codec, max_bytes = parts["codec"], parts["max_bytes"]
+    with (
+        (tmp / "ids.u16").open("wb") as ids_file,
+        (tmp / "assistant.u8").open("wb") as mask_file,
+    ):
+        docs, stats = tokenize_rows(source, get_codec(codec), max_bytes, None, ids_file, mask_file)
+    stats.log(source.name)
+    if source.row_limit is not None:
+        logger.warning(
+            "%s: limited to its first %d rows by data.num_rows=%d (data.num_rows=null reads "
+            "every row)",
+            source.name,
+            source.row_limit,
+            source.row_limit,
+        )
     if docs.num_docs == 0:
         _write_json(
             summary_path(folder), {"dataset": source.name, "codec": codec, **stats.as_dict()}
@@ -222,9 +225,9 @@ def _build_cache(
             f"dropped by reason { ({k: v for k, v in stats.dropped.items() if v}) }"
         )
     if source.split_mask is None:
-        train, val = split_indices(docs.num_docs, seed, validation_fraction)
+        train, val = split_indices(docs.num_docs, parts["seed"], parts["validation_fraction"])
     else:
-        train, val = split_by_mask(docs.row_positions, source.split_mask(), seed)
+        train, val = split_by_mask(docs.row_positions, source.split_mask(), parts["seed"])
     np.save(tmp / "offsets.npy", docs.offsets)
     np.save(tmp / "doc_source.npy", docs.source_ids)
     np.save(tmp / "doc_row.npy", docs.row_positions)
@@ -259,27 +262,6 @@ def _build_cache(
     }
     _write_json(tmp / "meta.json", meta)
     return summary, meta
-
-
-def _tokenize_into(
-    tmp: Path, source: RowSource, codec: str, max_bytes: int
-) -> tuple[TokenizedDocs, DropStats]:
-    """Tokenises ``source`` into ``tmp``'s ``ids.u16`` and ``assistant.u8``; logs the counts."""
-    with (
-        (tmp / "ids.u16").open("wb") as ids_file,
-        (tmp / "assistant.u8").open("wb") as mask_file,
-    ):
-        docs, stats = tokenize_rows(source, get_codec(codec), max_bytes, None, ids_file, mask_file)
-    stats.log(source.name)
-    if source.row_limit is not None:
-        logger.warning(
-            "%s: limited to its first %d rows by data.num_rows=%d (data.num_rows=null reads "
-            "every row)",
-            source.name,
-            source.row_limit,
-            source.row_limit,
-        )
-    return docs, stats
 
 
 def split_by_mask(
