@@ -46,9 +46,13 @@ def _get(cfg: Mapping[str, Any], dotted: str) -> Any:
     return node
 
 
-def _check_choice(cfg: Mapping[str, Any], field: str, allowed: Iterable[str]) -> None:
+def _check_choice(
+    cfg: Mapping[str, Any], field: str, allowed: Iterable[str], optional: bool = False
+) -> None:
     allowed = tuple(allowed)
     value = _get(cfg, field)
+    if value is _MISSING and optional:
+        return
     if value is _MISSING:
         raise ConfigError(f"{field} is missing from the config")
     if value not in allowed:
@@ -91,8 +95,7 @@ def _check_model(cfg: Mapping[str, Any]) -> None:
     _check_choice(cfg, "model.name", MODEL_NAMES)
     _check_choice(cfg, "model.dtype", DTYPES)
     _check_choice(cfg, "model.codec", CODEC_NAMES)
-    if _get(cfg, "model.attention_impl") is not _MISSING:  # EvaByte's attention path
-        _check_choice(cfg, "model.attention_impl", ATTENTION_IMPLS)
+    _check_choice(cfg, "model.attention_impl", ATTENTION_IMPLS, optional=True)  # EvaByte's
     path = _get(cfg, "model.path")
     local = _get(cfg, "model.name") == "tiny" or (isinstance(path, str) and _looks_local(path))
     if isinstance(path, str) and path and local and not Path(path).expanduser().exists():
@@ -137,12 +140,8 @@ def _check_circuit(cfg: Mapping[str, Any]) -> None:
         )
     _check_float(cfg, "circuit.sum_init_std", 0.0, float("inf"), high_open=True)
     _check_float(cfg, "circuit.init_std", 0.0, float("inf"), high_open=True)
-    for field, allowed in (
-        ("circuit.extra_positions", EXTRA_POSITIONS),
-        ("circuit.head_init", HEAD_INITS),
-    ):
-        if _get(cfg, field) is not _MISSING:
-            _check_choice(cfg, field, allowed)
+    _check_choice(cfg, "circuit.extra_positions", EXTRA_POSITIONS, optional=True)
+    _check_choice(cfg, "circuit.head_init", HEAD_INITS, optional=True)
     for flag in ("circuit.identity_init", "loss.normalise_discount", "data.pack_documents"):
         if _get(cfg, flag) not in (_MISSING, True, False):
             raise ConfigError(f"{flag}={_get(cfg, flag)!r} is not allowed; allowed: true, false")
@@ -245,7 +244,16 @@ def _check_regenerate(cfg: Mapping[str, Any]) -> None:
     _check_int(cfg, "top_k", 1, optional=True)
     _check_int(cfg, "num_threads", 1, optional=True)
     _check_choice(cfg, "policy", REGENERATE_POLICIES)
-    _check_regenerate_drafting(cfg)
+    # the drafting choice as ``mtpc.generate`` checks it (torch-free), in the config's spelling
+    from mtpc.decoding.settings import CONFIG, SettingsError, check_drafting
+
+    drafting, proposal = (
+        None if (v := _get(cfg, f)) is _MISSING else v for f in ("drafting", "proposal")
+    )
+    try:
+        check_drafting(_get(cfg, "greedy") is not False, drafting, proposal, spell=CONFIG)
+    except SettingsError as err:
+        raise ConfigError(str(err)) from None
     draft = _get(cfg, "draft")
     if draft not in (_MISSING, None) and (
         not isinstance(draft, str) or not (Path(draft).expanduser() / "config.json").is_file()
@@ -256,20 +264,6 @@ def _check_regenerate(cfg: Mapping[str, Any]) -> None:
         )
     if not isinstance(_get(cfg, "device"), str):
         raise ConfigError(f"device={_get(cfg, 'device')!r} is not allowed; allowed: cpu, cuda[:i]")
-
-
-def _check_regenerate_drafting(cfg: Mapping[str, Any]) -> None:
-    """The drafting choice (``drafting``, ``proposal``), checked as ``mtpc.generate`` checks it
-    (``mtpc.decoding.settings``: torch-free), in the config's spelling."""
-    from mtpc.decoding.settings import CONFIG, SettingsError, check_drafting
-
-    drafting, proposal = (
-        None if (v := _get(cfg, f)) is _MISSING else v for f in ("drafting", "proposal")
-    )
-    try:
-        check_drafting(_get(cfg, "greedy") is not False, drafting, proposal, spell=CONFIG)
-    except SettingsError as err:
-        raise ConfigError(str(err)) from None
 
 
 def validate_regenerate_config(cfg: DictConfig | Mapping[str, Any]) -> None:

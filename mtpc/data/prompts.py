@@ -93,26 +93,24 @@ def make_prompts(
     max_prompt_length: int | None = None,
 ) -> list[EvalPrompt]:
     """Every usable prompt of ``rows``, in row order (malformed rows are skipped)."""
+    rows = list(rows)
     out: list[EvalPrompt] = []
-    skipped = 0
     for position, row in enumerate(rows):
         parts = split_at_last_user(row["messages"]) if check_row(row) is None else None
         if parts is None:
-            skipped += 1
             continue
         messages, reference = parts
         user_text = "\n".join(m["content"] for m in messages if m["role"] == "user")
         if english_only and not is_english(user_text, reference):
-            skipped += 1
             continue
         ids = codec.generation_prompt(messages)
         if max_prompt_length is not None and len(ids) > max_prompt_length:
-            skipped += 1
             continue
         row_id = str(row.get("id") or f"row-{position}")
         out.append(
             EvalPrompt(row_id, str(row.get("source") or "unknown"), messages, ids, reference)
         )
+    skipped = len(rows) - len(out)
     logger.info(
         "prompt pool: %d usable, %d skipped (english_only=%s)", len(out), skipped, english_only
     )

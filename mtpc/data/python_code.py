@@ -165,30 +165,26 @@ def file_rows(
     source: bytes, relpath: str, kinds: Sequence[str], report: FileReport
 ) -> list[Row] | None:
     """The rows of one file, or None when it is malformed (counted in ``report``)."""
-    reason = None
-    if len(source) > MAX_FILE_BYTES:
-        reason = "too_large"
-    else:
+    reason = "too_large"
+    if len(source) <= MAX_FILE_BYTES:
         try:
             text = source.decode("utf-8")
+            tree = ast.parse(text, filename=relpath)
         except UnicodeDecodeError:
             reason = "undecodable"
+        except (SyntaxError, ValueError):  # ValueError: null bytes
+            reason = "syntax_error"
         else:
-            try:
-                tree = ast.parse(text, filename=relpath)
-            except (SyntaxError, ValueError):  # ValueError: null bytes
-                reason = "syntax_error"
-    if reason is not None:
-        report.malformed_files[reason] += 1
-        examples = report.malformed_examples.setdefault(reason, [])
-        if len(examples) < 5:
-            examples.append(relpath)
-        return None
-    lines = text.splitlines(keepends=True)
-    rows = list(_function_rows(tree, lines, relpath, kinds, report))
-    if "continuation" in kinds:
-        rows.extend(_continuation_rows(lines, relpath))
-    return rows
+            lines = text.splitlines(keepends=True)
+            rows = list(_function_rows(tree, lines, relpath, kinds, report))
+            if "continuation" in kinds:
+                rows.extend(_continuation_rows(lines, relpath))
+            return rows
+    report.malformed_files[reason] += 1
+    examples = report.malformed_examples.setdefault(reason, [])
+    if len(examples) < 5:
+        examples.append(relpath)
+    return None
 
 
 @dataclass
