@@ -85,12 +85,6 @@ def status_kb(field: str) -> int:
     return 0
 
 
-def reset_peak_rss() -> None:
-    """Resets ``VmHWM`` to the current RSS (Linux >= 4.0)."""
-    with open("/proc/self/clear_refs", "w") as handle:
-        handle.write("5")
-
-
 def cuda_index(device: str) -> int | None:
     """The CUDA device index of ``device`` (``cuda`` -> the current one); None for the CPU."""
     if not device.startswith("cuda"):
@@ -127,7 +121,8 @@ def peak_rss_extra_mb(fn: Callable[[], object]) -> float:
     """MiB the process's peak resident size rises above its resident size while ``fn`` runs
     (``VmHWM`` after a reset, minus ``VmRSS`` before): what the call allocates on top."""
     before = status_kb("VmRSS")
-    reset_peak_rss()
+    with open("/proc/self/clear_refs", "w") as handle:  # VmHWM := the RSS (Linux >= 4.0)
+        handle.write("5")
     fn()
     return (status_kb("VmHWM") - before) / 1024
 

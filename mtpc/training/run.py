@@ -135,10 +135,9 @@ def load_initial_weights(model: MTPCModel, init_from: str | Path) -> None:
             )
         head_state = read_tensors(path / HEAD_NAME)
         check_head_state(config, head_state, model.head)
-        model.head.load_state_dict(head_state)
         adapter = path / ADAPTER_NAME
-        if adapter.exists() and model.backbone.lora is not None:
-            _load_matching(model.backbone.lora, read_tensors(adapter))
+        use_adapter = adapter.exists() and model.backbone.lora is not None
+        lora = read_tensors(adapter) if use_adapter else None
     elif path.is_file():
         try:
             state = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
@@ -148,24 +147,19 @@ def load_initial_weights(model: MTPCModel, init_from: str | Path) -> None:
                 "exported draft folder or another checkpoint"
             ) from err
         head_state = {k.removeprefix("model.head."): v for k, v in state.items() if ".head." in k}
-        model.head.load_state_dict(head_state)
         prefix = "model.backbone.lora."
         lora = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
-        if model.backbone.lora is not None:
-            _load_matching(model.backbone.lora, lora)
     else:
         raise ConfigError(
             f"init_from={path} does not exist; allowed: an exported draft folder "
             "(outputs/train/<run>/draft) or a Lightning checkpoint (.ckpt)"
         )
+    model.head.load_state_dict(head_state)
+    if lora is not None and model.backbone.lora is not None:
+        own = model.backbone.lora.state_dict()  # names and shapes that match: k=1 from k=2, say
+        usable = {k: v for k, v in lora.items() if k in own and own[k].shape == v.shape}
+        model.backbone.lora.load_state_dict(usable, strict=False)
     log.info("initialised the draft from %s", path)
-
-
-def _load_matching(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Loads the tensors whose names and shapes match (a k=1 stage from a k=2 one, say)."""
-    own = module.state_dict()
-    usable = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
-    module.load_state_dict(usable, strict=False)
 
 
 def _accumulation(settings: TrainSettings, world_size: int) -> int:
