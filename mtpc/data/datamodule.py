@@ -331,9 +331,8 @@ class MTPCDataModule(L.LightningDataModule):
         self.data = self._ensure_prepared()
         for split in ("train", "val"):
             self.datasets[split] = PackedDataset(
-                self.data, split, self.seq_len, self.window, self.codec.pad_id,
-                self.pack_documents,
-            )  # fmt: skip
+                self.data, split, self.seq_len, self.window, self.codec.pad_id, self.pack_documents
+            )
         summary = self.data.summary
         logger.info(
             "data %s: %d train / %d val documents -> %d / %d packed sequences of %d; dropped %s",
@@ -376,8 +375,7 @@ class MTPCDataModule(L.LightningDataModule):
         return 1, 0
 
     def train_dataloader(self) -> ResumableDataLoader:
-        if "train" not in self.datasets:
-            self.setup("fit")
+        self.setup()
         dataset = self.datasets["train"]
         world, rank = self._world()
         sampler = ResumableDistributedSampler(
@@ -398,8 +396,7 @@ class MTPCDataModule(L.LightningDataModule):
         return {} if self.pack_documents else {"collate_fn": collate_trimmed}
 
     def val_dataloader(self) -> DataLoader:
-        if "val" not in self.datasets:
-            self.setup("validate")
+        self.setup()
         dataset = self.datasets["val"]
         world, rank = self._world()
         sampler: DistributedSampler | None = None

@@ -171,11 +171,8 @@ class MTPCLightningModule(L.LightningModule):
         optimizer = factory(params)
         if self.scheduler_factory is None:
             return optimizer
-        scheduler = self.scheduler_factory(optimizer)
-        return {
-            "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
-        }
+        lr_scheduler = {"scheduler": self.scheduler_factory(optimizer), "interval": "step"}
+        return {"optimizer": optimizer, "lr_scheduler": lr_scheduler}
 
     def gathered_trainable_state(self) -> dict[str, Tensor]:
         """The trainable weights as whole tensors on CPU, for a checkpoint or an export.

@@ -278,9 +278,8 @@ def build_trainer(settings: TrainSettings, run_dir: Path, callbacks: list[L.Call
 
 def check_val_limit(value: Any) -> None:
     """Refuses a ``trainer.limit_val_batches`` Lightning would not take (or take badly)."""
-    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
-        return
-    if isinstance(value, float) and 0.0 <= value <= 1.0:
+    whole = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    if value is None or whole or (isinstance(value, float) and 0.0 <= value <= 1.0):
         return
     raise ConfigError(
         f"trainer.limit_val_batches={value!r} is not allowed; allowed: null (every validation "
