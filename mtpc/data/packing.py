@@ -8,6 +8,7 @@ depends on the lengths only, so it is cacheable. See docs/DATA.md, "Preprocessin
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
@@ -45,38 +46,6 @@ class PackPlan:
         return cls(int(arrays["seq_len"]), *segments)
 
 
-class _Fenwick:
-    """Counts over 1..size with prefix sums and 'first index whose prefix exceeds k'."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.tree = [0] * (size + 1)
-        self.top = 1 << size.bit_length()
-
-    def add(self, index: int, delta: int) -> None:
-        while index <= self.size:
-            self.tree[index] += delta
-            index += index & -index
-
-    def prefix(self, index: int) -> int:
-        total = 0
-        while index > 0:
-            total += self.tree[index]
-            index -= index & -index
-        return total
-
-    def first_above(self, k: int) -> int:
-        """Smallest index whose prefix sum is > k (size + 1 when none)."""
-        pos, step = 0, self.top
-        while step:
-            nxt = pos + step
-            if nxt <= self.size and self.tree[nxt] <= k:
-                pos = nxt
-                k -= self.tree[nxt]
-            step >>= 1
-        return pos + 1
-
-
 def plan_packing(doc_lengths: np.ndarray, seq_len: int, pack: bool = True) -> PackPlan:
     """Plans (D,) documents of ``doc_lengths`` (split order) into sequences of ``seq_len``.
 
@@ -100,25 +69,28 @@ def plan_packing(doc_lengths: np.ndarray, seq_len: int, pack: bool = True) -> Pa
         items.append((doc, cut, length - cut))
     bins: list[list[int]] = []  # sequence -> item indices
     by_room: list[list[int]] = [[] for _ in range(seq_len + 1)]  # room -> open sequences
-    tree = _Fenwick(seq_len)
+    rooms: list[int] = []  # the rooms with an open sequence, sorted (at most seq_len)
     sizes = np.asarray([size for _, _, size in items], dtype=np.int64)
     for item in np.argsort(-sizes, kind="stable").tolist():
         size = items[item][2]
         if not pack:
             bins.append([item])
             continue
-        room = tree.first_above(tree.prefix(size - 1))  # least room >= size
-        if room <= seq_len:
+        at = bisect.bisect_left(rooms, size)  # the least room >= size
+        if at < len(rooms):
+            room = rooms[at]
             seq = by_room[room].pop()
-            tree.add(room, -1)
+            if not by_room[room]:
+                rooms.pop(at)
         else:
             seq, room = len(bins), seq_len
             bins.append([])
         bins[seq].append(item)
         left = room - size
         if left > 0:
+            if not by_room[left]:
+                bisect.insort(rooms, left)
             by_room[left].append(seq)
-            tree.add(left, 1)
     segments = full + [items[item] for members in bins for item in members]
     seg_doc, seg_start, seg_len = np.asarray(segments, dtype=np.int64).reshape(-1, 3).T.copy()
     counts = [0] + [1] * len(full) + [len(members) for members in bins]
