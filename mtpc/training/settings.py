@@ -28,8 +28,7 @@ def _get(cfg: DictConfig, key: str, default: Any = None) -> Any:
 
 def _node(cfg: DictConfig, key: str) -> Any:
     """``cfg``'s section ``key`` as it is (a config node, unresolved); None if missing or empty."""
-    node = OmegaConf.select(cfg, key)
-    return node if node else None
+    return OmegaConf.select(cfg, key) or None
 
 
 def resolved_config(cfg: DictConfig) -> dict[str, Any]:
