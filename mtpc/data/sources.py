@@ -55,10 +55,9 @@ def load_source(
         if path is not None and not isinstance(path, str | os.PathLike):
             raise DataError(f"data.path={path!r}; allowed for python_code: one folder or null")
         return python_code_source(path, num_rows, validation_fraction)
-    if path is not None:
-        if not isinstance(path, str | os.PathLike):  # a list of paths (Hydra: ListConfig)
-            return _limit(concat_sources([local_source(p) for p in path]), num_rows)
-        return _limit(local_source(path), num_rows)
+    if path is not None:  # a path or a list of them (Hydra: ListConfig)
+        paths = [path] if isinstance(path, str | os.PathLike) else path
+        return _limit(concat_sources([local_source(p) for p in paths]), num_rows)
     if source == "local":
         raise DataError("data source 'local' needs data.path=<jsonl | parquet | arrow dir>")
     if source == "synthetic":
