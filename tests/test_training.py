@@ -170,6 +170,30 @@ def test_two_stage_training_exports_and_beats_the_untrained_head(tmp_path: Path)
     assert exported["lora"]["layers"] == 1
 
 
+@pytest.mark.parametrize("source_layers", [1, 2])
+def test_init_from_a_lora_draft_loads_its_lora_weights(tmp_path: Path, source_layers: int) -> None:
+    """A LoRA-stage draft (k = 1, or k = 2 into k = 1: the names that match) initialises a
+    k = 1 LoRA stage: its LoRA weights arrive, not only its head."""
+    from mtpc.training.run import load_initial_weights
+    from tests.fakes import make_model
+
+    source = make_model("cp", 4, 2, k=source_layers)
+    draft = source.save_pretrained(tmp_path / "draft")
+    target = make_model("cp", 4, 2, k=1)
+    with torch.no_grad():
+        for p in target.backbone.lora.parameters():
+            p.zero_()
+    load_initial_weights(target, draft)
+    theirs = source.backbone.lora.state_dict()
+    ours = target.backbone.lora.state_dict()
+    shared = [name for name in ours if name in theirs]
+    assert shared  # the last layer's names are shared by k = 1 and k = 2
+    for name in shared:
+        assert torch.equal(ours[name], theirs[name]), name
+    heads = target.head.state_dict(), source.head.state_dict()
+    assert all(torch.equal(value, heads[1][name]) for name, value in heads[0].items())
+
+
 def test_init_from_a_different_circuit_is_refused(tmp_path: Path) -> None:
     cfg = _compose(tmp_path, ["circuit=cp", "circuit.window=4", "circuit.rank=2",
                               "trainer.max_steps=1", "validate_before_training=false"], "a")  # fmt: skip

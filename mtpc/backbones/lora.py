@@ -100,16 +100,19 @@ class LoraTail:
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {n: p.detach() for n, p in self.named_parameters()}
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Loads LoRA weights by peft name (ValueError: missing or unexpected names, shapes)."""
+    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Loads LoRA weights by peft name (ValueError: missing or unexpected names, shapes);
+        ``strict=False`` loads the names ``state`` holds and lets the others be."""
         own = dict(self.named_parameters())
         missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-        if missing or unexpected:
+        if (strict and missing) or unexpected:
             raise ValueError(
                 f"LoRA weights do not match the adapter: missing {missing[:4]}, unexpected {unexpected[:4]}"
             )
         with torch.no_grad():
             for name, p in own.items():
+                if name not in state:
+                    continue
                 if p.shape != state[name].shape:
                     raise ValueError(
                         f"LoRA weight {name} has shape {tuple(state[name].shape)}, expected {tuple(p.shape)}"
