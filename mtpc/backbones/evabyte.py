@@ -334,6 +334,11 @@ class EvaByteBackbone(Backbone):
         native.length += t
         return hidden
 
+    def _rotary(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[Any, Any]:
+        """The remote rotary table's rows at ``positions`` (B, T): cos, sin (B, 1, T, hd)."""
+        cos, sin = self.inner.rotary_emb(hidden, seq_len=int(positions.max()) + 1)
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+
     def _layers(
         self,
         hidden: torch.Tensor,
@@ -345,8 +350,7 @@ class EvaByteBackbone(Backbone):
         multibyte: bool,
     ) -> torch.Tensor:
         """Layers ``start..end-1`` called as the remote model calls them -> (B, T, d)."""
-        cos, sin = self.inner.rotary_emb(hidden, seq_len=int(positions.max()) + 1)
-        cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # (B, 1, T, hd)
+        cos, sin = self._rotary(hidden, positions)
         for layer in self.layers[start:end]:
             hidden = layer(
                 hidden,
