@@ -88,7 +88,9 @@ def measure(make: Any, n: int, prompt: list[int], new: int, repeats: int) -> dic
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("code", type=Path, help="the folder of EvaByte's remote *.py (a checkout's evabyte_hf/)")
+    parser.add_argument(
+        "code", type=Path, help="the folder of EvaByte's remote *.py (a checkout's evabyte_hf/)"
+    )
     parser.add_argument("--new", type=int, default=96, help="new ids per generation")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()

@@ -112,7 +112,9 @@ def padding_cost(rows: int, seq_lens: tuple[int, ...]) -> list[dict[str, float]]
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("code", type=Path, help="the folder of EvaByte's remote *.py (a checkout's evabyte_hf/)")
+    parser.add_argument(
+        "code", type=Path, help="the folder of EvaByte's remote *.py (a checkout's evabyte_hf/)"
+    )
     parser.add_argument("--rows", type=int, default=2000, help="synthetic rows for the padding")
     args = parser.parse_args()
     torch.set_num_threads(1)
