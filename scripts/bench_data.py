@@ -48,6 +48,12 @@ def lognormal_params(
 ) -> tuple[float, float]:
     """(mu, sigma) of a log-normal with the given mean and P(X > limit) = tail (small sigma)."""
     z = _probit(1 - tail)
+    lowest = limit * math.exp(-z * z / 2)  # below it, no sigma solves the two equations
+    if mean < lowest:
+        raise ValueError(
+            f"no log-normal has mean {mean:g} and P(X > {limit:g}) = {tail:.3f}: "
+            f"the mean must be at least {math.ceil(lowest)}"
+        )
     # ln(limit) - mu = z sigma and mu = ln(mean) - sigma^2 / 2
     c = math.log(limit) - math.log(mean)
     sigma = (2 * z - math.sqrt(4 * z * z - 8 * c)) / 2
@@ -107,6 +113,10 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=16)
     parser.add_argument("--pack-docs", type=int, default=TULU3_KEPT)
     args = parser.parse_args()
+    try:
+        lognormal_params(args.mean_bytes)
+    except ValueError as err:
+        parser.error(f"--mean-bytes: {err}")
     torch.set_num_threads(1)
     cache = Path(tempfile.mkdtemp(prefix="mtpc-bench-"))
     try:

@@ -201,7 +201,7 @@ CASES: dict[str, Case] = {
         _bench_decoding,
     ),
     "bench_data.py": Case(
-        # --mean-bytes stays at its default: below ~1,650 B lognormal_params has no solution
+        # --mean-bytes stays at its default: below 1,634 B no log-normal fits (refused, below)
         "scripts/bench_data.py --num-rows 50 --long-rows 20 --seq-len 512 --window 2"
         " --pack-docs 100",
         _bench_data,
@@ -272,3 +272,16 @@ def test_script_runs(name: str, tmp_path: Path) -> None:
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     case.check(result.stdout, tmp_path)
+
+
+def test_bench_data_refuses_a_mean_no_log_normal_fits() -> None:
+    """``--mean-bytes 1000`` with the 8,192-byte limit and Tülu's 3.6 % too-long share has no
+    solution: one argparse line naming the flag and the least mean, not a math domain error."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    run = subprocess.run(
+        [sys.executable, "scripts/bench_data.py", "--mean-bytes", "1000"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 2
+    assert "--mean-bytes" in run.stderr and "at least 1634" in run.stderr
+    assert "Traceback" not in run.stderr
