@@ -35,13 +35,14 @@ class HeadState:
         hidden: Tensor,
         temperature: float | None = None,
         lap: Callable[[str], None] | None = None,
+        features: Tensor | None = None,
     ) -> None:
         self.model, self.hidden = model, hidden
         self.head = model.head
         self.circuit = model.head.circuit
         self.temperature = None if temperature == 1.0 else temperature
         self.lap = lap or (lambda section: None)
-        self._features: Tensor | None = None
+        self._features = features  # (1, d), when a batch computed them; else on first use
         self._sum_logw: Tensor | None = None
         self._params: CircuitParams | None = None
 
@@ -90,7 +91,7 @@ class HeadState:
         """theta_t with the whole (1, n, r, V) table (the full-table modes), computed once."""
         if self._params is None:
             self.lap("circuit")
-            params = self.model.draft_params(self.hidden)
+            params = self.head(self.features)
             self._params = CircuitParams(self._tempered(params.input_logp), params.sum_logw)
             self.lap("head")
         return self._params
@@ -176,10 +177,14 @@ class Run:
     rule: TargetRule
     clock: Stopwatch
 
-    def head_state(self, hidden: Tensor, timed: bool = True) -> HeadState:
-        """The head at a new state ``(1, d)``, tempered when sampling; ``timed``: on the clock."""
+    def head_state(
+        self, hidden: Tensor, timed: bool = True, features: Tensor | None = None
+    ) -> HeadState:
+        """The head at a new state ``(1, d)``, tempered when sampling; ``timed``: on the clock;
+        ``features``: its normed state ``(1, d)`` when a batch computed it."""
         temperature = None if self.request.greedy else self.request.temperature
-        return HeadState(self.model, hidden, temperature, self.clock.lap if timed else None)
+        lap = self.clock.lap if timed else None
+        return HeadState(self.model, hidden, temperature, lap, features)
 
 
 def new_row(run: Run, index: int, request: Request, prompt: Tensor, method: str) -> Row:
@@ -323,9 +328,7 @@ def cycle(run: Run, layout: Layout, rows: Sequence[Row]) -> list[Row]:
     if len(moved) > 1:  # the head's features of every new state at once (B, d)
         features = model.draft_features(torch.cat([last for _, last in moved]))
     for i, (row, last) in enumerate(moved):
-        row.state = run.head_state(last)
-        if len(moved) > 1:
-            row.state._features = features[i : i + 1]
+        row.state = run.head_state(last, features=features[i : i + 1] if len(moved) > 1 else None)
         run.proposer.begin(row.state)
     clock.lap("model")
     seconds = clock.split()

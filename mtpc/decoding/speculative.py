@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from mtpc.circuits.engine import categorical
@@ -167,10 +166,9 @@ def zmap_rows(states: Sequence[HeadState], evidence: Sequence[Tensor | None]) ->
     w = head.unembedding  # (n, r, V, d)
     if pre == n:  # nothing to draft (n = 1 with a pending token)
         return [ev for ev in evidence if ev is not None]
-    positions = torch.arange(pre, n, device=w.device)  # (m,)
+    logits = head.input_logits(e, list(range(pre, n)))  # (B, m, r, V); W's rows: a view
     if r == 1:  # one unit per position: the only path
-        logits = F.linear(e.to(w.dtype), w[positions, 0].reshape(-1, w.shape[-1]))
-        tokens = logits.view(len(states), n - pre, -1).float().argmax(-1)  # (B, m)
+        tokens = logits[:, :, 0].float().argmax(-1)  # (B, m)
     else:
         leaves = None
         if pre:  # each unit's logit at the pending token, no normaliser (as draft_step)
@@ -178,8 +176,6 @@ def zmap_rows(states: Sequence[HeadState], evidence: Sequence[Tensor | None]) ->
             rows = w[0][:, pending].transpose(0, 1)  # (B, r, d)
             leaves = torch.einsum("bd,brd->br", e.to(w.dtype), rows).float()[:, None]
         path = circuit.latent_path(head.sum_log_weights(e), leaves, most_probable=True)
-        logits = F.linear(e.to(w.dtype), w[positions].reshape(-1, w.shape[-1]))
-        logits = logits.view(len(states), n - pre, r, -1)  # (B, m, r, V)
         units = path[:, pre:, None, None].expand(-1, -1, 1, logits.shape[-1])
         tokens = logits.gather(2, units)[:, :, 0].float().argmax(-1)  # (B, m)
     return [
