@@ -136,10 +136,8 @@ class CircuitDrafter:
         x = torch.zeros(k, n, dtype=torch.long)
         for row, s in enumerate(strings):
             x[row, : len(s)] = torch.tensor(list(s))
-        p = self.params
-        lw = None if p.sum_logw is None else p.sum_logw.expand(k, *p.sum_logw.shape[1:])
-        expanded = type(p)(p.input_logp.expand(k, *p.input_logp.shape[1:]), lw)
-        device = p.input_logp.device
+        device = self.params.input_logp.device
+        expanded = self.params.expand(k)
         lp = self.model.head.circuit.prefix_log_prob(expanded, x.to(device), mask.to(device))
         return lp.gather(1, last.to(device)[:, None])[:, 0].exp().double().cpu()  # (K,)
 

@@ -20,7 +20,7 @@ from mtpc.evaluation.drafters import load_drafter
 from mtpc.evaluation.loading import load_target
 from mtpc.evaluation.metrics import hetero_metrics, hetero_record
 from mtpc.evaluation.records import MemoryRecords, RecordStore, hetero_draft_path
-from mtpc.evaluation.report import HETERO_PASSES, hetero_row_name
+from mtpc.evaluation.report import HETERO_PASSES, hetero_row_name, ratio
 from mtpc.evaluation.settings import EvalSettings
 from mtpc.model import MTPCModel
 
@@ -141,7 +141,7 @@ def evaluate_hetero(
     name = hetero_row_name(algorithm)
     run_hetero_passes(sink, decoders, [prompt_set], "drafter", name, seed, warmup)
     ar, sd = (hetero_metrics([r for r in sink.records if r["pass"] == p]) for p in HETERO_PASSES)
-    sd["speedup_ar"] = sd["tok_s"] / ar["tok_s"] if ar["tok_s"] > 0 else float("nan")
+    sd["speedup_ar"] = ratio(sd["tok_s"], ar["tok_s"])
     return {
         "rows": [
             {"name": "AR (target)", "kind": "ar", **ar},

@@ -152,7 +152,7 @@ def _ratios(a: dict[int, dict[str, Any]], b: dict[int, dict[str, Any]], key: str
     return [a[k][key] / b[k]["tok_s"] for k in a if k in b and b[k]["tok_s"] > 0]
 
 
-def _ratio(x: float, y: float) -> float:
+def ratio(x: float, y: float) -> float:
     """``x / y``, NaN when ``y`` is not positive (no throughput to compare with)."""
     return x / y if y > 0 else math.nan
 
@@ -253,7 +253,7 @@ def build_report(
             a = set_metrics([r for r in ar_recs if r["source"] == source])
             source_rows.append(
                 {"name": name, "path": d["path"], "source": source, **m,
-                 "speedup_ar": _ratio(m["tok_s"], a["tok_s"])}
+                 "speedup_ar": ratio(m["tok_s"], a["tok_s"])}
             )  # fmt: skip
     hetero_rows, hetero_sources = hetero_report(settings, records, with_ar=not ar)
     return rows + hetero_rows, source_rows + hetero_sources
@@ -296,8 +296,8 @@ def spec_bench_report(
                 sb = _sb_tok_s(in_set)
                 per_set.append(
                     {"set": k, "mu_acc": m["mu_acc"], "tok_s": m["tok_s"],
-                     "speedup_ar": _ratio(m["tok_s"], a["tok_s"]),
-                     "sb_tok_s": sb, "sb_speedup": _ratio(sb, _sb_tok_s(ar_set))}
+                     "speedup_ar": ratio(m["tok_s"], a["tok_s"]),
+                     "sb_tok_s": sb, "sb_speedup": ratio(sb, _sb_tok_s(ar_set))}
                 )  # fmt: skip
             row: dict[str, Any] = {
                 "name": name, "path": path, "task": task, "pass": pass_name,
@@ -339,7 +339,7 @@ def hetero_report(
     }
     ar_sets, sd_sets = per_pass["hetero_ar"], per_pass["hetero"]
     for sd, ar in zip(sd_sets, ar_sets, strict=True):
-        sd["speedup_ar"] = _ratio(sd["tok_s"], ar["tok_s"])
+        sd["speedup_ar"] = ratio(sd["tok_s"], ar["tok_s"])
     algorithm = str(drafter.get("algorithm", "slem"))
     name = hetero_row_name(algorithm)
     count = {p: sum(1 for r in prompts if r["pass"] == p) for p in HETERO_PASSES}
@@ -368,7 +368,7 @@ def hetero_report(
         m, a = hetero_metrics(sd_recs), hetero_metrics(ar_recs)
         source_rows.append(
             {"name": name, "source": source, "prompts": len(sd_recs), **m,
-             "speedup_ar": _ratio(m["tok_s"], a["tok_s"])}
+             "speedup_ar": ratio(m["tok_s"], a["tok_s"])}
         )  # fmt: skip
     return [*rows, row], source_rows
 
@@ -455,8 +455,8 @@ def report_folders(
     folders: Sequence[Path], out_dir: Path, plots: bool = True, echo: bool = True
 ) -> dict[str, Any]:
     """Tables, results.json, CSVs and plots of one evaluation folder or several merged
-    (docs/EVALUATION.md, "Reports without decoding"), written to ``out_dir``; returns what
-    results.json holds. ``echo``: print the tables.
+    (docs/EVALUATION.md, "Reports without decoding, and merging folders"), written to
+    ``out_dir``; returns what results.json holds. ``echo``: print the tables.
 
     Raises:
         RecordsError: the folders cannot be merged.
