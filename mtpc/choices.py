@@ -13,6 +13,8 @@ HEAD_INITS = ("pretrained", "stp", "random")  # head initialisations (mtpc.model
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # target dtypes (mtpc.backbones.base.DTYPES)
 ATTENTION_IMPLS = ("auto", "torch", "triton")  # EvaByte attention paths (mtpc.backbones.compat)
 LOSS_NAMES = ("nll", "kl")
+# the linear modules LoRA adapts by default (lora.target_modules; mtpc.backbones.lora)
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 STAGES = ("heads", "lora")
 
 METHODS = ("speculative", "autoregressive")

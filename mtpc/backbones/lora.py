@@ -14,9 +14,7 @@ from peft import LoraConfig, inject_adapter_in_model
 from peft.tuners.lora import LoraLayer
 from torch import nn
 
-DEFAULT_TARGET_MODULES = (
-    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-)  # fmt: skip
+from mtpc.choices import LORA_TARGET_MODULES
 
 
 @dataclass(frozen=True)
@@ -27,7 +25,7 @@ class LoraSettings:
     rank: int = 16
     alpha: float = 32.0
     dropout: float = 0.0
-    target_modules: tuple[str, ...] = field(default=DEFAULT_TARGET_MODULES)
+    target_modules: tuple[str, ...] = field(default=LORA_TARGET_MODULES)
 
     def to_dict(self) -> dict[str, object]:
         return {**asdict(self), "target_modules": list(self.target_modules)}
@@ -143,5 +141,5 @@ def as_settings(
         rank=int(rank),
         alpha=float(alpha),
         dropout=float(dropout),
-        target_modules=tuple(target_modules or DEFAULT_TARGET_MODULES),
+        target_modules=tuple(target_modules or LORA_TARGET_MODULES),
     )

@@ -12,8 +12,9 @@ from typing import Any, TypeVar
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from mtpc.choices import LORA_TARGET_MODULES as LORA_MODULES
+
 # lora.target_modules of configs/lora/default.yaml
-LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 _Settings = TypeVar("_Settings")
 
