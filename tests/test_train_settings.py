@@ -79,6 +79,17 @@ def test_missing_keys_take_the_defaults_train_took_inline() -> None:
     assert not settings.run.allow_resume_changes
 
 
+@pytest.mark.parametrize("value", ["null", "0"])
+def test_null_or_zero_counts_take_their_defaults(value: str) -> None:
+    """loss.chunk_size, trainer.num_nodes and trainer.accumulate_grad_batches: null or 0 is
+    the default (as train took ``x or default`` inline), not the value as given."""
+    cfg = _compose([f"loss.chunk_size={value}", f"++trainer.num_nodes={value}",
+                    f"++trainer.accumulate_grad_batches={value}"])  # fmt: skip
+    settings = TrainSettings.from_cfg(cfg)
+    assert settings.loss.chunk_size == 1024
+    assert (settings.trainer.num_nodes, settings.trainer.accumulate_grad_batches) == (1, 1)
+
+
 def test_the_model_arguments_are_the_configs() -> None:
     cfg = _compose(["circuit=cp", "lora.layers=2", "loss=kl", "loss.chunk_size=64"])
     args = TrainSettings.from_cfg(cfg).model_arguments()
