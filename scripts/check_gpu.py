@@ -214,12 +214,17 @@ def _prompt(model: MTPCModel, length: int, seed: int = 0) -> list[int]:
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, args: argparse.Namespace) -> tuple[bool, str]:
-    """Logits that agree: within ``--tolerance`` in float32; in bf16 within ``--bf16-rtol``
-    of the logits' scale (bf16 keeps 8 bits: a logit of 16 is rounded to steps of 0.06)."""
-    diff = float((a - b).abs().max())
+    """Logits that agree: :func:`_close_values` of their max |diff| and scale."""
+    scale = float(torch.maximum(a.abs().max(), b.abs().max()))
+    return _close_values(float((a - b).abs().max()), scale, args)
+
+
+def _close_values(diff: float, scale: float, args: argparse.Namespace) -> tuple[bool, str]:
+    """A max |diff| of logits that agrees: within ``--tolerance`` in float32 (IEEE float32
+    everywhere, so only summation order differs); in bf16 within ``--bf16-rtol`` of the
+    logits' scale ``scale`` (bf16 keeps 8 bits: a logit of 16 is rounded to steps of 0.06)."""
     if args.dtype == "float32":
         return diff <= args.tolerance, f"max |diff| {diff:.2e} (tolerance {args.tolerance:.0e})"
-    scale = float(torch.maximum(a.abs().max(), b.abs().max()))
     tol = args.bf16_rtol * max(scale, 1.0)
     return (
         diff <= tol,
@@ -236,7 +241,9 @@ def check_device(args: argparse.Namespace) -> tuple[bool | None, str]:
         return True, (
             f"{props.name}, {props.total_memory / 2**30:.0f} GiB, {torch.cuda.device_count()} "
             f"visible, torch {torch.__version__}, CUDA {torch.version.cuda}, bf16 "
-            f"{torch.cuda.is_bf16_supported()}"
+            f"{torch.cuda.is_bf16_supported()}; float32 matmuls: torch "
+            f"{'TF32' if torch.backends.cuda.matmul.allow_tf32 else 'IEEE'}, triton tl.dot "
+            f"{os.environ.get('TRITON_F32_DEFAULT', 'tf32 (its default)')}"
         )
     return True, f"cpu ({platform.processor() or platform.machine()}), torch {torch.__version__}"
 
@@ -256,8 +263,9 @@ def _logits(backbone: Any, ids: torch.Tensor) -> torch.Tensor:
     return backbone.stp_logits(backbone.norm(hidden))[0].float()
 
 
-def check_eva_triton(args: argparse.Namespace, path: str) -> tuple[bool | None, str]:
-    """Logits of a prompt past one EVA window, triton path vs torch path."""
+def eva_logits(args: argparse.Namespace, path: str) -> dict[str, Any]:
+    """Logits of a prompt past one EVA window on the triton path and on the torch path: their
+    max |diff|, the larger max |logit|, the share of equal argmaxes and what ran."""
     from mtpc.model import MTPCModel
 
     backbones = {impl: load_target("evabyte", path, args, impl) for impl in ("triton", "torch")}
@@ -266,12 +274,52 @@ def check_eva_triton(args: argparse.Namespace, path: str) -> tuple[bool | None, 
     ids = torch.tensor([_prompt(model, length)], device=args.device)
     with torch.no_grad():
         logits = {impl: _logits(b, ids) for impl, b in backbones.items()}  # (T, V) each
-    ok, detail = _close(logits["triton"], logits["torch"], args)
-    same = float((logits["triton"].argmax(-1) == logits["torch"].argmax(-1)).float().mean())
-    sizes = f"EVA window {backbones['torch'].window_size}, chunk {EVA_TINY['chunk_size']}"
+    a, b = logits["triton"], logits["torch"]
+    return {
+        "diff": float((a - b).abs().max()),
+        "scale": float(torch.maximum(a.abs().max(), b.abs().max())),
+        "same_argmax": float((a.argmax(-1) == b.argmax(-1)).float().mean()),
+        "what": f"{length} bytes (EVA window {backbones['torch'].window_size}, chunk "
+        f"{EVA_TINY['chunk_size']}; {backbones['triton'].attention_path})",
+    }
+
+
+def check_eva_triton(args: argparse.Namespace, path: str) -> tuple[bool | None, str]:
+    """Logits of a prompt past one EVA window, triton path vs torch path (float32: IEEE
+    ``tl.dot``, ``main`` sets ``TRITON_F32_DEFAULT=ieee``)."""
+    found = eva_logits(args, path)
+    ok, detail = _close_values(found["diff"], found["scale"], args)
     return ok, (
-        f"{length} bytes ({sizes}; {backbones['triton'].attention_path}), triton vs torch "
-        f"logits: {detail}; same argmax {same:.0%}"
+        f"{found['what']}, triton vs torch logits: {detail}; same argmax {found['same_argmax']:.0%}"
+    )
+
+
+TF32_CHILD = "--tf32-child"
+"""The hidden flag of the child process that measures :func:`eva_logits` with TF32."""
+
+
+def check_eva_tf32(args: argparse.Namespace, path: str) -> tuple[bool | None, str]:
+    """float32 on a GPU: the triton path's error with ``tl.dot``'s default input precision
+    (TF32: 10 mantissa bits), what a float32 run gets without ``TRITON_F32_DEFAULT=ieee``.
+    Measured in a child process (triton keeps the kernels it compiled per process). TF32
+    rounds each product's inputs more finely than bf16 (7 bits), so it is held to the bf16
+    tolerance: an error above it is not TF32's rounding."""
+    if not args.device.startswith("cuda"):
+        return None, "TF32 exists on tensor-core GPUs only (the CPU interpreter computes IEEE)"
+    if args.dtype != "float32":
+        return None, f"{args.dtype} inputs: tl.dot does not round them to TF32"
+    env = {**os.environ, "TRITON_F32_DEFAULT": "tf32"}
+    command = [sys.executable, str(Path(__file__).resolve()), TF32_CHILD, path,
+               "--device", args.device, "--dtype", "float32"]  # fmt: skip
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    if result.returncode != 0:
+        return False, f"the TF32 child exited {result.returncode}: {result.stderr.strip()[-300:]}"
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    tol = args.bf16_rtol * max(found["scale"], 1.0)
+    return found["diff"] <= tol, (
+        f"{found['what']}, TF32 triton vs IEEE torch logits: max |diff| {found['diff']:.2e} "
+        f"(tolerance {tol:.1e} = bf16's {args.bf16_rtol} x max |logit|); same argmax "
+        f"{found['same_argmax']:.0%}"
     )
 
 
@@ -351,12 +399,13 @@ def check_eva_train(args: argparse.Namespace, path: str) -> tuple[bool | None, s
     return ok, f"LoRA k=1, triton vs torch (tolerance {tol:.0e}): {'; '.join(parts)}"
 
 
-def check_one_pass(model: MTPCModel, args: argparse.Namespace) -> tuple[bool | None, str]:
-    """After a prefill of 249 positions (past EvaByte's first window of 128), a verify pass up
-    to the next window boundary, then one past it, each against the same positions fed one
-    per pass."""
-    backbone = model.backbone
-    ids = torch.tensor([_prompt(model, 280, seed=2)], device=args.device)  # (1, 280)
+def one_pass_logits(
+    backbone: Any, ids: torch.Tensor, start: int, count: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The STP logits ``(count, V)`` float32 of positions ``start..start+count-1`` of ``ids``
+    ``(1, L)`` after a cached prefill of ``ids[:, :start]``, two ways: in as few cached passes
+    as the backbone verifies exactly (one up to EvaByte's window boundary, then the rest: how
+    every cycle verifies) and one position per pass (how the autoregressive step runs)."""
     layers = backbone.num_layers
     cache = backbone.new_cache(0, layers)
 
@@ -364,38 +413,104 @@ def check_one_pass(model: MTPCModel, args: argparse.Namespace) -> tuple[bool | N
         hidden = backbone.run_layers(backbone.embed(chunk), 0, layers, cache=into)
         return backbone.stp_logits(backbone.norm(hidden))[0].float()  # (len, V)
 
-    start = 249
     with torch.no_grad():
         logits(ids[:, :start], cache)
-        span = backbone.one_pass_span(start, 16)  # to EvaByte's window boundary; 16 elsewhere
         sequential = cache.clone()
-        one = logits(ids[:, start : start + span], cache)
-        seq = [logits(ids[:, i : i + 1], sequential) for i in range(start, start + span)]
-        after = start + span  # EvaByte: past the boundary, on the window's compressed RFAs
-        one = torch.cat([one, logits(ids[:, after : after + 5], cache)])
-        seq += [logits(ids[:, i : i + 1], sequential) for i in range(after, after + 5)]
-    ok, detail = _close(one, torch.cat(seq), args)
+        passes, at, end = [], start, start + count
+        while at < end:
+            span = backbone.one_pass_span(at, end - at)  # to EvaByte's window boundary
+            passes.append(logits(ids[:, at : at + span], cache))
+            at += span
+        one = [logits(ids[:, i : i + 1], sequential) for i in range(start, end)]
+    return torch.cat(passes), torch.cat(one)
+
+
+def check_one_pass(model: MTPCModel, args: argparse.Namespace) -> tuple[bool | None, str]:
+    """After a prefill of 249 positions (past EvaByte's first window of 128), a verify pass up
+    to the next window boundary, then one past it, each against the same positions fed one
+    per pass."""
+    backbone = model.backbone
+    ids = torch.tensor([_prompt(model, 280, seed=2)], device=args.device)  # (1, 280)
+    start = 249
+    span = backbone.one_pass_span(start, 16)  # to EvaByte's window boundary; 16 elsewhere
+    one, seq = one_pass_logits(backbone, ids, start, span + 5)  # 5 past the boundary
+    ok, detail = _close(one, seq, args)
     return ok, (
         f"{span} positions after {start} in one pass, then 5 after them, vs one per pass: "
         f"{detail} ({attention_path(model)})"
     )
 
 
+NOISE_POSITIONS = 16
+"""Positions before a greedy flip over which the one-pass vs one-token noise is measured."""
+
+
+def flip_explained(
+    logits: torch.Tensor, ar_token: int, sd_token: int, noise: float
+) -> float | None:
+    """Whether a greedy flip is rounding: the one-token logits ``logits`` ``(V,)`` chose
+    ``ar_token``, a one-pass run of the same positions chose ``sd_token``. If the one-pass
+    logits are ``logits + e`` with every ``|e| <= noise``, a flip needs
+    ``logits[ar] - logits[sd] <= e[sd] - e[ar] <= 2 * noise``; a wider gap is a wrong token,
+    not a tie. Returns the gap when the flip is explained, else None."""
+    gap = float(logits[ar_token] - logits[sd_token])
+    return gap if gap <= 2.0 * noise else None
+
+
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+
+
 def check_greedy(model: MTPCModel, args: argparse.Namespace) -> tuple[bool | None, str]:
+    """Greedy speculative output equals autoregressive output, token for token in float32.
+    In half precision the one-pass verifier and the one-token step run different kernels: a
+    flip where the target's top two are closer than twice the measured logit noise of the two
+    paths (:func:`flip_explained`) is a tie, counted; decoding then goes on from the
+    speculative token, and any flip outside the noise FAILs."""
     prompt = _prompt(model, 230)  # the prefill and, with --new-tokens 48, the generation
     # cross a boundary of EvaByte's window of 128
-    kw = {"max_new_tokens": args.new_tokens, "greedy": True, "suppress_eos": True}
-    ar = mtpc.generate(model, prompt, method="autoregressive", **kw)
-    sd = mtpc.generate(model, prompt, method="speculative", **kw)
-    cycles = max(len(sd.accepted), 1)
-    same = list(sd.tokens) == list(ar.tokens)
-    first = next(
-        (i for i, (a, b) in enumerate(zip(sd.tokens, ar.tokens, strict=False)) if a != b), None
+    exact = args.dtype == "float32"
+    context, left, ties, cycles, accepted = list(prompt), args.new_tokens, [], 0, 0
+    while left > 0:
+        kw = {"max_new_tokens": left, "greedy": True, "suppress_eos": True}
+        ar = mtpc.generate(model, context, method="autoregressive", **kw)
+        sd = mtpc.generate(model, context, method="speculative", **kw)
+        cycles, accepted = cycles + len(sd.accepted), accepted + sum(sd.accepted)
+        first = _first_difference(sd.tokens, ar.tokens)
+        if first is None:
+            break
+        at = len(context) - len(prompt) + first  # the flip's index in the generation
+        if exact:
+            return (
+                False,
+                f"float32 must be exact: first difference at token {at} ({attention_path(model)})",
+            )
+        ids = torch.tensor([context + list(ar.tokens[:first])], device=args.device)  # (1, L)
+        start = max(1, ids.shape[1] - NOISE_POSITIONS)
+        one, seq = one_pass_logits(model.backbone, ids, start, ids.shape[1] - start)
+        noise = float((one - seq).abs().max())
+        gap = flip_explained(seq[-1], ar.tokens[first], sd.tokens[first], noise)
+        if gap is None:
+            wide = float(seq[-1][ar.tokens[first]] - seq[-1][sd.tokens[first]])
+            return False, (
+                f"token {at}: speculative {sd.tokens[first]} vs autoregressive "
+                f"{ar.tokens[first]}, logit gap {wide:.3g} > 2 x one-pass noise {noise:.3g}: a "
+                f"wrong token, not a {args.dtype} tie ({attention_path(model)})"
+            )
+        ties.append(f"token {at}: gap {gap:.2g} <= 2 x noise {noise:.2g}")
+        context += list(sd.tokens[: first + 1])  # both are the target's pick within rounding
+        left -= first + 1
+    rule = (
+        "exact (float32)"
+        if exact
+        else "identical"
+        if not ties
+        else f"equal up to {len(ties)} {args.dtype} tie(s)"
     )
-    where = "" if same else f", first difference at token {first}"
-    return same, (
-        f"{len(prompt)}-byte prompt, {len(ar.tokens)} tokens, speculative == autoregressive "
-        f"{same}{where}; {sum(sd.accepted) / cycles:.2f} accepted drafts per cycle (untrained "
+    shown = f" ({'; '.join(ties[:3])}{', ...' if len(ties) > 3 else ''})" if ties else ""
+    return True, (
+        f"{len(prompt)}-byte prompt, {args.new_tokens} tokens, speculative == autoregressive: "
+        f"{rule}{shown}; {accepted / max(cycles, 1):.2f} accepted drafts per cycle (untrained "
         f"head; {attention_path(model)})"
     )
 
@@ -588,6 +703,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--break-kernel", action="store_true",
                         help="self-test: force a wrong forward BLOCK_M into EvaByte's kernels "
                              "after each load (its checks FAIL)")  # fmt: skip
+    parser.add_argument(TF32_CHILD, dest="tf32_child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="training overrides (after --)")
     args = parser.parse_args(argv)
     if args.evabyte_code is not None:
@@ -600,6 +716,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if interpreter_mode(args):  # before triton (and the remote kernels) are imported
         os.environ["TRITON_INTERPRET"] = "1"
+    if args.tf32_child:  # check_eva_tf32's measurement, TRITON_F32_DEFAULT as the parent set it
+        with _quiet():
+            print(json.dumps(eva_logits(args, args.tf32_child)), flush=True)
+        return 0
+    if args.dtype == "float32":  # the exactness checks: tl.dot in IEEE float32, not TF32
+        os.environ["TRITON_F32_DEFAULT"] = "ieee"
+        torch.backends.cuda.matmul.allow_tf32 = False  # torch's own float32 matmuls too
+        torch.backends.cudnn.allow_tf32 = False
     report = Report()
     report.run("device", lambda: check_device(args))
     if report.failed:
@@ -633,6 +757,7 @@ def run_checks(report: Report, args: argparse.Namespace, root: Path) -> None:
     else:
         report.add("SKIP", "load[evabyte-tiny]", "no EvaByte remote code (--evabyte-code DIR)")
     for name, check in (("eva_triton_vs_torch", check_eva_triton),
+                        ("eva_tf32_error", check_eva_tf32),
                         ("eva_train_triton_vs_torch", check_eva_train)):  # fmt: skip
         if eva_skip is not None:
             report.add("SKIP", name, eva_skip)

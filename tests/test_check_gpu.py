@@ -147,3 +147,101 @@ def test_cpu_mode_runs_evabytes_kernels_through_the_interpreter_and_a_broken_one
     assert "Traceback" not in broken.stdout + broken.stderr
     assert lines["eva_triton_vs_torch"] == "FAIL" and lines["eva_train_triton_vs_torch"] == "FAIL"
     assert "fwd BLOCK_M=256 does not divide window_size=128" in broken.stdout
+
+
+# -- the bf16 tie rule of greedy_spec_equals_ar ---------------------------------------------------
+def test_flip_explained_is_the_two_sided_noise_bound() -> None:
+    """A flip is rounding iff the one-token gap is at most twice the logit noise."""
+    import torch
+
+    flip_explained = _script().flip_explained
+    logits = torch.tensor([0.0, 5.0, 4.9, -3.0])  # the one-token path picks 1; 2 is 0.1 below
+    assert flip_explained(logits, 1, 2, noise=0.05) == pytest.approx(0.1)  # 0.1 <= 2 x 0.05
+    assert flip_explained(logits, 1, 2, noise=0.04) is None  # 0.1 > 2 x 0.04
+    assert flip_explained(logits, 1, 3, noise=0.05) is None  # 8.0: a wrong token
+
+
+class _Planted:
+    """``mtpc.generate`` whose first speculative result has token ``at`` replaced by the
+    target's ``rank``-th choice there (1: the runner-up; -1: the least likely token)."""
+
+    def __init__(self, model: Any, at: int, rank: int) -> None:
+        self.model, self.at, self.rank, self.done = model, at, rank, False
+        self.generate = mtpc.generate
+        self.gap = 0.0
+
+    def __call__(self, model: Any, context: list[int], **kwargs: Any) -> Any:
+        import torch
+
+        result = self.generate(model, context, **kwargs)
+        if kwargs.get("method") != "speculative" or self.done:
+            return result
+        self.done = True
+        backbone = self.model.backbone
+        ids = torch.tensor([context + list(result.tokens[: self.at])])
+        with torch.no_grad():
+            hidden = backbone.run_layers(backbone.embed(ids), 0, backbone.num_layers)
+            logits = backbone.stp_logits(backbone.norm(hidden))[0, -1].float()  # (V,)
+        order = logits.argsort(descending=True)
+        assert int(order[0]) == result.tokens[self.at]  # still the target's own so far
+        planted = int(order[self.rank])
+        self.gap = float(logits[order[0]] - logits[planted])
+        result.tokens[self.at] = planted
+        return result
+
+
+def _greedy_with_planted(
+    monkeypatch: pytest.MonkeyPatch, rank: int, noise_of_gap: float | None
+) -> tuple[bool | None, str, _Planted]:
+    """check_greedy in bf16 with a planted flip at token 5; ``noise_of_gap``: the measured
+    one-pass noise replaced by this share of the planted flip's gap (None: measured)."""
+    script = _script()
+    args = script.parse_args(["--device", "cpu", "--dtype", "bfloat16", "--new-tokens", "12"])
+    model = script.draft_model("tiny", None, args)
+    planted = _Planted(model, at=5, rank=rank)
+    monkeypatch.setattr(mtpc, "generate", planted)
+    if noise_of_gap is not None:
+        measure = script.one_pass_logits
+
+        def noisy(*a: Any) -> Any:
+            one, seq = measure(*a)
+            return seq + noise_of_gap * planted.gap, seq
+
+        monkeypatch.setattr(script, "one_pass_logits", noisy)
+    ok, detail = script.check_greedy(model, args)
+    return ok, detail, planted
+
+
+def test_a_flip_inside_the_noise_is_a_counted_bf16_tie(monkeypatch: pytest.MonkeyPatch) -> None:
+    ok, detail, planted = _greedy_with_planted(monkeypatch, rank=1, noise_of_gap=0.6)
+    assert planted.done and planted.gap > 0
+    assert ok is True, detail
+    assert "equal up to 1 bfloat16 tie(s)" in detail and "token 5" in detail, detail
+
+
+def test_a_flip_outside_the_noise_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    ok, detail, planted = _greedy_with_planted(monkeypatch, rank=1, noise_of_gap=0.4)
+    assert planted.done and planted.gap > 0
+    assert ok is False, detail
+    assert "token 5" in detail and "not a bfloat16 tie" in detail, detail
+
+
+def test_a_planted_wrong_token_fails_against_the_measured_noise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The least likely byte in place of the target's: a rule that accepts every flip (or a
+    noise measurement that is never compared) passes this run."""
+    ok, detail, planted = _greedy_with_planted(monkeypatch, rank=-1, noise_of_gap=None)
+    assert planted.done and planted.gap > 1.0
+    assert ok is False, detail
+    assert "a wrong token" in detail, detail
+
+
+def test_float32_allows_no_tie(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In float32 one pass and one token agree to 1e-5: a runner-up flip FAILs there."""
+    script = _script()
+    args = script.parse_args(["--device", "cpu", "--dtype", "float32", "--new-tokens", "12"])
+    model = script.draft_model("tiny", None, args)
+    monkeypatch.setattr(mtpc, "generate", _Planted(model, at=5, rank=1))
+    ok, detail = script.check_greedy(model, args)
+    assert ok is False and "float32 must be exact: first difference at token 5" in detail
