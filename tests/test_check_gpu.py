@@ -204,7 +204,7 @@ def _greedy_with_planted(
         measure = script.one_pass_logits
 
         def noisy(*a: Any) -> Any:
-            one, seq = measure(*a)
+            _, seq = measure(*a)
             return seq + noise_of_gap * planted.gap, seq
 
         monkeypatch.setattr(script, "one_pass_logits", noisy)
