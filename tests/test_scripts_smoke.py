@@ -13,6 +13,7 @@ tests/test_evabyte_triton.py), skipped otherwise.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -155,6 +156,45 @@ def _bench_training(out: str, tmp: Path) -> None:
     assert all(r["step_s"] > 0 for r in rows)
 
 
+def _number(value: Any, positive: bool = True) -> None:
+    assert isinstance(value, int | float) and not isinstance(value, bool), value
+    assert math.isfinite(value) and (value > 0 or not positive), value
+
+
+def _bench_gpu(out: str, tmp: Path) -> None:
+    assert "| target | what | wall | GPU busy | note |" in out
+    assert "| mode | B | AR tok/s | SD tok/s | SD/AR |" in out
+    report = _load(tmp / "gpu.json")
+    assert report["errors"] == {}
+    _number(report["copy_GBps"])
+    for name in ["byte_llama"] + (["evabyte"] if CODE else []):
+        decode = report[name]["decode"]
+        for key in ("weight_GB", "memory_bound_step_ms", "ar_wall_ms", "ar_cold_wall_ms",
+                    "first_visit_penalty"):  # fmt: skip
+            _number(decode[key])
+        _number(decode["ar_cpu_ms"], positive=False)  # a difference of two profiled runs
+        assert decode["ar_gpu_ms"] is None and decode["ar_gpu_busy_share"] is None  # CPU: n/a
+        assert set(report[name]["cycle"]) == {"ff", "cp", "btree"}
+        for cycle in report[name]["cycle"].values():
+            _number(cycle["wall_ms"])
+            assert cycle["tokens_per_step"] == 4  # all-accepting, n = 4
+        train = report[name]["train"]
+        assert [(t["precision"], t["bytes"]) for t in train] == [
+            ("32-true", 64),
+            ("bf16-mixed", 64),
+        ]
+        for row in train:
+            for key in ("step_s", "bytes_per_s", "loss", "tflop_per_step"):
+                _number(row[key])
+            assert row["mfu"] is None and row["peak_GB"] is None  # unknown peak; CPU
+    if not CODE:
+        assert "skipped" in report["evabyte"]
+    assert [r["batch_size"] for r in report["batch"]] == [1, 2]
+    for row in report["batch"]:
+        _number(row["ar_tok_s"])
+        _number(row["sd_tok_s"])
+
+
 def _bench_cycle_cost(out: str, tmp: Path) -> None:
     report = _json_in(out)
     for model in ("evabyte", "byte_llama"):
@@ -224,6 +264,15 @@ CASES: dict[str, Case] = {
         "-c {bench_training} --window 2 --rank 2 --seq-len 16 --batch-size 1 --rounds 1"
         " --threads 1 --cache-dir {tmp}/cache --json {tmp}/training.json",
         _bench_training,
+    ),
+    "bench_gpu.py": Case(
+        # the EvaByte target runs when MTPC_EVABYTE_CODE is set (the script's default), and is
+        # a SKIPPED line otherwise; the tiny target and the byte Llama always run
+        "scripts/bench_gpu.py --device cpu --dtype float32 --layers 2 --hidden 64"
+        " --intermediate 128 --heads 4 --kv-heads 2 --window 32 --chunk 4 --n 4 --rank 4"
+        " --prompt-len 40 --steps 4 --copy-mib 16 --batch-sizes 1,2 --batch-prompts 2"
+        " --batch-new 4 --train-lengths 64 --train-steps 1 --out {tmp}/gpu.json",
+        _bench_gpu,
     ),
     "bench_cycle_cost.py": Case(
         "scripts/bench_cycle_cost.py {code} --new 4 --repeats 1", _bench_cycle_cost, evabyte=True
