@@ -643,7 +643,8 @@ def check_train_single(args: argparse.Namespace, root: Path) -> tuple[bool | Non
     times = ", ".join(f"{t * 1000:.0f}" for t in steps.times)
     size = f"{ckpts[-1].stat().st_size / 2**20:.1f} MiB" if ckpts else "none written"
     return ok, (
-        f"attention {attention}; trainable {len(trainable)} tensors {dtypes} (trunk {trunk}); "
+        f"attention {attention}; precision {cfg.trainer.precision}; "
+        f"trainable {len(trainable)} tensors {dtypes} (trunk {trunk}); "
         f"loss {', '.join(f'{v:.3f}' for v in steps.losses)}; "
         f"{'every trainable tensor moved' if not still else f'did not move: {still[:3]}'}; "
         f"peak {_peak_memory(args.device)}; step ms {times}; checkpoint {size}, "
