@@ -1,9 +1,9 @@
 """The GPU readings in one command: decoding and training at the paper's shapes, random weights.
 
-Reproduces (and extends) the first H200 readings (docs/BENCHMARKS.md, "GPU readings
-(scripts/bench_gpu.py)"). Two targets, each a random checkpoint written to a temporary folder
-and loaded through ``mtpc.backbones.load_backbone`` (the project's loader, load-time check
-included):
+Reproduces and extends the first H200 readings (docs/BENCHMARKS.md, "GPU readings": the
+command, the columns, the readings; ``scripts/device_run.sh`` runs it on a bare GPU machine).
+Two targets, each a random checkpoint written to a temporary folder and loaded through
+``mtpc.backbones.load_backbone`` (the project's loader, its load-time check included):
 
 * ``evabyte``: EvaByte's real remote code (``--evabyte-code DIR`` or ``$MTPC_EVABYTE_CODE``, a
   folder holding ``evabyte_hf/*.py``) at the paper's shape: 32 layers, d 4096, intermediate
@@ -24,15 +24,17 @@ Parts (``--parts``), each under its own guard (a failing part is one line of the
   autoregressive tokens/s at each B (``scripts/bench_batch.py``'s measurement; outputs
   exact);
 * ``train``: one optimizer step of BTree n r with LoRA on the last layer, rows of
-  ``--train-lengths`` bytes, batch 1, as the trainer runs it (``MTPCLightningModule._objective``,
-  ``configure_optimizers``) under ``--precisions``: ``32-true`` (no autocast: what the first
-  H200 reading ran) and ``bf16-mixed`` (``trainer=gpu``: ``torch.autocast`` around the
-  forward, float32 trainable weights): seconds per step, bytes/s, peak memory and MFU.
+  ``--train-lengths`` bytes, batch 1, as the trainer runs it
+  (``MTPCLightningModule._objective``, ``configure_optimizers``) under ``--precisions``:
+  ``32-true`` (no autocast: what the first H200 reading ran) and ``bf16-mixed``
+  (``trainer=gpu``: ``torch.autocast`` around the forward, float32 trainable weights):
+  seconds per step, bytes/s, peak memory and MFU.
 
-MFU counts weight matmuls only (attention's are left out, so it is a lower bound): the
-frozen trunk's forward 2·P·T, the LoRA tail's forward and input backward 4·P_tail·T (+ 6·P_LoRA·T),
-and the head's weights (the n·r·V·d unembeddings and the sum projections) forward, recompute
-and backward 8·P_head·T; over ``--peak-tflops`` (default from the device name; unknown: n/a).
+MFU counts weight matmuls only (attention's are left out: a lower bound) over T positions:
+the frozen trunk's forward 2·P·T, the LoRA tail's forward and input backward 4·P_tail·T
+(+ 6·P_LoRA·T), the head's weights (the n·r·V·d unembeddings and the sum projections)
+forward, recompute and backward 8·P_head·T; over ``--peak-tflops`` (default: by the device
+name, :data:`PEAK_TFLOPS`; unknown: n/a).
 
     python scripts/bench_gpu.py --out gpu.json                       # a GPU, both targets
     python scripts/bench_gpu.py --parts decode,cycle --targets byte_llama
@@ -59,7 +61,7 @@ from typing import Any
 
 import bench_batch
 import torch
-from check_remote_code import EVABYTE_CONFIG, LLAMA3_BYTE_CONFIG
+from check_remote_code import EVABYTE_CONFIG, LLAMA3_BYTE_CONFIG, remote_class
 
 from mtpc.benchmarking import (
     machine,
@@ -112,28 +114,15 @@ def write_random_checkpoint(
     folder: Path, files: dict[str, bytes], config: dict[str, Any], kind: str, device: str
 ) -> Path:
     """A hub-style checkpoint (``config.json``, remote ``files``, ``model.safetensors``) of
-    random weights (matrices N(0, 1/fan_in), norms 1, other vectors N(0, 0.01)): the model is
+    random weights (matrices N(0, 1/fan_in), norms 1, other vectors N(0, 0.1^2)): the model is
     built on the meta device, each tensor drawn on ``device`` (fast on a GPU) in float32."""
     from safetensors.torch import save_file
-    from transformers import AutoConfig
-    from transformers.dynamic_module_utils import get_class_from_dynamic_module
-
-    from mtpc.backbones.compat import (
-        OPTIONAL_PACKAGES,
-        install_removed_module_shims,
-        patch_remote_config,
-        remote_imports,
-    )
 
     folder.mkdir(parents=True)
     for name, text in files.items():
         (folder / name).write_bytes(text)
     (folder / "config.json").write_text(json.dumps(config, indent=1))
-    install_removed_module_shims()
-    with remote_imports(OPTIONAL_PACKAGES[kind], frozenset({"triton"})):
-        hf_config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
-        cls = get_class_from_dynamic_module(config["auto_map"]["AutoModelForCausalLM"], folder)
-    patch_remote_config(hf_config, kind)
+    hf_config, cls = remote_class(folder, kind)
     with torch.device("meta"):
         shapes = {name: p.shape for name, p in cls(hf_config).state_dict().items()}
     dtype = getattr(torch, config["torch_dtype"])

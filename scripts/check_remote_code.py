@@ -148,15 +148,27 @@ def expand_table(vocab: int, expand_vocab: int) -> list[Any]:
     return [table, singles]
 
 
+def remote_class(folder: Path, kind: str) -> tuple[Any, Any]:
+    """The config (read as the 4.4x code expects) and the model class of the checkpoint in
+    ``folder`` (``kind``: ``evabyte`` | ``llama3_byte``), imported with triton blocked."""
+    from transformers import AutoConfig
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    install_removed_module_shims()
+    with remote_imports(OPTIONAL_PACKAGES[kind], frozenset({"triton"})):
+        hf_config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
+        class_ref = hf_config.auto_map["AutoModelForCausalLM"]
+        cls = get_class_from_dynamic_module(class_ref, folder)
+    patch_remote_config(hf_config, kind)
+    return hf_config, cls
+
+
 def write_checkpoint(
     kind: str, code: Path, rope: str, root: Path, **overrides: Any
 ) -> tuple[Path, Any]:
     """A hub-style tiny random checkpoint of the real code; returns it and the direct model.
 
     ``overrides`` replace config fields (``num_hidden_layers``, ``chunk_size``, ...)."""
-    from transformers import AutoConfig
-    from transformers.dynamic_module_utils import get_class_from_dynamic_module
-
     folder = root / f"{kind}_{rope}_{uuid.uuid4().hex[:8]}"  # unique remote module name
     folder.mkdir(parents=True)
     for source in code.glob("*.py"):
@@ -168,11 +180,7 @@ def write_checkpoint(
     if kind == "llama3_byte":
         config["expand_input_ids_dict"] = expand_table(config["vocab_size"], 40)
     (folder / "config.json").write_text(json.dumps(config, indent=1))
-    install_removed_module_shims()
-    with remote_imports(OPTIONAL_PACKAGES[kind], frozenset({"triton"})):
-        hf_config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
-        cls = get_class_from_dynamic_module(config["auto_map"]["AutoModelForCausalLM"], folder)
-    patch_remote_config(hf_config, kind)
+    hf_config, cls = remote_class(folder, kind)
     patch_remote_module(sys.modules[cls.__module__])
     torch.manual_seed(0)
     direct = cls(hf_config).eval()
