@@ -18,6 +18,10 @@ LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_
 STAGES = ("heads", "lora")
 
 METHODS = ("speculative", "autoregressive")
+# torch.compile backends of compile= (True: inductor); docs/DECODING.md, "Compiled decoding"
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+COMPILE_METHODS = ("autoregressive",)  # the methods compile= decodes so far
+C_COMPILERS = ("cc", "gcc", "g++")  # what inductor may build with (after $CC)
 POLICIES = ("condition", "recompute", "drop")
 SAMPLING_POLICIES = ("condition", "recompute")  # exact for speculative sampling (drop is biased)
 DRAFTS = ("path", "map", "chain", "tree")  # what a cycle drafts; docs/DECODING.md, "Drafting"

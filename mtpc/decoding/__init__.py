@@ -84,6 +84,7 @@ def generate(
     tree_budget: int | None = None,
     tree_floor: float = 0.0,
     batch_size: int | None = None,
+    compile: bool | str = False,
 ) -> GenerationResult | list[GenerationResult]:
     """Generates a continuation of one prompt (ids, or a (T,) / (1, T) tensor), or of each of
     a list of prompts (then a list of results, in order), with the target of ``model``.
@@ -91,7 +92,9 @@ def generate(
     The output is the target's: greedy, token for token; sampled, in distribution (``drop`` is
     exact for greedy only). The arguments, the result and the refusals (ValueError, before
     any decoding): docs/DECODING.md, "API", "Drafting" and "Many prompts at once"; ``drafter``
-    is a test hook replacing the circuit draft (``speculative.Drafter``).
+    is a test hook replacing the circuit draft (``speculative.Drafter``). ``compile``: True
+    (or a torch.compile backend name) runs the static, compiled decode step
+    (docs/DECODING.md, "Compiled decoding"; ``GenerationResult.engine`` says what ran).
     """
     many = is_prompt_list(prompt_ids)
     items = list(prompt_ids) if many else [prompt_ids]
@@ -101,9 +104,15 @@ def generate(
         policy=policy, draft=draft, proposal=proposal, temperature=temperature, top_k=top_k,
         top_p=top_p, stop_ids=None if stop_ids is None else tuple(stop_ids),
         suppress_eos=suppress_eos, max_throughput=max_throughput, profile=profile,
-        tree_budget=tree_budget, tree_floor=tree_floor,
+        tree_budget=tree_budget, tree_floor=tree_floor, compile=compile,
     )  # fmt: skip
     prompts, requests = checked_prompts(model, items, settings, seeds, many)
+    if settings.compile:
+        from mtpc.decoding.static import supports_compile
+
+        refusal = supports_compile(model)
+        if refusal is not None:
+            raise ValueError(refusal)
     if requests[0].tree_budget and drafter is not None:
         raise ValueError("drafter (a chain test hook) is not allowed with tree_budget > 0")
     out = _decode(
@@ -188,6 +197,10 @@ def _decode(
         if request.method == "autoregressive":
             from mtpc.decoding.autoregressive import prefill, step
 
+            if request.compile:
+                from mtpc.decoding.static import decode_static
+
+                return decode_static(model, prompts, requests, size, prefill, step)
             return decode(model, prompts, requests, None, size, prefill, step)
         if request.tree_budget:
             from mtpc.decoding.tree import Tree

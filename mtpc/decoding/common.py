@@ -56,6 +56,7 @@ class GenerationResult:
     target_passes: int = 0  # hetero: prefill included
     drafter_passes: int = 0  # hetero: psi enumeration included
     algorithm: str | None = None  # hetero's (ar: the evaluation's reference)
+    engine: str = "eager"  # | compiled | static (compile=True's caches run eagerly: a fallback)
 
     @property
     def num_cycles(self) -> int:

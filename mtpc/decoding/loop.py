@@ -18,8 +18,9 @@ from torch import Tensor
 from mtpc.circuits.params import CircuitParams
 from mtpc.decoding.common import GenerationResult, Request, Stopwatch, TargetRule, cut_at_stop
 from mtpc.decoding.layout import Padded, Stream, Tree
+from mtpc.decoding.static import StaticLayout
 
-Layout = Stream | Padded
+Layout = Stream | Padded | StaticLayout
 
 
 class HeadState:
@@ -204,19 +205,22 @@ def decode(
     size: int = 1,
     admit: Admit | None = None,
     step: Step | None = None,
+    layout: Layout | None = None,
 ) -> list[GenerationResult]:
     """Decodes many prompts, one trunk pass per cycle for all rows (self-speculative; with
     the autoregressive ``admit`` and ``step``, no proposer: one token per pass).
 
     ``prompts``: ``(T_b,)`` ids on the device; ``requests``: checked (``check_request``),
     differing in the seed only; ``size``: rows at once (1: each prompt in the model's own
-    caches; more: one padded batch). One result per prompt, in order.
+    caches; more: one padded batch); ``layout``: where the rows' caches live instead (the
+    static engine's, for every prompt). One result per prompt, in order.
     """
     if size == 1:
-        return [schedule(new_run(model, r, proposer), [p], [r], Stream(model), 1, admit, step)[0]
+        return [schedule(new_run(model, r, proposer), [p], [r], layout or Stream(model), 1,
+                         admit, step)[0]
                 for p, r in zip(prompts, requests, strict=True)]  # fmt: skip
     run = new_run(model, requests[0], proposer)
-    return schedule(run, prompts, requests, Padded(model), size, admit, step)
+    return schedule(run, prompts, requests, layout or Padded(model), size, admit, step)
 
 
 def new_run(model: Any, request: Request, proposer: Any) -> Run:

@@ -10,12 +10,22 @@ from __future__ import annotations
 
 import math
 import operator
+import os
+import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any, NoReturn
 
-from mtpc.choices import DRAFTS, METHODS, POLICIES, PROPOSALS
+from mtpc.choices import (
+    C_COMPILERS,
+    COMPILE_BACKENDS,
+    COMPILE_METHODS,
+    DRAFTS,
+    METHODS,
+    POLICIES,
+    PROPOSALS,
+)
 
 DEFAULT_GREEDY_DRAFT = "path"
 """Greedy draft of every family (measured: docs/DECODING.md, "The draft step")."""
@@ -212,6 +222,7 @@ class DecodingSettings:
     look_behind: int = 8
     max_psi_paths: int = 4096
     psi: str = "auto"
+    compile: bool | str = False  # False, or a torch.compile backend (True: inductor)
 
     def rule_for(self, kind: str) -> tuple[DraftRule, str | None]:
         """The draft rule for circuit family ``kind`` (a tree's: the chain it falls back to) and
@@ -265,6 +276,41 @@ def _check_sampling(spell: Spelling, s: DecodingSettings) -> dict[str, Any]:
     return {"temperature": float(t), "top_p": None if p is None else float(p)}
 
 
+def c_compiler() -> tuple[str | None, list[str]]:
+    """The C compiler inductor would build with (``$CC``, else the first of
+    :data:`~mtpc.choices.C_COMPILERS` on the PATH; None: none) and what was looked for."""
+    cc = os.environ.get("CC")
+    names = ([cc] if cc else []) + list(C_COMPILERS)
+    found = next((path for name in names if (path := shutil.which(name))), None)
+    return found, ([f"$CC={cc}"] if cc else []) + list(C_COMPILERS)
+
+
+def check_compile(spell: Spelling, compile: object, method: str) -> bool | str:
+    """``compile``: False, or the torch.compile backend it names (True: ``inductor``);
+    refused with a method it does not run yet, or inductor without a C compiler."""
+    if compile is False:
+        return False
+    allowed = ", ".join(repr(b) for b in COMPILE_BACKENDS)
+    if compile is not True and compile not in COMPILE_BACKENDS:
+        spell.refuse("compile", compile, f"; allowed: True, False, {allowed}")
+    name = spell("compile")
+    if method not in COMPILE_METHODS:
+        raise SettingsError(
+            f"{name}={compile!r} runs method='autoregressive' so far (not {method!r}); "
+            f"allowed: {name}=False with method={method!r}"
+        )
+    backend = "inductor" if compile is True else str(compile)
+    if backend == "inductor":
+        found, looked = c_compiler()
+        if found is None:
+            raise SettingsError(
+                f"{name}={compile!r} needs a C compiler for torch.compile's inductor backend; "
+                f"looked for {', '.join(looked)} on the PATH and found none; allowed: {name}=False, or "
+                f"{name}='aot_eager' (no C compiler: no speed-up)"
+            )
+    return backend
+
+
 def check_settings(
     spell: Callable[[str], str] | Spelling | None = None, **given: Any
 ) -> DecodingSettings:
@@ -291,6 +337,7 @@ def check_settings(
     )  # fmt: skip
     sampling = _check_sampling(sp, s)
     stops = None if s.stop_ids is None else tuple(check_ids(sp("stop_ids"), list(s.stop_ids)))
+    compile = False if hetero else check_compile(sp, s.compile, s.method)
     if hetero:
         _choice(sp, "algorithm", s.algorithm, ALGORITHMS)
         _choice(sp, "psi", s.psi, PSI_METHODS)
@@ -305,4 +352,5 @@ def check_settings(
         suppress_eos=bool(s.suppress_eos),
         max_throughput=bool(s.max_throughput),
         profile=bool(s.profile),
+        compile=compile,
     )
