@@ -189,7 +189,7 @@ def measure_regeneration(
     from mtpc.backbones.codecs import get_codec
     from mtpc.data.sources import load_source
     from mtpc.decoding.common import context_length
-    from mtpc.evaluation.regenerate import regenerate_rows
+    from mtpc.regeneration import regenerate_rows
     from mtpc.evaluation.settings import Settings
 
     source = load_source("synthetic", None, num_rows=args.prompts, seed=0)

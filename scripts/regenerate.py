@@ -7,7 +7,7 @@
     python train.py data.path=DIR                                                  # train on it
 
 Configured by ``configs/regenerate.yaml`` (the ``model`` and ``data`` groups of train.py);
-``mtpc.evaluation.regenerate`` does the work and documents the output folder. Rerunning the same
+``mtpc.regeneration`` does the work and documents the output folder. Rerunning the same
 command resumes after a kill; a user's mistake prints one line and exits with status 2.
 """
 
@@ -26,7 +26,7 @@ from omegaconf import DictConfig  # noqa: E402
 @hydra.main(version_base="1.3", config_path="../configs", config_name="regenerate")
 def main(cfg: DictConfig) -> None:
     from mtpc.errors import run_reporting_user_errors
-    from mtpc.evaluation.regenerate import regenerate
+    from mtpc.regeneration import regenerate
 
     run_reporting_user_errors(lambda: regenerate(cfg), also=(FileNotFoundError,))
 

@@ -112,11 +112,11 @@ def test_a_bad_value_fails_in_one_line_before_any_model_work(
 def test_a_bad_regeneration_value_fails_before_the_target_loads(
     tmp_path: Path, override: str, message: str
 ) -> None:
-    from mtpc.evaluation.regenerate import regenerate
+    from mtpc.regeneration import regenerate
 
     cfg = composed("regenerate", "progress=false", override, f"output_dir={tmp_path / 'out'}")
     with (
-        mock.patch("mtpc.evaluation.regenerate.load_target", side_effect=AssertionError("loaded")),
+        mock.patch("mtpc.regeneration.load_target", side_effect=AssertionError("loaded")),
         pytest.raises(ConfigError, match=message) as caught,
     ):
         regenerate(cfg)

@@ -1,4 +1,4 @@
-"""Sequence-level self-distillation (``scripts/regenerate.py``, ``mtpc.evaluation.regenerate``).
+"""Sequence-level self-distillation (``scripts/regenerate.py``, ``mtpc.regeneration``).
 
 A regenerated assistant turn is the target's own greedy continuation of the regenerated
 history (checked against a plain argmax loop over the HF model, autoregressive and
@@ -28,7 +28,7 @@ from hydra import compose, initialize_config_dir
 from mtpc.backbones.codecs import ByteCodec, get_codec
 from mtpc.config import ConfigError
 from mtpc.data.sources import load_source
-from mtpc.evaluation.regenerate import (
+from mtpc.regeneration import (
     RegenerateMismatchError,
     Settings,
     read_folder,
