@@ -375,3 +375,46 @@ def test_batched_evaluation_of_an_evabyte_draft_is_refused_in_one_line(tmp_path:
                 batch_size=2,
             )
         )
+
+
+def test_compile_runs_the_ar_baseline_on_the_compiled_engine_and_records_it(
+    tmp_path: Path, drafts: dict[str, Path]
+) -> None:
+    """``compile=aot_eager`` (no C compiler needed): the AR pass runs the static compiled step
+    (every AR record says ``compiled``), the draft's passes stay eager, the greedy drafts still
+    equal AR's outputs, the folder is another than the eager baseline's and the title says
+    so. A compile switch that changed nothing would leave ``eager`` in the AR records."""
+    base = {"draft": [str(drafts["btree"])], "num_prompt_sets": 1, "plots": False}
+    eager = evaluate(eval_cfg(tmp_path, **base, output_dir=str(tmp_path / "eager")))
+    compiled = evaluate(
+        eval_cfg(tmp_path, **base, compile="aot_eager", output_dir=str(tmp_path / "compiled"))
+    )
+    assert compiled["folder"] != eager["folder"]
+    assert "AR compiled (aot_eager)" in compiled["table"] and "compiled" not in eager["table"]
+
+    def records(res: dict) -> list[dict]:
+        lines = (Path(res["folder"]) / "records.jsonl").open()
+        return [r for r in map(json.loads, lines) if r.get("type") == "prompt"]
+
+    engines = {(r["pass"], r["engine"]) for r in records(compiled)}
+    assert engines == {("ar", "compiled"), ("speculative", "eager"), ("max_throughput", "eager")}
+    assert {r["engine"] for r in records(eager)} == {"eager"}
+    same = {(r["pass"], r["index"]): r["tokens_sha1"] for r in records(eager)}
+    assert {(r["pass"], r["index"]): r["tokens_sha1"] for r in records(compiled)} == same
+    assert compiled["rows"][1]["exact"] == "2/2"
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("maybe", r"^compile='maybe' is not allowed; allowed: True, False, 'inductor'"),
+        (True, r"^compile=True needs a C compiler for torch.compile's inductor backend"),
+    ],
+)
+def test_a_compile_that_cannot_work_is_refused_before_decoding(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: Any, message: str
+) -> None:
+    monkeypatch.setattr(shutil, "which", lambda name: None)  # no C compiler on the PATH
+    monkeypatch.delenv("CC", raising=False)
+    with pytest.raises(EvalConfigError, match=message):
+        evaluate(eval_cfg(tmp_path, compile=value))

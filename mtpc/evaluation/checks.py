@@ -121,6 +121,7 @@ def check_eval_settings(s: EvalSettings) -> None:
         greedy = check_settings(CONFIG, **given, draft=d.drafting, proposal=d.proposal).greedy
         budget = max(tree_budgets(d.tree_budget), default=0)  # the tree rows' choice
         check_drafting(greedy, tree_budget=budget, tree_floor=d.tree_floor, spell=CONFIG)
+        check_settings(CONFIG, method="autoregressive", compile=d.compile)  # the AR pass's
     except SettingsError as err:
         raise EvalConfigError(str(err)) from None
     if d.temperature <= 0:  # a config's temperature is a number > 0 even when greedy ignores it

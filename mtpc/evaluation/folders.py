@@ -67,6 +67,8 @@ def build_manifest(
         settings_record["interleave"] = True
     if s.run.batch_size > 1:  # times are a batch's shares: another protocol, another folder
         settings_record["batch_size"] = s.run.batch_size
+    if s.decoding.compile is not False:  # another AR engine: another baseline, another folder
+        settings_record["compile"] = s.decoding.compile
     settings_record["sources"] = name_list(settings_record["sources"])
     manifest: dict[str, Any] = {
         "format": FORMAT_VERSION,

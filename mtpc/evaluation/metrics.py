@@ -44,7 +44,7 @@ def prompt_record(result: GenerationResult, per_cycle: bool = True) -> dict[str,
         "new_tokens": len(result.tokens), "cycles": len(result.cycle_seconds),
         "accepted_total": sum(accepted), "cycle_seconds": sum(result.cycle_seconds),
         "prefill_seconds": result.prefill_seconds, "seconds": result.seconds,
-        "stopped": result.stopped,
+        "stopped": result.stopped, "engine": result.engine,
     }  # fmt: skip
     if per_cycle:
         record.update(accepted=accepted, drafted=drafted, offsets=list(result.offsets))
@@ -73,6 +73,9 @@ def pool_turns(turns: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         if all(key in t for t in turns)
     }  # fmt: skip
     out["stopped"] = turns[-1]["stopped"]
+    engines = {t.get("engine") for t in turns} - {None}  # records before engines: none
+    if engines:  # a fallback in one turn shows: "compiled+eager"
+        out["engine"] = "+".join(sorted(engines))
     for key in ("accepted", "drafted", "offsets"):
         if all(key in t for t in turns):
             out[key] = [x for t in turns for x in t[key]]

@@ -426,6 +426,8 @@ def title_of(manifest: Mapping[str, Any], rows: Sequence[Mapping[str, Any]] = ()
         title += " | interleaved"
     if s.get("batch_size"):  # times are the rows' shares of batch cycles
         title += f" | batch_size={s['batch_size']} (times: each row's share)"
+    if s.get("compile"):  # the AR baseline on the compiled engine (records: "engine")
+        title += f" | AR compiled ({s['compile']})"
     expected = max((r.get("prompts", 0) for r in rows), default=0)
     partial = [r["name"] for r in rows if "prompts" in r and r["prompts"] < expected]
     if partial:

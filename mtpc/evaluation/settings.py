@@ -119,6 +119,7 @@ class EvalDecoding:
     proposal: str | None = None
     tree_budget: Any = None
     tree_floor: float = 0.0
+    compile: Any = False  # the AR pass's engine: False (eager), True or a torch.compile backend
 
 
 @dataclass(frozen=True)
