@@ -164,6 +164,7 @@ def regenerate_rows(
                 policy=settings.policy, draft=settings.drafting, proposal=settings.proposal,
                 temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
                 stop_ids=codec.stop_ids, batch_size=min(batch_size, len(group)),
+                compile=settings.compile,
             )  # fmt: skip
             assert isinstance(results, list)
             for (state, _), result in zip(group, results, strict=True):
@@ -374,6 +375,7 @@ def regenerate(cfg: Any) -> dict[str, Any]:
             "rows_per_second": round(rows / seconds, 4) if seconds > 0 else None,
             "new_tokens_per_second": round(tokens / seconds, 2) if seconds > 0 else None,
             "method": settings.method, "batch_size": job.batch_size,
+            "compile": settings.compile,
         }  # fmt: skip
         full = store.write_manifest(sessions=[*store.manifest["sessions"], session])
     print_summary(out / f"{store.stem}.jsonl", store.counts, settings, rows, seconds)

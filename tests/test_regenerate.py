@@ -28,6 +28,7 @@ from hydra import compose, initialize_config_dir
 from mtpc.backbones.codecs import ByteCodec, get_codec
 from mtpc.config import ConfigError
 from mtpc.data.sources import load_source
+from mtpc.model import MTPCModel
 from mtpc.regeneration import (
     RegenerateMismatchError,
     Settings,
@@ -37,7 +38,6 @@ from mtpc.regeneration import (
     regenerate_rows,
     shard_indices,
 )
-from mtpc.model import MTPCModel
 from tests.fakes import chi2_pvalue, exact_distribution, make_target
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -375,3 +375,35 @@ def test_sigkill_then_rerun_gives_every_row_once_equal_to_an_uninterrupted_run(
         "changed: settings.temperature: 1.0 -> 0.5. Use another output_dir, or the same "
         "settings to resume"
     ]
+
+
+def test_compile_writes_the_rows_of_eager_decoding_and_is_refused_with_a_draft(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``compile=aot_eager`` (no C compiler needed) decodes on the static engine, writes the
+    eager rows byte for byte and records the setting in its session; with ``draft=``
+    (speculative, not compiled yet) it is refused before any work, in one line."""
+    import mtpc.decoding.static as static
+
+    engines: list[str] = []
+    decode_static = static.decode_static
+
+    def spy(*a: Any, **k: Any) -> Any:
+        results = decode_static(*a, **k)
+        engines.extend(r.engine for r in results)
+        return results
+
+    monkeypatch.setattr(static, "decode_static", spy)
+    args = ("data.num_rows=4", "max_new_tokens=24")
+    regenerate(compose_cfg(*args, f"output_dir={tmp_path / 'eager'}"))
+    assert not engines
+    full = regenerate(compose_cfg(*args, "compile=aot_eager", f"output_dir={tmp_path / 'c'}"))
+    assert engines and set(engines) == {"compiled"}
+    rows = "shard-00000-of-00001.jsonl"
+    assert (tmp_path / "c" / rows).read_bytes() == (tmp_path / "eager" / rows).read_bytes()
+    assert full["sessions"][-1]["compile"] == "aot_eager"
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"^compile='aot_eager' runs method='autoregressive'"):
+        regenerate(compose_cfg(*args, "compile=aot_eager", f"draft={draft}"))

@@ -39,6 +39,10 @@ def parse_regenerate(cfg: Any) -> RegenerateSettings:
     before anything loads."""
     validate_regenerate_config(cfg)
     settings = RegenerateSettings.from_cfg(cfg)
+    try:  # the engine as mtpc.generate checks it (its method: autoregressive without draft=)
+        check_settings(CONFIG, method=settings.decoder.method, compile=settings.decoder.compile)
+    except SettingsError as err:
+        raise ConfigError(str(err)) from None
     check_batch_size(settings.batch_size, ConfigError)
     check_batch_backbone(settings.batch_size, settings.model.name, ConfigError)
     return settings

@@ -282,6 +282,7 @@ class Settings:
     policy: str = "condition"
     drafting: str | None = None
     proposal: str | None = None
+    compile: Any = False  # the engine (autoregressive only, so far): not the rows' law
 
     def output_law(self) -> dict[str, Any]:
         """The settings that decide what is written (not how fast): the manifest's identity.
@@ -349,6 +350,7 @@ class RegenerateSettings:
             policy=str(_read(cfg, "policy", d.policy)),
             drafting=_read(cfg, "drafting", d.drafting),
             proposal=_read(cfg, "proposal", d.proposal),
+            compile=_read(cfg, "compile", d.compile),
         )
         return cls(
             **_read_all(cls, cfg, skip=("decoder", "model", "data", "output_dir", "root_dir")),
