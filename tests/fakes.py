@@ -546,13 +546,14 @@ def generate_with_rule(
 
     import mtpc
     from mtpc.decoding.common import check_request, prompt_tensor
+    from mtpc.decoding.loop import decode
     from mtpc.decoding.settings import DraftRule, check_settings
-    from mtpc.decoding.speculative import speculative_generate
+    from mtpc.decoding.speculative import Chain
 
     if rule is None:
         return mtpc.generate(model, prompt, new, **kwargs)
     ids = prompt_tensor(model, prompt)
     request = check_request(model, ids, check_settings(max_new_tokens=new, **kwargs))
-    return speculative_generate(
-        model, ids, dataclasses.replace(request, draft_rule=DraftRule(rule))
-    )
+    request = dataclasses.replace(request, draft_rule=DraftRule(rule))
+    return decode(model, [ids[0]], [request], Chain(request))[0]  # a chain of one prompt
+

@@ -7,15 +7,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from mtpc.circuits.engine import categorical
 from mtpc.circuits.params import CircuitParams
-from mtpc.decoding.common import GenerationResult, Request
-from mtpc.decoding.loop import HeadState, Outcome, Proposal, Row, Run, decode
+from mtpc.decoding.common import Request
+from mtpc.decoding.loop import HeadState, Outcome, Proposal, Row, Run
 from mtpc.decoding.settings import DraftRule
 from mtpc.decoding.verify import verify_greedy, verify_sampling_lazy
 
@@ -252,10 +251,3 @@ class Chain:
             verdict = verify_sampling_lazy(p, q_tokens, drafts, draft.proposal, generator)
             s, token = verdict.accepted, verdict.next_token
         return Outcome(drafts[:s].tolist(), token, drafted=m, keep=proposal.pre + s, after=s)
-
-
-def speculative_generate(
-    model: Any, prompt: Tensor, request: Request, drafter: Drafter | None = None
-) -> GenerationResult:
-    """Self-speculative decoding of a chain of one ``prompt`` ``(1, T)`` (a test helper)."""
-    return decode(model, [prompt[0]], [request], Chain(request, drafter))[0]
