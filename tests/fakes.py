@@ -556,4 +556,3 @@ def generate_with_rule(
     request = check_request(model, ids, check_settings(max_new_tokens=new, **kwargs))
     request = dataclasses.replace(request, draft_rule=DraftRule(rule))
     return decode(model, [ids[0]], [request], Chain(request))[0]  # a chain of one prompt
-
