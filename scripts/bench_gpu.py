@@ -385,9 +385,9 @@ class Report:
         self.out = args.out
 
     def run(self, name: str, fn: Callable[[], Any], into: dict[str, Any] | None = None) -> Any:
-        """``fn()`` stored under ``name``'s last part in ``into`` (default the report) and
-        printed as a JSON line (``into=None`` and a name ending in ``load``: neither), or None
-        after an error (printed, and kept under ``errors``)."""
+        """``fn()``, stored under ``name``'s last part in ``into`` (default: the report) and
+        printed as a JSON line, except for a ``.../load`` (only returned); None after an
+        exception (a ``FAILED name: error`` line, kept under the report's ``errors``)."""
         try:
             value = fn()
         except Exception as err:  # one failing part is a line of the report, not a crash
