@@ -56,9 +56,10 @@ class SlotCache:
         buffers ``(B, H_kv, S, D)``."""
         assert self.slots is not None
         k, v = self.keys[layer_idx], self.values[layer_idx]
-        index = self.slots[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
-        k.scatter_(2, index, key.to(k.dtype))  # (B, H_kv, S, D)
-        v.scatter_(2, index, value.to(v.dtype))
+        rows = torch.arange(k.shape[0], device=k.device)[:, None]  # (B, 1)
+        # k[b, :, slots[b, t]] = key[b, :, t]: an index_put_ (inductor writes it in place)
+        k[rows, :, self.slots] = key.transpose(1, 2).to(k.dtype)  # (B, T, H_kv, D)
+        v[rows, :, self.slots] = value.transpose(1, 2).to(v.dtype)
         return k, v
 
 
@@ -124,7 +125,6 @@ class StaticEngine:
         self.compiled: Callable[..., tuple[Tensor, Tensor]] | None = None
         self.failed: str | None = None  # why the compiled step fell back to eager
         self.ran_compiled = False
-        self._shapes: set[tuple[int, ...]] = set()
 
     @property
     def device(self) -> torch.device:
@@ -178,9 +178,7 @@ class StaticEngine:
             return self.step(ids, real, offsets, inner)
         if self.compiled is None:
             self.compiled = compile_step(self.step, self.backend, self.device)
-        shape = tuple(ids.shape)
-        fresh = shape not in self._shapes  # a first call of this shape compiles
-        saved = (self.valid.clone(), self.lengths.clone()) if fresh else None
+        saved = (self.valid.clone(), self.lengths.clone())  # (a failure restores them)
         try:
             if self.device.type == "cuda":
                 torch.compiler.cudagraph_mark_step_begin()
@@ -190,8 +188,6 @@ class StaticEngine:
             ):
                 out = self.compiled(ids, real, offsets, inner)
         except Exception as err:  # a compile or capture failure: never a wrong token
-            if saved is None:
-                raise
             self.failed = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
             warnings.warn(
                 f"compile=True: the compiled decode step failed ({self.failed}); decoding "
@@ -202,7 +198,6 @@ class StaticEngine:
             self.valid.copy_(saved[0])
             self.lengths.copy_(saved[1])
             return self.step(ids, real, offsets, inner)
-        self._shapes.add(shape)
         self.ran_compiled = True
         return out
 
@@ -249,6 +244,11 @@ class StaticLayout:
     def __init__(self, engine: StaticEngine) -> None:
         self.engine = engine
         self.places: list[Any] = [None] * engine.batch  # the row in each place, or None
+        b, device = engine.batch, engine.device
+        self._one = (  # a step of one id per row: its offsets (B, 1) and visibility (B, 1, 1)
+            torch.zeros(b, 1, dtype=torch.long, device=device),
+            torch.ones(b, 1, 1, dtype=torch.bool, device=device),
+        )
 
     def _place(self, row: Any) -> int:
         return next(i for i, held in enumerate(self.places) if held is row)
@@ -303,9 +303,7 @@ class StaticLayout:
         new[places] = torch.cat(list(ids))[:, None]
         real = torch.zeros(b, 1, dtype=torch.bool, device=device)
         real[places] = True
-        offsets = torch.zeros(b, 1, dtype=torch.long, device=device)
-        inner = torch.ones(b, 1, 1, dtype=torch.bool, device=device)
-        trunk, out = engine.run(new, real, offsets, inner)
+        trunk, out = engine.run(new, real, *self._one)
         trunk, out = trunk[places], out[places, 0]  # (R, 1, d), (R, V): copies
         return list(trunk[:, None]), list(out[:, None])
 
