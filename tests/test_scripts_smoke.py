@@ -115,6 +115,14 @@ def _bench_batch(out: str, tmp: Path) -> None:
     assert all(r["sd_tok_s"] > 0 for r in report["decode"])
 
 
+def _bench_static_decode(out: str, tmp: Path) -> None:
+    assert "| B | eager tok/s | compiled tok/s | x eager | rows differ |" in out
+    report = _load(tmp / "static.json")
+    assert [r["batch_size"] for r in report["rows"]] == [1, 2]
+    assert all(r["differ"] == 0 and r["engines"] == ["compiled"] for r in report["rows"])
+    assert all(r["eager_step_dispatched_ops"] > 0 for r in report["rows"])
+
+
 def _bench_decoding(out: str, tmp: Path) -> None:
     assert "| draft | mode | mu_lat ms | x FF cycle | mu_acc | tok/s | x AR |" in out
     report = _load(tmp / "decoding.json")
@@ -234,6 +242,11 @@ CASES: dict[str, Case] = {
         "scripts/bench_batch.py --what decode regenerate --window 2 --rank 2 --prompts 2"
         " --max-new-tokens 4 --sizes 1 2 --sampling --json {tmp}/batch.json",
         _bench_batch,
+    ),
+    "bench_static_decode.py": Case(
+        "scripts/bench_static_decode.py --backend eager --sizes 1 2 --prompts 2"
+        " --max-new-tokens 4 --steps 2 --repeats 1 --json {tmp}/static.json",
+        _bench_static_decode,
     ),
     "bench_decoding.py": Case(
         "scripts/bench_decoding.py --window 2 --rank 2 --prompts 1 --new 4"
