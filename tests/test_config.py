@@ -92,7 +92,7 @@ def test_config_choices_match_the_head() -> None:
 def test_sweep_folders_leave_out_every_field_a_resume_may_change() -> None:
     """A re-sweep with a longer budget (or other hardware) resumes each job in its folder:
     the multirun folder name (override_dirname) must not show what FREE_TO_CHANGE allows."""
-    from mtpc.training.resume import FREE_TO_CHANGE
+    from mtpc.draft_fields import FREE_TO_CHANGE
 
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose(config_name="train", return_hydra_config=True)

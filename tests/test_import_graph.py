@@ -1,6 +1,7 @@
 """The import graph of ``mtpc/`` (docs/DESIGN.md, "Import graph"): no circle, counting
-function-level and ``TYPE_CHECKING`` imports, and ``mtpc/data/`` imports nothing from
-``mtpc/evaluation/`` or ``mtpc/decoding/``."""
+function-level and ``TYPE_CHECKING`` imports; ``mtpc/data/`` imports nothing from
+``mtpc/evaluation/``, ``mtpc/decoding/`` or ``mtpc/training/``; ``mtpc/evaluation/`` (and the
+regeneration job above it) nothing from ``mtpc/training/``."""
 
 from __future__ import annotations
 
@@ -74,13 +75,28 @@ def test_no_import_circle(graph: dict[str, set[str]]) -> None:
     assert _circle({**graph, "mtpc.store": graph["mtpc.store"] | {"mtpc.evaluation.records"}})
 
 
-def test_data_is_a_leaf_of_the_jobs(graph: dict[str, set[str]]) -> None:
-    above = ("mtpc.evaluation", "mtpc.decoding", "mtpc.training")
-    wrong = {
+def _imports_of(
+    graph: dict[str, set[str]], low: tuple[str, ...], high: tuple[str, ...]
+) -> set[str]:
+    """``module -> dependency`` for every import of a module named ``low*`` from ``high*``."""
+    return {
         f"{m} -> {dep}"
         for m, deps in graph.items()
-        if m.startswith("mtpc.data")
+        if m.startswith(low)
         for dep in deps
-        if dep.startswith(above)
+        if dep.startswith(high)
     }
-    assert not wrong
+
+
+def test_data_is_a_leaf_of_the_jobs(graph: dict[str, set[str]]) -> None:
+    above = ("mtpc.evaluation", "mtpc.decoding", "mtpc.training")
+    assert not _imports_of(graph, ("mtpc.data",), above)
+
+
+def test_evaluation_does_not_import_training(graph: dict[str, set[str]]) -> None:
+    """What both read (the fields that shape a draft: ``mtpc/draft_fields.py``) lives below
+    both."""
+    assert not _imports_of(graph, ("mtpc.evaluation", "mtpc.regeneration"), ("mtpc.training",))
+    # the check sees one when there is one
+    wrong = {**graph, "mtpc.evaluation.statistics": {"mtpc.training.resume"}}
+    assert _imports_of(wrong, ("mtpc.evaluation",), ("mtpc.training",))

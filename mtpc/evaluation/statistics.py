@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from mtpc.draft_fields import FREE_TO_CHANGE, flat_matters
 from mtpc.evaluation.metrics import mean_std
-from mtpc.training.resume import FREE_TO_CHANGE, MATTERS
 
 RESAMPLES = 10_000  # bootstrap resamples of every paired interval
 SEED = 0  # of the bootstrap's generator (numpy PCG64), the same for every comparison
@@ -219,14 +219,6 @@ def training_config(path: str | Path) -> dict[str, Any] | None:
     return config if isinstance(config, dict) else None
 
 
-def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
-    if isinstance(value, Mapping) and value:
-        for k, v in value.items():
-            _flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
-    else:
-        out[prefix] = value
-
-
 def configuration(
     training: Mapping[str, Any] | None, trainings: Mapping[str, Any] | None = None, depth: int = 0
 ) -> dict[str, Any] | None:
@@ -235,12 +227,10 @@ def configuration(
     replaced by that draft's own configuration, so a two-stage recipe's seeds group too."""
     if not training or "seed" not in training:
         return None
-    flat: dict[str, Any] = {}
-    for key in MATTERS:
-        if key in training:
-            _flatten(training[key], key, flat)
     flat = {
-        k: v for k, v in flat.items() if not any(k == f or k.startswith(f + ".") for f in SEED_FREE)
+        k: v
+        for k, v in flat_matters(training).items()
+        if not any(k == f or k.startswith(f + ".") for f in SEED_FREE)
     }
     init = flat.get("init_from")
     if isinstance(init, str) and depth < 4:

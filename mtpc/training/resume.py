@@ -13,27 +13,12 @@ from typing import Any
 
 import torch
 
+from mtpc.draft_fields import FREE_TO_CHANGE, flat_matters
 from mtpc.errors import UserError
 
 log = logging.getLogger(__name__)
 
 CONFIG_KEY = "mtpc_config"  # the settings that wrote a checkpoint (RunRecordCallback)
-
-# top-level config keys whose values shape the trained draft
-MATTERS = (
-    "model", "circuit", "lora", "loss", "optimizer", "scheduler", "data", "seed", "stage",
-    "init_from", "global_batch_size", "trainer",
-)  # fmt: skip
-
-# dotted fields that may differ on resume (budget, hardware, logging)
-FREE_TO_CHANGE = (
-    "data.num_workers", "data.cache_dir", "data.pin_memory", "model.device",
-    "trainer.max_steps", "trainer.max_epochs", "trainer.max_time",
-    "trainer.accelerator", "trainer.devices", "trainer.num_nodes", "trainer.strategy",
-    "trainer.enable_progress_bar", "trainer.log_every_n_steps", "trainer.val_check_interval",
-    "trainer.check_val_every_n_epoch", "trainer.limit_val_batches",
-    "trainer.num_sanity_val_steps", "trainer.deterministic", "trainer.fast_dev_run",
-)  # fmt: skip
 
 
 class RunFolderBusyError(UserError):
@@ -102,19 +87,8 @@ def find_resume_checkpoint(
 def comparable_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """The settings that must match on resume, flattened to ``{dotted field: value}``, from
     the whole config as plain values (``TrainSettings.resolved``)."""
-    flat: dict[str, Any] = {}
-    for key in MATTERS:
-        if key in config:
-            _flatten(config[key], key, flat)
+    flat = flat_matters(config)
     return {k: v for k, v in flat.items() if not k.startswith(FREE_TO_CHANGE)}
-
-
-def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
-    if isinstance(value, Mapping) and value:
-        for k, v in value.items():
-            _flatten(v, f"{prefix}.{k}", out)
-    else:
-        out[prefix] = list(value) if isinstance(value, list | tuple) else value
 
 
 def config_changes(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
