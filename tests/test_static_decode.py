@@ -11,9 +11,11 @@ count are asserted.
 
 from __future__ import annotations
 
+import gc
 import random
 import shutil
 import warnings
+import weakref
 from collections.abc import Iterator
 
 import pytest
@@ -26,7 +28,7 @@ from mtpc.decoding.layout import Stream
 from mtpc.decoding.settings import c_compiler
 from mtpc.decoding.static import StaticEngine, StaticLayout
 from mtpc.model import MTPCModel
-from tests.fakes import fake_evabyte, fake_llama3_byte, make_model
+from tests.fakes import fake_evabyte, fake_llama3_byte, make_model, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -42,14 +44,14 @@ def tiny() -> MTPCModel:
 
 
 @pytest.fixture(autouse=True)
-def _fresh_dynamo() -> Iterator[None]:
-    """Each test compiles from scratch and counts only its own graphs."""
+def _fresh_dynamo(tiny: MTPCModel) -> Iterator[None]:
+    """Each test compiles from scratch, counts only its own graphs and its own engines."""
     torch._dynamo.reset()
     counters.clear()
-    static._ENGINES.clear()
+    static.drop_engines(tiny)
     yield
     torch._dynamo.reset()
-    static._ENGINES.clear()
+    static.drop_engines(tiny)
 
 
 def prompts_of(lengths: tuple[int, ...], seed: int = 0) -> list[list[int]]:
@@ -154,6 +156,21 @@ def test_no_recompilation_for_new_prompt_lengths(tiny: MTPCModel) -> None:
     assert [r.tokens for r in alone] == [r.tokens for r in batch]
 
 
+def test_engines_are_reused_and_go_with_their_model() -> None:
+    """The next call of the same shape reuses the engine (buffers and graph); a model no
+    longer referenced is freed with its engines."""
+    model = make_model("btree", 4, 2, k=0)
+    kw = {"method": "autoregressive", "compile": "eager", "stop_ids": ()}
+    mtpc.generate(model, [1, 2, 3], 4, **kw)  # type: ignore[arg-type]
+    (engine,) = vars(model)[static.ENGINES_ATTRIBUTE].values()
+    mtpc.generate(model, [4, 5, 6, 7, 8], 6, **kw)  # type: ignore[arg-type]
+    assert list(vars(model)[static.ENGINES_ATTRIBUTE].values()) == [engine]
+    alive = weakref.ref(model)
+    del model, engine
+    gc.collect()
+    assert alive() is None
+
+
 @torch.no_grad()
 def test_slots_no_row_holds_are_never_read(tiny: MTPCModel) -> None:
     """Huge keys and values in every slot no row holds (beyond a row's length, a left row's
@@ -222,6 +239,11 @@ def _no_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("mtpc.decoding.loop.decode", refuse)
 
 
+def _attention(hf: torch.nn.Module, impl: str) -> torch.nn.Module:
+    hf.config._attn_implementation = impl  # type: ignore[union-attr]
+    return hf
+
+
 @pytest.mark.parametrize(
     ("target", "message"),
     [
@@ -229,6 +251,8 @@ def _no_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
          r"LlamaBackbone with transformers' own Llama layers"),
         (lambda: fake_llama3_byte(2), r"compile=True does not support Llama3ByteBackbone; "
          r"supported: LlamaBackbone"),
+        (lambda: _attention(tiny_llama(2), "flex_attention"), r"^compile=True does not "
+         r"support attention 'flex_attention'; supported: .* and attention sdpa or eager$"),
     ],
 )  # fmt: skip
 def test_unsupported_backbones_are_refused(target, message: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -46,7 +46,7 @@ class LlamaBackbone(Backbone):
         params = inspect.signature(layer_cls.forward).parameters
         self._pass_cache_position = "cache_position" in params
         # transformers' own layers (not 4.4x remote code) let fast kernels mask causally
-        self._native_layers = layer_cls.__module__.startswith("transformers.models.")
+        self.native_layers = layer_cls.__module__.startswith("transformers.models.")
 
     def stp_unembedding(self) -> torch.Tensor:
         return self.hf_model.lm_head.weight[: self.vocab_size]  # type: ignore[union-attr,index]
@@ -122,7 +122,7 @@ class LlamaBackbone(Backbone):
         if documents is not None:
             return document_mask(documents, hidden.dtype)  # (B, 1, T, T)
         impl = getattr(self.hf_model.config, "_attn_implementation", None)
-        if past == 0 and impl in _FAST_CAUSAL and self._native_layers:
+        if past == 0 and impl in _FAST_CAUSAL and self.native_layers:
             return None  # the kernel's own causal mask
         return causal_mask(past, hidden.shape[1], hidden.dtype, hidden.device, hidden.shape[0])
 

@@ -110,7 +110,7 @@ def generate(
     if settings.compile:
         from mtpc.decoding.static import supports_compile
 
-        refusal = supports_compile(model)
+        refusal = supports_compile(model, compile)
         if refusal is not None:
             raise ValueError(refusal)
     if requests[0].tree_budget and drafter is not None:

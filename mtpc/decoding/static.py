@@ -10,16 +10,12 @@ layout over it (``admit``, ``target``, ``release``: what autoregressive decoding
 
 from __future__ import annotations
 
-import logging
 import warnings
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
-
-_log = logging.getLogger(__name__)
 
 BUCKET = 256
 """Capacities are multiples of this, so prompts of other lengths reuse the compiled graph."""
@@ -38,7 +34,7 @@ the step falls back to eager with a warning instead of running uncompiled in sil
 
 class SlotCache:
     """The layers' KV cache as seen by transformers' attention (its ``update``): every new
-    key and value goes to its row's own physical slot, by a scatter, and the attention reads
+    key and value goes to its row's own physical slot (an ``index_put_``), and the attention reads
     all ``capacity + scratch`` slots of the row (the mask hides the ones it must not see).
 
     ``keys[l]``, ``values[l]``: ``(B, H_kv, S, D)`` buffers; ``slots``: ``(B, T)`` the new
@@ -63,19 +59,27 @@ class SlotCache:
         return k, v
 
 
-def supports_compile(model: Any) -> str | None:
-    """Why ``model``'s backbone cannot decode with ``compile=True`` (None: it can)."""
+ATTENTION = ("sdpa", "eager")
+"""The attention implementations the step's additive ``(B, 1, T, S)`` mask goes to."""
+
+
+def supports_compile(model: Any, compile: bool | str = True) -> str | None:
+    """Why ``model`` cannot decode with ``compile`` (its refusal, one line; None: it can)."""
     from mtpc.backbones.llama import LlamaBackbone
 
     backbone = model.backbone
-    name = type(backbone).__name__
-    if type(backbone) is not LlamaBackbone or not getattr(backbone, "_native_layers", False):
-        return (
-            f"compile=True does not support {name}"
-            + ("" if type(backbone) is not LlamaBackbone else " with remote-code layers")
-            + "; supported: LlamaBackbone with transformers' own Llama layers (the tiny "
-            "target, HF Llama checkpoints)"
-        )
+    name, asked = type(backbone).__name__, f"compile={compile!r}"
+    supported = (
+        "supported: LlamaBackbone with transformers' own Llama layers (the tiny target, HF "
+        f"Llama checkpoints) and attention {' or '.join(ATTENTION)}"
+    )
+    if type(backbone) is not LlamaBackbone:
+        return f"{asked} does not support {name}; {supported}"
+    if not backbone.native_layers:
+        return f"{asked} does not support {name} with remote-code layers; {supported}"
+    impl = getattr(backbone.config, "_attn_implementation", None) or "eager"
+    if impl not in ATTENTION:
+        return f"{asked} does not support attention {impl!r}; {supported}"
     return None
 
 
@@ -218,15 +222,15 @@ def compile_step(
     return torch.compile(step, **options)
 
 
-_ENGINES: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], StaticEngine]] = (
-    weakref.WeakKeyDictionary()
-)
+ENGINES_ATTRIBUTE = "_mtpc_static_engines"
+"""Where a model keeps its engines (on the model: they live and go with it; a registry
+outside would keep every model alive through its engines)."""
 
 
 def engine_for(model: Any, batch: int, capacity: int, backend: str) -> StaticEngine:
     """An engine of ``batch`` rows of ``capacity`` slots for ``model``: the last calls' one
     when its shape matches (its graph is compiled already), else a new one."""
-    kept = _ENGINES.setdefault(model, {})
+    kept: dict[tuple[Any, ...], StaticEngine] = vars(model).setdefault(ENGINES_ATTRIBUTE, {})
     key = (batch, capacity, backend, model.backbone.dtype, str(model.backbone.device))
     engine = kept.pop(key, None)
     if engine is None or engine.failed is not None:
@@ -235,6 +239,11 @@ def engine_for(model: Any, batch: int, capacity: int, backend: str) -> StaticEng
     while len(kept) > ENGINES_KEPT:
         kept.pop(next(iter(kept)))
     return engine
+
+
+def drop_engines(model: Any) -> None:
+    """Frees ``model``'s engines (their buffers; the compiled graphs stay dynamo's)."""
+    vars(model).pop(ENGINES_ATTRIBUTE, None)
 
 
 class StaticLayout:
