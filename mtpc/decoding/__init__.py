@@ -197,11 +197,15 @@ def _decode(
         if request.method == "autoregressive":
             from mtpc.decoding.autoregressive import prefill, step
 
-            if request.compile:
-                from mtpc.decoding.static import decode_static
+            if not request.compile:
+                return decode(model, prompts, requests, None, size, prefill, step)
+            from mtpc.decoding.static import static_layout
 
-                return decode_static(model, prompts, requests, size, prefill, step)
-            return decode(model, prompts, requests, None, size, prefill, step)
+            layout = static_layout(model, prompts, request, size)
+            results = decode(model, prompts, requests, None, size, prefill, step, layout)
+            for res in results:
+                res.engine = layout.engine.engine  # compiled, or static after a fallback
+            return results
         if request.tree_budget:
             from mtpc.decoding.tree import Tree
 
