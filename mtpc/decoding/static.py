@@ -192,7 +192,7 @@ class StaticEngine:
             ):
                 out = self.compiled(ids, real, offsets, inner)
         except Exception as err:  # a compile or capture failure: never a wrong token
-            self.failed = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            self.failed = f"{type(err).__name__}: {' '.join(str(err).split())}"[:300]
             warnings.warn(
                 f"compile=True: the compiled decode step failed ({self.failed}); decoding "
                 "eagerly with the same static caches",
