@@ -358,7 +358,7 @@ def eva_checkpoint(
 
     Its kernel modules ``eva_agg_kernel.py`` / ``eva_prep_kv_kernel.py`` are ours, with the
     host-wrapper interface of EvaByte's and their failure modes (``EVA_AGG_KERNEL``): what
-    ``mtpc.backbones.compat.prepare_eva_kernels`` wraps, run under triton's interpreter by
+    ``mtpc.backbones.evabyte_kernels.prepare_eva_kernels`` wraps, run under triton's interpreter by
     ``tests/test_triton_interpreter.py``. The model itself never calls them."""
     config = FakeEvaByteConfig(hidden_size=32, num_hidden_layers=2, chunk_size=4)  # the fixture's
     fake = FakeEvaByteForCausalLM(config).eval()

@@ -23,8 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from mtpc.backbones import TargetLoadError, load_backbone
-from mtpc.backbones import compat as compat_module
+from mtpc.backbones import TargetLoadError, evabyte_kernels, load_backbone, remote_code
 from mtpc.backbones.sanity import rotary_problems
 from tests.fake_checkpoints import (
     ABSENT_PACKAGE,
@@ -136,7 +135,7 @@ def test_uninitialised_rotary_buffers_fail_the_load_time_check(
         model.model.rotary_emb.inv_freq.fill_(-4.9e10)  # what transformers 5 leaves behind
         return []
 
-    monkeypatch.setattr(compat_module, "restore_non_persistent_buffers", garble)
+    monkeypatch.setattr(remote_code, "restore_non_persistent_buffers", garble)
     with pytest.raises(TargetLoadError, match=r"model=evabyte .*rotary_emb\.inv_freq differs"):
         load_backbone("evabyte", path=str(folder), dtype="float32")
 
@@ -156,9 +155,9 @@ def test_attention_path_is_chosen_checked_and_logged(
         load_backbone("evabyte", path="/nonexistent", dtype="float32", attention_impl="flash")
     with pytest.raises(ValueError, match="attention_impl is 'triton'"):  # no triton / no GPU
         load_backbone("evabyte", path="/nonexistent", dtype="float32", attention_impl="triton")
-    assert compat_module.resolve_attention_impl("auto", "cpu") == "torch"
+    assert evabyte_kernels.resolve_attention_impl("auto", "cpu") == "torch"
     folder, _ = eva_checkpoint(tmp_path, None)
-    with caplog.at_level(logging.INFO, logger="mtpc.backbones.compat"):
+    with caplog.at_level(logging.INFO, logger="mtpc.backbones.remote_code"):
         backbone = load_backbone(
             "evabyte", path=str(folder), dtype="float32", attention_impl="torch"
         )
@@ -194,8 +193,8 @@ def test_attention_path_switch_imports_the_remote_code_again(
     paths = []
     try:
         for impl in ("torch", "triton", "torch"):
-            monkeypatch.setattr(compat_module, "resolve_attention_impl", lambda *_, i=impl: i)
-            model = compat_module.load_remote_causal_lm(
+            monkeypatch.setattr(remote_code, "resolve_attention_impl", lambda *_, i=impl: i)
+            model = remote_code.load_remote_causal_lm(
                 "evabyte", str(folder), None, torch.float32, "cpu", impl
             )
             paths.append(sys.modules[type(model).__module__].USE_TRITON_IMPL)

@@ -19,9 +19,8 @@ import pytest
 import torch
 
 import mtpc
-from mtpc.backbones import compat as compat_module
 from mtpc.backbones import evabyte as evabyte_module
-from mtpc.backbones import run_device_for
+from mtpc.backbones import remote_code, run_device_for
 from mtpc.model import MTPCModel
 from tests.fakes import fake_evabyte
 
@@ -189,9 +188,9 @@ def test_attention_path_follows_the_run_device_not_the_load_device(
     folder, _ = eva_checkpoint(tmp_path, None)
     paths = []
     try:
-        with caplog.at_level(logging.INFO, logger="mtpc.backbones.compat"):
+        with caplog.at_level(logging.INFO, logger="mtpc.backbones.remote_code"):
             for impl, run_device in (("auto", "cuda:0"), ("triton", "cuda:0"), ("auto", "cpu")):
-                model = compat_module.load_remote_causal_lm(
+                model = remote_code.load_remote_causal_lm(
                     "evabyte", str(folder), None, torch.float32, "cpu", impl, run_device=run_device
                 )
                 paths.append(sys.modules[type(model).__module__].USE_TRITON_IMPL)

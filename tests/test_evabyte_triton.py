@@ -86,7 +86,7 @@ scenario("lora_step", train)
 
 def raw_backward():
     """The remote backward itself on a row with no compressed chunk (what compat fixes)."""
-    from mtpc.backbones import compat
+    from mtpc.backbones import evabyte_kernels
 
     backbone = check_gpu.load_target("evabyte", path, args, "triton")  # the package imported again
     kernels = sys.modules[backbone.remote.__name__.rpartition(".")[0] + ".eva_agg_kernel"]
@@ -95,7 +95,7 @@ def raw_backward():
     empty = [torch.empty_like(q) for _ in range(4)]
     lse = torch.zeros(1, 4, 100)
     try:
-        with compat._kernels_see_gpu((9, 0), cpu_tensors=True):
+        with evabyte_kernels._kernels_see_gpu((9, 0), cpu_tensors=True):
             original(q, q, q, q, None, None, None, None, q, lse, *empty[:3], None, None,
                      softmax_scale=0.25, window_size=128, chunks_per_window=32,
                      empty_rfa_kv=1, mask_type=0)

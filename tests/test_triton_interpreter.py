@@ -5,7 +5,7 @@ own writing (``tests/fake_checkpoints.py``, ``EVA_AGG_KERNEL``): host wrappers w
 interface and failure modes (``is_cuda`` asserts, blocks by
 ``torch.cuda.get_device_capability()``, a backward that reads ``rfa_k.stride(-1)`` when
 ``rfa_k is None``, one window per kernel program) around a real ``@triton.jit`` kernel that
-the interpreter executes. Each test fails without the piece of ``mtpc.backbones.compat`` it
+the interpreter executes. Each test fails without the piece of ``mtpc.backbones.evabyte_kernels`` it
 names: the host shim, the short-row backward fix, the block gate, the interface check.
 
 ``TRITON_INTERPRET`` must be set before triton is imported, so the kernels run in one
@@ -39,7 +39,8 @@ from pathlib import Path
 
 import torch
 
-from mtpc.backbones import compat, load_backbone
+from mtpc.backbones import evabyte_kernels, load_backbone
+from mtpc.backbones.remote_code import load_remote_causal_lm
 from tests.fake_checkpoints import eva_checkpoint
 
 root = Path(sys.argv[1])
@@ -75,7 +76,7 @@ def load(window=None, edit=None):
     if edit is not None:
         path = folder / "eva_agg_kernel.py"
         path.write_text(path.read_text().replace(*edit))
-    return compat.load_remote_causal_lm("evabyte", str(folder), None, torch.float32, "cpu",
+    return load_remote_causal_lm("evabyte", str(folder), None, torch.float32, "cpu",
                                         "triton")
 
 
@@ -119,13 +120,13 @@ def _():
 
 @scenario("capability_setting")
 def _():
-    os.environ[compat.CAPABILITY_ENV] = "8.0"
+    os.environ[evabyte_kernels.CAPABILITY_ENV] = "8.0"
     try:
         model = load(window=8)  # an A100's BLOCK_M of 8 divides it
         v, out = attention(model, 8)
         info = sys.modules[type(model).__module__].__mtpc_kernels__
     finally:
-        del os.environ[compat.CAPABILITY_ENV]
+        del os.environ[evabyte_kernels.CAPABILITY_ENV]
     return {"max_diff": float((out - reference(v, 8)).abs().max()),
             "blocks": info["blocks"]["fwd"], "capability": info["capability"]}
 
@@ -139,15 +140,15 @@ def _():
 @scenario("unguarded")
 def _():
     """What the gate prevents: an H100's blocks on a window of 8 run, and are wrong."""
-    os.environ[compat.CAPABILITY_ENV] = "8.0"
+    os.environ[evabyte_kernels.CAPABILITY_ENV] = "8.0"
     try:
         model = load(window=8)
     finally:
-        del os.environ[compat.CAPABILITY_ENV]
+        del os.environ[evabyte_kernels.CAPABILITY_ENV]
     module = kernels(model)
     torch.manual_seed(0)
     v = torch.randn(2, 3, 40, 8)
-    with compat._kernels_see_gpu((9, 0), cpu_tensors=True):
+    with evabyte_kernels._kernels_see_gpu((9, 0), cpu_tensors=True):
         out, _ = module.triton_eva_agg_fwd.__mtpc_original__(v, v, v, None, None, None, None,
                                                              None, 8, 2)
     return {"max_diff": float((out - reference(v, 8)).abs().max())}
@@ -245,7 +246,7 @@ def test_bfloat16_is_refused_under_the_interpreter(scenarios: dict) -> None:
 def test_the_interpreter_is_refused_when_triton_was_imported_without_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from mtpc.backbones.compat import AttentionImplError, resolve_attention_impl
+    from mtpc.backbones.evabyte_kernels import AttentionImplError, resolve_attention_impl
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     import triton.language.standard  # noqa: F401  (imported compiled, as any plain run)

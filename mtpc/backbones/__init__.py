@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from mtpc.backbones.base import DTYPES, Backbone, LayerCache, resolve_dtype
-from mtpc.backbones.compat import ATTENTION_IMPLS, TargetLoadError
+from mtpc.backbones.compat import TargetLoadError
+from mtpc.choices import ATTENTION_IMPLS
 from mtpc.choices import MODEL_NAMES as BACKBONES
 
 __all__ = [
@@ -60,8 +61,8 @@ def load_backbone(
         target.model.to(device)  # type: ignore[arg-type]
         return tiny_backbone(target.model, target.mtp_unembeddings.to(device), path)
     if name == "evabyte":
-        from mtpc.backbones.compat import resolve_attention_impl
         from mtpc.backbones.evabyte import load_evabyte
+        from mtpc.backbones.evabyte_kernels import resolve_attention_impl
 
         resolve_attention_impl(attention_impl, run_device or device, torch_dtype)  # no download yet
         return load_evabyte(path, revision, torch_dtype, device, attention_impl, run_device)

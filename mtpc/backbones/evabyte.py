@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from mtpc.backbones.base import Backbone, hf_source
-from mtpc.backbones.compat import kernels_path, load_remote_causal_lm
+from mtpc.backbones.evabyte_kernels import kernels_path
+from mtpc.backbones.remote_code import load_remote_causal_lm
 
 HUB_ID = "EvaByte/EvaByte-SFT"
 MASK_MIN = -10e10  # eva_pt_ref.MASK_MIN_VALUE

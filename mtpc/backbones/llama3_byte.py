@@ -174,7 +174,7 @@ def load_llama3_byte(
     device: str = "cpu",
 ) -> Llama3ByteBackbone:
     """Loads the byte-level Llama (remote code) and checks it (TargetLoadError)."""
-    from mtpc.backbones.compat import load_remote_causal_lm
+    from mtpc.backbones.remote_code import load_remote_causal_lm
     from mtpc.backbones.sanity import check_target
 
     path = path or HUB_ID
