@@ -54,6 +54,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -375,12 +376,13 @@ def measure_batch(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 # -- the report ---------------------------------------------------------------------------------
 class Report:
-    """The JSON report; :meth:`run` guards a part (its exception becomes one error line)."""
+    """The JSON report; :meth:`run` guards and times a part (its exception becomes one error
+    line; its seconds go under ``seconds``, loads included)."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.data: dict[str, Any] = {
             "machine": machine(), "device": device_name(args.device), "torch": torch.__version__,
-            "args": {k: str(v) for k, v in vars(args).items()}, "errors": {},
+            "args": {k: str(v) for k, v in vars(args).items()}, "errors": {}, "seconds": {},
         }  # fmt: skip
         self.out = args.out
 
@@ -388,6 +390,7 @@ class Report:
         """``fn()``, stored under ``name``'s last part in ``into`` (default: the report) and
         printed as a JSON line, except for a ``.../load`` (only returned); None after an
         exception (a ``FAILED name: error`` line, kept under the report's ``errors``)."""
+        start = time.perf_counter()
         try:
             value = fn()
         except Exception as err:  # one failing part is a line of the report, not a crash
@@ -395,6 +398,8 @@ class Report:
             self.data["errors"][name] = f"{type(err).__name__}: {' '.join(str(err).split())[:400]}"
             print(f"FAILED {name}: {self.data['errors'][name]}", flush=True)
             return None
+        finally:
+            self.data["seconds"][name] = time.perf_counter() - start
         if name.endswith("load"):
             return value
         (self.data if into is None else into)[name.rpartition("/")[2]] = value

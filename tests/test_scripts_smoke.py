@@ -283,7 +283,7 @@ CASES: dict[str, Case] = {
         # a SKIPPED line otherwise; the tiny target and the byte Llama always run
         "scripts/bench_gpu.py --device cpu --dtype float32 --layers 2 --hidden 64"
         " --intermediate 128 --heads 4 --kv-heads 2 --window 32 --chunk 4 --n 4 --rank 4"
-        " --prompt-len 40 --steps 4 --copy-mib 16 --batch-sizes 1,2 --batch-prompts 2"
+        " --prompt-len 24 --steps 2 --copy-mib 16 --batch-sizes 1,2 --batch-prompts 2"
         " --batch-new 4 --train-lengths 64 --train-steps 1 --out {tmp}/gpu.json",
         _bench_gpu,
     ),
