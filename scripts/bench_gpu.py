@@ -520,6 +520,8 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
         setattr(args, key, [v for v in getattr(args, key).split(",") if v])
         if not set(getattr(args, key)) <= set(allowed):
             parser.error(f"--{key} is {getattr(args, key)}; allowed: {list(allowed)}")
+    if cuda(args.device) and not torch.cuda.is_available():
+        parser.error(f"--device is {args.device!r} but torch sees no CUDA GPU; allowed: cpu")
     args.kinds = args.kinds.split(",")
     args.batch_sizes = [int(v) for v in args.batch_sizes.split(",")]
     args.train_lengths = [int(v) for v in args.train_lengths.split(",")]
