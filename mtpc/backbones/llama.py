@@ -127,22 +127,17 @@ class LlamaBackbone(Backbone):
         return causal_mask(past, hidden.shape[1], hidden.dtype, hidden.device, hidden.shape[0])
 
     def run_static(
-        self,
-        hidden: torch.Tensor,
-        start: int,
-        end: int,
-        positions: torch.Tensor,
-        native: Any,
+        self, hidden: torch.Tensor, layers: range, positions: torch.Tensor, native: Any,
         attend: torch.Tensor,
-    ) -> torch.Tensor:
-        """Layers ``start..end-1`` on ``hidden`` (B, T, d) over a fixed-capacity cache
+    ) -> torch.Tensor:  # fmt: skip
+        """Layers ``layers`` on ``hidden`` (B, T, d) over a fixed-capacity cache
         (``mtpc.decoding.static.SlotCache``: it writes each new key at its row's slot and
         returns every slot), ``attend`` (B, T, S) bool over those S slots: no bookkeeping and
         no host sync, so that a compiled decode step traces it whole (no LoRA switch: the
         adapter stays as it is, off outside ``Backbone.adapter``)."""
-        if end <= start:
+        if not layers:
             return hidden
-        return self._run(hidden, start, end, positions, native, 0, attend=attend)
+        return self._run(hidden, layers.start, layers.stop, positions, native, 0, attend=attend)
 
     def _run(
         self,

@@ -166,10 +166,9 @@ class StaticEngine:
         seen.scatter_(2, slots[:, None, :].expand(b, t, t), inner)
         self.cache.slots = slots
         hidden = model.embed(ids, None)  # (B, T, d)
-        trunk = backbone.run_static(hidden, 0, model.split, positions, self.cache, seen)
-        tail = backbone.run_static(
-            trunk, model.split, backbone.num_layers, positions, self.cache, seen
-        )
+        split, layers = model.split, backbone.num_layers
+        trunk = backbone.run_static(hidden, range(split), positions, self.cache, seen)
+        tail = backbone.run_static(trunk, range(split, layers), positions, self.cache, seen)
         self.valid.scatter_(1, slots, real)
         self.lengths.add_(real.sum(1))
         return trunk, model.verifier_logits(tail)  # (B, T, d), (B, T, V)
