@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from mtpc.choices import EXTRA_POSITIONS
 from mtpc.circuits import Circuit, CircuitParams, build_structure
-from mtpc.circuits.params import _f32
+from mtpc.circuits.params import _f32, exact_sums
 from mtpc.circuits.structure import check_kind_window_rank
 
 __all__ = ["EXTRA_POSITIONS", "MTPCHead", "chunked_log_likelihood"]
@@ -306,8 +306,9 @@ def chunked_log_likelihood(
             )
 
     def chunk(h: Tensor, x: Tensor, m: Tensor | None) -> Tensor:
-        leaves = head.leaf_log_prob(h, x, m)  # (C, n, r)
-        return head.circuit.prefix_from_leaves(leaves, head.sum_log_weights(h))  # (C, n)
+        leaves, sum_logw = head.leaf_log_prob(h, x, m), head.sum_log_weights(h)  # fp32
+        with exact_sums(h.device):
+            return head.circuit.prefix_from_leaves(leaves, sum_logw)  # (C, n)
 
     outs = []
     use_ckpt = checkpoint and torch.is_grad_enabled()

@@ -79,6 +79,7 @@ class _Matmuls(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.seen: list[tuple[int, set[torch.dtype]]] = []
+        self.batched: list[set[torch.dtype]] = []  # bmm: the circuit's sums (B, R, r) @ (B, r, K)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -87,6 +88,8 @@ class _Matmuls(TorchDispatchMode):
                 a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()
             }
             self.seen.append((int(out.shape[-1]), dtypes))
+            if func.overloadpacket.__name__ == "bmm":
+                self.batched.append(dtypes)
         return out
 
 
@@ -101,11 +104,14 @@ def test_the_heads_projection_and_the_lora_tail_multiply_in_the_compute_dtype(
     batch: dict[str, Any], bf16: bool
 ) -> None:
     """The head's (n·r·V, d) projection is the training step's largest matmul: float32 there
-    runs at a fraction of a GPU's bf16 rate. An autocast that changes nothing fails here."""
+    runs at a fraction of a GPU's bf16 rate. An autocast that changes nothing fails here; so
+    does one that reaches the circuit's sums of probabilities (float32 by design)."""
     module = _module()
     vocab = module.head.vocab_size
-    with _recording() as rec, torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        module._objective(batch)[0].loss.backward()
+    with _recording() as rec:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):  # as Lightning: the
+            loss = module._objective(batch)[0].loss  # forward under autocast, backward after
+        loss.backward()
     head = [dtypes for size, dtypes in rec.seen if size == WINDOW * RANK * vocab]
     assert head, rec.seen  # the projection was seen (forward)
     want = torch.bfloat16 if bf16 else torch.float32
@@ -114,6 +120,8 @@ def test_the_heads_projection_and_the_lora_tail_multiply_in_the_compute_dtype(
     lora = [dtypes for size, dtypes in rec.seen if size == rank]  # x @ A^T: (..., rank)
     assert lora and all(dtypes == {want} for dtypes in lora), lora
     assert all(p.dtype == torch.float32 for p in module.model.trainable_parameters())
+    # the circuit's sums stay float32 (exact_sums): bf16 keeps 8 bits of each probability
+    assert rec.batched and all(dtypes == {torch.float32} for dtypes in rec.batched), rec.batched
 
 
 def test_the_gpu_trainer_runs_bf16_mixed() -> None:

@@ -77,3 +77,11 @@ class CircuitParams:
 def _f32(t: Tensor) -> Tensor:
     """Upcast half precision to fp32; leave fp32/fp64 alone."""
     return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def exact_sums(device: torch.device) -> torch.autocast:
+    """Autocast off on ``device``: under a mixed-precision trainer (``bf16-mixed``) the
+    circuit's sums and products run in their inputs' float32, not bf16 (its matmuls of
+    probabilities would keep 8 bits each; they are small: autocast's gain is the input
+    projection, which stays outside)."""
+    return torch.autocast(device.type, enabled=False)

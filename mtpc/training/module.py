@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from mtpc.choices import LOSS_NAMES
+from mtpc.circuits.params import exact_sums
 from mtpc.heads import MTPCHead
 from mtpc.model import MTPCModel
 from mtpc.training.loss import LossOutput, composite_nll, distillation_kl, expected_accepted
@@ -117,7 +118,8 @@ class MTPCLightningModule(L.LightningModule):
         """log q(. | the first j targets) for j = 0..n-1; (C, n, V) for ``targets`` (C, n)."""
         circuit = self.head.circuit
         n = self.head.window
-        per_position = [circuit.conditional_log_prob(params, targets[:, :j]) for j in range(n)]
+        with exact_sums(targets.device):  # the circuit in float32 under bf16-mixed
+            per_position = [circuit.conditional_log_prob(params, targets[:, :j]) for j in range(n)]
         return torch.stack(per_position, dim=1)
 
     # -- steps -------------------------------------------------------------------------
