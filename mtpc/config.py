@@ -1,110 +1,241 @@
-"""Startup validation of composed Hydra configs (torch-free).
+"""The settings schema (torch-free): every setting of an entry point declared once, as a field
+of a frozen dataclass with its default and its rule, and read from the Hydra config by one
+reader, :func:`read`, which checks each value as it reads it (docs/DESIGN.md, "Settings").
 
-Every entry point validates its config before it loads a model or a dataset, so a wrong value
-fails in milliseconds with one line naming the field and what is allowed. Hydra itself rejects
-unknown config group options (``circuit=foo``).
+A field is ``name: type = setting(default, rule)``; a section nests another schema
+(``circuit: CircuitSettings = section(CircuitSettings, "circuit")``); a rule that involves
+several fields is the section's ``__post_init__``. A wrong value fails before any model or
+dataset loads, in one line naming the field and what is allowed. The schemas:
+``mtpc.training.settings`` (train), ``mtpc.evaluation.settings`` (eval, regenerate); the
+``model.*`` and ``data.*`` sections they share are here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import dataclasses
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from mtpc.choices import (
     ATTENTION_IMPLS,
-    CIRCUIT_KINDS,
     CODEC_NAMES,
     EXTRA_POSITIONS,
     HEAD_INITS,
-    LOSS_NAMES,
+    LORA_TARGET_MODULES,
     MODEL_NAMES,
-    STAGES,
 )
 from mtpc.choices import DTYPE_NAMES as DTYPES
-from mtpc.choices import SAMPLING_POLICIES as REGENERATE_POLICIES
 from mtpc.errors import UserError
+
+__all__ = ["EXTRA_POSITIONS", "HEAD_INITS", "ConfigError", "read", "section", "setting"]
+
+_Schema = TypeVar("_Schema")
+MISSING: Any = object()
+"""A key the config does not have."""
+Rule = Callable[[str, Any], None]
+"""``rule(key, value)`` raises ``ValueError(<what is allowed>)`` for a bad value."""
 
 
 class ConfigError(UserError, ValueError):
     """A config value is outside what MTPC accepts; the message names the field."""
 
 
-_MISSING = object()
+class Refused(ValueError):
+    """A rule's refusal; its text: what is allowed."""
 
 
-def _get(cfg: Mapping[str, Any], dotted: str) -> Any:
-    if isinstance(cfg, DictConfig):  # resolves interpolations of this field only
-        return OmegaConf.select(cfg, dotted, default=_MISSING)
-    node: Any = cfg
-    for part in dotted.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            return _MISSING
-        node = node[part]
-    return node
+# ------------------------------------------------------------------------- rules ----
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_choice(
-    cfg: Mapping[str, Any], field: str, allowed: Iterable[str], optional: bool = False
-) -> None:
-    allowed = tuple(allowed)
-    value = _get(cfg, field)
-    if value is _MISSING and optional:
-        return
-    if value is _MISSING:
-        raise ConfigError(f"{field} is missing from the config")
-    if value not in allowed:
-        raise ConfigError(f"{field}={value!r} is not allowed; allowed: {', '.join(allowed)}")
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def _check_int(
-    cfg: Mapping[str, Any], field: str, minimum: int, optional: bool = False
-) -> int | None:
-    value = _get(cfg, field)
-    if value is _MISSING or value is None:
-        if optional:
-            return None
-        raise ConfigError(f"{field} is missing; allowed: an integer >= {minimum}")
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{field}={value!r} is not allowed; allowed: an integer >= {minimum}")
+def rule(ok: Callable[[Any], bool], allowed: str, null: bool = False) -> Rule:
+    """A value ``ok`` accepts (``null``: None too); else ``<key>=<value> is not allowed;
+    allowed: <allowed>``."""
+
+    def check(key: str, value: Any) -> None:
+        if not ((null and value is None) or ok(value)):
+            raise Refused(allowed)
+
+    return check
+
+
+def integer(low: int, null: bool = False, allowed: str | None = None) -> Rule:
+    """An integer >= ``low`` (``null``: or None)."""
+    return rule(lambda v: _whole(v) and v >= low, allowed or f"an integer >= {low}", null)
+
+
+def number(low: float, high: float = float("inf"), low_open: bool = False,
+           high_open: bool = True, null: bool = True) -> Rule:  # fmt: skip
+    """A number in an interval, e.g. ``(0.0, 1.0]``; None passes unless ``null`` is False."""
+    interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+
+    def ok(v: Any) -> bool:
+        return (
+            _number(v)
+            and (v > low if low_open else v >= low)
+            and (v < high if high_open else v <= high)
+        )
+
+    return rule(ok, f"a number in {interval}", null)
+
+
+def choice(*allowed: Any, null: bool = False) -> Rule:
+    """One of ``allowed``."""
+    return rule(lambda v: v in allowed, ", ".join(map(str, allowed)), null)
+
+
+def flag(null: bool = False) -> Rule:
+    """true or false."""
+    return rule(lambda v: v is True or v is False, "true, false", null)
+
+
+def names(example: str, what: str = "names") -> Rule:
+    """null, a name or a non-empty list of names."""
+
+    def ok(v: Any) -> bool:
+        return isinstance(v, str) or (
+            isinstance(v, list) and bool(v) and all(isinstance(x, str) for x in v)
+        )
+
+    return rule(ok, f"null or a list of {what}, e.g. {example}", null=True)
+
+
+def checked_as(schema: type) -> Rule:
+    """A whole section kept as given, its fields checked by ``schema`` (read and dropped)."""
+
+    def check(key: str, value: Any) -> None:
+        nested = value if isinstance(value, Mapping) else {}
+        for part in reversed(key.split(".")):
+            nested = {part: nested}
+        read(schema, nested, key)
+
+    return check
+
+
+# ------------------------------------------------------------------------ fields ----
+def setting(
+    default: Any = None,
+    check: Rule | None = None,
+    *,
+    key: str | None = None,
+    or_default: bool = False,
+    convert: Callable[[Any], Any] | None = None,
+    node: bool = False,
+    lenient: bool = False,
+    error: type[Exception] | None = None,
+    compare: bool = True,
+) -> Any:
+    """A field read from the config key ``key`` (default: its name; ``""``: the section
+    itself) under its section's prefix. A missing key takes ``default`` (``or_default``: a
+    null or 0 too); ``check`` refuses a bad value; ``convert`` turns the checked value into the
+    field's (a default is the field's already); ``node``: kept as a config node, unresolved
+    (for Hydra's ``instantiate``); ``lenient``: a value that cannot resolve outside Hydra
+    (``${hydra:...}``) takes the default; ``error``: the refusal's class (default: the
+    schema's); ``compare`` False: a record of the config, left out of equality."""
+    meta = {"check": check, "key": key, "or_default": or_default, "convert": convert,
+            "node": node, "lenient": lenient, "error": error}  # fmt: skip
+    if isinstance(default, dict | list):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta,
+                                 compare=compare)  # fmt: skip
+    return dataclasses.field(default=default, metadata=meta, compare=compare)
+
+
+def section(schema: type, key: str = "", optional: bool = False) -> Any:
+    """A nested schema read from the config section ``key`` (``""``: its parent's keys);
+    ``optional``: None when the config has no such section."""
+    meta = {"section": schema, "key": key, "optional": optional}
+    if optional:
+        return dataclasses.field(default=None, metadata=meta)
+    return dataclasses.field(default_factory=schema, metadata=meta)
+
+
+def computed(default: Any = None) -> Any:
+    """A field the schema sets itself (in ``__post_init__`` or ``from_cfg``), never read."""
+    if isinstance(default, dict | list):
+        return dataclasses.field(default_factory=lambda: type(default)(default),
+                                 metadata={"computed": True})  # fmt: skip
+    return dataclasses.field(default=default, metadata={"computed": True})
+
+
+# ------------------------------------------------------------------------ reader ----
+def select(cfg: Any, key: str, resolve: bool = True) -> Any:
+    """``cfg``'s value at the dotted ``key`` (``""``: ``cfg``), :data:`MISSING` when absent;
+    nodes as plain containers unless ``resolve`` is False. The one dotted lookup."""
+    if not key:
+        value = cfg
+    elif isinstance(cfg, DictConfig):  # resolves interpolations of this field only
+        value = OmegaConf.select(cfg, key, default=MISSING)
+    else:
+        value = cfg
+        for part in key.split("."):
+            if not isinstance(value, Mapping) or part not in value:
+                return MISSING
+            value = value[part]
+    if resolve and isinstance(value, DictConfig | ListConfig):
+        return OmegaConf.to_container(value, resolve=True)
     return value
 
 
-def _check_float(
-    cfg: Mapping[str, Any],
-    field: str,
-    low: float,
-    high: float,
-    low_open: bool = False,
-    high_open: bool = False,
-) -> None:
-    value = _get(cfg, field)
-    if value is _MISSING or value is None:
-        return
-    number = isinstance(value, int | float) and not isinstance(value, bool)
-    below = number and (value <= low if low_open else value < low)
-    above = number and (value >= high if high_open else value > high)
-    if not number or below or above:
-        interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
-        raise ConfigError(f"{field}={value!r} is not allowed; allowed: a number in {interval}")
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix and key else prefix or key
 
 
-def _check_model(cfg: Mapping[str, Any]) -> None:
-    _check_choice(cfg, "model.name", MODEL_NAMES)
-    _check_choice(cfg, "model.dtype", DTYPES)
-    _check_choice(cfg, "model.codec", CODEC_NAMES)
-    _check_choice(cfg, "model.attention_impl", ATTENTION_IMPLS, optional=True)  # EvaByte's
-    path = _get(cfg, "model.path")
-    local = _get(cfg, "model.name") == "tiny" or (isinstance(path, str) and _looks_local(path))
-    if isinstance(path, str) and path and local and not Path(path).expanduser().exists():
-        raise ConfigError(
-            f"model.path={path!r} does not exist; allowed: an existing local checkpoint folder, "
-            "a hub id (owner/name; not for model=tiny), or null for the model's default"
-        )
+def _default(item: dataclasses.Field[Any]) -> Any:
+    if item.default_factory is not dataclasses.MISSING:
+        return item.default_factory()
+    return item.default
 
 
+def read(schema: type[_Schema], cfg: Any, prefix: str = "", checked: bool = True,
+         **known: Any) -> _Schema:  # fmt: skip
+    """``schema`` from ``cfg``'s keys under ``prefix``: each field read, defaulted, checked
+    (unless ``checked`` is False: a record, not a user's input) and converted, each section
+    read the same way, ``known`` fields (the computed ones) as given; then the schema's own cross-field checks
+    (``__post_init__``). Raises the schema's ``error`` (default :class:`ConfigError`)."""
+    values: dict[str, Any] = dict(known)
+    for item in dataclasses.fields(schema):  # type: ignore[arg-type]
+        meta = item.metadata
+        if meta.get("computed"):
+            continue
+        key = _join(prefix, item.name if meta.get("key") is None else meta["key"])
+        if "section" in meta:
+            given = select(cfg, key, resolve=False)
+            if not meta["optional"] or (given is not MISSING and given is not None):
+                values[item.name] = read(meta["section"], cfg, key, checked)
+            continue
+        try:
+            value = select(cfg, key, resolve=not meta.get("node"))
+        except Exception:
+            if not meta.get("lenient"):
+                raise
+            value = MISSING
+        if value is MISSING or (meta.get("or_default") and not value):
+            values[item.name] = _default(item)
+            continue
+        if checked and meta.get("check") is not None:
+            try:
+                meta["check"](key, value)
+            except Refused as refused:
+                error = meta["error"] or getattr(schema, "error", ConfigError)
+                raise error(f"{key}={value!r} is not allowed; allowed: {refused}") from None
+        values[item.name] = meta["convert"](value) if meta.get("convert") else value
+    return schema(**values)
+
+
+def given(cfg: Any, keys: tuple[str, ...]) -> dict[str, Any]:
+    """The values of ``keys`` as the config gives them (None where missing), plain."""
+    return {k: None if (v := select(cfg, k)) is MISSING else v for k in keys}
+
+
+# -------------------------------------------------------------- shared sections ----
 def _looks_local(path: str) -> bool:
     """A path rather than a hub id (``owner/name`` with no leading ``.``, ``/`` or ``~``)."""
     if path.startswith((".", "/", "~")) or "\\" in path:
@@ -112,161 +243,59 @@ def _looks_local(path: str) -> bool:
     return path.count("/") != 1  # a hub id is exactly owner/name
 
 
-def _check_schedule(cfg: Mapping[str, Any]) -> None:
-    """optimizer.lr, trainer.max_steps and the checkpoint interval (training only)."""
-    lr = _get(cfg, "optimizer.lr")
-    numeric = not isinstance(lr, bool) and isinstance(lr, int | float)
-    if lr is not _MISSING and not (numeric and 0 < lr < float("inf")):
-        raise ConfigError(f"optimizer.lr={lr!r} is not allowed; allowed: a number > 0")
-    steps = _get(cfg, "trainer.max_steps")
-    whole = not isinstance(steps, bool) and isinstance(steps, int) and (steps >= 1 or steps == -1)
-    if steps is not _MISSING and steps is not None and not whole:
-        raise ConfigError(
-            f"trainer.max_steps={steps!r} is not allowed; allowed: an integer >= 1, "
-            "or -1 (the whole epoch); a run of 0 steps would export an untrained draft"
-        )
-    _check_int(cfg, "callbacks.checkpoint_every_n_steps", 1, optional=True)
-    _check_int(cfg, "callbacks.save_top_k", -1, optional=True)
+@dataclasses.dataclass(frozen=True)
+class ModelSettings:
+    """The target (``model.*``, ``configs/model/tiny.yaml``'s by default); ``fields``: every
+    ``model.*`` field as given (an evaluation's manifest records it as its ``target``)."""
+
+    name: str = setting("tiny", choice(*MODEL_NAMES))
+    path: str | None = None  # a local checkpoint or hub id; None: the model's default
+    revision: str | None = None
+    dtype: str = setting("float32", choice(*DTYPES))
+    codec: str = setting("tiny", choice(*CODEC_NAMES))
+    attention_impl: str = setting("auto", choice(*ATTENTION_IMPLS))  # EvaByte's attention path
+    fields: Mapping[str, Any] = setting({}, key="", convert=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        path = self.path
+        local = self.name == "tiny" or (isinstance(path, str) and _looks_local(path))
+        if isinstance(path, str) and path and local and not Path(path).expanduser().exists():
+            raise ConfigError(
+                f"model.path={path!r} does not exist; allowed: an existing local checkpoint "
+                "folder, a hub id (owner/name; not for model=tiny), or null for the model's "
+                "default"
+            )
+
+    @classmethod
+    def from_fields(cls, fields: Mapping[str, Any] | None) -> ModelSettings:
+        """The settings of a ``model`` section (a plain mapping: a draft's record, unchecked)."""
+        return read(cls, dict(fields or {}), checked=False)
 
 
-def _check_circuit(cfg: Mapping[str, Any]) -> None:
-    _check_choice(cfg, "circuit.kind", CIRCUIT_KINDS)
-    _check_int(cfg, "circuit.window", 1)
-    rank = _check_int(cfg, "circuit.rank", 1)
-    if _get(cfg, "circuit.kind") == "ff" and rank != 1:
-        raise ConfigError(
-            f"circuit.rank={rank} is not allowed with circuit.kind=ff; allowed: 1 "
-            "(use circuit=cp for a mixture of rank > 1)"
-        )
-    _check_float(cfg, "circuit.sum_init_std", 0.0, float("inf"), high_open=True)
-    _check_float(cfg, "circuit.init_std", 0.0, float("inf"), high_open=True)
-    _check_choice(cfg, "circuit.extra_positions", EXTRA_POSITIONS, optional=True)
-    _check_choice(cfg, "circuit.head_init", HEAD_INITS, optional=True)
-    for flag in ("circuit.identity_init", "loss.normalise_discount", "data.pack_documents"):
-        if _get(cfg, flag) not in (_MISSING, True, False):
-            raise ConfigError(f"{flag}={_get(cfg, flag)!r} is not allowed; allowed: true, false")
+@dataclasses.dataclass(frozen=True)
+class DataChecks:
+    """The ``data.*`` fields checked at the door (the section itself is given to the data
+    module as it is; None: the data group's own default)."""
+
+    seq_len: int | None = setting(None, integer(1, null=True))
+    batch_size: int | None = setting(None, integer(1, null=True))
+    max_bytes: int | None = setting(None, integer(1, null=True))
+    num_workers: int | None = setting(None, integer(0, null=True))
+    validation_fraction: float | None = setting(None, number(0.0, 1.0, low_open=True))
+    pack_documents: bool | None = setting(None, flag())
 
 
-def _check_optimizer(cfg: Mapping[str, Any]) -> None:
-    """AdamW's weight decay and betas (the lr is checked with the schedule)."""
-    _check_float(cfg, "optimizer.weight_decay", 0.0, float("inf"), high_open=True)
-    betas = _get(cfg, "optimizer.betas")
-    if betas is _MISSING or betas is None:
-        return
-    values = list(betas) if isinstance(betas, list | tuple | ListConfig) else []
-    valid = [not isinstance(b, bool) and isinstance(b, int | float) and 0 <= b < 1 for b in values]
-    if len(values) != 2 or not all(valid):
-        raise ConfigError(
-            f"optimizer.betas={betas!r} is not allowed; allowed: two numbers in [0, 1), "
-            "e.g. [0.9, 0.999]"
-        )
+@dataclasses.dataclass(frozen=True)
+class LoraSettings:
+    """LoRA on a draft copy of the last layers (``lora.*``, ``configs/lora/default.yaml``;
+    recorded in exported drafts); checked against the target's layers when it is attached
+    (``mtpc.backbones.lora.validate_lora``)."""
 
+    layers: int = setting(0, integer(0))  # k, the copied layers (0: heads only)
+    rank: int = setting(16, integer(1))
+    alpha: float = setting(32.0, number(0.0, low_open=True, null=False), convert=float)
+    dropout: float = setting(0.0, number(0.0, 1.0, null=False), convert=float)
+    target_modules: tuple[str, ...] = setting(LORA_TARGET_MODULES, convert=tuple)
 
-def _check_scheduler(cfg: Mapping[str, Any]) -> None:
-    """``scheduler``: null or a partial LR scheduler (a mapping with ``_target_``)."""
-    scheduler = _get(cfg, "scheduler")
-    if scheduler is _MISSING or scheduler is None:
-        return
-    if not isinstance(scheduler, Mapping) or "_target_" not in scheduler:
-        raise ConfigError(
-            f"scheduler={scheduler!r} is not allowed; allowed: null or a partial LR scheduler, "
-            "e.g. {_target_: torch.optim.lr_scheduler.LinearLR, _partial_: true}"
-        )
-
-
-def _check_lora(cfg: Mapping[str, Any]) -> None:
-    _check_int(cfg, "lora.layers", 0)
-    _check_int(cfg, "lora.rank", 1)
-    _check_float(cfg, "lora.alpha", 0.0, float("inf"), low_open=True, high_open=True)
-    _check_float(cfg, "lora.dropout", 0.0, 1.0, high_open=True)
-
-
-def _check_loss(cfg: Mapping[str, Any]) -> None:
-    _check_choice(cfg, "loss.name", LOSS_NAMES)
-    _check_float(cfg, "loss.gamma", 0.0, 1.0, low_open=True)
-    _check_int(cfg, "loss.chunk_size", 1, optional=True)
-
-
-def _check_stage(cfg: Mapping[str, Any]) -> None:
-    _check_choice(cfg, "stage", STAGES)
-    if _get(cfg, "stage") == "lora" and not _get(cfg, "init_from"):
-        raise ConfigError(
-            "stage=lora needs init_from=<exported draft dir or Lightning checkpoint> "
-            "(the heads-only stage's result); allowed without it: stage=heads"
-        )
-
-
-def _check_data(cfg: Mapping[str, Any]) -> None:
-    for field in ("data.seq_len", "data.batch_size", "data.max_bytes"):
-        _check_int(cfg, field, 1, optional=True)
-    _check_int(cfg, "data.num_workers", 0, optional=True)
-    _check_float(cfg, "data.validation_fraction", 0.0, 1.0, low_open=True, high_open=True)
-
-
-def validate_train_config(cfg: DictConfig | Mapping[str, Any]) -> None:
-    """Raises :class:`ConfigError` naming the first invalid field of a training config."""
-    checks = (_check_model, _check_circuit, _check_lora, _check_loss, _check_optimizer)
-    for check in (*checks, _check_scheduler, _check_stage, _check_data, _check_schedule):
-        check(cfg)
-    _check_int(cfg, "seed", 0)
-    _check_int(cfg, "global_batch_size", 1, optional=True)
-
-
-def _check_eval(cfg: Mapping[str, Any]) -> None:
-    _check_int(cfg, "max_new_tokens", 1)
-    # prompts=spec_bench: num_prompts=null takes every question of the file
-    spec_bench = _get(cfg, "prompts.name") == "spec_bench"
-    _check_int(cfg, "num_prompts", 1, optional=spec_bench)
-    _check_int(cfg, "num_prompt_sets", 1)
-    _check_int(cfg, "seed", 0)
-
-
-def validate_eval_config(cfg: DictConfig | Mapping[str, Any]) -> None:
-    """Raises :class:`ConfigError` naming the first invalid field of an evaluation config."""
-    for check in (_check_model, _check_data, _check_eval):
-        check(cfg)
-
-
-def _check_regenerate(cfg: Mapping[str, Any]) -> None:
-    _check_int(cfg, "max_new_tokens", 1)
-    _check_int(cfg, "seed", 0)
-    num_shards = _check_int(cfg, "num_shards", 1)
-    shard = _check_int(cfg, "shard", 0)
-    if num_shards is not None and shard is not None and shard >= num_shards:
-        raise ConfigError(
-            f"shard={shard} is not allowed with num_shards={num_shards}; "
-            f"allowed: an integer in 0..{num_shards - 1}"
-        )
-    if _get(cfg, "greedy") not in (True, False):
-        raise ConfigError(f"greedy={_get(cfg, 'greedy')!r} is not allowed; allowed: true, false")
-    _check_float(cfg, "temperature", 0.0, float("inf"), low_open=True, high_open=True)
-    _check_float(cfg, "top_p", 0.0, 1.0, low_open=True)
-    _check_int(cfg, "top_k", 1, optional=True)
-    _check_int(cfg, "num_threads", 1, optional=True)
-    _check_choice(cfg, "policy", REGENERATE_POLICIES)
-    # the drafting choice as ``mtpc.generate`` checks it (torch-free), in the config's spelling
-    from mtpc.decoding.settings import CONFIG, SettingsError, check_drafting
-
-    drafting, proposal = (
-        None if (v := _get(cfg, f)) is _MISSING else v for f in ("drafting", "proposal")
-    )
-    try:
-        check_drafting(_get(cfg, "greedy") is not False, drafting, proposal, spell=CONFIG)
-    except SettingsError as err:
-        raise ConfigError(str(err)) from None
-    draft = _get(cfg, "draft")
-    if draft not in (_MISSING, None) and (
-        not isinstance(draft, str) or not (Path(draft).expanduser() / "config.json").is_file()
-    ):
-        raise ConfigError(
-            f"draft={draft!r} is not allowed; allowed: an exported draft folder "
-            "(with config.json, e.g. outputs/train/<run>/draft) or null (autoregressive)"
-        )
-    if not isinstance(_get(cfg, "device"), str):
-        raise ConfigError(f"device={_get(cfg, 'device')!r} is not allowed; allowed: cpu, cuda[:i]")
-
-
-def validate_regenerate_config(cfg: DictConfig | Mapping[str, Any]) -> None:
-    """Raises :class:`ConfigError` naming the first invalid field of a regeneration config."""
-    for check in (_check_model, _check_data, _check_regenerate):
-        check(cfg)
+    def to_dict(self) -> dict[str, object]:
+        return {**dataclasses.asdict(self), "target_modules": list(self.target_modules)}

@@ -115,18 +115,21 @@ class MTPCModel(nn.Module):
         lora_target_modules: Sequence[str] | None = None,
         head_init: str = "pretrained",
         head_dtype: str | torch.dtype = "float32",
+        lora: LoraSettings | None = None,
         **head_options: Any,
     ) -> MTPCModel:
         """Attaches a head (and LoRA on the last ``lora_layers`` layers) to a backbone.
 
-        ``head_options`` go to ``MTPCHead``; bad settings raise before anything is attached.
+        ``lora``: the LoRA settings as one record (then the ``lora_*`` arguments are unused);
+        ``head_options`` go to ``MTPCHead``; bad settings raise before anything is attached
+        (``lora.*``: ``LoraError``).
         """
         from mtpc.heads import MTPCHead
 
         assign_codec(backbone)
         if head_init not in HEAD_INITS:
             raise ValueError(f"head_init is {head_init!r}; allowed: {list(HEAD_INITS)}")
-        settings = as_settings(
+        settings = lora or as_settings(
             lora_layers, lora_rank, lora_alpha, lora_dropout, lora_target_modules
         )
         validate_lora(settings, backbone.layers)

@@ -18,13 +18,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mtpc.backbones import check_batch_size
 from mtpc.backbones.codecs import ByteCodec
 from mtpc.config import ConfigError
 from mtpc.data.preprocess import check_row
 from mtpc.errors import UserError
-from mtpc.evaluation.checks import check_batch_backbone, parse_regenerate
 from mtpc.evaluation.loading import load_target
-from mtpc.evaluation.settings import CHUNK_BATCHES, Settings
+from mtpc.evaluation.settings import CHUNK_BATCHES, Settings, parse_regenerate
 from mtpc.files import BadJsonLine, read_json_lines
 from mtpc.store import AppendStore, changed, provenance, write_json
 
@@ -355,7 +355,7 @@ def regenerate(cfg: Any) -> dict[str, Any]:
         model = MTPCModel.from_pretrained(settings.draft, target=backbone)
     else:
         model = MTPCModel.target_only(backbone)
-    check_batch_backbone(job.batch_size, model, ConfigError)
+    check_batch_size(job.batch_size, model.backbone, error=ConfigError)
     codec = get_codec(str(job.model.codec))
     manifest |= {
         "target": {"model": job.model.name, "path": job.model.path, "codec": codec.name,

@@ -168,7 +168,8 @@ def test_attention_path_is_chosen_checked_and_logged(
 def test_attention_impl_is_a_validated_model_field() -> None:
     from hydra import compose, initialize_config_dir
 
-    from mtpc.config import ConfigError, validate_train_config
+    from mtpc.config import ConfigError
+    from mtpc.training.settings import validate_train_config
 
     configs = Path(__file__).resolve().parents[1] / "configs"
     with initialize_config_dir(config_dir=str(configs), version_base="1.3"):

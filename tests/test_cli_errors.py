@@ -72,7 +72,8 @@ def test_a_bug_keeps_its_traceback() -> None:
 def test_bad_settings_fail_at_startup(override: str, message: str) -> None:
     from hydra import compose, initialize_config_dir
 
-    from mtpc.config import ConfigError, validate_train_config
+    from mtpc.config import ConfigError
+    from mtpc.training.settings import validate_train_config
 
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
         cfg = compose("train", overrides=[override])

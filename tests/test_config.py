@@ -9,7 +9,9 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig, OmegaConf
 
-from mtpc.config import ConfigError, validate_eval_config, validate_train_config
+from mtpc.config import ConfigError
+from mtpc.evaluation.settings import validate_eval_config
+from mtpc.training.settings import validate_train_config
 from tests.helpers import require_extra
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"

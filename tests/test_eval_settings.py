@@ -1,6 +1,6 @@
 """The evaluation's and the regeneration's settings (``mtpc.evaluation.settings``): read once at
 the door, with eval.yaml's defaults, checked before any model work, frozen; the raw config's
-dotted getter is used by the parsing module only."""
+dotted lookup is the schema reader's only (mtpc/config.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from mtpc.config import ConfigError
-from mtpc.evaluation.checks import EvalConfigError, parse_eval, parse_regenerate
 from mtpc.evaluation.settings import (
+    EvalConfigError,
     EvalDecoding,
     EvalOutput,
     EvalPrompts,
@@ -24,6 +24,8 @@ from mtpc.evaluation.settings import (
     ModelSettings,
     RegenerateSettings,
     Settings,
+    parse_eval,
+    parse_regenerate,
 )
 from tests.helpers import eval_cfg
 
@@ -150,12 +152,14 @@ def test_the_settings_are_frozen() -> None:
             setattr(obj, name, None)
 
 
-def test_only_the_parsing_module_reads_the_raw_config() -> None:
-    """No ``get_field(`` (the dotted getter) below the doors: a regression fails here."""
-    folder = ROOT / "mtpc" / "evaluation"
+def test_only_the_schema_reader_reads_the_raw_config() -> None:
+    """No dotted config lookup (``OmegaConf.select``, a ``get_field(`` / ``_get(`` getter) but
+    the schema's reader's (``mtpc/config.py``): a regression fails here."""
     readers = {
-        path.name
-        for path in folder.glob("*.py")
-        if re.search(r"\bget_field\(|\b_get\(", path.read_text(encoding="utf-8"))
+        path.relative_to(ROOT).as_posix()
+        for path in (ROOT / "mtpc").rglob("*.py")
+        if re.search(
+            r"\bget_field\(|\b_get\(|OmegaConf\.select\(", path.read_text(encoding="utf-8")
+        )
     }
-    assert readers == {"settings.py"}
+    assert readers == {"mtpc/config.py"}

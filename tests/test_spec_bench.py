@@ -159,7 +159,8 @@ def test_the_config_group_takes_every_question_and_keeps_the_default_prompts() -
     assert spec.prompts.path == "q.jsonl" and list(spec.prompts.categories) == ["writing", "qa"]
     assert spec.num_prompts is None and spec.english_only is False
     assert default.get("prompts") is None and default.num_prompts == 8 and default.english_only
-    from mtpc.config import ConfigError, validate_eval_config
+    from mtpc.config import ConfigError
+    from mtpc.evaluation.settings import validate_eval_config
 
     validate_eval_config(spec)  # num_prompts=null: every question
     with open_dict(default):

@@ -19,7 +19,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from mtpc.config import validate_train_config
+from mtpc.training.settings import validate_train_config
 
 REPO = Path(__file__).resolve().parents[1]
 CELLS = sorted(

@@ -95,9 +95,10 @@ def test_the_model_arguments_are_the_configs() -> None:
     args = TrainSettings.from_cfg(cfg).model_arguments()
     circuit = OmegaConf.to_container(cfg.circuit, resolve=True)
     assert isinstance(circuit, dict)
-    assert {k: args[k] for k in circuit} == circuit
-    assert args["lora_layers"] == 2 and args["chunk_size"] == 64
-    assert args["lora_target_modules"] == list(LORA_MODULES)
+    c = args["circuit"]  # the sections themselves (build_model's keywords), not flat lora_*
+    assert {"kind": c.kind, "window": c.window, "rank": c.rank, **c.options} == circuit
+    assert args["lora"].layers == 2 and args["chunk_size"] == 64
+    assert args["lora"].target_modules == LORA_MODULES
 
 
 def test_the_whole_config_is_kept_as_data_for_the_export_and_the_resume() -> None:

@@ -223,7 +223,7 @@ def test_resume_continues_the_same_loss_curve(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_every_experiment_composes_and_validates() -> None:
-    from mtpc.config import validate_train_config
+    from mtpc.training.settings import validate_train_config
 
     experiments = sorted(p.stem for p in (CONFIG_DIR / "experiment").glob("*.yaml"))
     assert len(experiments) >= 40

@@ -19,8 +19,53 @@ from mtpc.choices import MODEL_NAMES as BACKBONES
 
 __all__ = [
     "ATTENTION_IMPLS", "BACKBONES", "DTYPES", "Backbone", "LayerCache", "TargetLoadError",
-    "backbone_from_hf", "load_backbone", "resolve_dtype", "run_device_for",
+    "backbone_class", "backbone_from_hf", "check_batch_size", "load_backbone", "resolve_dtype",
+    "run_device_for",
 ]  # fmt: skip
+
+CLASSES = {
+    "tiny": ("mtpc.backbones.llama", "LlamaBackbone"),
+    "evabyte": ("mtpc.backbones.evabyte", "EvaByteBackbone"),
+    "llama3_byte": ("mtpc.backbones.llama3_byte", "Llama3ByteBackbone"),
+}
+"""The backbone class of each ``model.name`` (what a target can do, asked before it loads)."""
+
+
+def backbone_class(name: str) -> type[Backbone] | None:
+    """The backbone class ``load_backbone(name)`` builds; None: a name outside the registry."""
+    if name not in CLASSES:
+        return None
+    import importlib
+
+    module, cls = CLASSES[name]
+    return getattr(importlib.import_module(module), cls)
+
+
+def check_batch_size(
+    batch_size: Any,
+    backbone: Backbone | type[Backbone] | None,
+    count: int | None = None,
+    *,
+    model: str | None = None,
+    error: type[Exception] = ValueError,
+) -> int:
+    """The rows decoded at once: ``batch_size`` (None: ``count``, every prompt, where the
+    backbone batches, else 1) at most ``count``. ``backbone``: the loaded one, or before
+    loading the class of ``model=<name>`` (:func:`backbone_class`; None: not known, not
+    refused). ``error``: the refusal's class, e.g. a settings error before anything loads."""
+    batched = backbone is None or backbone.supports_batch
+    if batch_size is None and count is not None:
+        batch_size = count if batched else 1
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise error(f"batch_size is {batch_size!r}; allowed: an int >= 1 (or None)")
+    if batch_size > 1 and not batched:
+        name = backbone if isinstance(backbone, type) else type(backbone)
+        who = f" for model={model}: it" if model else f": {name.__name__}"
+        raise error(
+            f"batch_size={batch_size} is not allowed{who} decodes one prompt at a time "
+            "(EvaByte's EVA window cache holds one sequence); allowed: batch_size=1"
+        )
+    return batch_size if count is None else min(batch_size, count)
 
 
 def run_device_for(accelerator: str | None) -> str:

@@ -7,7 +7,6 @@ target; LoRA parameters keep peft's names. See docs/BACKBONES.md, "The split".
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
 
 import torch
 from peft import LoraConfig, inject_adapter_in_model
@@ -15,46 +14,39 @@ from peft.tuners.lora import LoraLayer
 from torch import nn
 
 from mtpc.choices import LORA_TARGET_MODULES
+from mtpc.config import LoraSettings
+
+__all__ = ["LoraError", "LoraSettings", "LoraTail", "as_settings", "attach_lora", "validate_lora"]
 
 
-@dataclass(frozen=True)
-class LoraSettings:
-    """LoRA hyper-parameters (recorded in exported drafts)."""
-
-    layers: int = 0
-    rank: int = 16
-    alpha: float = 32.0
-    dropout: float = 0.0
-    target_modules: tuple[str, ...] = field(default=LORA_TARGET_MODULES)
-
-    def to_dict(self) -> dict[str, object]:
-        return {**asdict(self), "target_modules": list(self.target_modules)}
+class LoraError(ValueError):
+    """A ``lora.*`` setting the target's layers cannot take; names the field."""
 
 
 def validate_lora(settings: LoraSettings, layers: nn.ModuleList) -> None:
-    """Checks k, rank, dropout and the target modules against the layers (ValueError naming
+    """Checks k, rank, dropout and the target modules against the layers (LoraError naming
     the field and the allowed values, before anything is built)."""
     n = len(layers)
     if not 0 <= settings.layers <= n:
-        raise ValueError(f"lora.layers (k) is {settings.layers}; allowed: 0..{n} (the layer count)")
+        raise LoraError(f"lora.layers (k) is {settings.layers}; allowed: 0..{n} (the layer count)")
     if settings.layers == 0:
         return
     if any(isinstance(m, LoraLayer) for m in layers.modules()):
-        raise ValueError(
+        raise LoraError(
             "the target already carries a LoRA adapter (from another MTPCModel); "
             "load a fresh copy of the target for each draft with lora_layers > 0"
         )
     if settings.rank < 1:
-        raise ValueError(f"lora.rank is {settings.rank}; allowed: an integer >= 1")
+        raise LoraError(f"lora.rank is {settings.rank}; allowed: an integer >= 1")
     if not 0.0 <= settings.dropout < 1.0:
-        raise ValueError(f"lora.dropout is {settings.dropout}; allowed: 0 <= dropout < 1")
+        raise LoraError(f"lora.dropout is {settings.dropout}; allowed: 0 <= dropout < 1")
     if not settings.target_modules:
-        raise ValueError("lora.target_modules is empty; name at least one linear module")
+        raise LoraError("lora.target_modules is empty; name at least one linear module")
     last = layers[n - 1].named_modules()
     available = sorted({name.rsplit(".", 1)[-1] for name, m in last if isinstance(m, nn.Linear)})
     missing = [t for t in settings.target_modules if t not in available]
     if missing:
-        raise ValueError(
+        raise LoraError(
             f"lora.target_modules {missing} do not exist in the layers; allowed: {available}"
         )
 

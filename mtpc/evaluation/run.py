@@ -18,12 +18,11 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from mtpc.backbones import check_batch_size
 from mtpc.backbones.codecs import get_codec
 from mtpc.benchmarking import peak_memory_mb, sync_memory_reset
 from mtpc.decoding import generate
 from mtpc.decoding.common import cut_at_stop
-from mtpc.evaluation.checks import EvalConfigError, check_batch_backbone, parse_eval
-from mtpc.evaluation.checks import check_eval_fields as check_eval_fields  # tests import it here
 from mtpc.evaluation.drafting import tree_budgets
 from mtpc.evaluation.folders import build_manifest, check_prompts, eval_folder, fresh_folder
 from mtpc.evaluation.hetero import decode_hetero
@@ -47,10 +46,13 @@ from mtpc.evaluation.records import (
 from mtpc.evaluation.report import build_report, report_folders
 from mtpc.evaluation.settings import (
     CHUNK_BATCHES,
+    EvalConfigError,
     EvalDecoding,
     EvalSettings,
     hydra_model_overrides,
+    parse_eval,
 )
+from mtpc.evaluation.settings import check_eval_fields as check_eval_fields  # tests import it here
 from mtpc.export import read_config
 
 logger = logging.getLogger(__name__)
@@ -196,7 +198,7 @@ class Lane:
         self.drafting = pass_name == "speculative" or pass_name.startswith("tree")
         self.check = self.drafting and bool(self.kwargs["greedy"])  # output == AR's
         self.batch_size = int(s.run.batch_size)
-        check_batch_backbone(self.batch_size, model, EvalConfigError)
+        check_batch_size(self.batch_size, model.backbone, error=EvalConfigError)
         self.codec = get_codec(model.backbone.codec)
 
     def warm_up(self, prompt_sets: Sequence[Sequence[Any]]) -> None:

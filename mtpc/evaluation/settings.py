@@ -1,31 +1,51 @@
-"""The settings of an evaluation (``eval.py``) and of a regeneration (``scripts/regenerate.py``),
-read from the Hydra config once, at the door, as given (docs/DESIGN.md). Each default is written
-once, here, and equals ``configs/eval.yaml``'s (``configs/regenerate.yaml``'s), where each field
-is described; :func:`get_field` is used here only (a test greps for it)."""
+"""The schemas of an evaluation (``eval.py``) and of a regeneration (``scripts/regenerate.py``):
+every setting declared once with its default and its rule (``mtpc.config``), read and checked
+once, at the door (:func:`parse_eval`, :func:`parse_regenerate`), before anything loads; a bad
+value is refused in one line naming the field and the allowed values. Each default equals
+``configs/eval.yaml``'s (``configs/regenerate.yaml``'s), where each field is described."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from mtpc.choices import SAMPLING_POLICIES
+from mtpc.config import (
+    ConfigError,
+    DataChecks,
+    ModelSettings,
+    checked_as,
+    choice,
+    computed,
+    flag,
+    given,
+    integer,
+    names,
+    number,
+    read,
+    rule,
+    section,
+    setting,
+)
+from mtpc.decoding.settings import CONFIG, SettingsError, Spelling, check_drafting, check_settings
+
+__all__ = ["ModelSettings"]
+
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 """``paths.root_dir`` when the config has none."""
+RESUME = ("auto", "force", "never")
+"""``resume=``'s values (configs/eval.yaml, docs/EVALUATION.md)."""
+BATCH_SIZE = integer(1, allowed="an integer >= 1 (1: one prompt at a time, the paper's protocol)")
 
 
-def get_field(cfg: Any, key: str, default: Any = None) -> Any:
-    """``cfg``'s field ``key`` (dotted) of a config or a plain mapping; ``default`` if missing."""
-    if isinstance(cfg, DictConfig):
-        return OmegaConf.select(cfg, key, default=default)
-    node = cfg
-    for part in key.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            return default
-        node = node[part]
-    return node
+class EvalConfigError(ConfigError):
+    """An evaluation setting outside what the evaluator accepts; names the field."""
 
 
 def plain(value: Any) -> Any:
@@ -35,33 +55,25 @@ def plain(value: Any) -> Any:
     return value
 
 
-def _read(cfg: Any, key: str, default: Any = None) -> Any:
-    """``cfg``'s field ``key`` as plain Python; ``default`` if missing."""
-    return plain(get_field(cfg, key, default))
-
-
-def _read_all(cls: Any, cfg: Any, prefix: str = "", skip: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Every field of dataclass ``cls`` but ``skip``, read at ``prefix + name`` with its default."""
-    default = cls()
-    return {
-        k: _read(cfg, prefix + k, getattr(default, k))
-        for k in cls.__dataclass_fields__
-        if k not in skip
-    }
-
-
 def name_list(value: Any) -> Any:
     """A list of names given as one name or a list (``sources=a`` is ``[a]``); None stays."""
     return [value] if isinstance(value, str) else value
 
 
-def _output_dir(cfg: Any) -> str | None:
-    """``output_dir``; None also when it cannot resolve (``${hydra:...}`` outside a Hydra run)."""
+@contextlib.contextmanager
+def _refusing(error: type[Exception]) -> Iterator[None]:
+    """Turns a decoding check's SettingsError into ``error``, the same one line."""
     try:
-        out = get_field(cfg, "output_dir")
-    except Exception:
-        return None
-    return None if out is None else str(out)
+        yield
+    except SettingsError as err:
+        raise error(str(err)) from None
+
+
+def _check_batch(batch_size: int, model: str, error: type[Exception]) -> None:
+    """``batch_size`` > 1 needs a target whose backbone class batches (asked before loading)."""
+    from mtpc.backbones import backbone_class, check_batch_size
+
+    check_batch_size(batch_size, backbone_class(model), model=model, error=error)
 
 
 CHUNK_BATCHES = 4
@@ -79,47 +91,47 @@ IDENTITY_FIELDS = (
 """Settings that define a measurement (their change starts another evaluation folder), in the
 manifest's order. ``batch_size`` > 1 is added to them (another timing protocol)."""
 
-
-@dataclass(frozen=True)
-class ModelSettings:
-    """The target (``model.*``; after :func:`mtpc.evaluation.loading.resolve_target`, the one
-    the drafts were exported for). ``fields``: every ``model.*`` field as given (the
-    manifest's ``target``)."""
-
-    name: str = "tiny"
-    path: str | None = None
-    revision: str | None = None
-    dtype: str = "float32"
-    codec: str = "tiny"
-    attention_impl: str = "auto"
-    fields: Mapping[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def from_fields(cls, fields: Mapping[str, Any] | None) -> ModelSettings:
-        """The settings of a ``model`` section (a plain mapping)."""
-        f = dict(fields or {})
-        return cls(**_read_all(cls, f, skip=("fields",)), fields=f)
+DECODING_FIELDS = ("policy", "greedy", "temperature", "top_k", "top_p")
+"""The fields :func:`mtpc.decoding.settings.check_settings` checks."""
 
 
 @dataclass(frozen=True)
 class EvalDecoding:
-    """How every prompt is decoded (``mtpc.generate``'s keywords; docs/DECODING.md).
-    ``temperature`` is a number > 0 even when greedy ignores it; prompt i of a set decodes
-    with ``seed`` + i (+ the prompt's offset)."""
+    """How every prompt is decoded (``mtpc.generate``'s keywords; docs/DECODING.md), checked as
+    ``mtpc.generate`` checks them, so a bad one gets the same one line. ``temperature`` is a
+    number > 0 even when greedy ignores it; prompt i of a set decodes with ``seed`` + i (+ the
+    prompt's offset)."""
 
-    max_new_tokens: int = 128
+    error: ClassVar[type[Exception]] = EvalConfigError
+    max_new_tokens: int = setting(128, integer(1), error=ConfigError)
     greedy: bool = True
     policy: str = "condition"
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
-    suppress_eos: bool = False
-    seed: int = 0
+    suppress_eos: bool = setting(False, flag())
+    seed: int = setting(0, integer(0), error=ConfigError)
     drafting: str | None = None
     proposal: str | None = None
     tree_budget: Any = None
-    tree_floor: float = 0.0
+    tree_floor: float = setting(0.0, or_default=True)  # null: no floor
     compile: Any = False  # the AR pass's engine: False (eager), True or a torch.compile backend
+
+    def __post_init__(self) -> None:
+        from mtpc.evaluation.drafting import check_eval_drafting, tree_budgets
+
+        with _refusing(EvalConfigError):
+            check_eval_drafting(self.drafting, self.tree_budget)  # before: drafting=tree
+            fields = {f: v for f in DECODING_FIELDS if (v := getattr(self, f)) is not None}
+            greedy = check_settings(CONFIG, **fields, draft=self.drafting,
+                                    proposal=self.proposal).greedy  # fmt: skip
+            budget = max(tree_budgets(self.tree_budget), default=0)  # the tree rows' choice
+            check_drafting(greedy, tree_budget=budget, tree_floor=self.tree_floor, spell=CONFIG)
+            check_settings(CONFIG, method="autoregressive", compile=self.compile)  # AR pass's
+        if self.temperature <= 0:  # a config's temperature is a number > 0, greedy or not
+            raise EvalConfigError(
+                f"temperature={self.temperature!r} is not allowed; allowed: a number > 0"
+            )
 
 
 @dataclass(frozen=True)
@@ -127,23 +139,50 @@ class SpecBench:
     """``prompts=spec_bench`` (configs/prompts/spec_bench.yaml); ``path`` is relative to the
     project root, as ``draft=`` is."""
 
-    name: Any = None
+    error: ClassVar[type[Exception]] = EvalConfigError
+    name: Any = setting(None, choice("spec_bench"))
     path: Any = None
-    categories: Any = None
-    per_category: Any = None
-    turns: Any = None
+    categories: Any = setting(None, names("prompts.categories=[writing,translation]", "categories"))
+    per_category: Any = setting(None, integer(1, True, "null or an integer >= 1"))
+    turns: Any = setting(None, integer(1, True, "null or an integer >= 1"))
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, str) or not self.path:
+            raise EvalConfigError(
+                f"prompts.path={self.path!r} is not allowed; allowed: a Spec-Bench "
+                "question.jsonl (prompts=spec_bench prompts.path=<file>)"
+            )
 
 
 @dataclass(frozen=True)
 class EvalPrompts:
     """Which prompts are decoded; ``spec_bench`` None: the data group's."""
 
-    num_prompts: int | None = 8
-    num_prompt_sets: int = 1
-    english_only: bool = True
-    sources: Any = None
-    max_prompt_length: int | None = None
-    spec_bench: SpecBench | None = None
+    error: ClassVar[type[Exception]] = EvalConfigError
+    # prompts=spec_bench: null takes every question of the file
+    num_prompts: int | None = setting(8, integer(1, null=True), error=ConfigError)
+    num_prompt_sets: int = setting(1, integer(1), error=ConfigError)
+    english_only: bool = setting(True, flag())
+    sources: Any = setting(None, names("sources=[synthetic/multi_answer]", "source names"))
+    max_prompt_length: int | None = setting(None, integer(1, null=True))
+    spec_bench: SpecBench | None = section(SpecBench, "prompts", optional=True)
+
+    def __post_init__(self) -> None:
+        if self.num_prompts is None and self.spec_bench is None:
+            raise ConfigError("num_prompts is missing; allowed: an integer >= 1")
+        if self.spec_bench is None:
+            return
+        if self.sources is not None:
+            raise EvalConfigError(
+                "sources= is not allowed with prompts=spec_bench (it selects the data group's "
+                "sources); allowed: sources=null, and prompts.categories=[...] for Spec-Bench"
+            )
+        if self.english_only is True:
+            raise EvalConfigError(
+                "english_only=true is not allowed with prompts=spec_bench (its questions are "
+                "taken as they are); allowed: false, and prompts.categories=[...] to choose "
+                "questions"
+            )
 
 
 @dataclass(frozen=True)
@@ -151,26 +190,43 @@ class EvalRun:
     """How the passes run and are timed; ``batch_size`` > 1 is part of the folder's identity
     (the times are a batch's shares)."""
 
+    error: ClassVar[type[Exception]] = EvalConfigError
     device: str = "cpu"
-    num_threads: int | None = 1
-    warmup: int = 1
-    warmup_window: bool = True
-    max_throughput: bool = True
-    interleave: bool = False
-    progress: bool = True
-    batch_size: int = 1
+    num_threads: int | None = setting(1, integer(1, null=True))
+    warmup: int = setting(1, integer(0, null=True))
+    warmup_window: bool = setting(True, flag(null=True))
+    max_throughput: bool = setting(True, flag())
+    interleave: bool = setting(False, flag(null=True))
+    progress: bool = setting(True, flag(null=True))
+    batch_size: int = setting(1, BATCH_SIZE)
+
+    def __post_init__(self) -> None:
+        device = str(self.device)
+        if device != "cpu" and not device.startswith("cuda"):
+            raise EvalConfigError(f"device={device!r} is not allowed; allowed: cpu, cuda, cuda:<i>")
+        if device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise EvalConfigError(
+                    f"device={device!r} is not allowed: CUDA is not available; allowed: cpu"
+                )
 
 
 @dataclass(frozen=True)
 class EvalOutput:
     """Where the records and tables go; relative paths start at ``root_dir``
-    (``paths.root_dir``)."""
+    (``paths.root_dir``); ``output_dir`` None also when it cannot resolve (``${hydra:...}``
+    outside a Hydra run)."""
 
-    root_dir: Path = PROJECT_ROOT
-    output_dir: str | None = None
+    error: ClassVar[type[Exception]] = EvalConfigError
+    root_dir: Path = setting(PROJECT_ROOT, key="paths.root_dir", or_default=True, convert=Path)
+    output_dir: str | None = setting(
+        None, lenient=True, convert=lambda v: None if v is None else str(v)
+    )
     report: Any = None
-    resume: str = "auto"
-    plots: bool = True
+    resume: str = setting("auto", choice(*RESUME, null=True))
+    plots: bool = setting(True, flag())
 
 
 @dataclass(frozen=True)
@@ -186,74 +242,91 @@ class Drafter:
     look_behind: int | None = None
     max_psi_paths: int | None = None
     psi: str | None = None
-    fields: Mapping[str, Any] = field(default_factory=dict)
+    fields: Mapping[str, Any] = setting(
+        {}, key="", convert=lambda v: v if isinstance(v, Mapping) else {}
+    )
+
+    def check(self, greedy: bool) -> None:
+        """Its fields as ``generate_hetero`` checks them, and its model."""
+        from mtpc.evaluation.drafters import FIXTURE_PREFIX, FIXTURES
+
+        hetero = {
+            name: value
+            for name in ("algorithm", "lookahead", "look_behind", "max_psi_paths", "psi")
+            if (value := self.fields.get(name)) is not None or name == "algorithm"
+        }
+        with _refusing(EvalConfigError):
+            check_settings(Spelling(lambda f: f"drafter.{f}", config=True), greedy=greedy, **hetero)
+        model = str(self.model)
+        allowed = "allowed: a local HF causal-LM folder or " + ", ".join(
+            FIXTURE_PREFIX + f for f in FIXTURES
+        )
+        fixture = model.startswith(FIXTURE_PREFIX)
+        if fixture and model.removeprefix(FIXTURE_PREFIX) not in FIXTURES:
+            raise EvalConfigError(f"drafter.model={model!r} is not allowed; {allowed}")
+        if not fixture and not Path(model).expanduser().is_dir():
+            raise EvalConfigError(f"drafter.model={model!r} does not exist; {allowed}")
 
 
 @dataclass(frozen=True)
 class EvalSettings:
-    """Everything an evaluation reads from its config, parsed once. ``given``: the settings
-    of :data:`IDENTITY_FIELDS` as the config gives them (None where missing): the manifest
-    records exactly these, so a folder written before this settings layer resumes."""
+    """Everything an evaluation reads from its config, read and checked once
+    (:meth:`from_cfg`). ``given``: the settings of :data:`IDENTITY_FIELDS` as the config gives
+    them (None where missing): the manifest records exactly these, so a folder written before
+    this settings layer resumes."""
 
     draft: Any = None
     baseline: Any = None
-    model: ModelSettings = field(default_factory=ModelSettings)
-    data: Mapping[str, Any] | None = None
-    decoding: EvalDecoding = field(default_factory=EvalDecoding)
-    prompts: EvalPrompts = field(default_factory=EvalPrompts)
-    run: EvalRun = field(default_factory=EvalRun)
-    output: EvalOutput = field(default_factory=EvalOutput)
-    drafter: Drafter | None = None
-    given: Mapping[str, Any] = field(default_factory=dict)
+    model: ModelSettings = section(ModelSettings, "model")
+    data: Mapping[str, Any] | None = setting(None, checked_as(DataChecks))
+    decoding: EvalDecoding = section(EvalDecoding)
+    prompts: EvalPrompts = section(EvalPrompts)
+    run: EvalRun = section(EvalRun)
+    output: EvalOutput = section(EvalOutput)
+    drafter: Drafter | None = section(Drafter, "drafter", optional=True)
+    given: Mapping[str, Any] = computed({})
+
+    def __post_init__(self) -> None:
+        """The rules across sections: the batch against the target and the drafter."""
+        batch_size = self.run.batch_size
+        _check_batch(batch_size, str(self.model.name), EvalConfigError)
+        if self.drafter is None:
+            return
+        if batch_size > 1:
+            raise EvalConfigError(
+                f"batch_size={batch_size} is not allowed with drafter= (another vocabulary's "
+                "drafter decodes one prompt at a time); allowed: batch_size=1"
+            )
+        self.drafter.check(self.decoding.greedy)
+        spec = self.prompts.spec_bench
+        if spec is not None and spec.turns != 1:
+            raise EvalConfigError(
+                "drafter=hetero decodes one turn per prompt; with prompts=spec_bench set "
+                "prompts.turns=1 (allowed: 1)"
+            )
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> EvalSettings:
-        """Reads every field the evaluation uses (unchecked: ``checks.parse_eval`` checks)."""
-        decoding = _read_all(EvalDecoding, cfg)
-        if decoding["tree_floor"] is None:  # null: no floor
-            decoding["tree_floor"] = EvalDecoding.tree_floor
-        spec = None
-        if get_field(cfg, "prompts") is not None:
-            spec = SpecBench(**_read_all(SpecBench, cfg, "prompts."))
-        drafter = None
-        if get_field(cfg, "drafter") is not None:
-            fields = _read(cfg, "drafter")
-            drafter = Drafter(
-                **_read_all(Drafter, cfg, "drafter.", skip=("fields",)),
-                fields=fields if isinstance(fields, Mapping) else {},
-            )
-        root = get_field(cfg, "paths.root_dir")
-        output = _read_all(EvalOutput, cfg, skip=("root_dir", "output_dir"))
-        return cls(
-            draft=_read(cfg, "draft"),
-            baseline=_read(cfg, "baseline"),
-            model=ModelSettings.from_fields(_read(cfg, "model")),
-            data=_read(cfg, "data"),
-            decoding=EvalDecoding(**decoding),
-            prompts=EvalPrompts(
-                **_read_all(EvalPrompts, cfg, skip=("spec_bench",)), spec_bench=spec
-            ),
-            run=EvalRun(**_read_all(EvalRun, cfg)),
-            output=EvalOutput(
-                **output, root_dir=Path(root) if root else PROJECT_ROOT, output_dir=_output_dir(cfg)
-            ),
-            drafter=drafter,
-            given={k: _read(cfg, k) for k in IDENTITY_FIELDS},
-        )
+        """Every field the evaluation uses, checked (target, data and counts:
+        ``ConfigError``; the evaluator's own fields: :class:`EvalConfigError`)."""
+        return read(cls, cfg, given=given(cfg, IDENTITY_FIELDS))
+
+
+def parse_eval(cfg: Any) -> EvalSettings:
+    """``evaluate``'s door: the config read and checked once, before anything loads."""
+    return EvalSettings.from_cfg(cfg)
+
+
+check_eval_fields = validate_eval_config = parse_eval
 
 
 def explicit_model_fields(overrides: list[str], cfg: Any) -> dict[str, Any]:
     """The ``model.*`` fields a command line sets (``model=<group>`` sets ``name``), with the
     values ``cfg`` composed for them; ``overrides``: Hydra's task overrides, e.g.
     ``["draft=d", "model=evabyte", "model.path=/ckpt"]``."""
-    fields: dict[str, Any] = {}
-    for override in overrides:
-        key = override.split("=", 1)[0].lstrip("+~")
-        if key == "model":
-            fields["name"] = get_field(cfg, "model.name")
-        elif key.startswith("model."):
-            fields[key.removeprefix("model.")] = _read(cfg, key)
-    return fields
+    keys = [o.split("=", 1)[0].lstrip("+~") for o in overrides]
+    keys = ["model.name" if k == "model" else k for k in keys if k.startswith("model")]
+    return {k.removeprefix("model."): v for k, v in given(cfg, tuple(keys)).items()}
 
 
 def hydra_model_overrides(cfg: Any) -> dict[str, Any] | None:
@@ -266,20 +339,28 @@ def hydra_model_overrides(cfg: Any) -> dict[str, Any] | None:
 
 
 # ---------------------------------------------------------------------- regeneration ----
+def _draft_folder(v: Any) -> bool:
+    return isinstance(v, str) and (Path(v).expanduser() / "config.json").is_file()
+
+
 @dataclass(frozen=True)
 class Settings:
     """How every assistant turn of a regeneration is decoded (part of the manifest's identity;
     fields: configs/regenerate.yaml). ``method`` speculative needs ``draft``."""
 
-    method: str = "autoregressive"
-    draft: str | None = None
-    greedy: bool = True
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-    max_new_tokens: int = 1024
-    seed: int = 0
-    policy: str = "condition"
+    method: str = setting("autoregressive", key="draft",
+                          convert=lambda d: "speculative" if d else "autoregressive")  # fmt: skip
+    draft: str | None = setting(None, rule(_draft_folder, null=True, allowed=(
+        "an exported draft folder (with config.json, e.g. outputs/train/<run>/draft) or null "
+        "(autoregressive)")), convert=lambda d: str(Path(d).expanduser().resolve()) if d else None)  # fmt: skip
+    greedy: bool = setting(True, flag())
+    temperature: float = setting(1.0, number(0.0, low_open=True, null=False), convert=float)
+    top_k: int | None = setting(None, integer(1, null=True))
+    top_p: float | None = setting(None, number(0.0, 1.0, low_open=True, high_open=False),
+                                  convert=lambda p: None if p is None else float(p))  # fmt: skip
+    max_new_tokens: int = setting(1024, integer(1))
+    seed: int = setting(0, integer(0))
+    policy: str = setting("condition", choice(*SAMPLING_POLICIES))
     drafting: str | None = None
     proposal: str | None = None
     compile: Any = False  # the engine (autoregressive only, so far): not the rows' law
@@ -299,16 +380,6 @@ class Settings:
         return {k: getattr(self, k) for k in keys}
 
 
-def _regenerate_folder(cfg: Any, decoder: Settings) -> str:
-    """``outputs/regenerate/<model>-<data source>-<greedy | t<T>>-seed<seed>`` (the temperature
-    as the config writes it)."""
-    root = Path(_read(cfg, "paths.root_dir") or ".")
-    mode = "greedy" if decoder.greedy else f"t{_read(cfg, 'temperature', decoder.temperature)}"
-    source = "path" if _read(cfg, "data.path") else _read(cfg, "data.source", "synthetic")
-    name = f"{_read(cfg, 'model.name')}-{source}-{mode}-seed{_read(cfg, 'seed', decoder.seed)}"
-    return str(root / "outputs" / "regenerate" / name)
-
-
 REGENERATE_DATA = ("source", "path", "num_rows", "seed", "streaming", "revision", "hf_name")
 """The ``data.*`` fields a regeneration reads (its manifest's ``data``, with the source's
 fingerprint and name)."""
@@ -316,47 +387,54 @@ fingerprint and name)."""
 
 @dataclass(frozen=True)
 class RegenerateSettings:
-    """Everything a regeneration reads from its config, parsed once. ``data``: the fields of
-    :data:`REGENERATE_DATA` (None where missing); ``root_dir`` None: the working directory;
-    ``batch_size`` is not part of the manifest (the rows do not depend on it)."""
+    """Everything a regeneration reads from its config, read and checked once (a bad field:
+    ``ConfigError``). ``data``: the fields of :data:`REGENERATE_DATA` (None where missing);
+    ``output_dir`` empty: ``outputs/regenerate/<model>-<data source>-<greedy | t<T>>-seed<seed>``;
+    ``root_dir`` None: the working directory; ``batch_size`` is not part of the manifest (the
+    rows do not depend on it)."""
 
-    decoder: Settings = field(default_factory=Settings)
-    model: ModelSettings = field(default_factory=ModelSettings)
-    data: Mapping[str, Any] = field(default_factory=dict)
-    shard: int = 0
-    num_shards: int = 1
-    output_dir: str = "."
-    root_dir: str | None = None
-    device: str = "cpu"
-    num_threads: int | None = 1
+    decoder: Settings = section(Settings)
+    model: ModelSettings = section(ModelSettings, "model")
+    data: Mapping[str, Any] = setting({}, checked_as(DataChecks),
+                                      convert=lambda d: {k: (d or {}).get(k) for k in REGENERATE_DATA})  # fmt: skip
+    shard: int = setting(0, integer(0))
+    num_shards: int = setting(1, integer(1))
+    output_dir: str = setting("", or_default=True)  # "" or null: the folder above
+    root_dir: str | None = setting(None, key="paths.root_dir")
+    device: str = setting("cpu", rule(lambda v: isinstance(v, str), "cpu, cuda[:i]"))
+    num_threads: int | None = setting(1, integer(1, null=True))
     progress: bool = True
-    batch_size: int = 1
+    batch_size: int = setting(1, BATCH_SIZE)
+
+    def __post_init__(self) -> None:
+        if self.shard >= self.num_shards:
+            raise ConfigError(
+                f"shard={self.shard} is not allowed with num_shards={self.num_shards}; "
+                f"allowed: an integer in 0..{self.num_shards - 1}"
+            )
+        d = self.decoder
+        with _refusing(ConfigError):  # as mtpc.generate checks them, in the config's spelling
+            check_drafting(d.greedy, d.drafting, d.proposal, spell=CONFIG)
+            check_settings(CONFIG, method=d.method, compile=d.compile)  # the engine
+        _check_batch(self.batch_size, str(self.model.name), ConfigError)
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> RegenerateSettings:
-        """Reads every field a regeneration uses (checked first: ``checks.parse_regenerate``)."""
-        d = Settings()
-        draft = _read(cfg, "draft")
-        top_p = _read(cfg, "top_p", d.top_p)
-        decoder = Settings(
-            method="speculative" if draft else "autoregressive",
-            draft=str(Path(draft).expanduser().resolve()) if draft else None,
-            greedy=bool(_read(cfg, "greedy", d.greedy)),
-            temperature=float(_read(cfg, "temperature", d.temperature)),
-            top_k=_read(cfg, "top_k", d.top_k),
-            top_p=None if top_p is None else float(top_p),
-            max_new_tokens=int(_read(cfg, "max_new_tokens", d.max_new_tokens)),
-            seed=int(_read(cfg, "seed", d.seed)),
-            policy=str(_read(cfg, "policy", d.policy)),
-            drafting=_read(cfg, "drafting", d.drafting),
-            proposal=_read(cfg, "proposal", d.proposal),
-            compile=_read(cfg, "compile", d.compile),
-        )
-        return cls(
-            **_read_all(cls, cfg, skip=("decoder", "model", "data", "output_dir", "root_dir")),
-            decoder=decoder,
-            model=ModelSettings.from_fields(_read(cfg, "model")),
-            data={k: _read(cfg, f"data.{k}") for k in REGENERATE_DATA},
-            output_dir=_read(cfg, "output_dir") or _regenerate_folder(cfg, decoder),
-            root_dir=_read(cfg, "paths.root_dir", cls.root_dir),
-        )
+        """Every field a regeneration uses, checked."""
+        s = read(cls, cfg)
+        if s.output_dir:
+            return s
+        d, written = s.decoder, given(cfg, ("temperature",))["temperature"]
+        mode = "greedy" if d.greedy else f"t{written or d.temperature}"  # as the config writes it
+        source = "path" if s.data.get("path") else s.data.get("source") or "synthetic"
+        name = f"{s.model.name}-{source}-{mode}-seed{d.seed}"
+        folder = Path(s.root_dir or ".") / "outputs" / "regenerate" / name
+        return dataclasses.replace(s, output_dir=str(folder))
+
+
+def parse_regenerate(cfg: Any) -> RegenerateSettings:
+    """``regenerate``'s door: the config read and checked once, before anything loads."""
+    return RegenerateSettings.from_cfg(cfg)
+
+
+validate_regenerate_config = parse_regenerate

@@ -19,7 +19,7 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig
 
-from mtpc.config import ConfigError, validate_train_config
+from mtpc.config import ConfigError, LoraSettings, ModelSettings
 from mtpc.errors import UserError
 from mtpc.files import FolderBusy, FolderLock, remove_stale_tmp
 from mtpc.model import MTPCModel
@@ -35,42 +35,41 @@ from mtpc.training.resume import (
     restore_hydra,
     snapshot_hydra,
 )
-from mtpc.training.settings import CallbackSettings, RunSettings, TrainerSettings, TrainSettings
+from mtpc.training.settings import (
+    CallbackSettings,
+    CircuitSettings,
+    RunSettings,
+    TrainerSettings,
+    TrainSettings,
+)
 
 log = logging.getLogger(__name__)
 
 
 def build_model(
-    name: str,
-    kind: str,
-    window: int,
-    rank: int,
+    model: ModelSettings,
+    circuit: CircuitSettings,
+    lora: LoraSettings,
     *,
-    path: str | None,
-    revision: str | None,
-    dtype: str,
-    attention_impl: str,
-    accelerator: str | None,
     chunk_size: int,
-    **options: Any,
+    accelerator: str | None,
 ) -> MTPCModel:
-    """The draft to train, from :meth:`TrainSettings.model_arguments`. The target is loaded
-    first (on the CPU), then, before the head is allocated, the head's memory and the ``lora.*``
+    """The draft to train (:meth:`TrainSettings.model_arguments`). The target is loaded first
+    (on the CPU), then, before the head is allocated, the head's memory and the ``lora.*``
     settings are checked against the device and the target."""
     from mtpc.backbones import load_backbone, run_device_for
-    from mtpc.backbones.lora import as_settings, validate_lora
+    from mtpc.backbones.lora import LoraError
 
     run_device = run_device_for(accelerator)
-    backbone = load_backbone(name, path=path, revision=revision, dtype=dtype, device="cpu",
-                             attention_impl=attention_impl, run_device=run_device)  # fmt: skip
-    vocab, hidden = backbone.vocab_size, backbone.hidden_size
-    check_head_memory(window, rank, chunk_size, accelerator, vocab, hidden)
-    lora = {k.removeprefix("lora_"): v for k, v in options.items() if k.startswith("lora_")}
+    backbone = load_backbone(model.name, path=model.path, revision=model.revision,
+                             dtype=model.dtype, device="cpu",
+                             attention_impl=model.attention_impl, run_device=run_device)  # fmt: skip
+    n, r = circuit.window, circuit.rank
+    check_head_memory(n, r, chunk_size, accelerator, backbone.vocab_size, backbone.hidden_size)
     try:
-        validate_lora(as_settings(**lora), backbone.layers)
-    except ValueError as err:  # validate_lora's errors are all about the settings
-        raise ConfigError(f"{err} (model={name})") from None
-    return MTPCModel.from_backbone(backbone, kind, window, rank, **options)
+        return MTPCModel.from_backbone(backbone, circuit.kind, n, r, lora=lora, **circuit.options)
+    except LoraError as err:  # the lora.* settings against the target's layers
+        raise ConfigError(f"{err} (model={model.name})") from None
 
 
 GIB = 1024**3
@@ -217,8 +216,7 @@ def _scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
 def train(cfg: DictConfig) -> dict[str, float]:
     """Trains the draft described by ``cfg`` under the run folder's lock; returns ``val/...``,
     ``init/...`` (the untrained draft's, also after a resume) and ``train/steps``."""
-    validate_train_config(cfg)
-    settings = TrainSettings.from_cfg(cfg)  # the only reading of cfg
+    settings = TrainSettings.from_cfg(cfg)  # the only reading of cfg, checked as it is read
     # the frozen target stays in eval mode on purpose (no dropout in the verifier's states)
     warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
     run_dir = _run_dir(settings.run)
@@ -252,7 +250,6 @@ def build_trainer(settings: TrainSettings, run_dir: Path, callbacks: list[L.Call
             f"trainer.accelerator={accelerator} needs CUDA GPUs and this machine has none; "
             "allowed here: trainer=cpu, trainer=ddp_cpu, trainer=fsdp_cpu (docs/TRAINING.md)"
         )
-    check_val_limit(trainer.limit_val_batches)
     world_size = _world_size(trainer)
     options = copy.deepcopy(trainer.strategy)
     if isinstance(options, dict):  # trainer=fsdp / fsdp_cpu: a strategy object
@@ -274,18 +271,6 @@ def build_trainer(settings: TrainSettings, run_dir: Path, callbacks: list[L.Call
     except (MisconfigurationException, ValueError, TypeError) as err:  # trainer.* settings
         message = " ".join(str(err).split())
         raise ConfigError(f"trainer settings refused by Lightning: {message}") from None
-
-
-def check_val_limit(value: Any) -> None:
-    """Refuses a ``trainer.limit_val_batches`` Lightning would not take (or take badly)."""
-    whole = isinstance(value, int) and not isinstance(value, bool) and value >= 0
-    if value is None or whole or (isinstance(value, float) and 0.0 <= value <= 1.0):
-        return
-    raise ConfigError(
-        f"trainer.limit_val_batches={value!r} is not allowed; allowed: null (every validation "
-        "batch), an integer >= 0 (batches per validation; 0 turns validation off) or a float "
-        "in [0, 1] (a share of the validation split)"
-    )
 
 
 def check_steps_left(state: Mapping[str, Any], trainer: TrainerSettings, run_dir: Path) -> None:
@@ -323,8 +308,7 @@ def _train_locked(settings: TrainSettings, run_dir: Path) -> dict[str, float]:
     L.seed_everything(settings.run.seed, workers=True)
     sections, loss = settings.sections, settings.loss
     datamodule = instantiate(sections.data)
-    model_args = settings.model_arguments()
-    model = build_model(**model_args)
+    model = build_model(**settings.model_arguments())
     if settings.run.init_from:
         load_initial_weights(model, settings.run.init_from)
     module = MTPCLightningModule(
@@ -346,7 +330,7 @@ def _train_locked(settings: TrainSettings, run_dir: Path) -> dict[str, float]:
         )
     export = settings.run.export and not fast
     if export and _sharded(module):  # every rank takes part in gathering the weights
-        model = unsharded_copy(model_args, module)
+        model = unsharded_copy(settings, module)
     if trainer.is_global_zero:
         (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
         if export:
@@ -421,13 +405,13 @@ def _sharded(module: MTPCLightningModule) -> bool:
     return any(isinstance(p, DTensor) for p in module.parameters())
 
 
-def unsharded_copy(model_args: dict[str, Any], module: MTPCLightningModule) -> MTPCModel:
+def unsharded_copy(settings: TrainSettings, module: MTPCLightningModule) -> MTPCModel:
     """The trained draft as an ordinary model, for export after sharded training. Collective:
     rank 0 gets the gathered trained weights in a rebuilt model, the others the sharded one."""
     full = module.gathered_trainable_state()  # rank 0: {name: whole tensor on CPU}; others: {}
     if not full:
         return module.model
-    copy = build_model(**model_args)
+    copy = build_model(**settings.model_arguments())
     trained = {name.removeprefix("model."): full[name] for name in module.trainable_state_dict()}
     missing = set(trained) - set(copy.state_dict())
     assert not missing, f"trained weights without a place in the copy: {sorted(missing)[:3]}"

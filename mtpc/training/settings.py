@@ -1,35 +1,37 @@
-"""The settings of a training run, read from the Hydra config once, at the door, by
-:meth:`TrainSettings.from_cfg` (docs/TRAINING.md, "Training MTPC drafts"). Each default is
-written once, here, and equals what ``train(cfg)`` takes for a missing key (a comment names a
-config file that gives another). Values are kept as given: ``validate_train_config`` or
-Lightning refuses bad ones."""
+"""The schema of a training run (docs/TRAINING.md, "Training MTPC drafts"): every setting
+``train(cfg)`` reads, declared once with its default and its rule (``mtpc.config``), read and
+checked once, at the door, by :meth:`TrainSettings.from_cfg`. Each default equals what
+``train(cfg)`` takes for a missing key (a comment names a config file that gives another)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, TypeVar
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
-from mtpc.choices import LORA_TARGET_MODULES as LORA_MODULES
+from mtpc.choices import CIRCUIT_KINDS, EXTRA_POSITIONS, HEAD_INITS, LOSS_NAMES, STAGES
+from mtpc.choices import LORA_TARGET_MODULES as LORA_MODULES  # noqa: F401  (tests)
+from mtpc.config import (
+    ConfigError,
+    DataChecks,
+    LoraSettings,
+    ModelSettings,
+    checked_as,
+    choice,
+    computed,
+    flag,
+    integer,
+    number,
+    read,
+    rule,
+    section,
+    setting,
+)
 
-# lora.target_modules of configs/lora/default.yaml
-
-_Settings = TypeVar("_Settings")
-
-
-def _get(cfg: DictConfig, key: str, default: Any = None) -> Any:
-    """``cfg``'s field ``key`` (dotted) as plain Python; ``default`` if missing (null: None)."""
-    value = OmegaConf.select(cfg, key, default=default)
-    if isinstance(value, DictConfig | ListConfig):
-        return OmegaConf.to_container(value, resolve=True)
-    return value
-
-
-def _node(cfg: DictConfig, key: str) -> Any:
-    """``cfg``'s section ``key`` as it is (a config node, unresolved); None if missing or empty."""
-    return OmegaConf.select(cfg, key) or None
+ModelArgs = ModelSettings  # the target to load (``model.*``)
+CIRCUIT_FIELDS = ("kind", "window", "rank")
 
 
 def resolved_config(cfg: DictConfig) -> dict[str, Any]:
@@ -44,195 +46,185 @@ def resolved_config(cfg: DictConfig) -> dict[str, Any]:
     return plain
 
 
-def _recorded(cfg: DictConfig) -> dict[str, Any]:
-    """The config as written (interpolations kept), plain containers."""
-    recorded = OmegaConf.to_container(cfg, resolve=False)
-    assert isinstance(recorded, dict)
-    return {str(k): v for k, v in recorded.items()}
+@dataclasses.dataclass(frozen=True)
+class HeadOptions:
+    """The head's other options (``circuit.*`` beyond kind, window and rank; None: the head's
+    default), checked here, given to ``MTPCHead`` as they are."""
+
+    sum_init_std: float | None = setting(None, number(0.0))
+    init_std: float | None = setting(None, number(0.0))
+    extra_positions: str | None = setting(None, choice(*EXTRA_POSITIONS))
+    head_init: str | None = setting(None, choice(*HEAD_INITS))
+    identity_init: bool | None = setting(None, flag())
 
 
-@dataclass(frozen=True)
-class ModelArgs:
-    """The target to load (``model.*``; ``configs/model/tiny.yaml``'s by default)."""
-
-    name: str = "tiny"
-    path: str | None = None  # a local checkpoint or hub id; None: the model's default
-    revision: str | None = None
-    dtype: str = "float32"
-    attention_impl: str = "auto"  # EvaByte's attention path
-
-
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class CircuitSettings:
     """The head (``circuit.*``; ``configs/circuit/btree.yaml``'s by default)."""
 
-    kind: str = "btree"
-    window: int = 8  # n, the bytes one draft proposes
-    rank: int = 8  # r, the units per region
+    kind: str = setting("btree", choice(*CIRCUIT_KINDS))
+    window: int = setting(8, integer(1))  # n, the bytes one draft proposes
+    rank: int = setting(8, integer(1))  # r, the units per region
     # the section's other keys, as given (btree.yaml: sum_init_std, identity_init, extra_positions)
-    options: Mapping[str, Any] = field(default_factory=dict)
+    options: Mapping[str, Any] = setting(
+        {}, checked_as(HeadOptions), key="",
+        convert=lambda c: {str(k): v for k, v in c.items() if k not in CIRCUIT_FIELDS},
+    )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        if self.kind == "ff" and self.rank != 1:
+            raise ConfigError(
+                f"circuit.rank={self.rank} is not allowed with circuit.kind=ff; allowed: 1 "
+                "(use circuit=cp for a mixture of rank > 1)"
+            )
 
 
-@dataclass(frozen=True)
-class LoraSettings:
-    """LoRA on a draft copy of the last layers (``lora.*``; ``configs/lora/default.yaml``)."""
-
-    layers: int = 0  # k, the copied layers (0: heads only)
-    rank: int = 16
-    alpha: float = 32.0  # the adapters' scale numerator
-    dropout: float = 0.0
-    target_modules: tuple[str, ...] = LORA_MODULES
-
-
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class LossSettings:
     """The training loss (``loss.*``; ``configs/loss/nll.yaml``)."""
 
-    name: str = "nll"
-    gamma: float | None = None  # None: the loss's default (0.8, or 0.9 when window > 8)
-    normalise_discount: bool = False
-    chunk_size: int = 1024  # positions per likelihood chunk (missing, null or 0: this)
+    name: str = setting("nll", choice(*LOSS_NAMES))
+    # None: the loss's default (0.8, or 0.9 when window > 8)
+    gamma: float | None = setting(None, number(0.0, 1.0, low_open=True, high_open=False))
+    normalise_discount: bool = setting(False, flag())
+    # positions per likelihood chunk (missing, null or 0: this)
+    chunk_size: int = setting(1024, integer(1), or_default=True, convert=int)
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class CallbackSettings:
     """The checkpoint policy (``callbacks.*``; ``configs/callbacks/default.yaml``)."""
 
     # last.ckpt every this many steps too; None: at epochs' ends only (default.yaml sets 50)
-    checkpoint_every_n_steps: int | None = None
+    checkpoint_every_n_steps: int | None = setting(None, integer(1, null=True))
     monitor: str = "val/loss"  # the best checkpoints' metric (lower is better)
-    save_top_k: int = 1
+    save_top_k: int = setting(1, integer(-1))
 
 
-@dataclass(frozen=True)
+def _steps(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and (v >= 1 or v == -1)
+
+
+def _val_limit(v: Any) -> bool:
+    whole = isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    return whole or (isinstance(v, float) and 0.0 <= v <= 1.0)
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainerSettings:
     """The Lightning trainer (``trainer.*``): the fields ``train`` reads, and the section."""
 
     accelerator: str | None = None  # configs/trainer/cpu.yaml: cpu
     devices: Any = 1  # processes per node (an int, ``auto``, a list)
-    num_nodes: int = 1  # missing, null or 0: this
-    accumulate_grad_batches: int = 1  # without global_batch_size; missing, null or 0: this
-    fast_dev_run: bool = False  # also: no checkpoint resumed, no export, no logger
-    max_steps: int | None = None  # -1 or None: no budget; cpu.yaml sets 300
+    num_nodes: int = setting(1, or_default=True, convert=int)  # missing, null or 0: this
+    # without global_batch_size; missing, null or 0: this
+    accumulate_grad_batches: int = setting(1, or_default=True, convert=int)
+    fast_dev_run: bool = setting(False, convert=bool)  # also: no resume, export, logger
+    max_steps: int | None = setting(None, rule(_steps, null=True, allowed=(
+        "an integer >= 1, or -1 (the whole epoch); a run of 0 steps would export an untrained "
+        "draft")))  # fmt: skip  # -1 or None: no budget; cpu.yaml sets 300
     max_epochs: int | None = None  # -1 or None: no budget; cpu.yaml sets 1
-    limit_val_batches: Any = None
+    limit_val_batches: Any = setting(None, rule(_val_limit, null=True, allowed=(
+        "null (every validation batch), an integer >= 0 (batches per validation; 0 turns "
+        "validation off) or a float in [0, 1] (a share of the validation split)")))  # fmt: skip
     strategy: Any = None  # a dict is instantiated
-    fields: Mapping[str, Any] = field(default_factory=dict)  # L.Trainer's keywords (_target_ too)
+    fields: Mapping[str, Any] = setting({}, key="", convert=dict)  # L.Trainer's keywords
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class RunSettings:
     """The run's own fields (top-level keys of ``configs/train.yaml``)."""
 
     run_name: str | None = None  # train.yaml builds it from the model, circuit, LoRA, stage
     run_dir: str | None = None  # outside a Hydra run; None: outputs/train/<run_name>
-    # paths.root_dir, where outputs/last_draft.txt goes (paths/default.yaml: $PROJECT_ROOT or .)
-    root_dir: str = "."
-    seed: int = 0
+    # where outputs/last_draft.txt goes (paths/default.yaml: $PROJECT_ROOT or .)
+    root_dir: str = setting(".", key="paths.root_dir")
+    seed: int = setting(0, integer(0))
+    stage: str = setting("heads", choice(*STAGES))  # lora: continue a heads-only draft
     init_from: str | None = None  # a previous stage's exported draft or checkpoint
-    export: bool = True  # write the exported draft to <run dir>/draft
-    validate_before_training: bool = True  # measure the untrained draft (init/...)
-    allow_resume_changes: bool = False
-    global_batch_size: int | None = None  # None: trainer.accumulate_grad_batches
+    export: bool = setting(True, convert=bool)  # write the exported draft to <run dir>/draft
+    validate_before_training: bool = setting(True, convert=bool)  # the untrained draft's
+    allow_resume_changes: bool = setting(False, convert=bool)
+    global_batch_size: int | None = setting(None, integer(1, null=True))  # None: accumulate
+
+    def __post_init__(self) -> None:
+        if self.stage == "lora" and not self.init_from:
+            raise ConfigError(
+                "stage=lora needs init_from=<exported draft dir or Lightning checkpoint> "
+                "(the heads-only stage's result); allowed without it: stage=heads"
+            )
 
 
-@dataclass(frozen=True)
+def _betas(v: Any) -> bool:
+    numbers = isinstance(v, list | tuple) and len(v) == 2
+    return (
+        numbers
+        and all(not isinstance(b, bool) and isinstance(b, int | float) for b in v)
+        and (all(0 <= b < 1 for b in v))
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerChecks:
+    """AdamW's fields checked at the door (``optimizer.*``; the lr: ``Sections.lr``)."""
+
+    weight_decay: float | None = setting(None, number(0.0))
+    betas: Any = setting(None, rule(_betas, "two numbers in [0, 1), e.g. [0.9, 0.999]", True))
+
+
+def _node(value: Any) -> Any:
+    return value or None
+
+
+@dataclasses.dataclass(frozen=True)
 class Sections:
     """The sections Hydra instantiates (``data``, ``optimizer``, ``scheduler``, ``logger``; None
     when missing or empty), as config nodes so that their interpolations (``${paths...}``,
     ``${hydra:...}``) resolve as Hydra's ``instantiate`` resolves them, and two fields."""
 
-    data: Any = None
-    optimizer: Any = None
-    scheduler: Any = None
-    logger: Any = None
-    batch_size: int | None = None  # data.batch_size: sequences per batch and rank
-    lr: Any = None  # optimizer.lr as given (the new lr of a resume that changes it)
+    data: Any = setting(None, checked_as(DataChecks), node=True, convert=_node)
+    optimizer: Any = setting(None, checked_as(OptimizerChecks), node=True, convert=_node)
+    scheduler: Any = setting(None, rule(
+        lambda v: isinstance(v, Mapping) and "_target_" in v, null=True, allowed=(
+            "null or a partial LR scheduler, e.g. {_target_: torch.optim.lr_scheduler.LinearLR, "
+            "_partial_: true}")), node=True, convert=_node)  # fmt: skip
+    logger: Any = setting(None, node=True, convert=_node)
+    batch_size: int | None = setting(None, key="data.batch_size")  # sequences per batch, rank
+    # optimizer.lr as given (the new lr of a resume that changes it)
+    lr: Any = setting(None, rule(lambda v: isinstance(v, int | float) and not isinstance(
+        v, bool) and 0 < v < float("inf"), "a number > 0"), key="optimizer.lr")  # fmt: skip
 
 
-def _read(
-    cfg: DictConfig,
-    prefix: str,
-    cls: type[_Settings],
-    or_default: tuple[str, ...] = (),
-    **casts: Callable[[Any], Any],
-) -> _Settings:
-    """``cls`` from ``cfg``'s keys ``<prefix><field>``: a missing key (for the fields
-    ``or_default``, also a null or 0) takes the field's default; ``casts`` convert named fields."""
-    default: Any = cls()
-    values = {}
-    for item in fields(default):
-        value = _get(cfg, prefix + item.name, getattr(default, item.name))
-        if item.name in or_default:
-            value = value or getattr(default, item.name)
-        values[item.name] = casts[item.name](value) if item.name in casts else value
-    return cls(**values)
-
-
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class TrainSettings:
-    """Everything ``train(cfg)`` reads from its config, read once by :meth:`from_cfg`."""
+    """Everything ``train(cfg)`` reads from its config, read and checked once by
+    :meth:`from_cfg`."""
 
-    model: ModelArgs = field(default_factory=ModelArgs)
-    circuit: CircuitSettings = field(default_factory=CircuitSettings)
-    lora: LoraSettings = field(default_factory=LoraSettings)
-    loss: LossSettings = field(default_factory=LossSettings)
-    callbacks: CallbackSettings = field(default_factory=CallbackSettings)
-    trainer: TrainerSettings = field(default_factory=TrainerSettings)
-    run: RunSettings = field(default_factory=RunSettings)
-    sections: Sections = field(default_factory=Sections)
-    recorded: Mapping[str, Any] = field(default_factory=dict)  # as written: the draft's record
-    resolved: Mapping[str, Any] = field(default_factory=dict)  # plain: a resume compares it
+    model: ModelSettings = section(ModelSettings, "model")
+    circuit: CircuitSettings = section(CircuitSettings, "circuit")
+    lora: LoraSettings = section(LoraSettings, "lora")
+    loss: LossSettings = section(LossSettings, "loss")
+    callbacks: CallbackSettings = section(CallbackSettings, "callbacks")
+    trainer: TrainerSettings = section(TrainerSettings, "trainer")
+    run: RunSettings = section(RunSettings)
+    sections: Sections = section(Sections)
+    recorded: Mapping[str, Any] = computed({})  # as written: the exported draft's record
+    resolved: Mapping[str, Any] = computed({})  # plain: a resume compares it
+
+    def model_arguments(self) -> dict[str, Any]:
+        """The keywords of :func:`mtpc.training.run.build_model`: the sections it needs."""
+        return {"model": self.model, "circuit": self.circuit, "lora": self.lora,
+                "chunk_size": self.loss.chunk_size, "accelerator": self.trainer.accelerator}  # fmt: skip
 
     @classmethod
     def from_cfg(cls, cfg: DictConfig) -> TrainSettings:
-        """The settings of a composed training config (run after ``validate_train_config``)."""
-        circuit = dict(_get(cfg, "circuit") or {})
-        ci = CircuitSettings()
-        counts = ("num_nodes", "accumulate_grad_batches")
-        trainer = _read(cfg, "trainer.", TrainerSettings, counts,
-                        num_nodes=int, accumulate_grad_batches=int, fast_dev_run=bool)  # fmt: skip
-        run = _read(cfg, "", RunSettings, seed=int, export=bool, validate_before_training=bool,
-                    allow_resume_changes=bool)  # fmt: skip
-        loss = _read(cfg, "loss.", LossSettings, ("chunk_size",),
-                     normalise_discount=bool, chunk_size=int)  # fmt: skip
-        return cls(
-            model=_read(cfg, "model.", ModelArgs),
-            circuit=CircuitSettings(
-                kind=circuit.pop("kind", ci.kind),
-                window=circuit.pop("window", ci.window),
-                rank=circuit.pop("rank", ci.rank),
-                options={str(k): v for k, v in circuit.items()},
-            ),
-            lora=_read(
-                cfg, "lora.", LoraSettings, alpha=float, dropout=float, target_modules=tuple
-            ),
-            loss=loss,
-            callbacks=_read(cfg, "callbacks.", CallbackSettings, save_top_k=int),
-            trainer=replace(trainer, fields=dict(_get(cfg, "trainer") or {})),
-            run=replace(run, root_dir=_get(cfg, "paths.root_dir", RunSettings.root_dir)),
-            sections=Sections(
-                **{k: _node(cfg, k) for k in ("data", "optimizer", "scheduler", "logger")},
-                batch_size=_get(cfg, "data.batch_size"),
-                lr=_get(cfg, "optimizer.lr"),
-            ),
-            recorded=_recorded(cfg),
-            resolved=resolved_config(cfg),
-        )
+        """The settings of a composed training config; a bad value: :class:`ConfigError`."""
+        recorded = OmegaConf.to_container(cfg, resolve=False)
+        assert isinstance(recorded, dict)
+        as_written = {str(k): v for k, v in recorded.items()}
+        return read(cls, cfg, recorded=as_written, resolved=resolved_config(cfg))
 
-    def model_arguments(self) -> dict[str, Any]:
-        """The flat arguments of :func:`mtpc.training.run.build_model`: ``model.*``, the
-        ``circuit`` (its other keys are the head's options), ``lora.*`` (as ``lora_<field>``),
-        ``loss.chunk_size`` and ``trainer.accelerator``."""
-        c = self.circuit
-        return {
-            **asdict(self.model),
-            "accelerator": self.trainer.accelerator,
-            "chunk_size": self.loss.chunk_size,
-            "kind": c.kind,
-            "window": c.window,
-            "rank": c.rank,
-            **dict(c.options),
-            **{f"lora_{k}": v for k, v in asdict(self.lora).items()},
-            "lora_target_modules": list(self.lora.target_modules),
-        }
+
+def validate_train_config(cfg: Any) -> None:
+    """Raises :class:`ConfigError` naming the first invalid field of a training config."""
+    read(TrainSettings, cfg)
