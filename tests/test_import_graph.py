@@ -94,8 +94,8 @@ def test_data_is_a_leaf_of_the_jobs(graph: dict[str, set[str]]) -> None:
 
 
 def test_evaluation_does_not_import_training(graph: dict[str, set[str]]) -> None:
-    """What both read (the fields that shape a draft: ``mtpc/draft_fields.py``) lives below
-    both."""
+    """What both read (the fields that shape a draft, ``mtpc/draft_fields.py``; the record of
+    the runs and their last draft, ``mtpc/last_draft.py``) lives below both."""
     assert not _imports_of(graph, ("mtpc.evaluation", "mtpc.regeneration"), ("mtpc.training",))
     # the check sees one when there is one
     wrong = {**graph, "mtpc.evaluation.statistics": {"mtpc.training.resume"}}

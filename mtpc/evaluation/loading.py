@@ -16,23 +16,20 @@ from mtpc.errors import DraftError
 from mtpc.evaluation.checks import EvalConfigError
 from mtpc.evaluation.settings import EvalSettings, ModelSettings, SpecBench, name_list, plain
 from mtpc.export import CONFIG_NAME, TargetMismatchError, read_config
-
-TRAIN_HINT = "train one with `python train.py` or pass draft=<exported draft dir>"
+from mtpc.last_draft import TRAIN_HINT, last_draft
 
 
 def resolve_drafts(draft: Any, root: Path, key: str = "draft") -> list[Path]:
     """The drafts named by ``draft`` (a dir or a list; the setting ``key``, relative to the
-    project ``root``); for ``draft``, None: the last trained.
+    project ``root``); for ``draft``, None: the last trained (:func:`mtpc.last_draft.last_draft`).
 
     Raises:
         DraftError: a named folder is a training run folder (the message names its ``draft/``).
+        LastDraftOverlapError: no draft given, and the last training run overlapped another.
         FileNotFoundError: no draft given and none trained, or no such draft folder.
     """
     if draft is None and key == "draft":
-        marker = root / "outputs" / "last_draft.txt"
-        if not marker.is_file():
-            raise FileNotFoundError(f"no draft given and {marker} does not exist: {TRAIN_HINT}")
-        draft = marker.read_text(encoding="utf-8").strip()
+        draft = last_draft(root)
     paths = [] if draft is None else [draft] if isinstance(draft, str | Path) else list(draft)
     out = []
     for p in paths:

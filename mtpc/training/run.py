@@ -9,7 +9,7 @@ import json
 import logging
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 from mtpc.config import ConfigError, LoraSettings, ModelSettings
 from mtpc.errors import UserError
 from mtpc.files import FolderBusy, FolderLock, remove_stale_tmp
+from mtpc.last_draft import recorded_run
 from mtpc.model import MTPCModel
 from mtpc.training.callbacks import AtomicCheckpointIO, RNGStateCallback, RunRecordCallback
 from mtpc.training.module import MTPCLightningModule
@@ -230,8 +231,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
             f"run folder {run_dir} is in use by another run ({busy.holder}); wait "
             "for it to finish, or give this run another folder (run_name=<new name>)"
         ) from None
-    try:
-        return _train_locked(settings, run_dir)
+    exports = is_global_zero() and settings.run.export and not settings.trainer.fast_dev_run
+    try:  # an exporting run is recorded for a bare eval.py (mtpc/last_draft.py)
+        with recorded_run(settings.run.root_dir, run_dir, enabled=exports) as exported:
+            return _train_locked(settings, run_dir, exported)
     finally:
         lock.release()
 
@@ -292,7 +295,9 @@ def check_steps_left(state: Mapping[str, Any], trainer: TrainerSettings, run_dir
         )
 
 
-def _train_locked(settings: TrainSettings, run_dir: Path) -> dict[str, float]:
+def _train_locked(
+    settings: TrainSettings, run_dir: Path, exported: Callable[[Path], None]
+) -> dict[str, float]:
     checkpoint_dir = run_dir / "checkpoints"
     for folder in (checkpoint_dir, run_dir, run_dir / "draft"):  # interrupted writes
         remove_stale_tmp(folder)
@@ -339,7 +344,7 @@ def _train_locked(settings: TrainSettings, run_dir: Path) -> dict[str, float]:
                 training_config=copy.deepcopy(dict(settings.recorded)),
                 metrics=metrics,
             )
-            _record_last_draft(settings.run.root_dir, Path(draft_dir))
+            exported(Path(draft_dir))  # outputs/last_draft.txt names it
             log.info("exported the draft to %s", draft_dir)
     return metrics
 
@@ -417,10 +422,3 @@ def unsharded_copy(settings: TrainSettings, module: MTPCLightningModule) -> MTPC
     assert not missing, f"trained weights without a place in the copy: {sorted(missing)[:3]}"
     copy.load_state_dict(trained, strict=False)
     return copy
-
-
-def _record_last_draft(root_dir: str, draft_dir: Path) -> None:
-    """Remembers the newest export under ``paths.root_dir``, for a bare ``python eval.py``."""
-    marker = Path(root_dir) / "outputs" / "last_draft.txt"
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.write_text(str(draft_dir.resolve()) + "\n")
