@@ -115,8 +115,10 @@ def generate(
             raise ValueError(refusal)
     if requests[0].tree_budget and drafter is not None:
         raise ValueError("drafter (a chain test hook) is not allowed with tree_budget > 0")
+    from mtpc.backbones import check_batch_size  # torch: not at the settings' import
+
     out = _decode(
-        model, prompts, requests, drafter, check_batch_size(model, batch_size, len(items))
+        model, prompts, requests, drafter, check_batch_size(batch_size, model.backbone, len(items))
     )
     return out if many else out[0]
 
@@ -153,21 +155,6 @@ def check_seeds(seed: Any, count: int) -> list[int]:
             )
         return [int(check_settings(seed=s).seed) for s in seed]
     return [seed] * count
-
-
-def check_batch_size(model: Any, batch_size: Any, count: int) -> int:
-    """The rows decoded at once (None: every prompt; a backbone without a batched cache: 1)."""
-    if batch_size is None:
-        batch_size = count if model.backbone.supports_batch else 1
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size is {batch_size!r}; allowed: an int >= 1 (or None)")
-    if batch_size > 1 and not model.backbone.supports_batch:
-        raise ValueError(
-            f"batch_size={batch_size}: {type(model.backbone).__name__} decodes one prompt at "
-            "a time (its cache holds one sequence; EvaByte's EVA window cache is not "
-            "batched); allowed: batch_size=1"
-        )
-    return min(batch_size, count)
 
 
 def _chain_without_tree_attention(model: Any, request: Request) -> Request:
