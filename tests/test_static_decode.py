@@ -245,7 +245,7 @@ def _no_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise AssertionError("decoding started before the refusal")
 
-    monkeypatch.setattr(static, "static_layout", refuse)
+    monkeypatch.setattr(static, "decode_static", refuse)
     monkeypatch.setattr("mtpc.decoding.loop.decode", refuse)
 
 

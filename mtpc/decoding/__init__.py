@@ -184,15 +184,11 @@ def _decode(
         if request.method == "autoregressive":
             from mtpc.decoding.autoregressive import prefill, step
 
-            if not request.compile:
-                return decode(model, prompts, requests, None, size, prefill, step)
-            from mtpc.decoding.static import static_layout
+            if request.compile:
+                from mtpc.decoding.static import decode_static
 
-            layout = static_layout(model, prompts, request, size)
-            results = decode(model, prompts, requests, None, size, prefill, step, layout)
-            for res in results:
-                res.engine = layout.engine.engine  # compiled, or static after a fallback
-            return results
+                return decode_static(model, prompts, requests, size, prefill, step)
+            return decode(model, prompts, requests, None, size, prefill, step)
         if request.tree_budget:
             from mtpc.decoding.tree import Tree
 

@@ -18,9 +18,33 @@ from torch import Tensor
 from mtpc.circuits.params import CircuitParams
 from mtpc.decoding.common import GenerationResult, Request, Stopwatch, TargetRule, cut_at_stop
 from mtpc.decoding.layout import Padded, Stream, Tree
-from mtpc.decoding.static import StaticLayout
 
-Layout = Stream | Padded | StaticLayout
+
+class Layout(Protocol):
+    """Where the rows' caches live: ``layout.Stream`` (one row), ``layout.Padded`` (a padded
+    batch with per-row slots), ``static.StaticLayout`` (``compile=``'s fixed-capacity caches)."""
+
+    def admit(
+        self, rows: Sequence[Any], prompts: Sequence[Tensor]
+    ) -> tuple[list[Tensor], list[Tensor]]:
+        """Prefills new rows: their trunk states ``(1, T_b, d)`` and last logits ``(1, V)``."""
+        ...
+
+    def target(
+        self, rows: Sequence[Any], ids: Sequence[Tensor], trees: Sequence[Tree], last: bool = False
+    ) -> tuple[list[Tensor], list[Tensor]]:
+        """One trunk + verifier-tail pass over the rows' new ids."""
+        ...
+
+    def keep(self, rows: Sequence[Any], keeps: Sequence[int | Tensor]) -> None:
+        """Drops the last pass's positions each row does not keep."""
+
+    def draft(self, rows: Sequence[Any], states: Sequence[Tensor]) -> list[Tensor | None]:
+        """The draft tail over each row's kept states: its last output ``(1, d)`` or None."""
+        ...
+
+    def release(self, rows: Sequence[Any]) -> None:
+        """The rows leave."""
 
 
 class HeadState:

@@ -329,9 +329,24 @@ class StaticLayout:
         self.places = [None if id(held) in gone else held for held in self.places]
 
 
-def static_layout(model: Any, prompts: Sequence[Tensor], request: Any, size: int) -> StaticLayout:
-    """The layout of one ``compile`` request (its backend) over ``prompts``: an engine of
-    ``size`` rows, its capacity the longest prompt plus ``max_new_tokens`` rounded up to
-    :data:`BUCKET` (``engine.engine``: what ran, for the results)."""
+def decode_static(
+    model: Any,
+    prompts: Sequence[Tensor],
+    requests: Sequence[Any],
+    size: int,
+    admit: Callable[..., Any],
+    step: Callable[..., Any],
+) -> list[Any]:
+    """``loop.decode`` of checked requests (``compile`` set: its backend) in a
+    :class:`StaticEngine` of ``size`` rows, its capacity the longest prompt plus
+    ``max_new_tokens``, rounded up to :data:`BUCKET`; each result's ``engine`` says what ran
+    (``compiled``, or ``static`` after a fallback)."""
+    from mtpc.decoding.loop import decode
+
+    request = requests[0]
     longest = max(p.shape[0] for p in prompts) + request.max_new_tokens
-    return StaticLayout(engine_for(model, size, capacity_for(longest), str(request.compile)))
+    engine = engine_for(model, size, capacity_for(longest), str(request.compile))
+    results = decode(model, prompts, requests, None, size, admit, step, StaticLayout(engine))
+    for res in results:
+        res.engine = engine.engine
+    return results
