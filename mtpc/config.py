@@ -48,11 +48,13 @@ class Refused(ValueError):
 
 
 # ------------------------------------------------------------------------- rules ----
-def _whole(value: Any) -> bool:
+def is_integer(value: Any) -> bool:
+    """An int, not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
+    """An int or a float, not a bool."""
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
@@ -69,17 +71,22 @@ def rule(ok: Callable[[Any], bool], allowed: str, null: bool = False) -> Rule:
 
 def integer(low: int, null: bool = False, allowed: str | None = None) -> Rule:
     """An integer >= ``low`` (``null``: or None)."""
-    return rule(lambda v: _whole(v) and v >= low, allowed or f"an integer >= {low}", null)
+    return rule(lambda v: is_integer(v) and v >= low, allowed or f"an integer >= {low}", null)
 
 
-def number(low: float, high: float = float("inf"), low_open: bool = False,
-           high_open: bool = True, null: bool = True) -> Rule:  # fmt: skip
+def number(
+    low: float,
+    high: float = float("inf"),
+    low_open: bool = False,
+    high_open: bool = True,
+    null: bool = True,
+) -> Rule:
     """A number in an interval, e.g. ``(0.0, 1.0]``; None passes unless ``null`` is False."""
     interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
 
     def ok(v: Any) -> bool:
         return (
-            _number(v)
+            is_number(v)
             and (v > low if low_open else v >= low)
             and (v < high if high_open else v <= high)
         )
@@ -140,11 +147,19 @@ def setting(
     (for Hydra's ``instantiate``); ``lenient``: a value that cannot resolve outside Hydra
     (``${hydra:...}``) takes the default; ``error``: the refusal's class (default: the
     schema's); ``compare`` False: a record of the config, left out of equality."""
-    meta = {"check": check, "key": key, "or_default": or_default, "convert": convert,
-            "node": node, "lenient": lenient, "error": error}  # fmt: skip
+    meta = {
+        "check": check,
+        "key": key,
+        "or_default": or_default,
+        "convert": convert,
+        "node": node,
+        "lenient": lenient,
+        "error": error,
+    }
     if isinstance(default, dict | list):
-        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta,
-                                 compare=compare)  # fmt: skip
+        return dataclasses.field(
+            default_factory=lambda: type(default)(default), metadata=meta, compare=compare
+        )
     return dataclasses.field(default=default, metadata=meta, compare=compare)
 
 
@@ -160,8 +175,9 @@ def section(schema: type, key: str = "", optional: bool = False) -> Any:
 def computed(default: Any = None) -> Any:
     """A field the schema sets itself (in ``__post_init__`` or ``from_cfg``), never read."""
     if isinstance(default, dict | list):
-        return dataclasses.field(default_factory=lambda: type(default)(default),
-                                 metadata={"computed": True})  # fmt: skip
+        return dataclasses.field(
+            default_factory=lambda: type(default)(default), metadata={"computed": True}
+        )
     return dataclasses.field(default=default, metadata={"computed": True})
 
 
@@ -194,8 +210,9 @@ def _default(item: dataclasses.Field[Any]) -> Any:
     return item.default
 
 
-def read(schema: type[_Schema], cfg: Any, prefix: str = "", checked: bool = True,
-         **known: Any) -> _Schema:  # fmt: skip
+def read(
+    schema: type[_Schema], cfg: Any, prefix: str = "", checked: bool = True, **known: Any
+) -> _Schema:
     """``schema`` from ``cfg``'s keys under ``prefix``: each field read, defaulted, checked
     (unless ``checked`` is False: a record, not a user's input) and converted, each section
     read the same way, ``known`` fields (the computed ones) as given; then the schema's own cross-field checks

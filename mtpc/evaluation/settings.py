@@ -35,13 +35,13 @@ from mtpc.config import (
 )
 from mtpc.decoding.settings import CONFIG, SettingsError, Spelling, check_drafting, check_settings
 
-__all__ = ["ModelSettings"]
-
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 """``paths.root_dir`` when the config has none."""
 RESUME = ("auto", "force", "never")
 """``resume=``'s values (configs/eval.yaml, docs/EVALUATION.md)."""
 BATCH_SIZE = integer(1, allowed="an integer >= 1 (1: one prompt at a time, the paper's protocol)")
+BOOLEAN, OPTIONAL_BOOLEAN = choice(True, False), choice(True, False, null=True)
+"""The evaluator's flags (their refusal says ``allowed: True, False``)."""
 
 
 class EvalConfigError(ConfigError):
@@ -109,7 +109,7 @@ class EvalDecoding:
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
-    suppress_eos: bool = setting(False, flag())
+    suppress_eos: bool = setting(False, BOOLEAN)
     seed: int = setting(0, integer(0), error=ConfigError)
     drafting: str | None = None
     proposal: str | None = None
@@ -123,8 +123,8 @@ class EvalDecoding:
         with _refusing(EvalConfigError):
             check_eval_drafting(self.drafting, self.tree_budget)  # before: drafting=tree
             fields = {f: v for f in DECODING_FIELDS if (v := getattr(self, f)) is not None}
-            greedy = check_settings(CONFIG, **fields, draft=self.drafting,
-                                    proposal=self.proposal).greedy  # fmt: skip
+            asked = {"draft": self.drafting, "proposal": self.proposal}
+            greedy = check_settings(CONFIG, **fields, **asked).greedy
             budget = max(tree_budgets(self.tree_budget), default=0)  # the tree rows' choice
             check_drafting(greedy, tree_budget=budget, tree_floor=self.tree_floor, spell=CONFIG)
             check_settings(CONFIG, method="autoregressive", compile=self.compile)  # AR pass's
@@ -162,7 +162,7 @@ class EvalPrompts:
     # prompts=spec_bench: null takes every question of the file
     num_prompts: int | None = setting(8, integer(1, null=True), error=ConfigError)
     num_prompt_sets: int = setting(1, integer(1), error=ConfigError)
-    english_only: bool = setting(True, flag())
+    english_only: bool = setting(True, BOOLEAN)
     sources: Any = setting(None, names("sources=[synthetic/multi_answer]", "source names"))
     max_prompt_length: int | None = setting(None, integer(1, null=True))
     spec_bench: SpecBench | None = section(SpecBench, "prompts", optional=True)
@@ -194,10 +194,10 @@ class EvalRun:
     device: str = "cpu"
     num_threads: int | None = setting(1, integer(1, null=True))
     warmup: int = setting(1, integer(0, null=True))
-    warmup_window: bool = setting(True, flag(null=True))
-    max_throughput: bool = setting(True, flag())
-    interleave: bool = setting(False, flag(null=True))
-    progress: bool = setting(True, flag(null=True))
+    warmup_window: bool = setting(True, OPTIONAL_BOOLEAN)
+    max_throughput: bool = setting(True, BOOLEAN)
+    interleave: bool = setting(False, OPTIONAL_BOOLEAN)
+    progress: bool = setting(True, OPTIONAL_BOOLEAN)
     batch_size: int = setting(1, BATCH_SIZE)
 
     def __post_init__(self) -> None:
@@ -226,7 +226,7 @@ class EvalOutput:
     )
     report: Any = None
     resume: str = setting("auto", choice(*RESUME, null=True))
-    plots: bool = setting(True, flag())
+    plots: bool = setting(True, BOOLEAN)
 
 
 @dataclass(frozen=True)
@@ -339,8 +339,24 @@ def hydra_model_overrides(cfg: Any) -> dict[str, Any] | None:
 
 
 # ---------------------------------------------------------------------- regeneration ----
-def _draft_folder(v: Any) -> bool:
-    return isinstance(v, str) and (Path(v).expanduser() / "config.json").is_file()
+DRAFT_FOLDER = rule(
+    lambda v: isinstance(v, str) and (Path(v).expanduser() / "config.json").is_file(),
+    "an exported draft folder (with config.json, e.g. outputs/train/<run>/draft) or null "
+    "(autoregressive)",
+    null=True,
+)
+
+
+def _absolute(path: Any) -> str | None:
+    return str(Path(path).expanduser().resolve()) if path else None
+
+
+def _method(draft: Any) -> str:
+    return "speculative" if draft else "autoregressive"
+
+
+def _float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 @dataclass(frozen=True)
@@ -348,16 +364,14 @@ class Settings:
     """How every assistant turn of a regeneration is decoded (part of the manifest's identity;
     fields: configs/regenerate.yaml). ``method`` speculative needs ``draft``."""
 
-    method: str = setting("autoregressive", key="draft",
-                          convert=lambda d: "speculative" if d else "autoregressive")  # fmt: skip
-    draft: str | None = setting(None, rule(_draft_folder, null=True, allowed=(
-        "an exported draft folder (with config.json, e.g. outputs/train/<run>/draft) or null "
-        "(autoregressive)")), convert=lambda d: str(Path(d).expanduser().resolve()) if d else None)  # fmt: skip
+    method: str = setting("autoregressive", key="draft", convert=_method)  # draft=: speculative
+    draft: str | None = setting(None, DRAFT_FOLDER, convert=_absolute)
     greedy: bool = setting(True, flag())
     temperature: float = setting(1.0, number(0.0, low_open=True, null=False), convert=float)
     top_k: int | None = setting(None, integer(1, null=True))
-    top_p: float | None = setting(None, number(0.0, 1.0, low_open=True, high_open=False),
-                                  convert=lambda p: None if p is None else float(p))  # fmt: skip
+    top_p: float | None = setting(
+        None, number(0.0, 1.0, low_open=True, high_open=False), convert=_float
+    )
     max_new_tokens: int = setting(1024, integer(1))
     seed: int = setting(0, integer(0))
     policy: str = setting("condition", choice(*SAMPLING_POLICIES))
@@ -395,8 +409,9 @@ class RegenerateSettings:
 
     decoder: Settings = section(Settings)
     model: ModelSettings = section(ModelSettings, "model")
-    data: Mapping[str, Any] = setting({}, checked_as(DataChecks),
-                                      convert=lambda d: {k: (d or {}).get(k) for k in REGENERATE_DATA})  # fmt: skip
+    data: Mapping[str, Any] = setting(
+        {}, checked_as(DataChecks), convert=lambda d: {k: (d or {}).get(k) for k in REGENERATE_DATA}
+    )
     shard: int = setting(0, integer(0))
     num_shards: int = setting(1, integer(1))
     output_dir: str = setting("", or_default=True)  # "" or null: the folder above

@@ -23,6 +23,8 @@ from mtpc.config import (
     computed,
     flag,
     integer,
+    is_integer,
+    is_number,
     number,
     read,
     rule,
@@ -58,6 +60,10 @@ class HeadOptions:
     identity_init: bool | None = setting(None, flag())
 
 
+def _options(circuit: Mapping[str, Any]) -> dict[str, Any]:
+    return {str(k): v for k, v in circuit.items() if k not in CIRCUIT_FIELDS}
+
+
 @dataclasses.dataclass(frozen=True)
 class CircuitSettings:
     """The head (``circuit.*``; ``configs/circuit/btree.yaml``'s by default)."""
@@ -66,10 +72,7 @@ class CircuitSettings:
     window: int = setting(8, integer(1))  # n, the bytes one draft proposes
     rank: int = setting(8, integer(1))  # r, the units per region
     # the section's other keys, as given (btree.yaml: sum_init_std, identity_init, extra_positions)
-    options: Mapping[str, Any] = setting(
-        {}, checked_as(HeadOptions), key="",
-        convert=lambda c: {str(k): v for k, v in c.items() if k not in CIRCUIT_FIELDS},
-    )  # fmt: skip
+    options: Mapping[str, Any] = setting({}, checked_as(HeadOptions), key="", convert=_options)
 
     def __post_init__(self) -> None:
         if self.kind == "ff" and self.rank != 1:
@@ -101,13 +104,31 @@ class CallbackSettings:
     save_top_k: int = setting(1, integer(-1))
 
 
-def _steps(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and (v >= 1 or v == -1)
-
-
-def _val_limit(v: Any) -> bool:
-    whole = isinstance(v, int) and not isinstance(v, bool) and v >= 0
-    return whole or (isinstance(v, float) and 0.0 <= v <= 1.0)
+STEPS = rule(
+    lambda v: is_integer(v) and (v >= 1 or v == -1),
+    "an integer >= 1, or -1 (the whole epoch); a run of 0 steps would export an untrained draft",
+    null=True,
+)
+VALIDATION_BATCHES = rule(
+    lambda v: (is_integer(v) and v >= 0) or (isinstance(v, float) and 0.0 <= v <= 1.0),
+    "null (every validation batch), an integer >= 0 (batches per validation; 0 turns validation "
+    "off) or a float in [0, 1] (a share of the validation split)",
+    null=True,
+)
+BETAS = rule(
+    lambda v: (
+        isinstance(v, list | tuple) and len(v) == 2 and all(is_number(b) and 0 <= b < 1 for b in v)
+    ),
+    "two numbers in [0, 1), e.g. [0.9, 0.999]",
+    null=True,
+)
+SCHEDULER = rule(
+    lambda v: isinstance(v, Mapping) and "_target_" in v,
+    "null or a partial LR scheduler, e.g. {_target_: torch.optim.lr_scheduler.LinearLR, "
+    "_partial_: true}",
+    null=True,
+)
+POSITIVE = rule(lambda v: is_number(v) and 0 < v < float("inf"), "a number > 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,13 +141,9 @@ class TrainerSettings:
     # without global_batch_size; missing, null or 0: this
     accumulate_grad_batches: int = setting(1, or_default=True, convert=int)
     fast_dev_run: bool = setting(False, convert=bool)  # also: no resume, export, logger
-    max_steps: int | None = setting(None, rule(_steps, null=True, allowed=(
-        "an integer >= 1, or -1 (the whole epoch); a run of 0 steps would export an untrained "
-        "draft")))  # fmt: skip  # -1 or None: no budget; cpu.yaml sets 300
+    max_steps: int | None = setting(None, STEPS)  # -1 or None: no budget; cpu.yaml sets 300
     max_epochs: int | None = None  # -1 or None: no budget; cpu.yaml sets 1
-    limit_val_batches: Any = setting(None, rule(_val_limit, null=True, allowed=(
-        "null (every validation batch), an integer >= 0 (batches per validation; 0 turns "
-        "validation off) or a float in [0, 1] (a share of the validation split)")))  # fmt: skip
+    limit_val_batches: Any = setting(None, VALIDATION_BATCHES)
     strategy: Any = None  # a dict is instantiated
     fields: Mapping[str, Any] = setting({}, key="", convert=dict)  # L.Trainer's keywords
 
@@ -155,21 +172,12 @@ class RunSettings:
             )
 
 
-def _betas(v: Any) -> bool:
-    numbers = isinstance(v, list | tuple) and len(v) == 2
-    return (
-        numbers
-        and all(not isinstance(b, bool) and isinstance(b, int | float) for b in v)
-        and (all(0 <= b < 1 for b in v))
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class OptimizerChecks:
     """AdamW's fields checked at the door (``optimizer.*``; the lr: ``Sections.lr``)."""
 
     weight_decay: float | None = setting(None, number(0.0))
-    betas: Any = setting(None, rule(_betas, "two numbers in [0, 1), e.g. [0.9, 0.999]", True))
+    betas: Any = setting(None, BETAS)
 
 
 def _node(value: Any) -> Any:
@@ -184,15 +192,11 @@ class Sections:
 
     data: Any = setting(None, checked_as(DataChecks), node=True, convert=_node)
     optimizer: Any = setting(None, checked_as(OptimizerChecks), node=True, convert=_node)
-    scheduler: Any = setting(None, rule(
-        lambda v: isinstance(v, Mapping) and "_target_" in v, null=True, allowed=(
-            "null or a partial LR scheduler, e.g. {_target_: torch.optim.lr_scheduler.LinearLR, "
-            "_partial_: true}")), node=True, convert=_node)  # fmt: skip
+    scheduler: Any = setting(None, SCHEDULER, node=True, convert=_node)
     logger: Any = setting(None, node=True, convert=_node)
     batch_size: int | None = setting(None, key="data.batch_size")  # sequences per batch, rank
     # optimizer.lr as given (the new lr of a resume that changes it)
-    lr: Any = setting(None, rule(lambda v: isinstance(v, int | float) and not isinstance(
-        v, bool) and 0 < v < float("inf"), "a number > 0"), key="optimizer.lr")  # fmt: skip
+    lr: Any = setting(None, POSITIVE, key="optimizer.lr")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,8 +217,13 @@ class TrainSettings:
 
     def model_arguments(self) -> dict[str, Any]:
         """The keywords of :func:`mtpc.training.run.build_model`: the sections it needs."""
-        return {"model": self.model, "circuit": self.circuit, "lora": self.lora,
-                "chunk_size": self.loss.chunk_size, "accelerator": self.trainer.accelerator}  # fmt: skip
+        return {
+            "model": self.model,
+            "circuit": self.circuit,
+            "lora": self.lora,
+            "chunk_size": self.loss.chunk_size,
+            "accelerator": self.trainer.accelerator,
+        }
 
     @classmethod
     def from_cfg(cls, cfg: DictConfig) -> TrainSettings:
