@@ -20,7 +20,7 @@ status is 1 when any check fails. Checks (docs/TRAINING.md, "GPU self-check"):
   ``triton_eva_prep_kv_fwd`` runs) agree.
 * ``eva_train_triton_vs_torch``: a LoRA k = 1 objective step of the tiny EvaByte on rows
   shorter than one window (no compressed chunk yet: a backward the remote code cannot take
-  without ``mtpc.backbones.compat``) and on rows longer than one: the loss and gradients of
+  without ``mtpc.backbones.evabyte_kernels``) and on rows longer than one: the loss and gradients of
   the triton path equal the torch path's.
 * ``one_pass_verify[<target>]``: a drafted window run in one cached trunk pass gives the
   logits of the same positions fed one per pass (how every cycle verifies), up to EvaByte's
@@ -41,7 +41,7 @@ Targets: the bundled tiny target, and the tiny EvaByte of the real code with
 ``--evabyte-code`` (on the triton kernels on a GPU). With ``--device cpu``, triton installed
 and ``--evabyte-code``, the script sets ``TRITON_INTERPRET=1`` before triton is imported and
 the EvaByte checks run the real kernels through triton's CPU interpreter (float32, the
-blocks of an H100: ``mtpc.backbones.compat.INTERPRETER_CAPABILITY``). ``--break-kernel``
+blocks of an H100: ``mtpc.backbones.evabyte_kernels.INTERPRETER_CAPABILITY``). ``--break-kernel``
 forces a forward ``BLOCK_M`` twice the EVA window into the kernels after each load (past the
 gate that refuses it at load time): the self-test of the FAIL path. Nothing is downloaded.
 """
@@ -129,7 +129,7 @@ def _remote_code_tools() -> Any:
 
 EVA_TINY = {"window_size": 128, "chunk_size": 4, "num_hidden_layers": 2}
 """The tiny EvaByte's EVA sizes (head_dim 16): every GPU's block table divides a window of 128
-and its 32 chunks (``mtpc.backbones.compat.check_kernel_blocks``)."""
+and its 32 chunks (``mtpc.backbones.evabyte_kernels.check_kernel_blocks``)."""
 
 
 def tiny_evabyte_checkpoint(code: Path, root: Path) -> Path:
