@@ -156,6 +156,11 @@ def setting(
         "lenient": lenient,
         "error": error,
     }
+    return _field(default, meta, compare)
+
+
+def _field(default: Any, meta: dict[str, Any], compare: bool = True) -> Any:
+    """A dataclass field with ``default`` (a dict or list: a fresh copy each time)."""
     if isinstance(default, dict | list):
         return dataclasses.field(
             default_factory=lambda: type(default)(default), metadata=meta, compare=compare
@@ -173,12 +178,8 @@ def section(schema: type, key: str = "", optional: bool = False) -> Any:
 
 
 def computed(default: Any = None) -> Any:
-    """A field the schema sets itself (in ``__post_init__`` or ``from_cfg``), never read."""
-    if isinstance(default, dict | list):
-        return dataclasses.field(
-            default_factory=lambda: type(default)(default), metadata={"computed": True}
-        )
-    return dataclasses.field(default=default, metadata={"computed": True})
+    """A field the schema computes (``from_cfg`` passes it to :func:`read`), never read."""
+    return _field(default, {"computed": True})
 
 
 # ------------------------------------------------------------------------ reader ----
@@ -215,8 +216,8 @@ def read(
 ) -> _Schema:
     """``schema`` from ``cfg``'s keys under ``prefix``: each field read, defaulted, checked
     (unless ``checked`` is False: a record, not a user's input) and converted, each section
-    read the same way, ``known`` fields (the computed ones) as given; then the schema's own cross-field checks
-    (``__post_init__``). Raises the schema's ``error`` (default :class:`ConfigError`)."""
+    read the same way, the computed fields from ``known``; then the schema's own cross-field
+    checks (``__post_init__``). Raises the schema's ``error`` (default :class:`ConfigError`)."""
     values: dict[str, Any] = dict(known)
     for item in dataclasses.fields(schema):  # type: ignore[arg-type]
         meta = item.metadata
