@@ -73,8 +73,8 @@ def pool_turns(turns: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         if all(key in t for t in turns)
     }  # fmt: skip
     out["stopped"] = turns[-1]["stopped"]
-    engines = {t.get("engine") for t in turns} - {None}  # records before engines: none
-    if engines:  # a fallback in one turn shows: "compiled+eager"
+    engines = {str(t["engine"]) for t in turns if t.get("engine")}  # older records: none
+    if engines:  # turns on different engines show both: "compiled+static"
         out["engine"] = "+".join(sorted(engines))
     for key in ("accepted", "drafted", "offsets"):
         if all(key in t for t in turns):
