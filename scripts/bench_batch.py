@@ -27,6 +27,7 @@ equals FF, so its acceptance is FF's, and nothing is trained).
 
     python scripts/bench_batch.py                                     # pretrained-init BTree
     python scripts/bench_batch.py --draft outputs/train/<run>/draft --sizes 1 4 16 64 --sampling --repeats 3
+    python scripts/bench_batch.py --evabyte-code <dir> --eva window_size=16 --sizes 1 4 16  # EvaByte
 
 Every (B, method) runs in turn within a repeat (the order rotating between repeats), so load
 drift on a shared machine hits all of them alike; a cell's wall time is the median over the
@@ -65,6 +66,8 @@ def _model(args: argparse.Namespace) -> tuple[str, Any]:
     from mtpc.backbones import load_backbone
     from mtpc.model import MTPCModel
 
+    if args.evabyte_code:
+        return _evabyte_model(args)
     if args.draft:
         path = Path(args.draft)
         name = path.name if path.name != "draft" else path.parent.name
@@ -80,6 +83,47 @@ def _model(args: argparse.Namespace) -> tuple[str, Any]:
         f"btree n={args.window} r={args.rank} (pretrained MTP init: its acceptance is FF's)",
         model,
     )
+
+
+def _evabyte_model(args: argparse.Namespace) -> tuple[str, Any]:
+    """``--evabyte-code``: a tiny random checkpoint of EvaByte's real remote code
+    (``scripts/check_remote_code.py``'s, ``--eva`` fields on top, float32, the torch EVA path
+    on a CPU) and a BTree of its pretrained MTP unembeddings (n = ``--window``, r = ``--rank``)."""
+    import importlib.util
+    import tempfile
+
+    from mtpc.backbones import load_backbone
+    from mtpc.model import MTPCModel
+
+    spec = importlib.util.spec_from_file_location(
+        "mtpc_check_remote_code", Path(__file__).with_name("check_remote_code.py")
+    )
+    assert spec is not None and spec.loader is not None
+    tools = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tools)
+    code = Path(args.evabyte_code)
+    code = code / "evabyte_hf" if (code / "evabyte_hf").is_dir() else code
+    fields = {"max_position_embeddings": 512}
+    for item in args.eva:
+        key, _, value = item.partition("=")
+        fields[key] = int(value)
+    root = Path(tempfile.mkdtemp(prefix="bench_batch_evabyte_"))
+    folder, _ = tools.write_checkpoint("evabyte", code, "default", root, **fields)
+    impl = "auto" if args.device.startswith("cuda") else "torch"
+    backbone = load_backbone(
+        "evabyte", path=str(folder), dtype="float32", device=args.device, attention_impl=impl
+    )
+    model = MTPCModel.from_backbone(backbone, "btree", args.window, args.rank, lora_layers=0)
+    config = backbone.config
+    shown = ", ".join(f"{k}={getattr(config, k)}" for k in EVA_SHOWN)
+    return (
+        f"tiny EvaByte ({shown}), btree n={args.window} r={args.rank} (pretrained MTP init)",
+        model,
+    )
+
+
+EVA_SHOWN = ("hidden_size", "num_hidden_layers", "window_size", "chunk_size")
+"""The tiny EvaByte's config fields named in the report."""
 
 
 def _per_row_tokens_per_cycle(results: Sequence[Any]) -> tuple[float, float]:
@@ -245,6 +289,14 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--what", nargs="*", default=["decode"], choices=sorted(WHAT))
     parser.add_argument("--draft", default=None, help="an exported draft folder")
+    parser.add_argument(
+        "--evabyte-code", default=None,
+        help="a dir with EvaByte's remote code (evabyte_hf/*.py): a tiny EvaByte of it instead",
+    )  # fmt: skip
+    parser.add_argument(
+        "--eva", nargs="*", default=[],
+        help="the tiny EvaByte's config fields, e.g. window_size=16 hidden_size=64",
+    )  # fmt: skip
     parser.add_argument("--window", type=int, default=8, help="the default draft's n")
     parser.add_argument("--rank", type=int, default=8, help="the default draft's r")
     parser.add_argument("--prompts", type=int, default=64)

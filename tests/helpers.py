@@ -116,3 +116,32 @@ def interpreter_scenarios(script: str, *args: str, timeout: int) -> dict[str, An
     assert line is not None, result.stdout[-2000:] + result.stderr[-3000:]
     found: dict[str, Any] = json.loads(line.removeprefix("SCENARIOS "))
     return found
+
+
+EVABYTE_CODE = os.environ.get("MTPC_EVABYTE_CODE")
+"""A directory with EvaByte's real remote code (``evabyte_hf/*.py``, OpenEvaByte/evabyte @
+432331a; never committed), or None: the tests that need it skip."""
+
+needs_evabyte_code = pytest.mark.skipif(
+    not EVABYTE_CODE,
+    reason="set MTPC_EVABYTE_CODE=<dir with evabyte_hf/*.py> (EvaByte's real remote code, "
+    "OpenEvaByte/evabyte @ 432331a; never committed) to run it",
+)
+
+
+def evabyte_checkpoint(root: Path, **overrides: Any) -> Path:
+    """A tiny random checkpoint of EvaByte's real code (``scripts/check_remote_code.py``'s:
+    3 layers, EVA window 16, chunk 4; ``overrides`` replace config fields), under ``root``."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "mtpc_check_remote_code", REPO / "scripts" / "check_remote_code.py"
+    )
+    assert spec is not None and spec.loader is not None and EVABYTE_CODE
+    tools = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tools)
+    code = Path(EVABYTE_CODE)
+    code = code / "evabyte_hf" if (code / "evabyte_hf").is_dir() else code
+    sizes = {"max_position_embeddings": 512, **overrides}
+    folder, _ = tools.write_checkpoint("evabyte", code, "default", root, **sizes)
+    return Path(folder)

@@ -30,6 +30,7 @@ from tests.fakes import (
     fake_llama3_byte,
     make_model,
     make_target,
+    randomize_lora,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -241,16 +242,18 @@ def test_bad_batches_fail_before_decoding() -> None:
     ]
 
 
-def test_evabyte_refuses_batches_and_decodes_lists_one_at_a_time() -> None:
+@pytest.mark.parametrize("kw", [{}, {"greedy": False, "tree_budget": 5}], ids=["greedy", "tree"])
+def test_evabyte_batches_rows_in_their_own_windows_each_equal_to_alone(kw: dict) -> None:
+    """EvaByte (``layout`` ``windowed.Windowed``, window 8: rows cross window boundaries at
+    their own steps): a batch of 3 (prompts replaced) and a list (None: all at once) equal
+    each prompt alone. The real remote code: tests/test_evabyte_batch.py."""
     hf = fake_evabyte(2, window_size=8, chunk_size=4)
-    model = MTPCModel.from_hf(hf, kind="cp", window=4, rank=2)
-    with pytest.raises(ValueError, match="EvaByteBackbone decodes one prompt at a time"):
-        mtpc.generate(model, [[1, 2], [3]], 4, batch_size=2)
-    out = mtpc.generate(model, [[1, 2], [3]], 4, stop_ids=())  # None: one at a time
-    assert [r.tokens for r in out] == [  # type: ignore[union-attr]
-        mtpc.generate(model, p, 4, stop_ids=()).tokens  # type: ignore[union-attr]
-        for p in ([1, 2], [3])
-    ]
+    model = MTPCModel.from_hf(hf, kind="cp", window=4, rank=2, lora_layers=1)
+    randomize_lora(model)
+    prompts = mixed_prompts(5, seed=3)
+    want = alone(model, prompts, 20, **kw)
+    assert batched(model, prompts, 20, 3, **kw) == want
+    assert batched(model, prompts, 20, None, **kw) == want  # type: ignore[arg-type]
 
 
 def test_a_finished_rows_place_goes_to_a_waiting_prompt(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,7 +19,7 @@ from mtpc.evaluation.records import RecordsError
 from mtpc.evaluation.run import EvalConfigError, evaluate
 from mtpc.export import TargetMismatchError
 from mtpc.model import MTPCModel
-from tests.helpers import eval_cfg, make_drafts
+from tests.helpers import evabyte_checkpoint, eval_cfg, make_drafts, needs_evabyte_code
 
 V = 320  # the tiny codec's vocabulary (the prompts come from the data pipeline)
 
@@ -360,30 +360,47 @@ def test_batched_evaluation_records_the_rows_of_batch_1(
     assert many["rows"][0]["tok_s"] > 0
 
 
-def test_batched_evaluation_of_an_evabyte_draft_is_refused_in_one_line(tmp_path: Path) -> None:
-    with pytest.raises(EvalConfigError, match="batch_size=2 is not allowed for model=evabyte"):
-        evaluate(
-            eval_cfg(
-                tmp_path,
-                model={
-                    "name": "evabyte",
-                    "path": None,
-                    "revision": None,
-                    "dtype": "float32",
-                    "codec": "evabyte",
-                },
-                batch_size=2,
-            )
-        )
+@needs_evabyte_code
+def test_batched_evaluation_of_an_evabyte_draft_records_the_rows_of_batch_1(
+    tmp_path: Path,
+) -> None:
+    """EvaByte (a tiny checkpoint of its real code, EVA window 16) at ``batch_size=2``
+    records, sampled, every pass's output of ``batch_size=1`` (it refused batches before its
+    rows had their own EVA windows)."""
+    from mtpc.backbones import load_backbone
+
+    path = str(evabyte_checkpoint(tmp_path / "ckpt"))
+    backbone = load_backbone("evabyte", path=path, dtype="float32", attention_impl="torch")
+    model = MTPCModel.from_backbone(backbone, "cp", 4, 2, lora_layers=1)
+    with torch.no_grad():
+        for p in model.backbone.lora.parameters():
+            p.normal_(0, 0.05)
+    draft = model.save_pretrained(tmp_path / "draft")
+    eva = {"name": "evabyte", "path": path, "revision": None, "dtype": "float32",
+           "codec": "evabyte"}  # fmt: skip
+    base = {"model": eva, "draft": [str(draft)], "greedy": False, "num_prompts": 5,
+            "num_prompt_sets": 1, "max_new_tokens": 24, "plots": False}  # fmt: skip
+
+    def outputs(size: int) -> dict:
+        cfg = eval_cfg(tmp_path, **base, batch_size=size, output_dir=str(tmp_path / str(size)))
+        cfg["data"]["codec"] = "evabyte"
+        res = evaluate(cfg)
+        records = [json.loads(x) for x in (Path(res["folder"]) / "records.jsonl").open()]
+        return {(r["pass"], r["draft"], r["index"]): r["tokens_sha1"]
+                for r in records if r.get("type") == "prompt"}  # fmt: skip
+
+    one = outputs(1)
+    assert outputs(2) == one and len(one) == 3 * 5
 
 
-def test_compile_runs_the_ar_baseline_on_the_compiled_engine_and_records_it(
+def test_compile_runs_every_pass_on_the_compiled_engine_and_records_it(
     tmp_path: Path, drafts: dict[str, Path]
 ) -> None:
-    """``compile=aot_eager`` (no C compiler needed): the AR pass runs the static compiled step
-    (every AR record says ``compiled``), the draft's passes stay eager, the greedy drafts still
-    equal AR's outputs, the folder is another than the eager baseline's and the title says
-    so. A compile switch that changed nothing would leave ``eager`` in the AR records."""
+    """``compile=aot_eager`` (no C compiler needed): the AR pass and the draft's chain passes
+    (speculative, max_throughput) run the static compiled step (every record says
+    ``compiled``), their outputs equal the eager evaluation's, the greedy drafts still equal
+    AR's outputs, the folder is another than the eager baseline's and the title says so. A
+    compile switch that changed nothing would leave ``eager`` in the records."""
     base = {"draft": [str(drafts["btree"])], "num_prompt_sets": 1, "plots": False}
     eager = evaluate(eval_cfg(tmp_path, **base, output_dir=str(tmp_path / "eager")))
     compiled = evaluate(
@@ -397,7 +414,8 @@ def test_compile_runs_the_ar_baseline_on_the_compiled_engine_and_records_it(
         return [r for r in map(json.loads, lines) if r.get("type") == "prompt"]
 
     engines = {(r["pass"], r["engine"]) for r in records(compiled)}
-    assert engines == {("ar", "compiled"), ("speculative", "eager"), ("max_throughput", "eager")}
+    assert engines == {("ar", "compiled"), ("speculative", "compiled"),
+                       ("max_throughput", "compiled")}  # fmt: skip
     assert {r["engine"] for r in records(eager)} == {"eager"}
     same = {(r["pass"], r["index"]): r["tokens_sha1"] for r in records(eager)}
     assert {(r["pass"], r["index"]): r["tokens_sha1"] for r in records(compiled)} == same

@@ -62,8 +62,8 @@ def check_batch_size(
         name = backbone if isinstance(backbone, type) else type(backbone)
         who = f" for model={model}: it" if model else f": {name.__name__}"
         raise error(
-            f"batch_size={batch_size} is not allowed{who} decodes one prompt at a time "
-            "(EvaByte's EVA window cache holds one sequence); allowed: batch_size=1"
+            f"batch_size={batch_size} is not allowed{who} has no batched cache "
+            "(supports_batch is False); allowed: batch_size=1"
         )
     return batch_size if count is None else min(batch_size, count)
 

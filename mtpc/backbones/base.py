@@ -201,7 +201,9 @@ class Backbone(nn.Module, ABC):
     supports_tree_mask = False
     """``run_layers(..., tree_mask=...)``: T new nodes attend their ancestors in one pass."""
     supports_batch = False
-    """``run_layers(..., attend=...)``, ``native_take/pad/merge``: rows at their own lengths."""
+    """``run_layers(..., attend=...)``, ``native_take/pad/merge``: rows at their own lengths
+    (``layout.Padded``); a backbone with ``run_rows`` (EvaByte) batches its own way instead
+    (``windowed.Windowed``)."""
 
     def __init__(self, hf_model: nn.Module, name: str, codec: str, source: dict[str, Any]) -> None:
         super().__init__()

@@ -94,6 +94,20 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def _rotated_qkv(
+    attn: Any, hidden: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The queries and keys (rotated by ``cos``/``sin``) and values (B, h, T, hd) of
+    ``hidden`` (B, T, d)."""
+    assert cos is not None and sin is not None
+    b, t, _ = hidden.shape
+    h, hd = attn.num_heads, attn.head_dim
+    q = attn.q_proj(hidden).view(b, t, h, hd).transpose(1, 2)  # (B, h, T, hd)
+    k = attn.k_proj(hidden).view(b, t, h, hd).transpose(1, 2)
+    v = attn.v_proj(hidden).view(b, t, h, hd).transpose(1, 2)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+
 def multibyte_attention(
     attn: Any,
     hidden_states: torch.Tensor,
@@ -112,13 +126,9 @@ def multibyte_attention(
     ``attention_mask`` (B, 1, T, C + pos + T) bool over ``[RFAs | window | new]``.
     """
     assert use_cache and multibyte_decoding and attention_mask is not None
-    assert cos is not None and sin is not None
     b, t, _ = hidden_states.shape
     h, hd = attn.num_heads, attn.head_dim
-    q = attn.q_proj(hidden_states).view(b, t, h, hd).transpose(1, 2)  # (B, h, T, hd)
-    k = attn.k_proj(hidden_states).view(b, t, h, hd).transpose(1, 2)
-    v = attn.v_proj(hidden_states).view(b, t, h, hd).transpose(1, 2)
-    q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    q, k, v = _rotated_qkv(attn, hidden_states, cos, sin)  # (B, h, T, hd) each
     layer, cache = attn.layer_idx, past_key_value
     pos = cache.past_window_pos[layer]
     cache.past_window_k[layer][:, :, pos : pos + t] = k
@@ -128,13 +138,158 @@ def multibyte_attention(
     rfa_k, rfa_v = cache.get_chunk_rfas(layer)
     if rfa_k is not None:
         keys, values = torch.cat([rfa_k, keys], dim=-2), torch.cat([rfa_v, values], dim=-2)
-    scores = torch.matmul(q, keys.transpose(-2, -1))  # (B, h, T, C + pos + T)
-    if getattr(attn.config, "mixedp_attn", False):
-        scores = scores.float()
-    scores = (scores * attn.head_dim_scaling).masked_fill(~attention_mask, MASK_MIN)
-    out = torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), values)  # (B, h, T, hd)
+    out = _eva_attend(attn, q, keys, values, attention_mask)  # (B, h, T, hd)
     out = attn.o_proj(out.transpose(1, 2).reshape(b, t, h * hd))
     return out, None, past_key_value
+
+
+def _eva_attend(
+    attn: Any, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """eva_pt_ref's softmax attention of ``q`` (B, h, T, hd) over ``keys``/``values`` (B, h,
+    S, hd) where the bool ``mask`` (B, 1, T, S) allows -> (B, h, T, hd)."""
+    scores = torch.matmul(q, keys.transpose(-2, -1))  # (B, h, T, S)
+    if getattr(attn.config, "mixedp_attn", False):
+        scores = scores.float()
+    scores = (scores * attn.head_dim_scaling).masked_fill(~mask, MASK_MIN)
+    return torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), values)  # (B, h, T, hd)
+
+
+class EvaRowsCache:
+    """EVA decoding state of B rows at their own lengths (batched decoding,
+    :class:`mtpc.decoding.windowed.Windowed`; docs/BACKBONES.md, "EvaByte: many rows").
+
+    Per global layer ``layer`` in ``layers``: ``past_window_k/v[layer]`` (B, h, W + room, hd), row
+    ``r``'s current window in its own slots ``[0, committed[r] - start[r])`` (``start``: its
+    window start); ``rfa_k/v[layer]`` (B, h, C, hd) row ``r``'s chunk RFAs in ``[0, chunks[r])``
+    (zeros after, masked; ``None``: no row has any). ``length[r] - committed[r]`` positions
+    were written by the row's last pass and await ``EvaByteBackbone.rows_select``. A pass
+    reads a row's own slots only (:meth:`EvaByteBackbone.run_rows` builds the mask)."""
+
+    def __init__(self, layers: range, window: int) -> None:
+        n = layers.stop
+        self.layers = layers
+        self.window = window
+        self.past_window_k: list[Any] = [None] * n
+        self.past_window_v: list[Any] = [None] * n
+        self.rfa_k: list[Any] = [None] * n
+        self.rfa_v: list[Any] = [None] * n
+        self.committed: list[int] = []
+        self.length: list[int] = []
+        self.chunks: list[int] = []
+        self.writes: torch.Tensor | None = None  # (B, T) window slots of a pass's new keys
+        self.mask: torch.Tensor | None = None  # (B, 1, T, C + span) of a pass
+        self.span = 0  # window slots a pass reads
+
+    @property
+    def rows(self) -> int:
+        return len(self.committed)
+
+    def start(self, row: int) -> int:
+        """Row ``row``'s window start (its positions before it are compressed)."""
+        return self.committed[row] - self.committed[row] % self.window
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return max(self.length, default=0)
+
+    def row(self, r: int) -> EvaWindowCache:
+        """Row ``r`` as a one-row :class:`EvaWindowCache` whose window buffers are views of
+        this cache's (writes land here); its RFAs are copies (:meth:`store` writes them back)."""
+        one = EvaWindowCache.__new__(EvaWindowCache)
+        n, c = self.layers.stop, self.chunks[r]
+        one.layers, one.window = self.layers, self.window
+        one.past_window_k, one.past_window_v = [None] * n, [None] * n
+        one.rfa_k, one.rfa_v = [None] * n, [None] * n
+        one.past_window_pos = [0] * n
+        for layer in self.layers:
+            one.past_window_k[layer] = self.past_window_k[layer][r : r + 1]
+            one.past_window_v[layer] = self.past_window_v[layer][r : r + 1]
+            one.past_window_pos[layer] = self.committed[r] - self.start(r)
+            if c:
+                one.rfa_k[layer] = self.rfa_k[layer][r : r + 1, :, :c]
+                one.rfa_v[layer] = self.rfa_v[layer][r : r + 1, :, :c]
+        one.committed, one.length = self.committed[r], self.length[r]
+        return one
+
+    def store(self, r: int, one: EvaWindowCache) -> None:
+        """Writes row ``r``'s RFAs and counts back from :meth:`row`'s view ``one``."""
+        c = one.chunks()
+        if c > self.chunks[r]:
+            self.pad_chunks(c)
+            for layer in self.layers:
+                self.rfa_k[layer][r, :, :c] = one.rfa_k[layer][0]
+                self.rfa_v[layer][r, :, :c] = one.rfa_v[layer][0]
+        self.chunks[r], self.committed[r], self.length[r] = c, one.committed, one.length
+
+    def width(self) -> int:
+        """Chunk columns held (the widest row's, or more)."""
+        rfa = self.rfa_k[self.layers.start]
+        return 0 if rfa is None else int(rfa.shape[-2])
+
+    def pad_chunks(self, width: int) -> None:
+        """Zero RFA columns (masked) up to ``width``."""
+        extra = width - self.width()
+        if extra <= 0:
+            return
+        for layer in self.layers:
+            k = self.past_window_k[layer]
+            b, h, _, hd = k.shape
+            zeros = k.new_zeros(b, h, extra, hd)
+            for rfa in (self.rfa_k, self.rfa_v):
+                rfa[layer] = (
+                    zeros.clone() if rfa[layer] is None else torch.cat([rfa[layer], zeros], 2)
+                )
+
+    def take(self, rows: torch.Tensor) -> None:
+        """Keeps the rows ``rows`` (B',) in that order."""
+        at = rows.tolist()
+        self.committed = [self.committed[i] for i in at]
+        self.length = [self.length[i] for i in at]
+        self.chunks = [self.chunks[i] for i in at]
+        width = max(self.chunks, default=0)
+        for layer in self.layers:
+            index = rows.to(self.past_window_k[layer].device)
+            self.past_window_k[layer] = self.past_window_k[layer].index_select(0, index)
+            self.past_window_v[layer] = self.past_window_v[layer].index_select(0, index)
+            if self.rfa_k[layer] is not None:
+                self.rfa_k[layer] = self.rfa_k[layer].index_select(0, index)[:, :, :width]
+                self.rfa_v[layer] = self.rfa_v[layer].index_select(0, index)[:, :, :width]
+                if not width:
+                    self.rfa_k[layer] = self.rfa_v[layer] = None
+
+    def append(self, one: EvaWindowCache) -> None:
+        """Appends the settled one-row cache ``one`` as a new last row."""
+        c = one.chunks()
+        if self.rows:
+            self.pad_chunks(c)
+        width = max(self.width(), c)
+        for layer in self.layers:
+            add = {}
+            for name in ("rfa_k", "rfa_v"):
+                rfa = getattr(one, name)[layer]
+                if width:
+                    k = one.past_window_k[layer]
+                    pad = k.new_zeros(1, k.shape[1], width - c, k.shape[3])
+                    add[name] = pad if rfa is None else torch.cat([rfa, pad], 2)
+            if not self.rows:
+                self.past_window_k[layer], self.past_window_v[layer] = (
+                    one.past_window_k[layer],
+                    one.past_window_v[layer],
+                )
+                self.rfa_k[layer], self.rfa_v[layer] = add.get("rfa_k"), add.get("rfa_v")
+                continue
+            self.past_window_k[layer] = torch.cat(
+                [self.past_window_k[layer], one.past_window_k[layer]]
+            )
+            self.past_window_v[layer] = torch.cat(
+                [self.past_window_v[layer], one.past_window_v[layer]]
+            )
+            if width:
+                self.rfa_k[layer] = torch.cat([self.rfa_k[layer], add["rfa_k"]])
+                self.rfa_v[layer] = torch.cat([self.rfa_v[layer], add["rfa_v"]])
+        self.committed.append(one.committed)
+        self.length.append(one.length)
+        self.chunks.append(c)
 
 
 def compress_window(
@@ -161,10 +316,54 @@ def compress_window(
     return rfa_k, rfa_v
 
 
+def rows_attention(
+    attn: Any,
+    hidden_states: torch.Tensor,
+    *,
+    attention_mask: torch.Tensor,
+    past_key_value: EvaRowsCache,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    sdpa: bool = False,
+    **layer_kw: Any,
+) -> tuple[torch.Tensor, None, Any]:
+    """:func:`multibyte_attention` over B rows at their own lengths (:class:`EvaRowsCache`):
+    row r's new keys/values go to its window slots ``past_key_value.writes[r]``; ``attention_mask``
+    (B, 1, T, C + span) bool over ``[RFAs | window slots]``, each row's own. ``sdpa``: the
+    remote triton path's math (``_multibyte_decoding_forward``), else eva_pt_ref's.
+    ``layer_kw``: the rest of the layer's call (``position_ids``, ``use_cache``, ...)."""
+    assert layer_kw.get("multibyte_decoding") and layer_kw.get("use_cache")
+    b, t, _ = hidden_states.shape
+    h, hd = attn.num_heads, attn.head_dim
+    q, k, v = _rotated_qkv(attn, hidden_states, cos, sin)  # (B, h, T, hd) each
+    layer, cache = attn.layer_idx, past_key_value
+    assert cache.writes is not None
+    index = cache.writes[:, None, :, None].expand(b, h, t, hd)  # (B, h, T, hd)
+    cache.past_window_k[layer].scatter_(2, index, k)
+    cache.past_window_v[layer].scatter_(2, index, v)
+    keys = cache.past_window_k[layer][:, :, : cache.span]  # (B, h, span, hd)
+    values = cache.past_window_v[layer][:, :, : cache.span]
+    if cache.rfa_k[layer] is not None:
+        keys = torch.cat([cache.rfa_k[layer], keys], dim=-2)
+        values = torch.cat([cache.rfa_v[layer], values], dim=-2)
+    if sdpa:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, keys, values, attn_mask=attention_mask, is_causal=False, dropout_p=0.0,
+            scale=attn.head_dim_scaling,
+        )  # fmt: skip
+    else:
+        out = _eva_attend(attn, q, keys, values, attention_mask)  # (B, h, T, hd)
+    out = attn.o_proj(out.transpose(1, 2).reshape(b, t, h * hd))
+    return out, None, past_key_value
+
+
 class EvaByteBackbone(Backbone):
     """``EvaByteForCausalLM`` (remote code) split at a layer."""
 
     supports_tree_mask = True
+    supports_batch = True
+    """Rows at their own lengths by :meth:`run_rows` (``mtpc.decoding.windowed.Windowed``),
+    not by ``attend`` / ``native_take``: each row has its own EVA window and RFAs."""
 
     def __init__(
         self, hf_model: nn.Module, source: dict[str, Any] | None = None, cache_batch_size: int = 1
@@ -295,6 +494,131 @@ class EvaByteBackbone(Backbone):
 
     def native_crop(self, native: EvaWindowCache, remove: int) -> None:
         self.native_compact(native, native.length - remove, _NO_SLOTS)
+
+    # --- many rows (mtpc.decoding.windowed.Windowed) ----------------------------------------
+    def new_rows_cache(self, start: int, end: int) -> EvaRowsCache:
+        """An empty :class:`EvaRowsCache` for layers ``start..end-1`` (rows come by
+        :meth:`EvaRowsCache.append` of a one-row cache prefilled alone)."""
+        return EvaRowsCache(range(start, end), self.window_size)
+
+    def rows_select(
+        self, native: EvaRowsCache, row: int, base: int, keep: torch.Tensor | None = None
+    ) -> None:
+        """Row ``row`` keeps positions ``[0, base)`` and ``base + keep`` (``None``: none after
+        ``base``), as :meth:`native_compact` does to one row's cache."""
+        one = native.row(row)
+        keep = _NO_SLOTS if keep is None else keep
+        self.native_compact(one, base, keep)
+        native.store(row, one)
+
+    def _settle_row(self, native: EvaRowsCache, row: int) -> None:
+        """Keeps every position row ``row``'s last pass wrote (:meth:`_settle`); short of a
+        full window nothing moves and nothing is compressed: only the count changes."""
+        length = native.length[row]
+        if length > native.committed[row]:
+            if length - native.start(row) < self.window_size:
+                native.committed[row] = length
+            else:
+                self.rows_select(native, row, length)
+
+    def run_rows(
+        self,
+        hidden: torch.Tensor,
+        native: EvaRowsCache,
+        counts: list[int],
+        inner: torch.Tensor,
+        offsets: torch.Tensor,
+        trees: list[bool],
+    ) -> torch.Tensor:
+        """Layers ``native.layers`` on B rows at their own lengths: row r's first ``counts[r]``
+        of ``hidden`` (B, T, d) are its new positions (0: the row sits out), a token tree
+        (``trees[r]``: ``offsets[r]`` (T,) depths, ``inner[r]`` (T, T) its mask) or a chain
+        (cut at the row's own window boundaries). Each pass: one multibyte pass of every row
+        over its own RFAs and window slots (:func:`rows_attention`). -> (B, T, d)."""
+        layers = native.layers
+        if not len(layers):
+            return hidden
+        b, t, d = hidden.shape
+        device, w = hidden.device, self.window_size
+        out = torch.zeros_like(hidden)
+        done = [0] * b
+        for r in range(b):
+            if counts[r]:
+                self._settle_row(native, r)
+        while any(done[r] < counts[r] for r in range(b)):
+            takes = []
+            for r in range(b):
+                rest = counts[r] - done[r]
+                if rest and done[r]:
+                    self._settle_row(native, r)  # the row's earlier piece filled its window
+                length = native.length[r]
+                take = rest if trees[r] else min(rest, w - length % w)
+                if (
+                    trees[r]
+                    and rest
+                    and length + int(offsets[r, :rest].max()) >= native.start(r) + w
+                ):
+                    raise ValueError(
+                        f"a token tree of row {r} reaches past its EVA window ending at "
+                        f"{native.start(r) + w}; trim it to depth one_pass_span"
+                    )
+                takes.append(take)
+            width = max(takes)
+            j = torch.arange(width, device=device)
+            take_t = torch.tensor(takes, device=device)
+            done_t = torch.tensor(done, device=device)
+            real = j[None, :] < take_t[:, None]  # (B, width)
+            src = (done_t[:, None] + j[None, :]).clamp(max=t - 1)  # (B, width)
+            piece = hidden.gather(1, src[..., None].expand(b, width, d))
+            tree_rows = torch.tensor(trees, device=device)[:, None]
+            off = torch.where(tree_rows, offsets.gather(1, src), j[None, :])
+            lengths = torch.tensor(native.length, device=device)
+            positions = lengths[:, None] + torch.where(real, off, 0)  # (B, width)
+            rows_at = torch.arange(b, device=device)[:, None, None]
+            sub = inner[rows_at, src[:, :, None], src[:, None, :]]  # (B, width, width)
+            chain = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+            sub = torch.where(tree_rows[:, :, None], sub, chain)
+            sub = (sub & real[:, :, None] & real[:, None, :]) | torch.eye(
+                width, dtype=torch.bool, device=device
+            )
+            slots = [native.length[r] - native.start(r) for r in range(b)]  # first writes
+            span = max(slots) + width
+            if span > w + TREE_ROOM:
+                raise ValueError(
+                    f"{width} new positions in an EVA window; allowed: at most "
+                    f"{w + TREE_ROOM - max(slots)}"
+                )
+            writes = torch.tensor(slots, device=device)
+            cols = torch.arange(span, device=device)
+            rel = cols[None, :] - writes[:, None]  # (B, span)
+            new = sub.gather(2, rel.clamp(0, width - 1)[:, None, :].expand(b, width, span))
+            seen = (rel < 0)[:, None, :] | (new & ((rel >= 0) & (rel < width))[:, None, :])
+            chunks = torch.tensor(native.chunks, device=device)
+            rfa = torch.arange(native.width(), device=device)[None, :] < chunks[:, None]
+            mask = torch.cat([rfa[:, None, :].expand(b, width, -1), seen], 2)[:, None]
+            native.writes, native.span = writes[:, None] + j[None, :], span
+            with self._rows_attention(layers.start, layers.stop):
+                result = self._layers(
+                    piece, layers.start, layers.stop, positions, native, mask, multibyte=True
+                )
+            for r in range(b):
+                if takes[r]:
+                    out[r, done[r] : done[r] + takes[r]] = result[r, : takes[r]]
+                    native.length[r] += takes[r]
+                    done[r] += takes[r]
+        return out
+
+    @contextlib.contextmanager
+    def _rows_attention(self, start: int, end: int) -> Iterator[None]:
+        """Both paths: the layers' attention runs :func:`rows_attention` inside the block."""
+        attns: list[Any] = [layer.self_attn for layer in self.layers[start:end]]
+        for attn in attns:
+            attn.forward = functools.partial(rows_attention, attn, sdpa=self.use_triton)
+        try:
+            yield
+        finally:
+            for attn in attns:
+                del attn.forward
 
     # --- layers --------------------------------------------------------------------------------
     @contextlib.contextmanager

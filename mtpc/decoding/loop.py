@@ -18,11 +18,13 @@ from torch import Tensor
 from mtpc.circuits.params import CircuitParams
 from mtpc.decoding.common import GenerationResult, Request, Stopwatch, TargetRule, cut_at_stop
 from mtpc.decoding.layout import Padded, Stream, Tree
+from mtpc.decoding.windowed import Windowed
 
 
 class Layout(Protocol):
     """Where the rows' caches live: ``layout.Stream`` (one row), ``layout.Padded`` (a padded
-    batch with per-row slots), ``static.StaticLayout`` (``compile=``'s fixed-capacity caches)."""
+    batch with per-row slots), ``windowed.Windowed`` (EvaByte's rows, each in its own EVA
+    window), ``static.StaticLayout`` (``compile=``'s fixed-capacity caches)."""
 
     def admit(
         self, rows: Sequence[Any], prompts: Sequence[Tensor]
@@ -244,7 +246,9 @@ def decode(
                          admit, step)[0]
                 for p, r in zip(prompts, requests, strict=True)]  # fmt: skip
     run = new_run(model, requests[0], proposer)
-    return schedule(run, prompts, requests, layout or Padded(model), size, admit, step)
+    if layout is None:  # EvaByte: rows in their own EVA windows (windowed.Windowed)
+        layout = Windowed(model) if hasattr(model.backbone, "run_rows") else Padded(model)
+    return schedule(run, prompts, requests, layout, size, admit, step)
 
 
 def new_run(model: Any, request: Request, proposer: Any) -> Run:

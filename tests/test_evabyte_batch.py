@@ -1,0 +1,209 @@
+"""EvaByte decodes many prompts at once, each row exactly as it decodes alone.
+
+Needs EvaByte's real remote code, which is never committed: ``MTPC_EVABYTE_CODE=<dir with
+evabyte_hf/*.py>`` (OpenEvaByte/evabyte @ 432331a); skipped otherwise. A tiny random checkpoint
+of it (``scripts/check_remote_code.py``) has an EVA window of 16 and chunks of 4, so rows of
+prompts of 1..40 bytes cross window boundaries (and compress their windows into chunk RFAs)
+at their own steps. Rows end at stop ids and give their places to waiting prompts
+(continuous batching). Every field of every row of a batch of 1, 3 or 8 equals the prompt
+decoded alone: greedy, sampled (each row its own seed), chains and token trees. A row that
+read another row's window or RFAs, or its own stale slots, changes (:func:`test_a_row_reads_
+only_its_own_window_and_rfas`). The triton path (triton's CPU interpreter) is a slow test.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import mtpc
+from mtpc.model import MTPCModel
+from tests.helpers import REPO, evabyte_checkpoint, needs_evabyte_code
+
+pytestmark = [needs_evabyte_code, pytest.mark.usefixtures("one_thread")]
+
+STOPS = (5, 7)
+W, C = 16, 4
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return evabyte_checkpoint(tmp_path_factory.mktemp("eva"), window_size=W, chunk_size=C)
+
+
+def load(folder: Path, kind: str = "cp", lora_layers: int = 1) -> MTPCModel:
+    from mtpc.backbones import load_backbone
+
+    backbone = load_backbone(
+        "evabyte", path=str(folder), dtype="float32", device="cpu", attention_impl="torch"
+    )
+    built = MTPCModel.from_backbone(backbone, kind, 4, 2, lora_layers=lora_layers)
+    if lora_layers:
+        with torch.no_grad():
+            for p in built.backbone.lora.parameters():
+                p.normal_(0, 0.05)
+    return built
+
+
+@pytest.fixture(scope="module")
+def model(folder: Path) -> MTPCModel:
+    return load(folder)
+
+
+def prompts(count: int, seed: int = 0) -> list[list[int]]:
+    """``count`` prompts: of 16, 32 and 15 bytes (a full window at the prefill: compressed at
+    once; one short of it), then of random lengths 1..40."""
+    rng = random.Random(seed)
+    lengths = [16, 32, 15] + [rng.randint(1, 40) for _ in range(count - 3)]
+    return [[rng.randrange(3, 300) for _ in range(n)] for n in lengths]
+
+
+def fields(res: Any) -> tuple:
+    return res.tokens, res.accepted, res.emitted, res.drafted, res.trunk_passes, res.stopped
+
+
+def alone(model: MTPCModel, items: list[list[int]], new: int, **kw: Any) -> list[tuple]:
+    return [
+        fields(mtpc.generate(model, p, new, seed=i, stop_ids=STOPS, **kw))
+        for i, p in enumerate(items)
+    ]
+
+
+def batched(model: MTPCModel, items: list[list[int]], new: int, size: int, **kw: Any) -> list:
+    seeds = list(range(len(items)))
+    out = mtpc.generate(model, items, new, seed=seeds, stop_ids=STOPS, batch_size=size, **kw)
+    assert isinstance(out, list)
+    return [fields(res) for res in out]
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"greedy": False}, {"tree_budget": 6}, {"greedy": False, "tree_budget": 5}],
+    ids=["greedy", "sampled", "tree", "sampled-tree"],
+)
+def test_every_row_of_a_batch_equals_its_decoding_alone(model: MTPCModel, kw: dict) -> None:
+    items = prompts(9)
+    want = alone(model, items, 40, **kw)
+    if not kw:  # a row ends early (a stop id); rows are replaced at every B < 9 anyway
+        assert any(len(row[0]) < 40 for row in want)
+    for size in (1, 3, 8):
+        assert batched(model, items, 40, size, **kw) == want, size
+
+
+def test_a_draft_without_lora_batches_equal_alone(folder: Path) -> None:
+    """k = 0 (the tails are empty: the trunk's cache only), greedy and sampled."""
+    plain = load(folder, "btree", lora_layers=0)
+    items = prompts(6, seed=2)
+    for kw in ({}, {"greedy": False}):
+        assert batched(plain, items, 30, 4, **kw) == alone(plain, items, 30, **kw)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{"policy": "recompute"}, {"policy": "drop"}, {"method": "autoregressive"}],
+    ids=["recompute", "drop", "autoregressive"],
+)
+def test_other_policies_and_autoregressive_batches_equal_alone(model: MTPCModel, kw: dict) -> None:
+    items = prompts(5, seed=1)
+    assert batched(model, items, 30, 3, **kw) == alone(model, items, 30, **kw)
+
+
+def test_a_row_reads_only_its_own_window_and_rfas(model: MTPCModel) -> None:
+    """Rows at 5, 37 and 23 positions (0, 8 and 4 chunk RFAs): one pass of rows 0 and 2 gives
+    the same output bit for bit when row 1's window and RFAs are NaN, and when every row's
+    slots past its kept positions and its padded RFA columns hold garbage."""
+    from mtpc.decoding.windowed import Windowed
+
+    layout = Windowed(model)
+    rows = [object(), object(), object()]
+    lengths = (5, 37, 23)
+    ids = [torch.randint(3, 300, (n,)) for n in lengths]
+    layout.admit(rows, ids)
+    layout.draft(rows, [torch.zeros(1, 0, model.backbone.hidden_size)] * 3)  # the rows join
+    trunk = layout.natives[0]
+    assert trunk.chunks == [0, 8, 4] and trunk.committed == list(lengths)
+    new = [torch.randint(3, 300, (3,)), torch.randint(3, 300, (2,))]
+
+    def one_pass(poison: Any) -> list[torch.Tensor]:
+        clone = Windowed(model)
+        clone.rows, clone.base = list(rows), [0, 0, 0]
+        clone.natives = [copy.deepcopy(native) for native in layout.natives]
+        for native in clone.natives[:2]:  # trunk and verifier tail: what a target pass reads
+            poison(native)
+        states, logits = clone.target([rows[0], rows[2]], new, [None, None])
+        return [*states, *logits]
+
+    def nothing(native: Any) -> None:
+        return None
+
+    def other_row(native: Any) -> None:
+        for layer in native.layers:
+            for t in (native.past_window_k, native.past_window_v, native.rfa_k, native.rfa_v):
+                t[layer][1] = float("nan")
+
+    def stale_slots(native: Any) -> None:
+        for layer in native.layers:
+            for r in range(native.rows):
+                kept = native.committed[r] - native.start(r)
+                native.past_window_k[layer][r, :, kept:] = 1e4
+                native.past_window_v[layer][r, :, kept:] = -1e4
+                native.rfa_k[layer][r, :, native.chunks[r] :] = 1e4
+                native.rfa_v[layer][r, :, native.chunks[r] :] = -1e4
+
+    clean = one_pass(nothing)
+    for poison in (other_row, stale_slots):
+        got = one_pass(poison)
+        assert all(torch.equal(a, b) for a, b in zip(got, clean, strict=True)), poison.__name__
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_triton_path_batches_equal_alone_under_the_interpreter(tmp_path: Path) -> None:
+    """EvaByte's triton path (its prefill kernels and window compression, triton's CPU
+    interpreter, window 128 as the kernels' blocks need): batch 2 of 3 rows == alone."""
+    folder = evabyte_checkpoint(tmp_path, window_size=128, num_hidden_layers=2)
+    script = TRITON_SCRIPT.format(path=str(folder))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True,
+        timeout=1500,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "equal", done.stdout[-2000:]
+
+
+TRITON_SCRIPT = """
+import random
+import torch
+import mtpc
+from mtpc.backbones import load_backbone
+from mtpc.model import MTPCModel
+backbone = load_backbone(
+    "evabyte", path={path!r}, dtype="float32", device="cpu", attention_impl="triton"
+)
+assert backbone.use_triton
+model = MTPCModel.from_backbone(backbone, "cp", 4, 2, lora_layers=1)
+with torch.no_grad():
+    for p in model.backbone.lora.parameters():
+        p.normal_(0, 0.05)
+rng = random.Random(0)
+items = [[rng.randrange(3, 300) for _ in range(rng.randint(100, 140))] for _ in range(3)]
+fields = lambda r: (r.tokens, r.accepted, r.trunk_passes)
+for kw in ({{}}, {{"greedy": False, "tree_budget": 5}}):
+    want = [fields(mtpc.generate(model, p, 40, seed=i, stop_ids=(5, 7), **kw))
+            for i, p in enumerate(items)]
+    got = [fields(r) for r in mtpc.generate(model, items, 40, seed=[0, 1, 2], stop_ids=(5, 7),
+                                            batch_size=2, **kw)]
+    print(kw, [len(w[0]) for w in want], got == want)
+    assert got == want, kw
+print("equal")
+"""
