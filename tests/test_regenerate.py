@@ -39,6 +39,7 @@ from mtpc.regeneration import (
     shard_indices,
 )
 from tests.fakes import chi2_pvalue, exact_distribution, make_target
+from tests.helpers import evabyte_checkpoint, needs_evabyte_code
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline"}
@@ -308,9 +309,9 @@ def _script(out: Path, *args: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_batch_16_writes_the_rows_of_batch_1_and_evabyte_refuses_it(tmp_path: Path) -> None:
+def test_batch_16_writes_the_rows_of_batch_1(tmp_path: Path) -> None:
     """The script at batch_size=16 (greedy) writes the rows file of batch_size=1, byte for
-    byte; a target without a batched cache refuses batch_size > 1 in one line."""
+    byte."""
     one, many = tmp_path / "one", tmp_path / "many"
     for out, size in ((one, 1), (many, 16)):
         args = _script(out, "greedy=true", "data.num_rows=40", f"batch_size={size}")
@@ -318,15 +319,23 @@ def test_batch_16_writes_the_rows_of_batch_1_and_evabyte_refuses_it(tmp_path: Pa
     rows = "shard-00000-of-00001.jsonl"
     assert (many / rows).read_bytes() == (one / rows).read_bytes()
     assert len((one / rows).read_bytes().splitlines()) == 40
-    refused = subprocess.run(
-        _script(tmp_path / "eva", "model=evabyte", "batch_size=4"),
-        env=ENV, capture_output=True, text=True, cwd=ROOT,
-    )  # fmt: skip
-    assert refused.returncode == 2
-    assert refused.stderr.strip().splitlines() == [
-        "error: batch_size=4 is not allowed for model=evabyte: it decodes one prompt at a time "
-        "(EvaByte's EVA window cache holds one sequence); allowed: batch_size=1"
-    ]
+
+
+@pytest.mark.slow
+@needs_evabyte_code
+def test_evabyte_at_batch_4_writes_the_rows_of_batch_1(tmp_path: Path) -> None:
+    """EvaByte (a tiny checkpoint of its real code, EVA window 16) batches: sampled, the
+    script at batch_size=4 writes the rows file of batch_size=1, byte for byte (it refused
+    batch_size > 1 before its rows had their own EVA windows)."""
+    path = evabyte_checkpoint(tmp_path / "ckpt")
+    eva = ("model=evabyte", f"model.path={path}", "model.dtype=float32", "data.num_rows=8")
+    one, many = tmp_path / "one", tmp_path / "many"
+    for out, size in ((one, 1), (many, 4)):
+        args = _script(out, *eva, f"batch_size={size}")
+        subprocess.run(args, check=True, env=ENV, capture_output=True, cwd=ROOT)
+    rows = "shard-00000-of-00001.jsonl"
+    assert (many / rows).read_bytes() == (one / rows).read_bytes()
+    assert len((one / rows).read_bytes().splitlines()) == 8
 
 
 @pytest.mark.slow
