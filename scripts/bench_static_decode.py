@@ -15,12 +15,26 @@ For every B in ``--sizes`` it reports:
   the outermost ``aten::`` calls of the step (a compiled CPU graph's fused C++ kernels are
   not aten calls; its matmuls and the step's host-side set-up are).
 
+The speculative chain (``--chain``, a draft on the tiny target: BTree n = ``--window``,
+r = ``--rank`` from the target's MTP unembeddings, a LoRA tail of ``--lora`` layers; greedy,
+``policy=condition``), eager vs compiled, for every B:
+
+* tokens/s of ``mtpc.generate(model, prompts, batch_size=B)`` (as above), tokens per cycle,
+  whether the rows equal;
+* aten calls per cycle: the outermost ``aten::`` calls the profiler records in one whole
+  call (prefills, draft steps and acceptance included: those stay eager), over its cycles;
+* one cycle's model work alone (the layout's verify pass of a window per row, the keep of
+  half of it and the draft tail over the kept states; the calls' capacity, as many cycles as
+  ``--max-new-tokens`` allows, at most ``--steps``): median ms and aten calls.
+
 The compiled graphs are built first (``warm-up`` column: seconds of the first call, which
-compiles the step at this B and the prefill chunk) and are not timed. Cells alternate
-between repeats; a cell's wall time is the median over the repeats.
+compiles the step at this B and the prefill chunk; the chain's: its verify and draft-tail
+steps too) and are not timed. Cells alternate between repeats; a cell's wall time is the
+median over the repeats.
 
     python scripts/bench_static_decode.py                               # inductor, B = 1, 8
     python scripts/bench_static_decode.py --backend aot_eager --sizes 1 4 16 --repeats 5
+    python scripts/bench_static_decode.py --chain --sizes 1 8           # + the speculative chain
 """
 
 from __future__ import annotations
@@ -116,6 +130,30 @@ def measure_steps(model: Any, prompts: list[list[int]], size: int, args: argpars
     return out
 
 
+Cell = tuple[int, Any]  # (B, compile)
+
+
+def timed_cells(
+    call: Callable[..., list[Any]], args: argparse.Namespace, warm_tokens: int
+) -> tuple[dict[Cell, list[float]], dict[Cell, list[Any]], dict[int, float]]:
+    """Every (B, eager or compiled) cell's wall times over the repeats (cells alternating),
+    its last outputs, and each B's warm-up seconds (the compiled call of ``warm_tokens``
+    tokens that builds its graphs; an eager one warms the eager path)."""
+    warm = {}
+    for size in args.sizes:
+        warm[size] = timed(lambda size=size: call(size, args.backend, warm_tokens))[0]
+        call(size, False, 2)
+    cells = [(size, how) for size in args.sizes for how in (False, args.backend)]
+    walls: dict[Cell, list[float]] = {cell: [] for cell in cells}
+    outputs: dict[Cell, list[Any]] = {}
+    for k in range(args.repeats):
+        shift = k % len(cells)
+        for cell in cells[shift:] + cells[:shift]:
+            seconds, outputs[cell] = timed(lambda cell=cell: call(*cell))
+            walls[cell].append(seconds)
+    return walls, outputs, warm
+
+
 def measure(model: Any, prompts: list[list[int]], args: argparse.Namespace) -> list[dict]:
     """One row per B: the calls' tokens/s eager and compiled, and the step alone."""
     from mtpc.decoding import generate
@@ -126,18 +164,7 @@ def measure(model: Any, prompts: list[list[int]], args: argparse.Namespace) -> l
         return generate(model, prompts, new, method="autoregressive", seed=seeds,
                         batch_size=size, suppress_eos=True, compile=compile)  # fmt: skip
 
-    warm = {}
-    for size in args.sizes:  # compiles this B's graphs (decode step, prefill chunk)
-        warm[size] = timed(lambda size=size: call(size, args.backend, 2))[0]
-        call(size, False, 2)
-    cells = [(size, how) for size in args.sizes for how in (False, args.backend)]
-    walls: dict[tuple[int, Any], list[float]] = {cell: [] for cell in cells}
-    outputs: dict[tuple[int, Any], list[Any]] = {}
-    for k in range(args.repeats):
-        shift = k % len(cells)
-        for cell in cells[shift:] + cells[:shift]:
-            seconds, outputs[cell] = timed(lambda cell=cell: call(*cell))
-            walls[cell].append(seconds)
+    walls, outputs, warm = timed_cells(call, args, 2)  # warm-up: decode step, prefill chunk
     rows = []
     for size in args.sizes:
         eager, compiled = outputs[(size, False)], outputs[(size, args.backend)]
@@ -152,6 +179,110 @@ def measure(model: Any, prompts: list[list[int]], args: argparse.Namespace) -> l
         row.update(measure_steps(model, prompts, size, args))
         rows.append(row)
     return rows
+
+
+def cycle_cost(
+    layout: Any, rows: Sequence[Any], steps: int, device: torch.device, window: int
+) -> dict[str, float]:
+    """Median ms of one cycle's model work (a verify pass of ``window`` ids per row, a keep of
+    half of them, the draft tail over the kept states) over ``steps`` cycles, and the
+    outermost aten calls the profiler sees in one."""
+    ids = [torch.arange(65, 65 + window, device=device) for _ in rows]
+    trees = [None] * len(rows)
+    keep = max(1, window // 2)
+
+    def one() -> None:
+        states = layout.target(rows, ids, trees)[0]
+        layout.keep(rows, [keep] * len(rows))
+        layout.draft(rows, [s[:, :keep] for s in states])
+
+    one()  # warm (caches, allocator)
+    times = []
+    for _ in range(steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        one()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return {"cycle_ms": 1000 * statistics.median(times), "cycle_aten_calls": profiled_ops(one)}
+
+
+@torch.no_grad()
+def measure_cycles(model: Any, prompts: list[list[int]], size: int, args: argparse.Namespace):
+    """One cycle's model work alone, eager and compiled, with ``size`` rows held."""
+    from mtpc.decoding.layout import Padded, Stream
+    from mtpc.decoding.static import StaticLayout, capacity_for, engine_for
+
+    device, window = model.backbone.device, model.head.circuit.window
+    batch = [torch.tensor(p, device=device) for p in (prompts * size)[:size]]
+    rows = [object() for _ in batch]
+    # the calls' capacity (the same compiled graphs); as many cycles as their tokens allow
+    longest = max(len(p) for p in batch) + args.max_new_tokens + window + 1
+    steps = max(1, min(args.steps, args.max_new_tokens // max(1, window // 2) - 2))
+    eager = Stream(model) if size == 1 else Padded(model)
+    engine = engine_for(model, size, capacity_for(longest), args.backend)
+    compiled = StaticLayout(engine)
+    out: dict[str, Any] = {"cycle_steps": steps}
+    for name, layout in (("eager", eager), ("compiled", compiled)):
+        layout.draft(rows, layout.admit(rows, batch)[0])
+        cost = cycle_cost(layout, rows, steps, device, window)
+        out.update({f"{name}_{key}": value for key, value in cost.items()})
+    return out
+
+
+def measure_chain(model: Any, prompts: list[list[int]], args: argparse.Namespace) -> list[dict]:
+    """One row per B: the speculative chain's tokens/s eager and compiled, tokens per cycle,
+    aten calls per cycle (whole calls) and one cycle's model work alone."""
+    from mtpc.decoding import generate
+
+    def call(size: int, compile: bool | str, new: int = args.max_new_tokens) -> list[Any]:
+        return generate(model, prompts, new, batch_size=size, suppress_eos=True,
+                        compile=compile)  # fmt: skip
+
+    # the warm-up compiles the prefill chunk, the verify step and the draft tail's steps
+    walls, outputs, warm = timed_cells(call, args, 2 * args.window)
+    rows = []
+    for size in args.sizes:
+        eager, compiled = outputs[(size, False)], outputs[(size, args.backend)]
+        tokens = sum(len(r.tokens) for r in eager)
+        cycles = sum(len(r.accepted) for r in eager)
+        row: dict[str, Any] = {"batch_size": size, "new_tokens": tokens, "cycles": cycles,
+                               "tokens_per_cycle": tokens / cycles, "warmup_s": warm[size]}  # fmt: skip
+        for name, how in (("eager", False), ("compiled", args.backend)):
+            row[f"{name}_seconds"] = walls[(size, how)]
+            row[f"{name}_tok_s"] = tokens / statistics.median(walls[(size, how)])
+            ops = profiled_ops(lambda size=size, how=how: call(size, how))
+            row[f"{name}_aten_calls_per_cycle"] = ops / cycles
+        row["x_eager"] = row["compiled_tok_s"] / row["eager_tok_s"]
+        row["differ"] = sum(
+            (a.tokens, a.accepted) != (b.tokens, b.accepted)
+            for a, b in zip(eager, compiled, strict=True)
+        )
+        row["engines"] = sorted({r.engine for r in compiled})
+        row.update(measure_cycles(model, prompts, size, args))
+        rows.append(row)
+    return rows
+
+
+def chain_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The Markdown table of :func:`measure_chain`'s rows."""
+    lines = [markdown_header("B", "tok/cycle", "eager tok/s", "compiled tok/s", "x eager",
+                             "rows differ", "aten calls/cycle eager", "aten calls/cycle compiled",
+                             "cycle model ms eager", "cycle model ms compiled",
+                             "cycle model aten eager", "cycle model aten compiled", "warm-up s",
+                             "engine")]  # fmt: skip
+    for r in rows:
+        lines.append(markdown_row([
+            r["batch_size"], f"{r['tokens_per_cycle']:.2f}", f"{r['eager_tok_s']:.0f}",
+            f"{r['compiled_tok_s']:.0f}", f"{r['x_eager']:.2f}", r["differ"],
+            f"{r['eager_aten_calls_per_cycle']:.0f}", f"{r['compiled_aten_calls_per_cycle']:.0f}",
+            f"{r['eager_cycle_ms']:.2f}", f"{r['compiled_cycle_ms']:.2f}",
+            r["eager_cycle_aten_calls"], r["compiled_cycle_aten_calls"], f"{r['warmup_s']:.1f}",
+            "+".join(r["engines"]),
+        ]))  # fmt: skip
+    return "\n".join(lines)
 
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
@@ -182,6 +313,10 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", default=None, help="write the rows as JSON here")
+    parser.add_argument("--chain", action="store_true", help="also the speculative chain")
+    parser.add_argument("--window", type=int, default=8, help="the chain's draft: n")
+    parser.add_argument("--rank", type=int, default=8, help="the chain's draft: r")
+    parser.add_argument("--lora", type=int, default=1, help="the chain's draft: k")
     args = parser.parse_args(argv)
     if not args.sizes or min(args.sizes) < 1 or min(args.prompts, args.repeats, args.steps) < 1:
         parser.error("--sizes, --prompts, --steps and --repeats: allowed: ints >= 1")
@@ -206,6 +341,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     rows = measure(model, prompts, args)
     print(table(rows))
     report = {"machine": machine(), "torch": torch.__version__, "args": vars(args), "rows": rows}
+    if args.chain:
+        draft = MTPCModel.from_backbone(
+            model.backbone, "btree", args.window, args.rank, lora_layers=args.lora
+        )
+        print(f"speculative chain: btree n={args.window} r={args.rank} k={args.lora} (the "
+              "target's MTP unembeddings, LoRA B = 0), greedy, policy=condition")  # fmt: skip
+        report["chain"] = measure_chain(draft, prompts, args)
+        print(chain_table(report["chain"]))
     write_json(args.json, report, default=str)
     import json
 

@@ -386,12 +386,12 @@ def test_sigkill_then_rerun_gives_every_row_once_equal_to_an_uninterrupted_run(
     ]
 
 
-def test_compile_writes_the_rows_of_eager_decoding_and_is_refused_with_a_draft(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_compile_writes_the_rows_of_eager_decoding_with_and_without_a_draft(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_model: MTPCModel
 ) -> None:
     """``compile=aot_eager`` (no C compiler needed) decodes on the static engine, writes the
-    eager rows byte for byte and records the setting in its session; with ``draft=``
-    (speculative, not compiled yet) it is refused before any work, in one line."""
+    eager rows byte for byte and records the setting in its session: autoregressive, and
+    speculative with ``draft=`` (the chain on the engine)."""
     import mtpc.decoding.static as static
 
     engines: list[str] = []
@@ -411,8 +411,11 @@ def test_compile_writes_the_rows_of_eager_decoding_and_is_refused_with_a_draft(
     rows = "shard-00000-of-00001.jsonl"
     assert (tmp_path / "c" / rows).read_bytes() == (tmp_path / "eager" / rows).read_bytes()
     assert full["sessions"][-1]["compile"] == "aot_eager"
-    draft = tmp_path / "draft"
-    draft.mkdir()
-    (draft / "config.json").write_text("{}")
-    with pytest.raises(ConfigError, match=r"^compile='aot_eager' runs method='autoregressive'"):
-        regenerate(compose_cfg(*args, "compile=aot_eager", f"draft={draft}"))
+    draft = tiny_model.save_pretrained(tmp_path / "draft")
+    engines.clear()
+    regenerate(compose_cfg(*args, f"draft={draft}", f"output_dir={tmp_path / 'de'}"))
+    assert not engines
+    regenerate(compose_cfg(*args, "compile=aot_eager", f"draft={draft}",
+                           f"output_dir={tmp_path / 'dc'}"))  # fmt: skip
+    assert engines and set(engines) == {"compiled"}
+    assert (tmp_path / "dc" / rows).read_bytes() == (tmp_path / "de" / rows).read_bytes()

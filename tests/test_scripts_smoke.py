@@ -121,6 +121,9 @@ def _bench_static_decode(out: str, tmp: Path) -> None:
     assert [r["batch_size"] for r in report["rows"]] == [1, 2]
     assert all(r["differ"] == 0 and r["engines"] == ["compiled"] for r in report["rows"])
     assert all(r["eager_step_dispatched_ops"] > 0 for r in report["rows"])
+    assert "| B | tok/cycle | eager tok/s | compiled tok/s |" in out
+    assert [r["batch_size"] for r in report["chain"]] == [1, 2]
+    assert all(r["differ"] == 0 and r["engines"] == ["compiled"] for r in report["chain"])
 
 
 def _bench_decoding(out: str, tmp: Path) -> None:
@@ -245,7 +248,8 @@ CASES: dict[str, Case] = {
     ),
     "bench_static_decode.py": Case(
         "scripts/bench_static_decode.py --backend eager --sizes 1 2 --prompts 2"
-        " --max-new-tokens 4 --steps 2 --repeats 1 --json {tmp}/static.json",
+        " --max-new-tokens 4 --steps 2 --repeats 1 --chain --window 2 --rank 2"
+        " --json {tmp}/static.json",
         _bench_static_decode,
     ),
     "bench_decoding.py": Case(

@@ -276,10 +276,11 @@ def test_unsupported_backbones_are_refused(target, message: str, monkeypatch) ->
 @pytest.mark.parametrize(
     ("kw", "message"),
     [
-        ({"compile": True}, r"^compile=True runs method='autoregressive' so far \(not "
-         r"'speculative'\); allowed: compile=False with method='speculative'$"),
-        ({"compile": "aot_eager", "tree_budget": 4}, r"compile='aot_eager' runs "
-         r"method='autoregressive' so far"),
+        ({"compile": True, "tree_budget": 4}, r"^compile=True runs the speculative chain so "
+         r"far, not token trees \(tree_budget=4\); allowed: compile=False with tree_budget=4, "
+         r"or tree_budget=0$"),
+        ({"compile": "aot_eager", "tree_budget": 16, "greedy": False}, r"compile='aot_eager' "
+         r"runs the speculative chain so far, not token trees"),
         ({"compile": "max", "method": "autoregressive"}, r"^compile='max' is not allowed; "
          r"allowed: True, False, 'inductor', 'aot_eager', 'eager'$"),
     ],
@@ -323,3 +324,134 @@ def test_inductor_tokens_equal_eager(tiny: MTPCModel) -> None:
         assert [r.tokens for r in compiled] == [r.tokens for r in eager]
         assert {r.engine for r in compiled} == {"compiled"}
     assert graphs() == 2 and counters["inductor"]
+
+
+# --- the speculative chain on the engine (verify T = the window, keep = a rewind) ---
+
+CHAIN_MODES = [  # (policy, greedy): every policy, sampled where it is exact
+    ("condition", True), ("condition", False), ("recompute", True), ("recompute", False),
+    ("drop", True),
+]  # fmt: skip
+
+
+def chain_prompts(seed: int = 0, lengths: tuple[int, ...] = LENGTHS[:6]) -> list[list[int]]:
+    """Prompts of the 48-id fake targets (``tests.fakes.make_model``)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(48) for _ in range(n)] for n in lengths]
+
+
+def same_rows(eager: list, compiled: list) -> None:  # type: ignore[type-arg]
+    """Row by row, every per-cycle field of the eager path's results."""
+    for field in ("tokens", "accepted", "emitted", "drafted", "offsets", "trunk_passes"):
+        assert [getattr(r, field) for r in compiled] == [getattr(r, field) for r in eager], field
+    assert {r.engine for r in compiled} == {"compiled"}
+    assert {r.engine for r in eager} == {"eager"}
+
+
+@pytest.mark.parametrize(("kind", "k", "size"), [("btree", 1, 1), ("btree", 1, 3), ("ff", 0, 1),
+                                                 ("ff", 0, 3)])  # fmt: skip
+def test_compiled_chain_equals_eager(kind: str, k: int, size: int) -> None:
+    """The speculative chain on the engine (float64 fakes, a BTree draft with a LoRA tail and
+    an FF draft reading the trunk's state): every policy, greedy and sampled (each row its
+    own seed), B = 1 and B = 3 with rows replaced; every row equals the eager path field for
+    field (tokens, accepted drafts per cycle, passes), and the graphs are one per shape."""
+    model = make_model(kind, 4, 2 if kind == "btree" else 1, k=k)
+    prompts = chain_prompts()
+    backend = "aot_eager" if (kind, size) == ("btree", 1) else "eager"
+    sampled = {}
+    for policy, greedy in CHAIN_MODES:
+        kw = {"policy": policy, "greedy": greedy, "batch_size": size, "stop_ids": (),
+              "seed": list(range(len(prompts)))}  # fmt: skip
+        eager = mtpc.generate(model, prompts, 24, **kw)  # type: ignore[arg-type]
+        with no_fallback():
+            compiled = mtpc.generate(model, prompts, 24, compile=backend, **kw)  # type: ignore[arg-type]
+        same_rows(eager, compiled)
+        assert any(s < 3 for r in compiled for s in r.accepted)  # rejections were rewound
+        sampled[greedy] = [r.tokens for r in compiled]
+    assert sampled[True] != sampled[False]
+    # verify T = 4 and 1 (recompute), the prefill chunk; the draft tail's 5 and chunk (k > 0)
+    assert graphs() == (5 if k else 3) and not counters["graph_break"]
+
+
+def test_chain_does_not_recompile_for_new_prompt_lengths() -> None:
+    """After a warm-up (B = 1 and B = 5), five prompts of other lengths decode their chains
+    (a LoRA tail: four graphs per batch size) with the graphs compiled already."""
+    model = make_model("btree", 4, 2, k=1)
+    kw = {"stop_ids": (), "compile": "eager"}
+    mtpc.generate(model, chain_prompts(1, (40,)), 8, **kw)  # type: ignore[arg-type]
+    mtpc.generate(model, chain_prompts(1, (40,) * 5), 8, batch_size=5, **kw)  # type: ignore[arg-type]
+    assert graphs() == 8 and not counters["graph_break"]  # (chunk, T = 4) x (trunk, tail) x 2 B
+    prompts = chain_prompts(3, (1, 31, 33, 64, 100))
+    with torch._dynamo.config.patch(error_on_recompile=True), no_fallback():
+        alone = [mtpc.generate(model, p, 20, **kw) for p in prompts]  # type: ignore[arg-type]
+        batch = mtpc.generate(model, prompts, 20, batch_size=5, **kw)  # type: ignore[arg-type]
+    assert graphs() == 8
+    assert {r.engine for r in [*alone, *batch]} == {"compiled"}
+    assert [r.tokens for r in alone] == [r.tokens for r in batch]
+
+
+@pytest.mark.parametrize("policy", ["recompute", "condition"])
+def test_rewound_slots_are_never_read(policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After every keep, huge keys and values go into every slot past each row's rewound
+    length (the rejected drafts', trunk and draft tail): the rows still equal the eager path.
+    A keep that rewinds the lengths but leaves the rejected slots valid reads them (the
+    ``recompute`` pass does, before the next window overwrites them) and changes the
+    tokens, and so does a keep that rewinds nothing: this test sees a keep that does not
+    rewind."""
+    model = make_model("btree", 4, 2, k=1)
+    prompts = chain_prompts(4)
+    kw = {"policy": policy, "batch_size": 3, "stop_ids": ()}
+    eager = mtpc.generate(model, prompts, 24, **kw)  # type: ignore[arg-type]
+    original, poisoned = StaticLayout.keep, []
+
+    def poison(layout: StaticLayout) -> None:
+        """Huge keys and values past every row's length, trunk and cache D; counts the
+        rejected drafts' slots among them (the last pass's, past the rewound length)."""
+        engine = layout.engine
+        for buffers, lengths in ((engine.cache, engine.lengths),
+                                 (engine.draft_cache, engine.draft_lengths)):  # fmt: skip
+            assert buffers is not None
+            free = engine.slot_index[None] >= lengths[:, None]  # (B, S)
+            for buffer in (*buffers.keys, *buffers.values):
+                buffer.masked_fill_(free[:, None, :, None], 1e6)
+        slot, passed = engine.slot_index[None], layout.base[:, None] + engine.window
+        poisoned.append(int(((slot >= engine.lengths[:, None]) & (slot < passed)).sum()))
+
+    def keep(self: StaticLayout, rows, keeps) -> None:  # type: ignore[no-untyped-def]
+        original(self, rows, keeps)
+        poison(self)
+
+    def lazy_keep(self: StaticLayout, rows, keeps) -> None:  # type: ignore[no-untyped-def]
+        valid = self.engine.valid.clone()
+        original(self, rows, keeps)
+        self.engine.valid.copy_(valid)  # the lengths rewound, the rejected slots still held
+        poison(self)
+
+    monkeypatch.setattr(StaticLayout, "keep", keep)
+    with no_fallback():
+        compiled = mtpc.generate(model, prompts, 24, compile="eager", **kw)  # type: ignore[arg-type]
+    same_rows(eager, compiled)
+    assert sum(poisoned) > 20  # rejected drafts' slots were poisoned
+    monkeypatch.setattr(StaticLayout, "keep", lazy_keep)
+    lazy = mtpc.generate(model, prompts, 24, compile="eager", **kw)  # type: ignore[arg-type]
+    if policy == "recompute":  # its extra pass reads the stale slots
+        assert [r.tokens for r in lazy] != [r.tokens for r in eager]
+    monkeypatch.setattr(StaticLayout, "keep", lambda self, rows, keeps: poison(self))
+    kept_all = mtpc.generate(model, prompts, 24, compile="eager", **kw)  # type: ignore[arg-type]
+    assert [r.tokens for r in kept_all] != [r.tokens for r in eager]  # no rewind at all
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(c_compiler()[0] is None, reason="no C compiler")
+def test_inductor_chain_equals_eager() -> None:
+    """Inductor (compile=True) runs the chain of a BTree draft with a LoRA tail: 2 rows at
+    once, 4 prompts (rows replaced), greedy and sampled, equal the eager path field for field."""
+    model = make_model("btree", 4, 2, k=1)
+    prompts = chain_prompts(5, (3, 40, 17, 70))
+    for greedy in (True, False):
+        kw = {"greedy": greedy, "batch_size": 2, "stop_ids": (), "seed": [0, 1, 2, 3]}
+        eager = mtpc.generate(model, prompts, 24, **kw)  # type: ignore[arg-type]
+        with no_fallback():
+            compiled = mtpc.generate(model, prompts, 24, compile=True, **kw)  # type: ignore[arg-type]
+        same_rows(eager, compiled)
+    assert graphs() == 4 and counters["inductor"] and not counters["graph_break"]

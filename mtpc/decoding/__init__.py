@@ -195,6 +195,10 @@ def _decode(
             return decode(model, prompts, requests, Tree(request), size)
         from mtpc.decoding.speculative import Chain
 
+        if request.compile:
+            from mtpc.decoding.static import decode_static
+
+            return decode_static(model, prompts, requests, size, proposer=Chain(request, drafter))
         return decode(model, prompts, requests, Chain(request, drafter), size)
     finally:
         if was_training:

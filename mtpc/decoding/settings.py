@@ -285,9 +285,12 @@ def c_compiler() -> tuple[str | None, list[str]]:
     return found, ([f"$CC={cc}"] if cc else []) + list(C_COMPILERS)
 
 
-def check_compile(spell: Spelling, compile: object, method: str) -> bool | str:
+def check_compile(
+    spell: Spelling, compile: object, method: str, tree_budget: int | None = None
+) -> bool | str:
     """``compile``: False, or the torch.compile backend it names (True: ``inductor``);
-    refused with a method it does not run yet, or inductor without a C compiler."""
+    refused with a method it does not run yet, a token tree (chains only so far), or inductor
+    without a C compiler."""
     if compile is False:
         return False
     allowed = ", ".join(repr(b) for b in COMPILE_BACKENDS)
@@ -296,8 +299,15 @@ def check_compile(spell: Spelling, compile: object, method: str) -> bool | str:
     name = spell("compile")
     if method not in COMPILE_METHODS:
         raise SettingsError(
-            f"{name}={compile!r} runs method='autoregressive' so far (not {method!r}); "
-            f"allowed: {name}=False with method={method!r}"
+            f"{name}={compile!r} runs {' and '.join(map(repr, COMPILE_METHODS))} (not "
+            f"{method!r}); allowed: {name}=False with method={method!r}"
+        )
+    if tree_budget and method == "speculative":
+        trees = spell("tree_budget")
+        raise SettingsError(
+            f"{name}={compile!r} runs the speculative chain so far, not token trees "
+            f"({trees}={tree_budget}); allowed: {name}=False with {trees}={tree_budget}, or "
+            f"{trees}=0"
         )
     backend = "inductor" if compile is True else str(compile)
     if backend == "inductor":
@@ -337,7 +347,7 @@ def check_settings(
     )  # fmt: skip
     sampling = _check_sampling(sp, s)
     stops = None if s.stop_ids is None else tuple(check_ids(sp("stop_ids"), list(s.stop_ids)))
-    compile = False if hetero else check_compile(sp, s.compile, s.method)
+    compile = False if hetero else check_compile(sp, s.compile, s.method, s.tree_budget)
     if hetero:
         _choice(sp, "algorithm", s.algorithm, ALGORITHMS)
         _choice(sp, "psi", s.psi, PSI_METHODS)

@@ -69,9 +69,10 @@ def pass_kwargs(pass_name: str, d: EvalDecoding) -> dict[str, Any]:
     if pass_name.startswith("tree"):  # a tree has no chain choice
         budget = int(pass_name.removeprefix("tree"))
         return {**kwargs, "tree_budget": budget, "tree_floor": float(d.tree_floor or 0.0)}
-    if pass_name == "ar":  # the one pass that compiles so far (docs/DECODING.md)
+    if pass_name == "ar":
         return {**kwargs, "method": "autoregressive", "compile": d.compile}
-    chain = {**kwargs, "draft": d.drafting, "proposal": d.proposal}
+    # the chains compile too; the token trees stay eager (docs/DECODING.md, "Compiled decoding")
+    chain = {**kwargs, "draft": d.drafting, "proposal": d.proposal, "compile": d.compile}
     return {**chain, "max_throughput": True} if pass_name == "max_throughput" else chain
 
 

@@ -115,7 +115,7 @@ class EvalDecoding:
     proposal: str | None = None
     tree_budget: Any = None
     tree_floor: float = setting(0.0, or_default=True)  # null: no floor
-    compile: Any = False  # the AR pass's engine: False (eager), True or a torch.compile backend
+    compile: Any = False  # the AR and chain passes' engine: False (eager), True or a backend
 
     def __post_init__(self) -> None:
         from mtpc.evaluation.drafting import check_eval_drafting, tree_budgets
@@ -377,7 +377,7 @@ class Settings:
     policy: str = setting("condition", choice(*SAMPLING_POLICIES))
     drafting: str | None = None
     proposal: str | None = None
-    compile: Any = False  # the engine (autoregressive only, so far): not the rows' law
+    compile: Any = False  # the engine (autoregressive and chains): not the rows' law
 
     def output_law(self) -> dict[str, Any]:
         """The settings that decide what is written (not how fast): the manifest's identity.
