@@ -39,6 +39,14 @@ def tmp_writer_pid(name: str) -> int | None:
     return None if match is None else int(match.group(1) or match.group(2))
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    """Writes ``text`` to ``path`` atomically: a temporary file named with this process's pid
+    (the form :func:`remove_stale_tmp` clears when its writer is gone), then a rename."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
 def remove_stale_tmp(folder: Path, what: str = "an interrupted write") -> list[Path]:
     """Removes and returns ``folder``'s hidden temporary entries (``.*.tmp*``) whose writer is
     gone; ``what`` left them (for the log line). An entry whose name carries no pid cannot

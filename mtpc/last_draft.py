@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from mtpc.errors import UserError
-from mtpc.files import pid_alive
+from mtpc.files import pid_alive, write_text_atomic
 
 MARKER = "last_draft.txt"
 RUNS = "runs.json"
@@ -43,12 +43,6 @@ class LastDraftOverlapError(UserError):
 
 def _outputs(root: str | Path) -> Path:
     return Path(root) / "outputs"
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")  # files.remove_stale_tmp's form
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def read_runs(root: str | Path) -> list[dict[str, Any]]:
@@ -74,7 +68,7 @@ def _locked_runs(root: str | Path) -> Iterator[list[dict[str, Any]]]:
         finished = [r for r in runs if r.get("finished") is not None]
         dropped = {id(r) for r in finished[: max(0, len(finished) - KEEP)]}
         kept = [r for r in runs if id(r) not in dropped]
-        _write_atomic(outputs / RUNS, json.dumps(kept, indent=2) + "\n")
+        write_text_atomic(outputs / RUNS, json.dumps(kept, indent=2) + "\n")
 
 
 def _alive(run: dict[str, Any]) -> bool:
@@ -124,7 +118,7 @@ def recorded_run(
 def _point_marker(root: str | Path, draft_dir: Path) -> None:
     outputs = _outputs(root)
     outputs.mkdir(parents=True, exist_ok=True)
-    _write_atomic(outputs / MARKER, str(Path(draft_dir).resolve()) + "\n")
+    write_text_atomic(outputs / MARKER, str(Path(draft_dir).resolve()) + "\n")
 
 
 def _overlaps(run: dict[str, Any], last: dict[str, Any]) -> bool:

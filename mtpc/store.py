@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, Self
 
-from mtpc.files import FolderBusy, FolderLock, trim_torn_line
+from mtpc.files import FolderBusy, FolderLock, trim_torn_line, write_text_atomic
 
 
 def strict_json(value: Any) -> Any:
@@ -39,9 +39,7 @@ def dumps(value: Any, **kwargs: Any) -> str:
 
 def write_json(path: Path, value: Any) -> None:
     """Writes strict, indented JSON atomically (temporary file + rename)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(dumps(value, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(path, dumps(value, indent=2) + "\n")
 
 
 def differences(old: Any, new: Any, prefix: str = "") -> list[str]:
