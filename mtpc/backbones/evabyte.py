@@ -538,8 +538,7 @@ class EvaByteBackbone(Backbone):
         layers = native.layers
         if not len(layers):
             return hidden
-        b, t, d = hidden.shape
-        device, w = hidden.device, self.window_size
+        b, w = hidden.shape[0], self.window_size
         out = torch.zeros_like(hidden)
         done = [0] * b
         for r in range(b):
@@ -563,40 +562,9 @@ class EvaByteBackbone(Backbone):
                         f"{native.start(r) + w}; trim it to depth one_pass_span"
                     )
                 takes.append(take)
-            width = max(takes)
-            j = torch.arange(width, device=device)
-            take_t = torch.tensor(takes, device=device)
-            done_t = torch.tensor(done, device=device)
-            real = j[None, :] < take_t[:, None]  # (B, width)
-            src = (done_t[:, None] + j[None, :]).clamp(max=t - 1)  # (B, width)
-            piece = hidden.gather(1, src[..., None].expand(b, width, d))
-            tree_rows = torch.tensor(trees, device=device)[:, None]
-            off = torch.where(tree_rows, offsets.gather(1, src), j[None, :])
-            lengths = torch.tensor(native.length, device=device)
-            positions = lengths[:, None] + torch.where(real, off, 0)  # (B, width)
-            rows_at = torch.arange(b, device=device)[:, None, None]
-            sub = inner[rows_at, src[:, :, None], src[:, None, :]]  # (B, width, width)
-            chain = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-            sub = torch.where(tree_rows[:, :, None], sub, chain)
-            sub = (sub & real[:, :, None] & real[:, None, :]) | torch.eye(
-                width, dtype=torch.bool, device=device
+            piece, positions, mask = self._rows_piece(
+                hidden, native, takes, done, inner, offsets, trees
             )
-            slots = [native.length[r] - native.start(r) for r in range(b)]  # first writes
-            span = max(slots) + width
-            if span > w + TREE_ROOM:
-                raise ValueError(
-                    f"{width} new positions in an EVA window; allowed: at most "
-                    f"{w + TREE_ROOM - max(slots)}"
-                )
-            writes = torch.tensor(slots, device=device)
-            cols = torch.arange(span, device=device)
-            rel = cols[None, :] - writes[:, None]  # (B, span)
-            new = sub.gather(2, rel.clamp(0, width - 1)[:, None, :].expand(b, width, span))
-            seen = (rel < 0)[:, None, :] | (new & ((rel >= 0) & (rel < width))[:, None, :])
-            chunks = torch.tensor(native.chunks, device=device)
-            rfa = torch.arange(native.width(), device=device)[None, :] < chunks[:, None]
-            mask = torch.cat([rfa[:, None, :].expand(b, width, -1), seen], 2)[:, None]
-            native.writes, native.span = writes[:, None] + j[None, :], span
             with self._rows_attention(layers.start, layers.stop):
                 result = self._layers(
                     piece, layers.start, layers.stop, positions, native, mask, multibyte=True
@@ -607,6 +575,58 @@ class EvaByteBackbone(Backbone):
                     native.length[r] += takes[r]
                     done[r] += takes[r]
         return out
+
+    def _rows_piece(
+        self,
+        hidden: torch.Tensor,
+        native: EvaRowsCache,
+        takes: list[int],
+        done: list[int],
+        inner: torch.Tensor,
+        offsets: torch.Tensor,
+        trees: list[bool],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One pass of :meth:`run_rows`: row r's next ``takes[r]`` positions after its
+        ``done[r]``, padded to the widest: their hidden states (B, W, d), positions (B, W) and
+        the mask (B, 1, W, C + span) over ``[RFAs | window slots]``; sets the rows' write slots
+        (``native.writes``, ``native.span``)."""
+        b, t, d = hidden.shape
+        device, w = hidden.device, self.window_size
+        width = max(takes)
+        j = torch.arange(width, device=device)
+        take_t = torch.tensor(takes, device=device)
+        done_t = torch.tensor(done, device=device)
+        real = j[None, :] < take_t[:, None]  # (B, width)
+        src = (done_t[:, None] + j[None, :]).clamp(max=t - 1)  # (B, width)
+        piece = hidden.gather(1, src[..., None].expand(b, width, d))
+        tree_rows = torch.tensor(trees, device=device)[:, None]
+        off = torch.where(tree_rows, offsets.gather(1, src), j[None, :])
+        lengths = torch.tensor(native.length, device=device)
+        positions = lengths[:, None] + torch.where(real, off, 0)  # (B, width)
+        rows_at = torch.arange(b, device=device)[:, None, None]
+        sub = inner[rows_at, src[:, :, None], src[:, None, :]]  # (B, width, width)
+        chain = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+        sub = torch.where(tree_rows[:, :, None], sub, chain)
+        sub = (sub & real[:, :, None] & real[:, None, :]) | torch.eye(
+            width, dtype=torch.bool, device=device
+        )
+        slots = [native.length[r] - native.start(r) for r in range(b)]  # first writes
+        span = max(slots) + width
+        if span > w + TREE_ROOM:
+            raise ValueError(
+                f"{width} new positions in an EVA window; allowed: at most "
+                f"{w + TREE_ROOM - max(slots)}"
+            )
+        writes = torch.tensor(slots, device=device)
+        cols = torch.arange(span, device=device)
+        rel = cols[None, :] - writes[:, None]  # (B, span)
+        new = sub.gather(2, rel.clamp(0, width - 1)[:, None, :].expand(b, width, span))
+        seen = (rel < 0)[:, None, :] | (new & ((rel >= 0) & (rel < width))[:, None, :])
+        chunks = torch.tensor(native.chunks, device=device)
+        rfa = torch.arange(native.width(), device=device)[None, :] < chunks[:, None]
+        mask = torch.cat([rfa[:, None, :].expand(b, width, -1), seen], 2)[:, None]
+        native.writes, native.span = writes[:, None] + j[None, :], span
+        return piece, positions, mask
 
     @contextlib.contextmanager
     def _rows_attention(self, start: int, end: int) -> Iterator[None]:
