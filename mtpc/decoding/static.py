@@ -339,6 +339,7 @@ class StaticLayout:
         self.engine = engine
         self.places: list[Any] = [None] * engine.batch  # the row in each place, or None
         self._shapes: dict[int, tuple[Tensor, Tensor]] = {}  # T -> (offsets, causal inner)
+        self._eyes: dict[int, Tensor] = {}  # T -> (T, T) identity: padding sees itself
         self.base = engine.lengths.clone()  # (B,) the lengths before the last pass
 
     def _place(self, row: Any) -> int:
@@ -427,7 +428,10 @@ class StaticLayout:
         return self._shapes[width]
 
     def _eye(self, width: int) -> Tensor:
-        return torch.eye(width, dtype=torch.bool, device=self.engine.device)
+        """The ``(T, T)`` identity of a pass of ``width`` ids, built once per width."""
+        if width not in self._eyes:
+            self._eyes[width] = torch.eye(width, dtype=torch.bool, device=self.engine.device)
+        return self._eyes[width]
 
     def keep(self, rows: Sequence[Any], keeps: Sequence[int | Tensor]) -> None:
         """Each row keeps the first ``keeps[i]`` positions of the last pass (a chain's
