@@ -80,14 +80,6 @@ class ByteCodec(ABC):
     ) -> ChatEncoding:
         """Renders ``messages`` ([{role, content}]) with the target's chat template (ValueError:
         an unknown role or non-string content)."""
-        ids: list[int] = []
-        mask: list[bool] = []
-
-        def put(new_ids: list[int], flag: bool) -> None:
-            ids.extend(new_ids)
-            mask.extend([flag] * len(new_ids))
-
-        put(self._prologue(messages), False)
         for index, message in enumerate(messages):
             role, content = message.get("role"), message.get("content")
             if role not in ROLES:
@@ -96,12 +88,19 @@ class ByteCodec(ABC):
                 raise ValueError(
                     f"messages[{index}].content must be a string, got {type(content).__name__}"
                 )
-            if role == "system" and index == 0 and self._system_in_prologue:
-                continue
-            is_assistant = role == "assistant"
-            put(self._header(role), False)
-            put(self.encode(content), is_assistant)
-            put([self.eot_id], is_assistant)
+        if self.opens_with_system and (not messages or messages[0]["role"] != "system"):
+            messages = [{"role": "system", "content": ""}, *messages]
+        ids: list[int] = []
+        mask: list[bool] = []
+
+        def put(new_ids: list[int], flag: bool) -> None:
+            ids.extend(new_ids)
+            mask.extend([flag] * len(new_ids))
+
+        put([self.bos_id], False)
+        for message in messages:
+            put(self._header(message["role"]), False)
+            put([*self.encode(message["content"]), self.eot_id], message["role"] == "assistant")
         if add_generation_prompt:
             put(self._header("assistant"), False)
         return ChatEncoding(ids, mask)
@@ -110,11 +109,7 @@ class ByteCodec(ABC):
         """Ids of a conversation followed by the assistant header, ready for generation."""
         return self.apply_chat_template(messages, add_generation_prompt=True).ids
 
-    _system_in_prologue = False
-
-    @abstractmethod
-    def _prologue(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        """Ids before the first rendered message (bos, and a system block if the template has one)."""
+    opens_with_system = False  # the template always opens with a system block (empty: none given)
 
     @abstractmethod
     def _header(self, role: str) -> list[int]:
@@ -135,14 +130,7 @@ class EvaByteCodec(ByteCodec):
         10: b"<|end_header_id|>", 11: b"<|eot_id|>",
         **{i: f"<extra_id_{i}>".encode() for i in range(12, 64)},
     }  # fmt: skip
-    _system_in_prologue = True
-
-    def _prologue(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        has_system = bool(messages) and messages[0].get("role") == "system"
-        system = messages[0].get("content", "") if has_system else ""
-        if not isinstance(system, str):
-            raise ValueError(f"messages[0].content must be a string, got {type(system).__name__}")
-        return [self.bos_id, *self._header("system"), *self.encode(system), self.eot_id]
+    opens_with_system = True
 
     def _header(self, role: str) -> list[int]:
         return [self.start_header_id, *self.encode(role), self.end_header_id, *self.encode("\n\n")]
@@ -163,9 +151,6 @@ class Llama3ByteCodec(ByteCodec):
         259: b"<|eot_id|>", 260: b"<|start_header_id|>", 261: b"assistant", 262: b"system",
         263: b"user", 264: b"\n\n",
     }  # fmt: skip
-
-    def _prologue(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        return [self.bos_id]
 
     def _header(self, role: str) -> list[int]:
         return [
