@@ -46,20 +46,14 @@ class MTPCHead(nn.Module):
         for name, val in (("vocab_size", vocab_size), ("hidden_size", hidden_size)):
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {val!r}")
-        options: dict[str, object] = {}
-        if kind == "hmm":
-            options = {
-                "homogeneous": homogeneous,
-                "contextual": contextual_transitions,
-                "identity": identity_init,
-            }
-        elif homogeneous or not contextual_transitions:
+        if kind != "hmm" and (homogeneous or not contextual_transitions):
             raise ValueError(
                 "homogeneous / contextual_transitions are options of kind='hmm' only, "
                 f"got kind={kind!r}"
             )
-        elif kind == "btree":
-            options = {"identity": identity_init}
+        options: dict[str, object] = {"identity": identity_init} if kind in ("hmm", "btree") else {}
+        if kind == "hmm":
+            options |= {"homogeneous": homogeneous, "contextual": contextual_transitions}
         self.kind, self.window, self.rank = kind, window, rank
         self.homogeneous, self.contextual_transitions = homogeneous, contextual_transitions
         self.identity_init = identity_init
@@ -145,17 +139,15 @@ class MTPCHead(nn.Module):
                 f"unembeddings must have shape (m, V={V}, d={d}) or (V, d), "
                 f"got {tuple(unembeddings.shape)}"
             )
-        m = u.shape[0]
+        m, W = u.shape[0], self.unembedding
         idx = torch.arange(self.window).clamp_max(m - 1)
-        w = u.to(self.unembedding)[idx.to(u.device)]  # (n, V, d)
+        w = u.to(W)[idx.to(u.device)]  # (n, V, d)
         if self.extra_positions == "random" and self.window > m:
             w[m:] = torch.randn_like(w[m:]) * self.init_std
-        self.unembedding.copy_(w.unsqueeze(1).expand_as(self.unembedding))
+        W.copy_(w.unsqueeze(1).expand_as(W))
         if noise_std > 0:
-            noise = torch.randn(
-                self.unembedding.shape, generator=generator, device=self.unembedding.device
-            )
-            self.unembedding.add_(noise.to(self.unembedding) * noise_std)
+            noise = torch.randn(W.shape, generator=generator, device=W.device)
+            W.add_(noise.to(W) * noise_std)
         self.reset_sum_parameters()
         return self
 
@@ -261,65 +253,54 @@ class MTPCHead(nn.Module):
         chunk_size: int = 1024,
         checkpoint: bool = True,
     ) -> Tensor:
-        """See :func:`chunked_log_likelihood`."""
-        return chunked_log_likelihood(
-            self, hidden, targets, mask, chunk_size=chunk_size, checkpoint=checkpoint
-        )
+        """``(T, n)`` prefix log-likelihoods of ``targets`` ``(T, n)`` given ``hidden`` ``(T, d)``.
 
-
-def chunked_log_likelihood(
-    head: MTPCHead,
-    hidden: Tensor,
-    targets: Tensor,
-    mask: Tensor | None = None,
-    *,
-    chunk_size: int = 1024,
-    checkpoint: bool = True,
-) -> Tensor:
-    """``(T, n)`` prefix log-likelihoods of ``targets`` ``(T, n)`` given ``hidden`` ``(T, d)``.
-
-    ``mask`` False positions are summed out (ids unchecked). Only one chunk's logits exist
-    at a time (recomputed in backward with ``checkpoint``).
-    """
-    T, n = targets.shape[0], head.window
-    if hidden.dim() != 2 or hidden.shape[1] != head.hidden_size:
-        raise ValueError(
-            f"hidden must have shape (T, hidden_size={head.hidden_size}), got {tuple(hidden.shape)}"
-        )
-    if targets.dim() != 2 or targets.shape != (hidden.shape[0], n):
-        raise ValueError(
-            f"targets must have shape (T={hidden.shape[0]}, window={n}), got {tuple(targets.shape)}"
-        )
-    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
-        raise ValueError("targets must be an integer tensor of token ids")
-    if mask is not None and (mask.shape != targets.shape or mask.dtype != torch.bool):
-        raise ValueError(f"mask must be a bool tensor of shape {tuple(targets.shape)}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    valid = targets if mask is None else targets[mask]
-    if valid.numel():
-        lo, hi = torch.aminmax(valid)
-        if int(lo) < 0 or int(hi) >= head.vocab_size:
+        ``mask`` False positions are summed out (ids unchecked). Only one chunk's logits exist
+        at a time (recomputed in backward with ``checkpoint``).
+        """
+        T, n = targets.shape[0], self.window
+        if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
             raise ValueError(
-                f"targets hold token ids outside [0, {head.vocab_size - 1}] where valid: "
-                f"min {int(lo)}, max {int(hi)}"
+                f"hidden must have shape (T, hidden_size={self.hidden_size}), got {tuple(hidden.shape)}"
             )
+        if targets.dim() != 2 or targets.shape != (hidden.shape[0], n):
+            raise ValueError(
+                f"targets must have shape (T={hidden.shape[0]}, window={n}), got {tuple(targets.shape)}"
+            )
+        if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+            raise ValueError("targets must be an integer tensor of token ids")
+        if mask is not None and (mask.shape != targets.shape or mask.dtype != torch.bool):
+            raise ValueError(f"mask must be a bool tensor of shape {tuple(targets.shape)}")
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        valid = targets if mask is None else targets[mask]
+        if valid.numel():
+            lo, hi = torch.aminmax(valid)
+            if int(lo) < 0 or int(hi) >= self.vocab_size:
+                raise ValueError(
+                    f"targets hold token ids outside [0, {self.vocab_size - 1}] where valid: "
+                    f"min {int(lo)}, max {int(hi)}"
+                )
 
-    def chunk(h: Tensor, x: Tensor, m: Tensor | None) -> Tensor:
-        leaves, sum_logw = head.leaf_log_prob(h, x, m), head.sum_log_weights(h)  # fp32
-        with exact_sums(h.device):
-            return head.circuit.prefix_from_leaves(leaves, sum_logw)  # (C, n)
+        def chunk(h: Tensor, x: Tensor, m: Tensor | None) -> Tensor:
+            leaves, sum_logw = self.leaf_log_prob(h, x, m), self.sum_log_weights(h)  # fp32
+            with exact_sums(h.device):
+                return self.circuit.prefix_from_leaves(leaves, sum_logw)  # (C, n)
 
-    outs = []
-    use_ckpt = checkpoint and torch.is_grad_enabled()
-    for s in range(0, T, chunk_size):
-        h, x = hidden[s : s + chunk_size], targets[s : s + chunk_size]
-        m = None if mask is None else mask[s : s + chunk_size]
-        out = _checkpoint(chunk, h, x, m, use_reentrant=False) if use_ckpt else chunk(h, x, m)
-        outs.append(out)
-    if not outs:
-        return hidden.new_zeros(0, n, dtype=torch.float32)
-    return torch.cat(outs) if len(outs) > 1 else outs[0]
+        outs = []
+        use_ckpt = checkpoint and torch.is_grad_enabled()
+        for s in range(0, T, chunk_size):
+            h, x = hidden[s : s + chunk_size], targets[s : s + chunk_size]
+            m = None if mask is None else mask[s : s + chunk_size]
+            out = _checkpoint(chunk, h, x, m, use_reentrant=False) if use_ckpt else chunk(h, x, m)
+            outs.append(out)
+        if not outs:
+            return hidden.new_zeros(0, n, dtype=torch.float32)
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+# chunked_log_likelihood(head, hidden, targets, ...): the method, called as a function
+chunked_log_likelihood = MTPCHead.chunked_log_likelihood
 
 
 def _rows(w: Tensor, index: Tensor | list[int]) -> Tensor:
