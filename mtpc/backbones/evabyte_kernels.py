@@ -20,6 +20,7 @@ import sys
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -46,12 +47,9 @@ def triton_interpreter() -> bool:
     itself; ``False`` without triton). Kernels decorated while it is on run on CPU tensors."""
     if not triton_available():
         return False
-    try:
-        from triton import knobs
+    from triton import knobs  # triton >= 3.4 (pyproject pins >= 3.7.1)
 
-        return bool(knobs.runtime.interpret)
-    except (ImportError, AttributeError):  # a triton without knobs (before 3.4): the variable
-        return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    return bool(knobs.runtime.interpret)
 
 
 def resolve_attention_impl(
@@ -160,33 +158,19 @@ def kernel_capability() -> tuple[int, int]:
     return int(major), int(minor or 0)
 
 
-_host_depth = 0
-
-
 @contextlib.contextmanager
 def _kernels_see_gpu(capability: tuple[int, int] | None, cpu_tensors: bool) -> Iterator[None]:
     """Inside the block, ``torch.cuda.get_device_capability()`` returns ``capability`` (unless
     ``None``) and, with ``cpu_tensors``, every tensor is ``is_cuda``: what the host wrappers
-    assert and look up, for triton's interpreter. Restored on leaving the outermost block."""
-    global _host_depth
-    saved = torch.cuda.get_device_capability
-    own = vars(torch.Tensor).get("is_cuda")  # None: TensorBase's, which the property shadows
-    if _host_depth == 0:
+    assert and look up, for triton's interpreter. Restored on leaving the block."""
+    with contextlib.ExitStack() as patches:
         if capability is not None:
-            torch.cuda.get_device_capability = lambda device=None: capability
+            lookup = mock.patch.object(torch.cuda, "get_device_capability", return_value=capability)
+            patches.enter_context(lookup)
         if cpu_tensors:
-            torch.Tensor.is_cuda = property(lambda self: True)  # type: ignore[assignment]
-    _host_depth += 1
-    try:
+            every_cuda = property(lambda self: True)
+            patches.enter_context(mock.patch.object(torch.Tensor, "is_cuda", every_cuda))
         yield
-    finally:
-        _host_depth -= 1
-        if _host_depth == 0:
-            torch.cuda.get_device_capability = saved
-            if cpu_tensors and own is None:
-                del torch.Tensor.is_cuda
-            elif cpu_tensors:
-                torch.Tensor.is_cuda = own  # type: ignore[assignment]
 
 
 def _kernel_modules(package: str) -> dict[str, ModuleType]:
