@@ -206,7 +206,7 @@ def _build_cache(
         (tmp / "ids.u16").open("wb") as ids_file,
         (tmp / "assistant.u8").open("wb") as mask_file,
     ):
-        docs, stats = tokenize_rows(source, get_codec(codec), max_bytes, None, ids_file, mask_file)
+        docs, stats = tokenize_rows(source, get_codec(codec), max_bytes, ids_file, mask_file)
     stats.log(source.name)
     if source.row_limit is not None:
         logger.warning(
@@ -335,6 +335,12 @@ def _memmap(path: Path, dtype: Any, length: int) -> np.ndarray:
     if not length:
         return np.zeros(0, dtype)
     return np.memmap(path, dtype=dtype, mode="r", shape=(length,))
+
+
+def default_cache_dir() -> Path:
+    """``$MTPC_CACHE`` if set, else ``<repo>/.cache/mtpc`` (git-ignored)."""
+    env = os.environ.get("MTPC_CACHE")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / ".cache" / "mtpc"
 
 
 def summary_path(folder: str | os.PathLike[str]) -> Path:

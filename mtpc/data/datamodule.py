@@ -19,7 +19,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_collate
 
 from mtpc.backbones.codecs import get_codec
-from mtpc.data.cache import PreparedData, ensure_prepared, load_prepared
+from mtpc.data.cache import PreparedData, default_cache_dir, ensure_prepared, load_prepared
 from mtpc.data.packing import PackPlan, build_sequence
 from mtpc.data.preprocess import DEFAULT_MAX_BYTES, DEFAULT_VALIDATION_FRACTION
 from mtpc.data.prompts import PROMPT_SET_SEEDS, EvalPrompt, build_prompt_sets
@@ -97,17 +97,7 @@ class ResumableDistributedSampler(DistributedSampler):
     positions r, r + W, ... of what follows the first ``start`` (global) positions.
     """
 
-    def __init__(
-        self,
-        dataset: Dataset[Any],
-        num_replicas: int = 1,
-        rank: int = 0,
-        shuffle: bool = True,
-        seed: int = 0,
-        drop_last: bool = False,
-    ) -> None:
-        super().__init__(dataset, num_replicas, rank, shuffle, seed, drop_last)
-        self.start = 0  # global positions of this epoch's permutation already consumed
+    start = 0  # global positions of this epoch's permutation already consumed
 
     def global_indices(self) -> list[int]:
         """The epoch's permutation over all ranks, padded or cut to ``total_size``."""
@@ -161,18 +151,9 @@ class ResumableDataLoader(DataLoader):
     """
 
     sampler: ResumableDistributedSampler
-
-    def __init__(
-        self,
-        dataset: Dataset[Any],
-        sampler: ResumableDistributedSampler,
-        batch_size: int,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(dataset, batch_size=batch_size, sampler=sampler, **kwargs)
-        self._epoch = sampler.epoch
-        self._batches = 0
-        self._resume = False
+    _epoch = 0  # the (fresh) sampler's
+    _batches = 0
+    _resume = False
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         sampler = self.sampler
@@ -270,12 +251,7 @@ class MTPCDataModule(L.LightningDataModule):
         self.val_batch_size = val_batch_size or batch_size
         self.seed = seed
         self.num_workers = num_workers
-        if cache_dir is None:
-            from mtpc.data.synthetic import default_cache_dir  # lazy: it imports datasets
-
-            self.cache_dir = default_cache_dir()
-        else:
-            self.cache_dir = Path(cache_dir)
+        self.cache_dir = default_cache_dir() if cache_dir is None else Path(cache_dir)
         self.max_bytes = max_bytes
         self.validation_fraction = validation_fraction
         self.num_rows = num_rows
@@ -383,17 +359,11 @@ class MTPCDataModule(L.LightningDataModule):
         )
         return ResumableDataLoader(
             dataset,
-            sampler,
-            self.batch_size,
-            num_workers=self.num_workers,
-            pin_memory=self.pin_memory,
+            batch_size=self.batch_size,
+            sampler=sampler,
             persistent_workers=self.num_workers > 0,
-            **self._collate(),
+            **self._loader_options(),
         )
-
-    def _collate(self) -> dict[str, Any]:
-        """One document per row: batches cut to their longest row (:func:`collate_trimmed`)."""
-        return {} if self.pack_documents else {"collate_fn": collate_trimmed}
 
     def val_dataloader(self) -> DataLoader:
         self.setup()
@@ -403,13 +373,14 @@ class MTPCDataModule(L.LightningDataModule):
         if world > 1:
             sampler = DistributedSampler(dataset, world, rank, shuffle=False)
         return DataLoader(
-            dataset,
-            batch_size=self.val_batch_size,
-            sampler=sampler,
-            num_workers=self.num_workers,
-            pin_memory=self.pin_memory,
-            **self._collate(),
+            dataset, batch_size=self.val_batch_size, sampler=sampler, **self._loader_options()
         )
+
+    def _loader_options(self) -> dict[str, Any]:
+        """Both loaders' workers and collation; one document per row: batches cut to their
+        longest row (:func:`collate_trimmed`)."""
+        collate = {} if self.pack_documents else {"collate_fn": collate_trimmed}
+        return {"num_workers": self.num_workers, "pin_memory": self.pin_memory, **collate}
 
     # -- evaluation prompts -----------------------------------------------------------
 
@@ -428,8 +399,7 @@ class MTPCDataModule(L.LightningDataModule):
         )
 
     def _prepared(self) -> PreparedData:
-        if self.data is None:
-            self.setup()
+        self.setup()
         assert self.data is not None
         return self.data
 

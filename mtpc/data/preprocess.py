@@ -125,13 +125,12 @@ def tokenize_rows(
     rows: Iterable[Any],
     codec: ByteCodec,
     max_bytes: int = DEFAULT_MAX_BYTES,
-    stats: DropStats | None = None,
     ids_file: BinaryIO | None = None,
     mask_file: BinaryIO | None = None,
 ) -> tuple[TokenizedDocs, DropStats]:
     """Validates rows and renders them with ``codec``'s chat template, in source order.
 
-    Rows over ``max_bytes`` ids are dropped as ``too_long``; counts are added to ``stats``.
+    Rows over ``max_bytes`` ids are dropped as ``too_long``.
     With ``ids_file`` and ``mask_file`` (both or neither), ids and mask are streamed there as
     raw uint16 / uint8 and the returned arrays are empty (flat memory for Tülu's 939k rows).
     """
@@ -141,7 +140,7 @@ def tokenize_rows(
         raise ValueError(
             f"codec {codec.name} has {codec.vocab_size} ids; uint16 storage needs < 65536"
         )
-    stats = DropStats() if stats is None else stats
+    stats = DropStats()
     id_chunks: list[np.ndarray] = []
     mask_chunks: list[np.ndarray] = []
     lengths: list[int] = []
@@ -166,12 +165,10 @@ def tokenize_rows(
         lengths.append(len(ids))
         source_of.append(source)
         positions.append(position)
-    stats.rows_used += len(lengths)
-    stats.used_bytes += int(sum(lengths))
-    counts = Counter(source_of)
-    for name, count in counts.items():
-        stats.sources[name] = stats.sources.get(name, 0) + count
-    names = sorted(counts)
+    stats.rows_used = len(lengths)
+    stats.used_bytes = int(sum(lengths))
+    stats.sources = dict(Counter(source_of))
+    names = sorted(stats.sources)
     index = {name: i for i, name in enumerate(names)}
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(np.asarray(lengths, dtype=np.int64), out=offsets[1:])

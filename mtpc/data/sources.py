@@ -15,7 +15,6 @@ import json
 import logging
 import os
 from collections.abc import Iterator, Sequence
-from functools import partial
 from itertools import chain, islice
 from pathlib import Path
 from typing import Any
@@ -138,10 +137,9 @@ def local_source(path: str | os.PathLike[str]) -> RowSource:
             f"data.path {str(p)!r}: no .jsonl, .json, .parquet or .arrow files and no save_to_disk dataset"
         )
     suffix = files[0].suffix.lower()
-    if suffix in (".jsonl", ".json"):
-        return RowSource(p.name, fingerprint, partial(_iter_json_files, files))
-    if suffix == ".parquet":
-        return RowSource(p.name, fingerprint, partial(_iter_parquet, files))
+    if suffix in (".jsonl", ".json", ".parquet"):
+        read = _iter_parquet if suffix == ".parquet" else _iter_json
+        return RowSource(p.name, fingerprint, lambda: chain.from_iterable(map(read, files)))
     if suffix == ".arrow":
         import datasets
 
@@ -235,17 +233,11 @@ def _iter_json(path: Path) -> Iterator[Row]:
             yield item if isinstance(item, dict) else {ERROR_KEY: "no_messages", "id": row_id}
 
 
-def _iter_json_files(files: Sequence[Path]) -> Iterator[Row]:
-    for file in files:
-        yield from _iter_json(file)
-
-
-def _iter_parquet(files: Sequence[Path]) -> Iterator[Row]:
+def _iter_parquet(path: Path) -> Iterator[Row]:
     import pyarrow.parquet as pq
 
-    for file in files:
-        for batch in pq.ParquetFile(file).iter_batches(batch_size=1024):
-            yield from batch.to_pylist()
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+        yield from batch.to_pylist()
 
 
 def _files_fingerprint(path: Path) -> str:

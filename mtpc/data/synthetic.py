@@ -24,6 +24,7 @@ from pathlib import Path
 
 import datasets
 
+from mtpc.data.cache import default_cache_dir
 from mtpc.data.rows import Row, read_jsonl, write_jsonl
 
 GENERATOR_VERSION = 1  # bump when the output changes, so that stale caches are not reused
@@ -232,14 +233,6 @@ def is_validation(index: int, seed: int, validation_fraction: float) -> bool:
     """Whether row ``index`` of ``seed`` belongs to the validation split (a hash, not an RNG)."""
     digest = hashlib.sha256(f"mtpc-split:{seed}:{index}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64 < validation_fraction
-
-
-def default_cache_dir() -> Path:
-    """``$MTPC_CACHE`` if set, else ``<repo>/.cache/mtpc`` (git-ignored)."""
-    env = os.environ.get("MTPC_CACHE")
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parents[2] / ".cache" / "mtpc"
 
 
 def load_synthetic(
