@@ -127,10 +127,8 @@ def tiny_backbone(
 
 
 def _is_bundled_tiny(hf_model: nn.Module) -> bool:
-    try:
-        from mtpc.backbones.tiny import TINY_TARGET_DIR
-    except ImportError:
-        return False
+    from mtpc.backbones.tiny import TINY_TARGET_DIR
+
     name = getattr(getattr(hf_model, "config", None), "_name_or_path", "") or ""
     return bool(name) and Path(name).resolve() == Path(TINY_TARGET_DIR).resolve()
 
