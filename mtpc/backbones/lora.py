@@ -55,14 +55,12 @@ class LoraTail:
     """The injected adapter on the last k layers of an HF model."""
 
     def __init__(self, hf_model: nn.Module, num_layers: int, settings: LoraSettings) -> None:
-        self.settings = settings
-        k = settings.layers
         config = LoraConfig(
             r=settings.rank,
             lora_alpha=settings.alpha,  # type: ignore[arg-type]  # peft accepts floats
             lora_dropout=settings.dropout,
             target_modules=list(settings.target_modules),
-            layers_to_transform=list(range(num_layers - k, num_layers)),
+            layers_to_transform=list(range(num_layers - settings.layers, num_layers)),
             layers_pattern="layers",
             bias="none",
         )
@@ -113,11 +111,9 @@ class LoraTail:
 def attach_lora(
     hf_model: nn.Module, layers: nn.ModuleList, settings: LoraSettings
 ) -> LoraTail | None:
-    """Validates ``settings`` and injects LoRA into the last k layers (``None`` for k = 0)."""
-    validate_lora(settings, layers)
-    if settings.layers == 0:
-        return None
-    return LoraTail(hf_model, len(layers), settings)
+    """Injects LoRA into the last k layers (``None`` for k = 0); ``settings`` have passed
+    :func:`validate_lora` (``MTPCModel.from_backbone`` checks them before building anything)."""
+    return LoraTail(hf_model, len(layers), settings) if settings.layers else None
 
 
 def as_settings(
