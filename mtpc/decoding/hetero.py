@@ -100,6 +100,8 @@ class CircuitDrafter:
             )
         self.model = model
         self.window = int(model.head.circuit.window)
+        self.offset = tokenizer.codec.byte_offset  # a byte's id is its value + offset
+        self.device = next(model.head.parameters()).device
         self.caches = model.new_caches()
         self.ids: list[int] = []
         self.params: Any = None
@@ -111,8 +113,7 @@ class CircuitDrafter:
         seq = list(seq)
         start = min(_common_prefix(self.ids, seq), len(seq) - 1)
         self.caches.crop(start)
-        device = next(self.model.head.parameters()).device
-        ids = torch.tensor([seq[start:]], dtype=torch.long, device=device)
+        ids = torch.tensor([seq[start:]], dtype=torch.long, device=self.device)
         hidden = self.model.trunk(ids, self.caches.trunk)  # (1, T, d)
         if self.model.k:
             hidden = self.model.draft_tail(hidden, self.caches.draft)
@@ -123,23 +124,19 @@ class CircuitDrafter:
     @torch.no_grad()
     def dist(self, path: Sequence[int]) -> Tensor:
         """q(x_{m+1} | context, path) over the vocabulary; (V,)."""
-        device = self.params.input_logp.device
-        prefix = torch.tensor([list(path)], dtype=torch.long, device=device) if path else None
+        prefix = torch.tensor([list(path)], dtype=torch.long, device=self.device) if path else None
         return self.model.head.circuit.conditional_log_prob(self.params, prefix)[0].exp().float()
 
     @torch.no_grad()
-    def prefix_probs(self, strings: Sequence[Sequence[int]]) -> Tensor:
-        """q(window starts with s) for each id string s (1 <= len <= window); (K,)."""
-        n, k = self.window, len(strings)
-        last = torch.tensor([len(s) - 1 for s in strings])
-        mask = torch.arange(n) <= last[:, None]  # (K, n)
-        x = torch.zeros(k, n, dtype=torch.long)
-        for row, s in enumerate(strings):
-            x[row, : len(s)] = torch.tensor(list(s))
-        device = self.params.input_logp.device
-        expanded = self.params.expand(k)
-        lp = self.model.head.circuit.prefix_log_prob(expanded, x.to(device), mask.to(device))
-        return lp.gather(1, last.to(device)[:, None])[:, 0].exp().double().cpu()  # (K,)
+    def prefix_probs(self, strings: Sequence[bytes]) -> Tensor:
+        """q(window starts with s) for each byte string s (1 <= len <= window); (K,)."""
+        n = self.window
+        last = torch.tensor([len(s) - 1 for s in strings], device=self.device)  # (K,)
+        mask = torch.arange(n, device=self.device) <= last[:, None]  # (K, n)
+        padded = [[b + self.offset for b in s.ljust(n, b"\0")] for s in strings]  # masked: unread
+        x = torch.tensor(padded, dtype=torch.long, device=self.device)  # (K, n)
+        lp = self.model.head.circuit.prefix_log_prob(self.params.expand(len(strings)), x, mask)
+        return lp.gather(1, last[:, None])[:, 0].exp().double().cpu()  # (K,)
 
 
 def _is_mtpc(model: Any) -> bool:
@@ -167,19 +164,15 @@ class _Session:
         self.dlm = None if self.circuit is not None else CachedLM(drafter)
         self.ctx = list(prompt_ids)
         self.data = bytearray(t_tok.decode_bytes(prompt_ids))
-        self._enc: tuple[bytes, list[int], bytes] | None = None
 
     def drafter_context(self) -> tuple[list[int], bytes]:
         """Drafter ids of the text so far and the bytes held back (a cut UTF-8 character)."""
         data = bytes(self.data)
-        if self._enc is not None and self._enc[0] == data:
-            return self._enc[1], self._enc[2]
         cut = len(data) if isinstance(self.d_tok, CodecTokenizer) else utf8_complete(data)
         try:
             ids = [*self.d_tok.prefix_ids, *self.d_tok.encode_bytes(data[:cut])]
         except InexpressibleTextError as err:
             raise InexpressibleTextError(f"the drafter's {err}") from None
-        self._enc = (data, ids, data[cut:])
         return ids, data[cut:]
 
     def drafter_logits(self, seq: Sequence[int]) -> Tensor:
@@ -416,35 +409,27 @@ class PathEnumerator:
     def prefix_probs(self, strings: Sequence[bytes]) -> list[float]:
         """Q(b) for each b in ``strings`` (non-empty)."""
         out = [0.0] * len(strings)
-        self._walk((), b"", 1.0, list(range(len(strings))), strings, out)
-        return out
 
-    def _walk(
-        self,
-        path: tuple[int, ...],
-        spelled: bytes,
-        weight: float,
-        todo: list[int],
-        strings: Sequence[bytes],
-        out: list[float],
-    ) -> None:
-        q = self.dist(path, strings[todo[0]])
-        cum = torch.cat([q.new_zeros(1), q[self.order].cumsum(0)])  # (N + 1,)
-        children: dict[int, tuple[bytes, list[int]]] = {}
-        n = len(spelled)
-        for idx in todo:
-            rest = strings[idx][n:]
-            lo = bisect.bisect_left(self.keys, rest)
-            upper = _prefix_upper(rest)
-            hi = len(self.keys) if upper is None else bisect.bisect_left(self.keys, upper)
-            out[idx] += weight * float(cum[hi] - cum[lo])
-            for k in range(1, len(rest)):
-                for d in self.by_bytes.get(rest[:k], ()):
-                    children.setdefault(d, (rest[:k], []))[1].append(idx)
-        for d, (piece, sub) in children.items():
-            w = float(q[d])
-            if w > 0:
-                self._walk((*path, d), spelled + piece, weight * w, sub, strings, out)
+        def walk(path: tuple[int, ...], spelled: bytes, weight: float, todo: list[int]) -> None:
+            q = self.dist(path, strings[todo[0]])
+            cum = torch.cat([q.new_zeros(1), q[self.order].cumsum(0)])  # (N + 1,)
+            children: dict[int, tuple[bytes, list[int]]] = {}
+            for idx in todo:
+                rest = strings[idx][len(spelled) :]
+                lo = bisect.bisect_left(self.keys, rest)
+                upper = _prefix_upper(rest)
+                hi = len(self.keys) if upper is None else bisect.bisect_left(self.keys, upper)
+                out[idx] += weight * float(cum[hi] - cum[lo])
+                for k in range(1, len(rest)):
+                    for d in self.by_bytes.get(rest[:k], ()):
+                        children.setdefault(d, (rest[:k], []))[1].append(idx)
+            for d, (piece, sub) in children.items():
+                w = float(q[d])
+                if w > 0:
+                    walk((*path, d), spelled + piece, weight * w, sub)
+
+        walk((), b"", 1.0, list(range(len(strings))))
+        return out
 
 
 def _slrs_cycle(
@@ -492,12 +477,8 @@ def slrs_psi(
     """psi over the target vocabulary, (vocab,) float64 (mass left over is ⊥)."""
     strings = list(table.ids)
     if method == "circuit":
-        circuit = sess.circuit
-        if circuit is None:
-            raise ValueError("psi='circuit' needs an MTPCModel drafter")
-        assert isinstance(sess.d_tok, CodecTokenizer)
-        offset = sess.d_tok.codec.byte_offset
-        values = circuit.prefix_probs([[b + offset for b in pending + s] for s in strings]).tolist()
+        assert sess.circuit is not None  # generate_hetero's psi check
+        values = sess.circuit.prefix_probs([pending + s for s in strings]).tolist()
     else:
         values = enum.prefix_probs([pending + b for b in strings])
     return table.psi({table.ids[b]: v for b, v in zip(strings, values, strict=True)}, vocab)
