@@ -229,16 +229,14 @@ class _SumRows:
 
 def _make_slot(children: list[tuple[int, int]], layers: list[Layer]) -> Slot:
     sources = tuple(sorted({lid for lid, _ in children}))
-    offsets, acc = {}, 0
-    for s in sources:
-        offsets[s] = acc
-        acc += layers[s].num_folds
-    index = torch.tensor([offsets[lid] + f for lid, f in children], dtype=torch.long)
-    parts = []
+    index = torch.empty(len(children), dtype=torch.long)  # (F,)
+    parts, offset = [], 0
     for s in sources:
         pos = [i for i, (lid, _) in enumerate(children) if lid == s]
-        child = [children[i][1] for i in pos]
-        parts.append((s, torch.tensor(pos), torch.tensor(child)))  # int64: never empty
+        child = torch.tensor([children[i][1] for i in pos])  # int64: never empty
+        index[pos] = offset + child
+        parts.append((s, torch.tensor(pos), child))
+        offset += layers[s].num_folds
     return Slot(sources, index, _run_start(children), tuple(parts))
 
 
