@@ -215,16 +215,8 @@ class MTPCModel(nn.Module):
         """
         if hidden is None:
             hidden = self.embed(ids, None if cache is None else cache.ids, tree_mask)
-        hidden = self.backbone.run_layers(
-            hidden,
-            0,
-            self.split,
-            positions,
-            cache,
-            adapter=False,
-            documents=documents,
-            tree_mask=tree_mask,
-            attend=attend,
+        hidden = self.backbone.run_layers(  # adapter off
+            hidden, 0, self.split, positions, cache, False, documents, tree_mask, attend
         )
         if cache is not None:
             cache.record_ids(ids)
@@ -236,15 +228,11 @@ class MTPCModel(nn.Module):
         """Input embeddings of ``ids`` (B, T) after the history ``past`` (B, P) -> (B, T, d);
         a token tree's nodes (``tree_mask`` (T, T)) each after its own root path."""
         if tree_mask is not None and self.backbone.needs_history:
-            return torch.cat(
-                [
-                    self.backbone.embed(
-                        ids[:, i : i + 1], _cat_ids(past, ids[:, :i][:, tree_mask[i, :i]])
-                    )
-                    for i in range(ids.shape[1])
-                ],
-                1,
-            )  # (B, T, d)
+            nodes = []
+            for i in range(ids.shape[1]):
+                ancestors = ids[:, :i][:, tree_mask[i, :i]]  # (B, depth)
+                nodes.append(self.backbone.embed(ids[:, i : i + 1], _cat_ids(past, ancestors)))
+            return torch.cat(nodes, 1)  # (B, T, d)
         return self.backbone.embed(ids, past)  # (B, T, d)
 
     def verifier_tail(
@@ -257,7 +245,10 @@ class MTPCModel(nn.Module):
         attend: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Layers L-k..L-1 with base weights (adapter off): (B, T, d) -> (B, T, d)."""
-        return self._tail(hidden, False, cache, positions, documents, tree_mask, attend)
+        L = self.backbone.num_layers
+        return self.backbone.run_layers(
+            hidden, self.split, L, positions, cache, False, documents, tree_mask, attend
+        )
 
     def draft_tail(
         self,
@@ -269,28 +260,9 @@ class MTPCModel(nn.Module):
         attend: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Layers L-k..L-1 with the LoRA adapter on: (B, T, d) -> (B, T, d)."""
-        return self._tail(hidden, self.k > 0, cache, positions, documents, tree_mask, attend)
-
-    def _tail(
-        self,
-        hidden: torch.Tensor,
-        adapter: bool,
-        cache: LayerCache | None,
-        positions: torch.Tensor | None,
-        documents: torch.Tensor | None,
-        tree_mask: torch.Tensor | None,
-        attend: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        L, adapter = self.backbone.num_layers, self.k > 0
         return self.backbone.run_layers(
-            hidden,
-            self.split,
-            self.backbone.num_layers,
-            positions,
-            cache,
-            adapter=adapter,
-            documents=documents,
-            tree_mask=tree_mask,
-            attend=attend,
+            hidden, self.split, L, positions, cache, adapter, documents, tree_mask, attend
         )
 
     def verifier_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -383,6 +355,7 @@ class MTPCModel(nn.Module):
 
 def _recorded_target(t: dict[str, Any], device: str | None, dtype: str | None) -> Backbone:
     """The target a draft's ``config.json`` records (``target``), loaded again."""
+    dtype, device = dtype or t.get("dtype", "float32"), device or "cpu"
     if t.get("model") == "hf":
         if not t.get("path"):
             raise ValueError(
@@ -391,11 +364,11 @@ def _recorded_target(t: dict[str, Any], device: str | None, dtype: str | None) -
             )
         from transformers import AutoModelForCausalLM
 
-        torch_dtype = resolve_dtype(dtype or t.get("dtype", "float32"), device or "cpu")
+        torch_dtype = resolve_dtype(dtype, device)
         hf = AutoModelForCausalLM.from_pretrained(
             t["path"], revision=t.get("revision"), dtype=torch_dtype
         )
-        hf.to(device or "cpu")  # type: ignore[arg-type]
+        hf.to(device)  # type: ignore[arg-type]
         return backbone_from_hf(hf.eval())
     if t.get("model") not in MODEL_NAMES:
         raise ValueError(
@@ -403,9 +376,5 @@ def _recorded_target(t: dict[str, Any], device: str | None, dtype: str | None) -
             "(or pass target=<the loaded model>)"
         )
     return load_backbone(
-        t["model"],
-        path=t.get("path"),
-        revision=t.get("revision"),
-        dtype=dtype or t.get("dtype", "float32"),
-        device=device or "cpu",
+        t["model"], path=t.get("path"), revision=t.get("revision"), dtype=dtype, device=device
     )
