@@ -8,6 +8,7 @@ See docs/DECODING.md, "Drafting".
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 import os
@@ -70,17 +71,13 @@ class SettingsError(ValueError):
     """A decoding setting is not allowed (alone or with another one); the message names it."""
 
 
-def _same(field: str) -> str:
-    return field
-
-
 @dataclass(frozen=True)
 class Spelling:
     """How a caller writes settings in a refusal (default: ``mtpc.generate``'s keywords):
     ``name`` maps a field to the caller's name (``evaluate``: ``drafting`` for ``draft``);
     ``config``: booleans as YAML writes them (``greedy=false``)."""
 
-    name: Callable[[str], str] = _same
+    name: Callable[[str], str] = str
     config: bool = False
 
     def __call__(self, field: str) -> str:
@@ -106,33 +103,30 @@ def _choice(spell: Spelling, field: str, value: object, allowed: tuple[str, ...]
     return str(value)
 
 
-def _integer(spell: Spelling, field: str, value: object, minimum: int) -> int:
+def _integer(spell: Spelling, field: str, value: object, minimum: int, rest: str = "") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        spell.refuse(field, value, f"; allowed: an integer >= {minimum}")
+        spell.refuse(field, value, f"; allowed: an integer >= {minimum}{rest}")
     return value
 
 
 def _check_tree(spell: Spelling, tree_budget: object, tree_floor: object) -> tuple[int, float]:
     """A tree's budget (0: a chain) and floor."""
-    if (
-        isinstance(tree_budget, bool)
-        or not isinstance(tree_budget, int | None)
-        or (tree_budget is not None and tree_budget < 0)
-    ):
-        spell.refuse("tree_budget", tree_budget, "; allowed: an integer >= 0 or None")
+    budget = (
+        0 if tree_budget is None else _integer(spell, "tree_budget", tree_budget, 0, " or None")
+    )
     if (
         isinstance(tree_floor, bool)
         or not isinstance(tree_floor, int | float)
         or not 0 <= tree_floor < 1
     ):
         spell.refuse("tree_floor", tree_floor, "; allowed: a number in [0, 1)")
-    floor, budget = spell("tree_floor"), spell("tree_budget")
-    if tree_floor and not tree_budget:
+    floor, trees = spell("tree_floor"), spell("tree_budget")
+    if tree_floor and not budget:
         raise SettingsError(
-            f"{floor}={tree_floor} is not allowed without {budget}; allowed: {floor}=0, or a "
-            f"{budget} >= 1 (the floor prunes a tree's nodes)"
+            f"{floor}={tree_floor} is not allowed without {trees}; allowed: {floor}=0, or a "
+            f"{trees} >= 1 (the floor prunes a tree's nodes)"
         )
-    return tree_budget or 0, float(tree_floor)
+    return budget, float(tree_floor)
 
 
 def _check_draft(spell: Spelling, greedy: bool, draft: object, budget: int) -> str:
@@ -233,24 +227,20 @@ class DecodingSettings:
         return CHAIN_RULES["path", proposal], None if self.draft == "tree" else proposal
 
 
+def _id(name: str, value: Any) -> int:
+    if not isinstance(value, bool):
+        with contextlib.suppress(TypeError, RuntimeError, ValueError):
+            return operator.index(value)
+    raise SettingsError(f"{name} contains {value!r}; allowed: integer token ids (not floats)")
+
+
 def check_ids(name: str, items: Sequence[Any]) -> list[Any]:
     """The items, ids as ``int`` (rows of ids as lists); refuses a non-integer id instead of
     truncating it. Integer scalars (numpy, one-element integer tensors) pass."""
-    out: list[Any] = []
-    for item in items:
-        nested = isinstance(item, list | tuple)
-        row = []
-        for value in item if nested else [item]:
-            try:
-                if isinstance(value, bool):
-                    raise TypeError
-                row.append(operator.index(value))
-            except (TypeError, RuntimeError, ValueError):
-                raise SettingsError(
-                    f"{name} contains {value!r}; allowed: integer token ids (not floats)"
-                ) from None
-        out.append(row if nested else row[0])
-    return out
+    return [
+        [_id(name, value) for value in item] if isinstance(item, list | tuple) else _id(name, item)
+        for item in items
+    ]
 
 
 def _check_sampling(spell: Spelling, s: DecodingSettings) -> dict[str, Any]:
@@ -331,7 +321,7 @@ def check_settings(
     fields are not checked. SettingsError: one line naming the field and the allowed values;
     TypeError: an unknown field.
     """
-    sp = spell if isinstance(spell, Spelling) else Spelling(spell or _same)
+    sp = spell if isinstance(spell, Spelling) else Spelling(spell or str)
     s = DecodingSettings(**given)
     hetero = s.algorithm is not None
     if not hetero:
