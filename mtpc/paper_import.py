@@ -157,16 +157,12 @@ def _check_head_config(config: Mapping[str, Any]) -> None:
                 f"{CONFIG_FILE}: mt_head.hyperparameters.{name}={got!r}; allowed: {want!r} "
                 "(only the linear expander maps exactly onto our head)"
             )
-    if hp.get("share_sum_weights", False):
-        raise PaperImportError(
-            f"{CONFIG_FILE}: mt_head.hyperparameters.share_sum_weights=true is not supported; "
-            "allowed: false"
-        )
-    if not hp.get("contextual_hmm_weights", True):
-        raise PaperImportError(
-            f"{CONFIG_FILE}: mt_head.hyperparameters.contextual_hmm_weights=false is not "
-            "supported; allowed: true"
-        )
+    for name, allowed in (("share_sum_weights", False), ("contextual_hmm_weights", True)):
+        if bool(hp.get(name, allowed)) != allowed:
+            raise PaperImportError(
+                f"{CONFIG_FILE}: mt_head.hyperparameters.{name}={str(not allowed).lower()} is not "
+                f"supported; allowed: {str(allowed).lower()}"
+            )
 
 
 def _family(config: Mapping[str, Any]) -> tuple[str, int, int]:
@@ -347,7 +343,7 @@ def _split_state(
                     "imported as a draft of the frozen target"
                 )
             continue
-        if value is None or not isinstance(value, Tensor):
+        if not isinstance(value, Tensor):
             raise PaperImportError(
                 f"checkpoint key {key} holds {type(value).__name__}, not a tensor"
             )
