@@ -28,20 +28,8 @@ class CircuitParams:
         return self.input_logp.shape[0]
 
     @property
-    def window(self) -> int:
-        return self.input_logp.shape[1]
-
-    @property
-    def vocab_size(self) -> int:
-        return self.input_logp.shape[-1]
-
-    @property
     def dtype(self) -> torch.dtype:
         return self.input_logp.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.input_logp.device
 
     def __getitem__(self, index: int | slice | Tensor) -> CircuitParams:
         """Select batch rows (an int keeps the batch dim: ``params[3]`` has B = 1)."""
@@ -52,9 +40,6 @@ class CircuitParams:
     def to(self, *args: object, **kwargs: object) -> CircuitParams:
         """``Tensor.to`` applied to every tensor (dtype and/or device)."""
         return self.apply(lambda t: t.to(*args, **kwargs))  # type: ignore[call-overload]
-
-    def detach(self) -> CircuitParams:
-        return self.apply(Tensor.detach)
 
     def expand(self, rows: int) -> CircuitParams:
         """One example's parameters (B = 1) repeated ``rows`` times (views, no copies)."""
