@@ -273,22 +273,6 @@ def _sum_scopes(
     return [scopes for kind, scopes in zip(kinds, layers, strict=True) if kind == "sum"]
 
 
-def _check_scopes(
-    kind: str, n: int, r: int, sums: list[Tensor], scopes: list[list[frozenset[int]]]
-) -> None:
-    if len(scopes) != len(sums):
-        raise PaperImportError(
-            f"the checkpoint has {len(sums)} sum heads but its circuit ({kind}, n={n}) has "
-            f"{len(scopes)} sum layers"
-        )
-    for k, (w, sc) in enumerate(zip(sums, scopes, strict=True)):
-        if w.shape[0] != len(sc) or w.shape[2] != r:
-            raise PaperImportError(
-                f"mt_head._sum_weights_heads.{k}.head.proj has shape {tuple(w.shape)}; its "
-                f"circuit layer has {len(sc)} folds of {r} inputs"
-            )
-
-
 def read_paper_draft(folder: str | Path, step: int | None = None) -> PaperDraft:
     """Reads and checks a paper draft folder at ``step`` (default: the highest), no LM."""
     folder = Path(folder)
@@ -306,10 +290,19 @@ def read_paper_draft(folder: str | Path, step: int | None = None) -> PaperDraft:
         )
     file, step = _checkpoint_file(folder, step)
     state = _load_state(file)
-    categorical, sums, scope_keys, lora = _split_state(state, kind)
-    categorical, scope, sum_list = _check_tensors(file, n, r, categorical, sums, scope_keys, state)
+    categorical, scope, sum_list, lora = _head_tensors(file, state, kind, n, r)
     scopes = _sum_scopes(kind, n, scope, state)
-    _check_scopes(kind, n, r, sum_list, scopes)
+    if len(scopes) != len(sum_list):
+        raise PaperImportError(
+            f"the checkpoint has {len(sum_list)} sum heads but its circuit ({kind}, n={n}) has "
+            f"{len(scopes)} sum layers"
+        )
+    for k, (w, sc) in enumerate(zip(sum_list, scopes, strict=True)):
+        if w.shape[0] != len(sc) or w.shape[2] != r:
+            raise PaperImportError(
+                f"mt_head._sum_weights_heads.{k}.head.proj has shape {tuple(w.shape)}; its "
+                f"circuit layer has {len(sc)} folds of {r} inputs"
+            )
     settings, layers = _lora_config(config, lora)
     lm_id = _field(config, "lm.model.from_huggingface", None)
     V, d = categorical.shape[2:]
@@ -322,12 +315,13 @@ def read_paper_draft(folder: str | Path, step: int | None = None) -> PaperDraft:
     )  # fmt: skip
 
 
-def _split_state(
-    state: Mapping[str, Any], kind: str
-) -> tuple[Tensor | None, dict[int, Tensor], list[str], dict[str, Tensor]]:
-    """Sorts a checkpoint's keys: input projections, sum projections by k, the circuit's
-    ``_scope_idx`` keys, LoRA weights by our names; refuses every key that cannot be mapped.
-    """
+def _head_tensors(
+    file: Path, state: Mapping[str, Any], kind: str, n: int, r: int
+) -> tuple[Tensor, Tensor, list[Tensor], dict[str, Tensor]]:
+    """Sorts a checkpoint's keys, refusing every key that cannot be mapped, and checks the
+    head's tensors against the config's n, r and one another; returns the ``(n, r, V, d)``
+    input projections, their ``(n,)`` positions, the sum projections by k and the LoRA
+    weights by our names."""
     sums: dict[int, Tensor] = {}
     categorical: Tensor | None = None
     scope_keys: list[str] = []
@@ -365,39 +359,6 @@ def _split_state(
                 )
         else:
             raise PaperImportError(f"checkpoint key {key} is neither lm.*, mt_head.* nor circuit.*")
-    return categorical, sums, scope_keys, lora
-
-
-def _refuse_head_key(key: str, kind: str) -> NoReturn:
-    """Raises the one-line refusal of an ``mt_head`` key that is not a linear projection."""
-    if key == "mt_head._norm.weight":
-        raise PaperImportError(
-            f"checkpoint key {key}: this version of their head normalises the features "
-            "again (an RMSNorm before the projections), which our head does not"
-        )
-    if kind == "hmm":
-        raise PaperImportError(
-            f"checkpoint key {key}: an HMM draft with keys beyond the linear "
-            "projections (the HMM bias of paper App. E?) cannot be imported: its form "
-            "is not established from the released code"
-        )
-    raise PaperImportError(
-        f"checkpoint key {key} is not a linear expander projection; only "
-        f"{CAT_KEY} and mt_head._sum_weights_heads.<k>.head.proj map exactly"
-    )
-
-
-def _check_tensors(
-    file: Path,
-    n: int,
-    r: int,
-    categorical: Tensor | None,
-    sums: Mapping[int, Tensor],
-    scope_keys: list[str],
-    state: Mapping[str, Any],
-) -> tuple[Tensor, Tensor, list[Tensor]]:
-    """Checks the head's tensors against the config's n, r and one another; returns the
-    ``(n, r, V, d)`` input projections, their ``(n,)`` positions and the sum projections."""
     if categorical is None:
         raise PaperImportError(f"{file}: key {CAT_KEY} is missing")
     if categorical.dim() != 4 or categorical.shape[:2] != (n, r):
@@ -429,7 +390,26 @@ def _check_tensors(
     ]:
         if not bool(torch.isfinite(t).all()):
             raise PaperImportError(f"{file}: {name} holds NaN or inf values")
-    return categorical, scope, sum_list
+    return categorical, scope, sum_list, lora
+
+
+def _refuse_head_key(key: str, kind: str) -> NoReturn:
+    """Raises the one-line refusal of an ``mt_head`` key that is not a linear projection."""
+    if key == "mt_head._norm.weight":
+        raise PaperImportError(
+            f"checkpoint key {key}: this version of their head normalises the features "
+            "again (an RMSNorm before the projections), which our head does not"
+        )
+    if kind == "hmm":
+        raise PaperImportError(
+            f"checkpoint key {key}: an HMM draft with keys beyond the linear "
+            "projections (the HMM bias of paper App. E?) cannot be imported: its form "
+            "is not established from the released code"
+        )
+    raise PaperImportError(
+        f"checkpoint key {key} is not a linear expander projection; only "
+        f"{CAT_KEY} and mt_head._sum_weights_heads.<k>.head.proj map exactly"
+    )
 
 
 def _lora_config(
