@@ -59,11 +59,8 @@ CACHE_KEYWORDS = ("cache", "past_key_values", "past_key_value")  # newest transf
 
 
 def transformers_version() -> str:
-    """The installed transformers version (``"not installed"`` without it)."""
-    try:
-        import transformers
-    except ImportError:
-        return "not installed"
+    import transformers
+
     return str(transformers.__version__)
 
 
