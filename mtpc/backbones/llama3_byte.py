@@ -61,7 +61,6 @@ class ExpansionLookup:
         if maxlen < 1:
             raise ValueError(f"expand_input_ids_maxlen is {maxlen}; allowed: an integer >= 1")
         table, singles = expand_dict
-        self.maxlen = maxlen
         edges: dict[int, int] = {}
         # a history holds shifted ids >= 1 and at most maxlen of them: other keys never match
         keys = [key for key in table if 0 < len(key) <= maxlen and min(key) >= 1]
@@ -83,7 +82,7 @@ class ExpansionLookup:
         values.append(0)
         is_key.append(False)
         order = sorted(edges) or [-1]  # -1: no edge matches (an empty table)
-        self.width, self.depth = width, min(depth, maxlen)
+        self.width, self.depth = width, depth  # depth <= maxlen: longer keys were left out
         self.edges = torch.tensor(order, dtype=torch.long)  # (E,) sorted edge keys
         self.children = torch.tensor([edges.get(e, self.dead) for e in order])  # (E,)
         self.values = torch.tensor(values, dtype=torch.long)  # (N + 1,) expanded id of a key
