@@ -22,14 +22,12 @@ _TMP_PID = re.compile(r"\.tmp-(\d+)$|\.(\d+)\.tmp$")  # the writer's pid in a te
 
 def pid_alive(pid: int) -> bool:
     """Whether process ``pid`` is running (this process counts as running)."""
-    if pid == os.getpid():
-        return True
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # signal 0: checks only
     except ProcessLookupError:
         return False
     except PermissionError:  # it exists, under another user
-        return True
+        pass
     return True
 
 
