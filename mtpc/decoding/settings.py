@@ -344,13 +344,7 @@ def check_settings(
         _integer(sp, "lookahead", s.lookahead, 1)
         _integer(sp, "look_behind", s.look_behind, 0)
         _integer(sp, "max_psi_paths", s.max_psi_paths, 1)
-    return replace(
-        s,
-        **drafting,
-        **sampling,
-        stop_ids=stops,
-        suppress_eos=bool(s.suppress_eos),
-        max_throughput=bool(s.max_throughput),
-        profile=bool(s.profile),
-        compile=compile,
-    )
+    flags: dict[str, Any] = {
+        name: bool(getattr(s, name)) for name in ("suppress_eos", "max_throughput", "profile")
+    }
+    return replace(s, **drafting, **sampling, **flags, stop_ids=stops, compile=compile)
