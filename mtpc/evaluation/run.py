@@ -10,7 +10,7 @@ import logging
 import math
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -183,8 +183,8 @@ class _Conversation:
 
 class Lane:
     """One draft's decoding pass (or AR's: ``draft`` None, the draft's backbone is the target),
-    decoded into the records by :func:`run_pass` or, several lanes prompt by prompt,
-    :func:`run_interleaved`; ``path``, ``name``: the records' ``draft_path``, ``draft``."""
+    decoded into the records by :func:`run_lanes`; ``path``, ``name``: the records'
+    ``draft_path``, ``draft``."""
 
     def __init__(
         self, model: Any, s: EvalSettings, draft: Mapping[str, Any] | None, pass_name: str
@@ -245,40 +245,6 @@ class Lane:
         store.append({**record, "peak_memory_mb": peak_mb})
 
 
-def run_pass(
-    store: RecordStore,
-    model: Any,
-    prompt_sets: Sequence[Sequence[Any]],
-    s: EvalSettings,
-    draft: Mapping[str, Any] | None,
-    pass_name: str,
-) -> int:
-    """Decodes the prompts of one pass that ``store`` has no record of, after the warm-up;
-    returns their number. A ``pass`` record with the peak memory closes the pass."""
-    lane = Lane(model, s, draft, pass_name)
-    todo = store.pending(prompt_sets, lane.path, pass_name)
-    if not todo:  # killed between the last prompt and the pass record
-        lane.close(store, None)
-        return 0
-    device = str(s.run.device)
-    reference = ar_turn_hashes(store.records)
-    sync_memory_reset(device)
-    lane.warm_up(prompt_sets)
-    total = sum(len(p) for p in prompt_sets)
-    bar = _progress(bool(s.run.progress), total, total - len(todo), f"{lane.name} [{pass_name}]")
-    try:
-        for chunk in lane.chunks(todo):
-            refs = [reference.get((k, i), []) for k, i, _ in chunk]
-            for (k, _, _), record in zip(chunk, lane.decode(chunk, refs), strict=True):
-                store.append(record)
-                bar.set_postfix_str(f"set {k + 1}/{len(prompt_sets)}", refresh=False)
-                bar.update()
-    finally:
-        bar.close()
-    lane.close(store, peak_memory_mb(device))
-    return len(todo)
-
-
 def interleaved_order(lanes: Sequence[Any], position: int) -> list[Any]:
     """The order of ``lanes`` on the prompt at ``position`` (counted over every set):
     as given on even positions, reversed on odd ones, so that each lane's mean position in
@@ -286,36 +252,43 @@ def interleaved_order(lanes: Sequence[Any], position: int) -> list[Any]:
     return list(lanes) if position % 2 == 0 else list(reversed(lanes))
 
 
-def run_interleaved(
+def run_lanes(
     store: RecordStore, lanes: Sequence[Lane], prompt_sets: Sequence[Sequence[Any]], s: EvalSettings
 ) -> dict[Lane, int]:
-    """Decodes every lane's unrecorded prompts prompt by prompt (``interleave=true``), the
-    lanes in :func:`interleaved_order` (a record's ``slot``: its place); returns the number
-    decoded per lane. The ``pass`` records close the lanes at the end, with the peak memory of
-    the whole run (every lane's model is loaded at once)."""
-    device = str(s.run.device)
+    """Decodes the lanes' prompts that ``store`` has no record of, after the warm-up; returns
+    the number decoded per lane. ``interleave=false``: one lane, its prompts in order;
+    ``true``: every lane prompt by prompt, in :func:`interleaved_order` (a record's ``slot``:
+    its place), each missing AR reference left to the report (``check_pending``). The ``pass``
+    records close the lanes at the end, with the peak memory of the run (interleaved: every
+    lane's model is loaded at once)."""
+    device, interleave = str(s.run.device), bool(s.run.interleave)
     todo = {lane: store.pending(prompt_sets, lane.path, lane.pass_name) for lane in lanes}
     busy = [lane for lane in lanes if todo[lane]]
     decoded = {lane: 0 for lane in lanes}
-    if busy:
-        sync_memory_reset(device)
-        for lane in busy:
-            lane.warm_up(prompt_sets)
+    if not busy:  # killed between the last prompt and the pass record
+        for lane in lanes:
+            lane.close(store, None)
+        return decoded
     reference = ar_turn_hashes(store.records)
+    sync_memory_reset(device)
+    for lane in busy:
+        lane.warm_up(prompt_sets)
     missing = {lane: {(k, i) for k, i, _ in todo[lane]} for lane in lanes}
     total = sum(len(p) for p in prompt_sets) * len(lanes)
+    desc = "interleaved" if interleave else f"{lanes[0].name} [{lanes[0].pass_name}]"
     done = total - sum(len(t) for t in todo.values())
-    bar = _progress(bool(s.run.progress), total, done, "interleaved")
+    bar = _progress(bool(s.run.progress), total, done, desc)
     every = [(k, i, p) for k, prompts in enumerate(prompt_sets) for i, p in enumerate(prompts)]
     try:  # prompt by prompt (batch_size B: chunk by chunk of the prompts decoded together)
-        for position, chunk in enumerate(lanes[0].chunks(every)):
+        for position, chunk in enumerate(lanes[0].chunks(every if interleave else todo[lanes[0]])):
             for slot, lane in enumerate(interleaved_order(lanes, position)):
                 mine = [(k, i, p) for k, i, p in chunk if (k, i) in missing[lane]]
                 if not mine:
                     continue
-                refs = [reference.get((k, i)) for k, i, _ in mine]
+                refs = [reference.get((k, i), None if interleave else []) for k, i, _ in mine]
                 for (k, i, _), record in zip(mine, lane.decode(mine, refs), strict=True):
-                    record["slot"] = slot  # its place among this prompt's lanes
+                    if interleave:
+                        record["slot"] = slot  # its place among this prompt's lanes
                     store.append(record)
                     decoded[lane] += 1
                     bar.set_postfix_str(f"set {k + 1}/{len(prompt_sets)}", refresh=False)
@@ -324,7 +297,7 @@ def run_interleaved(
                         reference[(k, i)] = turn_hashes(record)
     finally:
         bar.close()
-    peak = peak_memory_mb(device) if busy else None
+    peak = peak_memory_mb(device)
     for lane in lanes:
         lane.close(store, peak)
     return decoded
@@ -382,34 +355,35 @@ def decode_all(
             check_prompts(store, prompt_sets)
         return prompt_sets
 
-    device = str(s.run.device)
-    if s.run.interleave and plan:
-        start = time.perf_counter()
-        models = {index: load_for_eval(path, s.model, device) for index, path, _, _ in plan}
-        lanes = [
-            Lane(models[index], s, None if p == "ar" else draft, p)
-            for index, _, draft, todo in plan
-            for p in todo
-        ]
-        counts = run_interleaved(store, lanes, prompts_for(next(iter(models.values()))), s)
-        seconds = time.perf_counter() - start
-        for index, _, draft, _ in plan:
-            mine = [lane for lane in lanes if lane.model is models[index]]
-            log_draft(store, index, draft, sum(counts[lane] for lane in mine), seconds)
-        del models, lanes
-        gc.collect()
-        return prompt_sets
-    for index, path, draft, todo in plan:
-        start = time.perf_counter()
-        model = load_for_eval(path, s.model, device)
-        decoded = sum(
-            run_pass(store, model, prompts_for(model), s, None if p == "ar" else draft, p)
-            for p in todo
-        )
-        log_draft(store, index, draft, decoded, time.perf_counter() - start)
-        del model
-        gc.collect()
+    for group in [plan] if s.run.interleave and plan else [[entry] for entry in plan]:
+        decode_group(s, store, group, prompts_for)
+        gc.collect()  # the group's models are gone before the next loads
     return prompt_sets
+
+
+def decode_group(
+    s: EvalSettings,
+    store: RecordStore,
+    group: Sequence[tuple[int, Path, Mapping[str, Any], list[str]]],
+    prompts_for: Callable[[Any], list[list[Any]]],
+) -> None:
+    """Loads the drafts of ``group`` ((index, path, entry, the passes it lacks); one draft,
+    or every draft with ``interleave=true``), decodes their passes and logs each draft."""
+    start = time.perf_counter()
+    models = {index: load_for_eval(path, s.model, str(s.run.device)) for index, path, _, _ in group}
+    prompt_sets = prompts_for(next(iter(models.values())))
+    lanes = [
+        Lane(models[index], s, None if p == "ar" else draft, p)
+        for index, _, draft, todo in group
+        for p in todo
+    ]
+    counts: dict[Lane, int] = {}
+    for batch in [lanes] if s.run.interleave else [[lane] for lane in lanes]:
+        counts |= run_lanes(store, batch, prompt_sets, s)
+    seconds = time.perf_counter() - start
+    for index, _, draft, _ in group:
+        mine = [lane for lane in lanes if lane.model is models[index]]
+        log_draft(store, index, draft, sum(counts[lane] for lane in mine), seconds)
 
 
 def rebuild_report(s: EvalSettings) -> dict[str, Any]:
