@@ -64,14 +64,14 @@ def to_cirkit(
                 kw = {} if weights is None else {"weight": const(weights[lo : lo + R])}
                 sl = SumLayer(r, R, arity=1, **kw)
             if layer.kind != "input":
-                in_layers[sl] = [_child(built, structure, slot, f) for slot in layer.slots]
+                in_layers[sl] = [_child(built, slot, f) for slot in layer.slots]
             row.append(sl)
         built.append(row)
     layers = [sl for row in built for sl in row]
     return SymbolicCircuit(layers, in_layers, [built[-1][0]])
 
 
-def _child(built: list[list[Any]], structure: Structure, slot: Any, fold: int) -> Any:
+def _child(built: list[list[Any]], slot: Any, fold: int) -> Any:
     for src, pos, child in slot.parts:
         hits = (pos == fold).nonzero()
         if hits.numel():
