@@ -16,12 +16,9 @@ def default_gamma(window: int) -> float:
 
 
 def discount_weights(window: int, gamma: float | None = None) -> Tensor:
-    """gamma^{j-1} for j = 1..window; (n,)."""
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
+    """gamma^{j-1} for j = 1..window; (n,). ``gamma`` in (0, 1] (``loss.gamma``, checked at the
+    door); None: :func:`default_gamma`."""
     gamma = default_gamma(window) if gamma is None else gamma
-    if not 0.0 < gamma <= 1.0:
-        raise ValueError(f"gamma must be in (0, 1], got {gamma}")
     return gamma ** torch.arange(window, dtype=torch.float64)
 
 

@@ -10,7 +10,6 @@ import lightning as L
 import torch
 from torch import Tensor
 
-from mtpc.choices import LOSS_NAMES
 from mtpc.circuits.params import exact_sums
 from mtpc.heads import MTPCHead
 from mtpc.model import MTPCModel
@@ -44,8 +43,6 @@ class MTPCLightningModule(L.LightningModule):
         top1_positions: int = 512,
     ) -> None:
         super().__init__()
-        if loss not in LOSS_NAMES:
-            raise ValueError(f"loss is {loss!r}; allowed: nll, kl")
         self.model = model
         self.loss_name = loss
         self.gamma = gamma
@@ -59,13 +56,12 @@ class MTPCLightningModule(L.LightningModule):
 
     @property
     def head(self) -> MTPCHead:
-        head = self.model.head
-        assert isinstance(head, MTPCHead)
-        return head
+        return self.model.head
 
     # -- objective ---------------------------------------------------------------------
-    def _window_log_probs(self, batch: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, Any]:
-        """Prefix log-probs (B, L, n) of the data windows and the model output."""
+    def _objective(self, batch: Mapping[str, Tensor]) -> tuple[LossOutput, Tensor, Tensor]:
+        """The loss, the data windows' prefix log-probs (B, L, n) and the draft features
+        (B, L, d)."""
         out = self.model(
             batch["input_ids"],
             return_verifier_logits=self.loss_name == "kl",
@@ -75,22 +71,18 @@ class MTPCLightningModule(L.LightningModule):
         features = out.draft_features  # (B, L, d)
         B, L, d = features.shape
         n = self.head.window
+        flat = features.reshape(B * L, d)
         targets = batch["targets"].reshape(B * L, n)
         in_document = batch["window_mask"].reshape(B * L, n)
         prefix = self.head.chunked_log_likelihood(
-            features.reshape(B * L, d), targets, in_document, chunk_size=self.chunk_size
-        )  # (B*L, n)
-        return prefix.reshape(B, L, n), features, out
-
-    def _objective(self, batch: Mapping[str, Tensor]) -> tuple[LossOutput, Tensor, Tensor]:
-        """The loss, the prefix log-probs (B, L, n) and the draft features (B, L, d)."""
-        prefix, features, out = self._window_log_probs(batch)
+            flat, targets, in_document, chunk_size=self.chunk_size
+        ).reshape(B, L, n)
         mask = batch["target_mask"]
         if self.loss_name == "nll":
             result = composite_nll(prefix, mask, self.gamma, self.normalise_discount)
         else:
             teacher = self._teacher_log_probs(out.verifier_logits)
-            draft = self._draft_conditionals(features, batch)
+            draft = self._draft_conditionals(flat, targets).reshape(B, L, n, -1)
             result = distillation_kl(teacher, draft, mask, self.gamma, self.normalise_discount)
         return result, prefix, features
 
@@ -102,20 +94,18 @@ class MTPCLightningModule(L.LightningModule):
         padded = torch.nn.functional.pad(log_p, (0, 0, 0, n - 1))  # (B, L+n-1, V)
         return padded.unfold(1, n, 1).permute(0, 1, 3, 2)  # (B, L, n, V)
 
-    def _draft_conditionals(self, features: Tensor, batch: Mapping[str, Tensor]) -> Tensor:
-        """log q(. | x_{t+1..t+j-1}) for every t and j; (B, L, n, V)."""
-        B, L, d = features.shape
-        n = self.head.window
-        flat = features.reshape(B * L, d)
-        targets = batch["targets"].reshape(B * L, n)
-        rows = []
-        for start in range(0, B * L, self.chunk_size):
-            params = self.head(flat[start : start + self.chunk_size])
-            rows.append(self._conditionals(params, targets[start : start + self.chunk_size]))
-        return torch.cat(rows).reshape(B, L, n, -1)
+    def _draft_conditionals(self, features: Tensor, targets: Tensor) -> Tensor:
+        """log q(. | x_{t+1..t+j-1}) for every row and j, a chunk at a time; (R, n, V) for
+        ``features`` (R, d) and ``targets`` (R, n)."""
+        step = self.chunk_size
+        chunks = range(0, len(features), step)
+        rows = [self._conditionals(features[i : i + step], targets[i : i + step]) for i in chunks]
+        return torch.cat(rows)
 
-    def _conditionals(self, params: Any, targets: Tensor) -> Tensor:
-        """log q(. | the first j targets) for j = 0..n-1; (C, n, V) for ``targets`` (C, n)."""
+    def _conditionals(self, features: Tensor, targets: Tensor) -> Tensor:
+        """log q(. | the first j targets) for j = 0..n-1; (C, n, V) for ``features`` (C, d) and
+        ``targets`` (C, n)."""
+        params = self.head(features)
         circuit = self.head.circuit
         n = self.head.window
         with exact_sums(targets.device):  # the circuit in float32 under bf16-mixed
@@ -161,7 +151,7 @@ class MTPCLightningModule(L.LightningModule):
             return features.new_zeros(n)
         flat = features.reshape(-1, features.shape[-1])[rows]
         targets = batch["targets"].reshape(-1, n)[rows]
-        log_q = self._conditionals(self.head(flat), targets)  # (R, n, V)
+        log_q = self._conditionals(flat, targets)  # (R, n, V)
         valid = mask[rows]
         hits = ((log_q.argmax(dim=-1) == targets) & valid).sum(dim=0)
         return hits.float() / valid.sum(dim=0).clamp(min=1).float()

@@ -50,13 +50,11 @@ def _read_checkpoint(path: Path) -> dict[str, Any]:
     return checkpoint
 
 
-def find_resume_checkpoint(
-    checkpoint_dir: Path, last_name: str = "last.ckpt"
-) -> tuple[Path, dict[str, Any]] | None:
+def find_resume_checkpoint(checkpoint_dir: Path) -> tuple[Path, dict[str, Any]] | None:
     """The checkpoint to resume from and its contents, or None when the folder has none:
     ``last.ckpt``, else the readable one with the highest global step (a warning; every rank
     chooses the same). :class:`CheckpointUnreadableError` when none can be read."""
-    last = checkpoint_dir / last_name
+    last = checkpoint_dir / "last.ckpt"
     if not last.exists():
         return None
     try:

@@ -334,7 +334,7 @@ def _train_locked(
             "sequences): nothing was trained, so no draft is exported"
         )
     export = settings.run.export and not fast
-    if export and _sharded(module):  # every rank takes part in gathering the weights
+    if export:  # every rank takes part in gathering sharded weights
         model = unsharded_copy(settings, module)
     if trainer.is_global_zero:
         (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
@@ -403,16 +403,14 @@ def _fit(
     return metrics
 
 
-def _sharded(module: MTPCLightningModule) -> bool:
-    """Whether FSDP2 sharded the module's parameters (``trainer=fsdp_cpu``)."""
+def unsharded_copy(settings: TrainSettings, module: MTPCLightningModule) -> MTPCModel:
+    """The trained draft as an ordinary model, for export: ``module.model`` unless FSDP2 sharded
+    it (``trainer=fsdp_cpu``). Then collective: rank 0 gets the gathered trained weights in a
+    rebuilt model, the others the sharded one."""
     from torch.distributed.tensor import DTensor
 
-    return any(isinstance(p, DTensor) for p in module.parameters())
-
-
-def unsharded_copy(settings: TrainSettings, module: MTPCLightningModule) -> MTPCModel:
-    """The trained draft as an ordinary model, for export after sharded training. Collective:
-    rank 0 gets the gathered trained weights in a rebuilt model, the others the sharded one."""
+    if not any(isinstance(p, DTensor) for p in module.parameters()):
+        return module.model
     full = module.gathered_trainable_state()  # rank 0: {name: whole tensor on CPU}; others: {}
     if not full:
         return module.model
