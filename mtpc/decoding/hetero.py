@@ -7,6 +7,7 @@ Alg. 5, 1, 4, 2, 3), verified by :mod:`mtpc.decoding.verify`'s rules. See docs/H
 from __future__ import annotations
 
 import bisect
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -194,7 +195,7 @@ def to_target_tokens(
     look-behind alignment: docs/HETERO.md, "Algorithms"); [] when it cannot be expressed."""
     if not draft:
         return []
-    try:
+    with contextlib.suppress(InexpressibleTextError):
         if isinstance(t_tok, CodecTokenizer):
             return t_tok.encode_bytes(draft)
         window = list(context[-look_behind:]) if look_behind > 0 else []
@@ -210,8 +211,6 @@ def to_target_tokens(
             new = t_tok.encode_bytes(data)
             if new[:k] == tail:
                 return new[k:]
-    except InexpressibleTextError:
-        return []
     return []
 
 
@@ -247,30 +246,25 @@ def _token_cycle(sess: _Session, algorithm: str, lookahead: int) -> tuple[list[i
     rows_q: list[tuple[Tensor, float]] = []  # (probs of mapping's pairs, bottom mass)
     path: list[int] = []
     mapped_d, mapped_t = mapping.drafter_ids, mapping.target_ids
+    union = algorithm == "union"  # else drafts from T ∩ D only (tli, standard)
     for _ in range(0 if pending else lookahead):
-        logits = sess.drafter_logits(d_ids + path)  # (V_D,)
-        logits = logits[: len(sess.d_tok.token_bytes)]
-        if algorithm in ("tli", "standard"):
-            if rule.greedy:
-                k = int(rule.argmax(logits[mapped_d]))
-            else:
-                sub = rule.probs(logits)[mapped_d]  # (K,)
-                mass = float(sub.sum())
-                if mass <= 0:
-                    break
-                sub = sub / mass
-                k = rule.sample(sub, g)
-                rows_q.append((sub, 0.0))
-            d, t = int(mapped_d[k]), int(mapped_t[k])
-        else:  # union
-            if rule.greedy:
-                d = int(rule.argmax(logits))
-            else:
-                q = rule.probs(logits)  # (V_D,)
+        logits = sess.drafter_logits(d_ids + path)[: len(sess.d_tok.token_bytes)]  # (V_D,)
+        if rule.greedy:
+            d = int(rule.argmax(logits) if union else mapped_d[rule.argmax(logits[mapped_d])])
+        else:
+            q = rule.probs(logits)  # (V_D,)
+            sub = q[mapped_d]  # (K,)
+            mass = float(sub.sum())
+            if union:  # the mass outside T is ⊥'s
                 d = rule.sample(q, g)
-                sub = q[mapped_d]
-                rows_q.append((sub, max(0.0, 1.0 - float(sub.sum()))))
-            t = mapping.drafter_to_target.get(d, _BOTTOM)
+                rows_q.append((sub, max(0.0, 1.0 - mass)))
+            elif mass > 0:  # renormalised over T ∩ D
+                sub = sub / mass
+                d = int(mapped_d[rule.sample(sub, g)])
+                rows_q.append((sub, 0.0))
+            else:
+                break
+        t = mapping.drafter_to_target.get(d, _BOTTOM)
         drafts.append(t)
         if t == _BOTTOM:
             break
@@ -296,16 +290,13 @@ def _verify(
     rows = sess.tlm.logits(sess.ctx + real, len(real) + 1)  # (m + 1, V)
     vocab = rows.shape[-1]
     draft = torch.tensor([*real, vocab] if bottom else real, dtype=torch.long)
+    if bottom:  # a row for after ⊥, never read: ⊥ is always rejected
+        rows = torch.cat([rows, rows[-1:]])
     if rule.greedy:
-        choice = rule.argmax(rows)
-        if bottom:  # the row after ⊥ is never read: ⊥ is always rejected
-            choice = torch.cat([choice, choice[-1:]])
-        verdict = verify_greedy(choice, draft)
+        verdict = verify_greedy(rule.argmax(rows), draft)
     else:
         q = draft_probs(vocab)
-        p = torch.nn.functional.pad(rule.probs(rows), (0, 1)).to(q.dtype)  # (m + 1, V + 1)
-        if bottom:  # T ∪ {⊥}, as above
-            p = torch.cat([p, p[-1:]])
+        p = torch.nn.functional.pad(rule.probs(rows), (0, 1)).to(q.dtype)  # over T ∪ {⊥}
         verdict = verify_sampling(p, q, draft, sess.generator)
     return [*real[: verdict.accepted], verdict.next_token], verdict.accepted
 
@@ -333,11 +324,9 @@ class SLRSTable:
         prefixes = {b[:k] for b in ids for k in range(len(b))}
         ext: dict[int, list[int]] = {i: [] for i in ids.values()}
         for b, i in ids.items():
-            for k in range(len(b) - 1, 0, -1):
-                parent = ids.get(b[:k])
-                if parent is not None:
-                    ext[parent].append(i)
-                    break
+            parent = next((ids[b[:k]] for k in range(len(b) - 1, 0, -1) if b[:k] in ids), None)
+            if parent is not None:
+                ext[parent].append(i)
         return cls(ids, prefixes, ext, max((len(b) for b in ids), default=0))
 
     def determined(self, drafted: bytes, pending: bytes) -> bool:
@@ -541,7 +530,26 @@ def generate_hetero(
         cycle = partial(_slrs_cycle, sess, table, psi, max_psi_paths)
     else:
         cycle = partial(_token_cycle, sess, algorithm, lookahead)
-    return _decode(sess, cycle, max_new_tokens, stops, algorithm)
+    # each cycle: (new target tokens, drafts accepted)
+    res = GenerationResult(tokens=[], method="hetero", algorithm=algorithm)
+    start = cycle_start = time.perf_counter()
+    while len(res.tokens) < max_new_tokens:
+        new, acc = cycle()
+        new, res.stopped = cut_at_stop(new, max_new_tokens - len(res.tokens), stops)
+        res.accepted.append(min(acc, len(new)))
+        res.emitted.append(len(new))
+        res.tokens.extend(new)
+        sess.extend(new)
+        now = time.perf_counter()
+        res.cycle_seconds.append(now - cycle_start)
+        cycle_start = now
+        if res.stopped:
+            break
+    res.seconds = time.perf_counter() - start
+    res.text = sess.t_tok.decode(res.tokens)
+    res.target_passes = sess.tlm.passes
+    res.drafter_passes = (sess.circuit or sess.dlm).passes  # type: ignore[union-attr]
+    return res
 
 
 def _psi_method(drafter: Any, algorithm: str, psi: str) -> str:
@@ -575,32 +583,3 @@ def _check_vocabularies(t_tok: TokenizerAdapter, d_tok: TokenizerAdapter, algori
             f"for id; {t_tok.name} and {d_tok.name} differ (|T ∩ D| = "
             f"{mapping.intersection_size}). Use 'tli' or 'slem'"
         )
-
-
-def _decode(
-    sess: _Session,
-    cycle: Callable[[], tuple[list[int], int]],
-    max_new_tokens: int,
-    stops: set[int],
-    algorithm: str,
-) -> GenerationResult:
-    """Runs ``cycle`` (new target tokens, drafts accepted) until ``max_new_tokens`` or a stop."""
-    res = GenerationResult(tokens=[], method="hetero", algorithm=algorithm)
-    start = cycle_start = time.perf_counter()
-    while len(res.tokens) < max_new_tokens:
-        new, acc = cycle()
-        new, res.stopped = cut_at_stop(new, max_new_tokens - len(res.tokens), stops)
-        res.accepted.append(min(acc, len(new)))
-        res.emitted.append(len(new))
-        res.tokens.extend(new)
-        sess.extend(new)
-        now = time.perf_counter()
-        res.cycle_seconds.append(now - cycle_start)
-        cycle_start = now
-        if res.stopped:
-            break
-    res.seconds = time.perf_counter() - start
-    res.text = sess.t_tok.decode(res.tokens)
-    res.target_passes = sess.tlm.passes
-    res.drafter_passes = (sess.circuit or sess.dlm).passes  # type: ignore[union-attr]
-    return res
