@@ -44,11 +44,6 @@ def byte_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(keep, chars, strict=True)}
 
 
-@cache
-def unicode_to_byte() -> dict[str, int]:
-    return {c: b for b, c in byte_to_unicode().items()}
-
-
 def utf8_complete(data: bytes) -> int:
     """Length of the longest prefix of ``data`` not ending inside a UTF-8 character (only an
     incomplete trailing sequence is held back; invalid bytes are left to ``errors="replace"``)."""
@@ -153,17 +148,15 @@ class HFTokenizer(TokenizerAdapter):
             if added.get("special"):
                 specials.add(int(added["id"]))
         strings = tokenizer.convert_ids_to_tokens(list(range(self.vocab_size)))
-        u2b = unicode_to_byte()
+        u2b = {c: b for b, c in byte_to_unicode().items()}
+        self.special_names = {
+            i: s for i, s in enumerate(strings) if s is not None and i in specials
+        }
         self.token_bytes = []
-        self.special_names = {}
         for i, s in enumerate(strings):
             if s is None or i in specials:
                 self.token_bytes.append(None)
-                if s is not None:
-                    self.special_names[i] = s
-                continue
-            fallback = _BYTE_FALLBACK.match(s)
-            if fallback and "ByteFallback" in kinds:
+            elif "ByteFallback" in kinds and (fallback := _BYTE_FALLBACK.match(s)):
                 self.token_bytes.append(bytes((int(fallback.group(1), 16),)))
             elif "ByteLevel" in kinds and all(c in u2b for c in s):
                 self.token_bytes.append(bytes(u2b[c] for c in s))
@@ -171,8 +164,7 @@ class HFTokenizer(TokenizerAdapter):
                 self.token_bytes.append(s.replace("▁", " ").encode("utf-8"))
             else:
                 self.token_bytes.append(s.encode("utf-8"))
-        empty = self.backend.encode("", add_special_tokens=True).ids
-        self.prefix_ids = [int(i) for i in empty]
+        self.prefix_ids = [int(i) for i in self.backend.encode("", add_special_tokens=True).ids]
         eos = tokenizer.eos_token_id
         self.stop_ids = () if eos is None else (int(eos),)
         self.unk_id = tokenizer.unk_token_id
