@@ -29,7 +29,6 @@ from mtpc.evaluation.statistics import (
     PAIRED_NOTE,
     SEED_COLUMNS,
     SEED_NOTE,
-    interval_cell,
     paired_rows,
     seed_rows,
     training_config,
@@ -54,16 +53,12 @@ COLUMNS = (
     ("exact", "= AR", "{}"),
     ("peak_memory_mb", "peak MB", "0f"),
 )
+SOURCE_STATS = ("mu_acc", "mu_acc_drafts", "nodes", "expected_drafts", "tok_s", "speedup_ar")
 SOURCE_COLUMNS = (
-    ("name", "draft", "{}"),
+    COLUMNS[0],
     ("source", "source", "{}"),
     ("prompts", "prompts", "{}"),
-    ("mu_acc", "mu_acc tok/cyc", "2f"),
-    ("mu_acc_drafts", "acc drafts", "2f"),
-    ("nodes", "nodes/cyc", "1f"),
-    ("expected_drafts", "q-pred drafts", "2f"),
-    ("tok_s", "tok/s", "1f"),
-    ("speedup_ar", "x AR", "2f"),
+    *(c for c in COLUMNS if c[0] in SOURCE_STATS),
 )
 SPEC_BENCH_COLUMNS = (
     ("name", "draft", "{}"),
@@ -98,18 +93,25 @@ TIMING = ("mu_lat", "tok_s", "wall_tok_s", "max_tok_s", "speedup_ar", "speedup_b
 """Row fields that depend on timing (the rest is a function of the decoded tokens)."""
 
 
+def _undefined(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
 def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
-    if f"{key}_low" in row:  # a paired statistic: its interval
-        return interval_cell(row, key, fmt)
-    value = row.get(key)
-    if value is None or (isinstance(value, float) and math.isnan(value)):
+    """``value ± std``, or for a paired statistic ``estimate [low, high]``; ``-`` when
+    undefined."""
+    value: Any = row.get(key)
+    if _undefined(value):
         return "-"
     if fmt == "{}":
         return str(value)
-    std = row.get(f"{key}_std")
+    paired = f"{key}_low" in row
     scale, spec = (1e3, ".3f") if fmt == "ms" else (1.0, f".{fmt}")
-    text = format(value * scale, spec)
-    if std is not None and not math.isnan(std) and key != "peak_memory_mb":
+    text = format(value * scale, "+" + spec if paired and key.startswith("delta") else spec)
+    low, high, std = (row.get(f"{key}_{end}", math.nan) for end in ("low", "high", "std"))
+    if paired and not (_undefined(low) or _undefined(high)):
+        text += f" [{format(low, spec)}, {format(high, spec)}]"
+    elif not paired and not _undefined(std) and key != "peak_memory_mb":
         text += " ± " + format(std * scale, spec)
     return text
 
@@ -574,8 +576,7 @@ def write_plots(rows: Sequence[dict[str, Any]], out_dir: Path) -> dict[str, str]
             ax.plot(xs, [rate * x / 1e3 for x in xs], ":", color="gray", linewidth=0.8)
             x_label = min(xmax * 0.95, ymax * 1e3 / rate * 0.95)
             ax.text(x_label, rate * x_label / 1e3, f"{rate:.0f} tok/s", fontsize=6, color="gray")
-        ax.set_xlim(0, xmax)
-        ax.set_ylim(0, ymax)
+        ax.set(xlim=(0, xmax), ylim=(0, ymax))
         ax.set_xlabel("mean latency per cycle mu_lat (ms)")
         ax.set_ylabel("tokens per cycle mu_acc (incl. correction)")
         ax.set_title("Acceptance vs latency (dotted: iso-throughput)")

@@ -65,9 +65,9 @@ a resumed run may change, less the budget."""
 
 
 # ------------------------------------------------------------------------- bootstrap ----
-Pairs = Mapping[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
-"""Per prompt set: (numerator a, denominator a, numerator b, denominator b), one entry per
-paired prompt, in index order."""
+Pairs = Mapping[int, np.ndarray]
+"""Per prompt set, (4, m): the rows numerator a, denominator a, numerator b, denominator b;
+one column per paired prompt, in index order."""
 
 
 def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
@@ -116,19 +116,17 @@ def _prompt_key(record: Mapping[str, Any]) -> tuple[Any, ...]:
 
 def pair_records(
     a: Sequence[Mapping[str, Any]], b: Sequence[Mapping[str, Any]], numerator: str, denominator: str
-) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+) -> dict[int, np.ndarray]:
     """The :data:`Pairs` of two drafts' prompt records: the prompts both decoded, per set."""
     by_key = {_prompt_key(r): r for r in b}
-    out: dict[int, list[list[float]]] = defaultdict(lambda: [[], [], [], []])
+    out: dict[int, list[tuple[Any, ...]]] = defaultdict(list)
     for r in sorted(a, key=_prompt_key):
         other = by_key.get(_prompt_key(r))
         if other is not None:
-            values = (r[numerator], r[denominator], other[numerator], other[denominator])
-            for column, value in zip(out[r["set"]], values, strict=True):
-                column.append(float(value))
-    return {
-        k: (np.array(v[0]), np.array(v[1]), np.array(v[2]), np.array(v[3])) for k, v in out.items()
-    }
+            out[r["set"]].append(
+                (r[numerator], r[denominator], other[numerator], other[denominator])
+            )
+    return {k: np.array(v, dtype=float).T for k, v in out.items()}  # (4, m) per set
 
 
 def compare(
@@ -188,33 +186,15 @@ def paired_rows(
     return out
 
 
-def interval_cell(row: Mapping[str, Any], key: str, fmt: str) -> str:
-    """``estimate [low, high]`` of a paired statistic (``-`` when undefined)."""
-    value = row.get(key)
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    spec = f".{fmt}"
-    low, high = row.get(f"{key}_low"), row.get(f"{key}_high")
-    text = format(value, "+" + spec if key.startswith("delta") else spec)
-    if low is not None and high is not None and not (math.isnan(low) or math.isnan(high)):
-        text += f" [{format(low, spec)}, {format(high, spec)}]"
-    return text
-
-
 # ------------------------------------------------------------------------------ seeds ----
 def training_config(path: str | Path) -> dict[str, Any] | None:
     """The training config an exported draft's model card records (``python train.py``
     writes it), or None (no card, no such section, or unreadable)."""
     try:
         text = (Path(path) / "README.md").read_text(encoding="utf-8")
-    except OSError:
-        return None
-    section = re.search(r"## Training config.*?```json\n(.*?)\n```", text, re.DOTALL)
-    if section is None:
-        return None
-    try:
-        config = json.loads(section[1])
-    except json.JSONDecodeError:
+        section = re.search(r"## Training config.*?```json\n(.*?)\n```", text, re.DOTALL)
+        config = json.loads(section[1]) if section else None
+    except (OSError, json.JSONDecodeError):
         return None
     return config if isinstance(config, dict) else None
 
