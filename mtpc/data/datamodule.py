@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,6 @@ class PackedDataset(Dataset[dict[str, Tensor]]):
         pack: bool = True,
     ) -> None:
         self.folder = data.folder
-        self.split = split
         self.window = window
         self.pad_id = pad_id
         self.plan: PackPlan = data.pack_plan(split, seq_len, pack)
@@ -241,8 +241,17 @@ class MTPCDataModule(L.LightningDataModule):
             raise ValueError(
                 f"need seq_len >= 2, window >= 1, batch_size >= 1; got {seq_len}, {window}, {batch_size}"
             )
-        self.source = source
-        self.path = path
+        self._open_source = partial(
+            load_source,
+            source,
+            path,
+            num_rows=num_rows,
+            seed=seed,
+            streaming=streaming,
+            revision=revision,
+            hf_name=hf_name,
+            validation_fraction=validation_fraction,
+        )
         self.codec_name = codec
         self.codec = get_codec(codec)
         self.seq_len = seq_len
@@ -254,10 +263,6 @@ class MTPCDataModule(L.LightningDataModule):
         self.cache_dir = default_cache_dir() if cache_dir is None else Path(cache_dir)
         self.max_bytes = max_bytes
         self.validation_fraction = validation_fraction
-        self.num_rows = num_rows
-        self.streaming = streaming
-        self.revision = revision
-        self.hf_name = hf_name
         self.shuffle = shuffle
         self.drop_last = drop_last
         self.pin_memory = pin_memory
@@ -273,16 +278,7 @@ class MTPCDataModule(L.LightningDataModule):
     def row_source(self) -> RowSource:
         """The raw rows (opened once)."""
         if self._row_source is None:
-            self._row_source = load_source(
-                self.source,
-                self.path,
-                num_rows=self.num_rows,
-                seed=self.seed,
-                streaming=self.streaming,
-                revision=self.revision,
-                hf_name=self.hf_name,
-                validation_fraction=self.validation_fraction,
-            )
+            self._row_source = self._open_source()
         return self._row_source
 
     def prepare_data(self) -> None:

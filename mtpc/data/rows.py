@@ -33,15 +33,13 @@ class RowSource:
         """The rows at ``positions`` (0-based order of ``iter_rows``), in the given order."""
         if self.take_rows is not None:
             return self.take_rows(positions)
-        wanted = {int(p): i for i, p in enumerate(positions)}
-        out: list[Row | None] = [None] * len(positions)
-        for position, row in enumerate(self.iter_rows()):
-            if position in wanted:
-                out[wanted[position]] = row
-        missing = [p for p, i in wanted.items() if out[i] is None]
+        wanted = [int(p) for p in positions]
+        keep = set(wanted)
+        found = {p: row for p, row in enumerate(self.iter_rows()) if p in keep}
+        missing = [p for p in wanted if p not in found]
         if missing:
             raise IndexError(f"{self.name}: positions {missing[:5]} are past the end")
-        return [row for row in out if row is not None]
+        return [found[p] for p in wanted]
 
 
 def write_jsonl(rows: Iterable[Row], path: str | os.PathLike[str]) -> None:
