@@ -31,8 +31,8 @@ LORA_KEY_RE = re.compile(r"^lm\._lm\.base_model\.model\.(.+\.lora_[AB]\.default\
 BOOK_KEY_RE = re.compile(r"^circuit\..*_address_book\._in_fold_idx_(\d+)_(\d+)$")
 KNOWN_CIRCUIT_BUFFERS = ("_autoregressive_mar_mask", "_univariate_mar_mask")
 STRIPPED_PREFIXES = ("_orig_mod.", "module.")  # torch.compile, DDP
+#: Lower-cased fragments of the paper config's LM hub id -> our ``model=`` name.
 LM_MODELS = {"evabyte": "evabyte", "llama3-2-3b-it-byte": "llama3_byte"}
-"""Lower-cased fragments of the paper config's LM hub id -> our ``model=`` name."""
 
 
 class PaperImportError(UserError, ValueError):

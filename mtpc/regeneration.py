@@ -29,8 +29,8 @@ from mtpc.files import BadJsonLine, read_json_lines
 from mtpc.store import AppendStore, changed, provenance, write_json
 
 FORMAT_VERSION = 1
+#: Manifest fields that must agree between a folder's shards and on resume.
 IDENTITY = ("format", "target", "settings", "data", "num_shards")
-"""Manifest fields that must agree between a folder's shards and on resume."""
 
 
 class RegenerateMismatchError(UserError, ValueError):
@@ -339,14 +339,13 @@ def regenerate(cfg: Any) -> dict[str, Any]:
 
     job = parse_regenerate(cfg)  # the one reading of cfg: below, the settings' named fields
     settings = job.decoder
-    shard, num_shards = int(job.shard), int(job.num_shards)
     out = Path(job.output_dir).expanduser()
     if job.num_threads is not None:
-        torch.set_num_threads(int(job.num_threads))
+        torch.set_num_threads(job.num_threads)
     source, data = open_source(job.data)
     manifest: dict[str, Any] = {
         "format": FORMAT_VERSION, "settings": settings.output_law(), "data": data,
-        "num_shards": num_shards,
+        "num_shards": job.num_shards,
     }  # fmt: skip
     # settings, data and sharding are refused before the target loads; its weights after
     refuse_other_regeneration(out, manifest, [k for k in IDENTITY if k != "target"])
@@ -360,10 +359,10 @@ def regenerate(cfg: Any) -> dict[str, Any]:
     manifest |= {
         "target": {"model": job.model.name, "path": job.model.path, "codec": codec.name,
                    "weights_fingerprint": model.backbone.weights_fingerprint()},
-        "shard": shard,
+        "shard": job.shard,
         "decoder": asdict(settings),
     }  # fmt: skip
-    with ShardStore(out, shard, num_shards).open(manifest) as store:
+    with ShardStore(out, job.shard, job.num_shards).open(manifest) as store:
         resumed = len(store.done)
         rows, tokens, seconds = regenerate_shard(
             store, source, model, codec, settings, context_length(model),
