@@ -51,14 +51,10 @@ def plan_packing(doc_lengths: np.ndarray, seq_len: int, pack: bool = True) -> Pa
 
     Every id of every document lands in exactly one segment. ``pack=False`` puts each
     document (or piece) in a sequence of its own, for a target whose attention cannot keep
-    packed documents apart (EvaByte; docs/TRAINING.md). ``ValueError`` for ``seq_len`` < 1 or
-    a non-positive document length.
+    packed documents apart (EvaByte; docs/TRAINING.md). ``seq_len`` >= 1 and every length >= 1
+    (the data module's and the cache's).
     """
-    if seq_len < 1:
-        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     lengths = np.asarray(doc_lengths, dtype=np.int64)
-    if lengths.size and lengths.min() < 1:
-        raise ValueError("every document needs at least one id")
     # pieces (doc, start, length): full seq_len chunks of long documents, each filling a
     # sequence, and the remainders, which are packed
     full: list[tuple[int, int, int]] = []

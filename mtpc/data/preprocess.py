@@ -134,8 +134,6 @@ def tokenize_rows(
     With ``ids_file`` and ``mask_file`` (both or neither), ids and mask are streamed there as
     raw uint16 / uint8 and the returned arrays are empty (flat memory for Tülu's 939k rows).
     """
-    if (ids_file is None) != (mask_file is None):
-        raise ValueError("give both ids_file and mask_file, or neither")
     if codec.vocab_size > np.iinfo(np.uint16).max:
         raise ValueError(
             f"codec {codec.name} has {codec.vocab_size} ids; uint16 storage needs < 65536"

@@ -22,13 +22,6 @@ def make_windows(
     loss byte) and ``window_mask`` (B, L, n) bool (same document: what the circuit
     conditions on).
     """
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
-    if input_ids.dim() != 2 or not input_ids.shape == document_ids.shape == loss_mask.shape:
-        raise ValueError(
-            f"input_ids {tuple(input_ids.shape)}, document_ids {tuple(document_ids.shape)} and "
-            f"loss_mask {tuple(loss_mask.shape)} must all be (B, L)"
-        )
     ids = torch.nn.functional.pad(input_ids.long(), (0, window), value=pad_id)  # (B, L+n)
     docs = torch.nn.functional.pad(document_ids.long(), (0, window), value=-2)  # (B, L+n)
     loss = torch.nn.functional.pad(loss_mask.bool(), (0, window), value=False)  # (B, L+n)
