@@ -205,12 +205,6 @@ def _join(prefix: str, key: str) -> str:
     return f"{prefix}.{key}" if prefix and key else prefix or key
 
 
-def _default(item: dataclasses.Field[Any]) -> Any:
-    if item.default_factory is not dataclasses.MISSING:
-        return item.default_factory()
-    return item.default
-
-
 def read(
     schema: type[_Schema], cfg: Any, prefix: str = "", checked: bool = True, **known: Any
 ) -> _Schema:
@@ -236,7 +230,8 @@ def read(
                 raise
             value = MISSING
         if value is MISSING or (meta.get("or_default") and not value):
-            values[item.name] = _default(item)
+            factory = item.default_factory
+            values[item.name] = item.default if factory is dataclasses.MISSING else factory()
             continue
         if checked and meta.get("check") is not None:
             try:
