@@ -532,17 +532,15 @@ def import_paper_draft(
             dtype = "float32" if name == "tiny" else "bfloat16"
         backbone = load_backbone(name, path=path, revision=revision, dtype=dtype, device=device)
     _check_target_fits(draft, backbone)
-    options: dict[str, Any] = {}
-    if draft.kind in ("hmm", "btree"):
-        options["identity_init"] = False
+    identity = draft.kind not in ("hmm", "btree")  # their sums start without the identity
     lora = draft.lora_settings
     try:
         model_ = MTPCModel.from_backbone(
             backbone, draft.kind, draft.window, draft.rank, lora_layers=len(draft.lora_layers),
             lora_rank=lora.get("rank", 16), lora_alpha=lora.get("alpha", 16.0),
-            lora_dropout=lora.get("dropout", 0.0),
-            lora_target_modules=lora.get("target_modules"), head_init="random",
-            head_dtype=str(draft.dtype).removeprefix("torch."), sum_init_std=0.0, **options,
+            lora_dropout=lora.get("dropout", 0.0), lora_target_modules=lora.get("target_modules"),
+            head_init="random", head_dtype=str(draft.dtype).removeprefix("torch."),
+            sum_init_std=0.0, identity_init=identity,
         )  # fmt: skip
     except ValueError as err:
         raise PaperImportError(f"the paper draft does not fit the target: {err}") from err
