@@ -133,16 +133,13 @@ class MTPCModel(nn.Module):
             lora_layers, lora_rank, lora_alpha, lora_dropout, lora_target_modules
         )
         validate_lora(settings, backbone.layers)
-        dtype = resolve_dtype(head_dtype, backbone.device)
         head = MTPCHead(
             kind, window, rank, backbone.vocab_size, backbone.hidden_size, **head_options
         )
-        head.to(device=backbone.device, dtype=dtype)
-        if head_init != "random":
-            mtp = backbone.mtp_unembeddings() if head_init == "pretrained" else None
-            head.from_pretrained_unembeddings(
-                mtp if mtp is not None else backbone.stp_unembedding()
-            )
+        head.to(device=backbone.device, dtype=resolve_dtype(head_dtype, backbone.device))
+        if head_init != "random":  # pretrained: the MTP heads where the target has them
+            u = backbone.mtp_unembeddings() if head_init == "pretrained" else None
+            head.from_pretrained_unembeddings(u if u is not None else backbone.stp_unembedding())
         if backbone.lora is not None:
             raise ValueError("this backbone already has a LoRA adapter; load the target again")
         backbone.lora = attach_lora(backbone.hf_model, backbone.layers, settings)
