@@ -77,14 +77,13 @@ def resolve_target(
     target = recorded_target(drafts[0])
     for path in drafts[1:]:
         other = recorded_target(path)
-        differ = [f for f in ("name", "path", "revision") if other[f] != target[f]]
-        if differ:
-            f = differ[0]
-            raise TargetMismatchError(
-                f"draft {path} was exported for model.{f}={other[f]!r} but draft {drafts[0]} "
-                f"for model.{f}={target[f]!r}; one evaluation has one target: evaluate them "
-                "in separate calls"
-            )
+        for f in ("name", "path", "revision"):
+            if other[f] != target[f]:
+                raise TargetMismatchError(
+                    f"draft {path} was exported for model.{f}={other[f]!r} but draft "
+                    f"{drafts[0]} for model.{f}={target[f]!r}; one evaluation has one target: "
+                    "evaluate them in separate calls"
+                )
     explicit = dict(explicit or {})
     for field in TARGET_FIELDS:
         if field in explicit and explicit[field] != target[field]:

@@ -451,5 +451,3 @@ def parse_regenerate(cfg: Any) -> RegenerateSettings:
     """``regenerate``'s door: the config read and checked once, before anything loads."""
     return RegenerateSettings.from_cfg(cfg)
 
-
-validate_regenerate_config = parse_regenerate
