@@ -23,7 +23,6 @@ from mtpc.errors import UserError
 
 logger = logging.getLogger(__name__)
 
-NAME = "spec_bench"  # the value of ``prompts.name``
 MT_BENCH_CATEGORIES = (  # Spec-Bench's "Multi-turn Conversation" task (``mt_bench``)
     "writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities",
 )  # fmt: skip
