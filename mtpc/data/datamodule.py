@@ -252,7 +252,14 @@ class MTPCDataModule(L.LightningDataModule):
             hf_name=hf_name,
             validation_fraction=validation_fraction,
         )
-        self.codec_name = codec
+        self._prepare = partial(
+            ensure_prepared,
+            codec=codec,
+            cache_dir=default_cache_dir() if cache_dir is None else Path(cache_dir),
+            max_bytes=max_bytes,
+            seed=seed,
+            validation_fraction=validation_fraction,
+        )  # of the row source
         self.codec = get_codec(codec)
         self.seq_len = seq_len
         self.window = window
@@ -260,9 +267,6 @@ class MTPCDataModule(L.LightningDataModule):
         self.val_batch_size = val_batch_size or batch_size
         self.seed = seed
         self.num_workers = num_workers
-        self.cache_dir = default_cache_dir() if cache_dir is None else Path(cache_dir)
-        self.max_bytes = max_bytes
-        self.validation_fraction = validation_fraction
         self.shuffle = shuffle
         self.drop_last = drop_last
         self.pin_memory = pin_memory
@@ -288,14 +292,7 @@ class MTPCDataModule(L.LightningDataModule):
 
     def _ensure_prepared(self) -> PreparedData:
         """The prepared data, checked against its hashes (rebuilt once if corrupt)."""
-        return ensure_prepared(
-            self.row_source(),
-            self.codec_name,
-            self.cache_dir,
-            self.max_bytes,
-            self.seed,
-            self.validation_fraction,
-        )
+        return self._prepare(self.row_source())
 
     def setup(self, stage: str | None = None) -> None:
         if self.data is not None:
