@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -23,7 +22,7 @@ from mtpc.backbones.compat import (
     cache_keyword,
     output_cache,
 )
-from mtpc.decoding.common import GenerationResult, TargetRule, cut_at_stop
+from mtpc.decoding.common import GenerationResult, Stopwatch, TargetRule, cut_at_stop
 from mtpc.decoding.settings import check_settings
 from mtpc.decoding.verify import verify_greedy, verify_sampling
 from mtpc.decoding.vocab import (
@@ -532,7 +531,7 @@ def generate_hetero(
         cycle = partial(_token_cycle, sess, algorithm, lookahead)
     # each cycle: (new target tokens, drafts accepted)
     res = GenerationResult(tokens=[], method="hetero", algorithm=algorithm)
-    start = cycle_start = time.perf_counter()
+    clock = Stopwatch(sess.tlm.device, profile=False)
     while len(res.tokens) < max_new_tokens:
         new, acc = cycle()
         new, res.stopped = cut_at_stop(new, max_new_tokens - len(res.tokens), stops)
@@ -540,12 +539,10 @@ def generate_hetero(
         res.emitted.append(len(new))
         res.tokens.extend(new)
         sess.extend(new)
-        now = time.perf_counter()
-        res.cycle_seconds.append(now - cycle_start)
-        cycle_start = now
+        res.cycle_seconds.append(clock.split())
         if res.stopped:
             break
-    res.seconds = time.perf_counter() - start
+    res.seconds = sum(res.cycle_seconds)
     res.text = sess.t_tok.decode(res.tokens)
     res.target_passes = sess.tlm.passes
     res.drafter_passes = (sess.circuit or sess.dlm).passes  # type: ignore[union-attr]
