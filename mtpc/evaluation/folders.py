@@ -42,14 +42,13 @@ def build_manifest(
     s = settings if isinstance(settings, EvalSettings) else EvalSettings.from_cfg(settings)
     d = s.decoding
     entries = []
-    greedy = bool(d.greedy)
     for i, path in enumerate([*drafts, *baselines]):
         check_target_name(path, s.model.name)
         config = read_config(path)
         c = config["circuit"]
         # the rule each draft decodes with: a change of the per-family default is another
         # measurement (another folder), never resumed into the old records
-        rule = chain_rule(c["kind"], greedy, d.drafting, d.proposal)
+        rule = chain_rule(c["kind"], bool(d.greedy), d.drafting, d.proposal)
         entries.append(
             {"path": str(path), "name": path.parent.name if path.name == "draft" else path.name,
              "kind": c["kind"], "window": c["window"], "rank": c["rank"],

@@ -332,14 +332,13 @@ def hetero_report(
     if not drafter or not prompts:
         return [], []
     sets = sorted({r["set"] for r in prompts})
-    per_pass = {
-        p: [
+    ar_sets, sd_sets = (  # per pass of HETERO_PASSES: per set
+        [
             {"set": k, **hetero_metrics([r for r in prompts if (r["pass"], r["set"]) == (p, k)])}
             for k in sets
         ]
         for p in HETERO_PASSES
-    }
-    ar_sets, sd_sets = per_pass["hetero_ar"], per_pass["hetero"]
+    )
     for sd, ar in zip(sd_sets, ar_sets, strict=True):
         sd["speedup_ar"] = ratio(sd["tok_s"], ar["tok_s"])
     algorithm = str(drafter.get("algorithm", "slem"))

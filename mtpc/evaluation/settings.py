@@ -312,12 +312,8 @@ class EvalSettings:
         return read(cls, cfg, given=given(cfg, IDENTITY_FIELDS))
 
 
-def parse_eval(cfg: Any) -> EvalSettings:
-    """``evaluate``'s door: the config read and checked once, before anything loads."""
-    return EvalSettings.from_cfg(cfg)
-
-
-check_eval_fields = validate_eval_config = parse_eval
+# ``evaluate``'s door: the config read and checked once, before anything loads
+parse_eval = check_eval_fields = validate_eval_config = EvalSettings.from_cfg
 
 
 def explicit_model_fields(overrides: list[str], cfg: Any) -> dict[str, Any]:
@@ -447,7 +443,5 @@ class RegenerateSettings:
         return dataclasses.replace(s, output_dir=str(folder))
 
 
-def parse_regenerate(cfg: Any) -> RegenerateSettings:
-    """``regenerate``'s door: the config read and checked once, before anything loads."""
-    return RegenerateSettings.from_cfg(cfg)
-
+# ``regenerate``'s door: the config read and checked once, before anything loads
+parse_regenerate = RegenerateSettings.from_cfg
