@@ -544,15 +544,11 @@ def import_paper_draft(
         )  # fmt: skip
     except ValueError as err:
         raise PaperImportError(f"the paper draft does not fit the target: {err}") from err
-    state = head_state(draft, model_.head.structure)
-    with torch.no_grad():
-        model_.head.load_state_dict(
-            {n: t.to(model_.head.unembedding.device) for n, t in state.items()}
-        )
+    model_.head.load_state_dict(head_state(draft, model_.head.structure))  # copied to its device
     if draft.lora:
         assert backbone.lora is not None
         try:
-            backbone.lora.load_state_dict({n: t.to(backbone.device) for n, t in draft.lora.items()})
+            backbone.lora.load_state_dict(draft.lora)
         except ValueError as err:
             raise PaperImportError(f"LoRA weights do not fit the target: {err}") from err
     provenance = draft.provenance()
