@@ -257,8 +257,6 @@ def _attention(hf: torch.nn.Module, impl: str) -> torch.nn.Module:
 @pytest.mark.parametrize(
     ("target", "message"),
     [
-        (lambda: fake_evabyte(2), r"compile=True does not support EvaByteBackbone; supported: "
-         r"LlamaBackbone with transformers' own Llama layers"),
         (lambda: fake_llama3_byte(2), r"compile=True does not support Llama3ByteBackbone; "
          r"supported: LlamaBackbone"),
         (lambda: _attention(tiny_llama(2), "flex_attention"), r"^compile=True does not "
@@ -271,6 +269,14 @@ def test_unsupported_backbones_are_refused(target, message: str, monkeypatch) ->
     with pytest.raises(ValueError, match=message) as err:
         mtpc.generate(model, [5, 6, 7], 4, method="autoregressive", compile=True, stop_ids=())
     assert "\n" not in str(err.value)
+
+
+def test_evabyte_is_not_refused() -> None:
+    """EvaByte has its own static engine (``mtpc.decoding.static_eva``; its decoding is
+    tested on EvaByte's real code in tests/test_evabyte_static.py)."""
+    assert static.supports_compile(MTPCModel.target_only(fake_evabyte(2))) is None
+    model = MTPCModel.target_only(fake_evabyte(2))
+    assert static.engine_class(model).__name__ == "EvaStaticEngine"
 
 
 @pytest.mark.parametrize(

@@ -300,8 +300,15 @@ def compress_window(
     ``triton_eva_prep_kv_fwd`` computes with no mask)."""
     b, h, w, hd = k.shape
     c = attn.chunk_size
-    rf_k = k.reshape(b, h, w // c, c, hd)  # (B, h, chunks, c, hd)
-    rf_v = v.reshape(b, h, w // c, c, hd)
+    return chunk_rfas(attn, k.reshape(b, h, w // c, c, hd), v.reshape(b, h, w // c, c, hd))
+
+
+def chunk_rfas(
+    attn: Any, rf_k: torch.Tensor, rf_v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The RFAs (B, h, n, hd) of n chunks of keys/values ``rf_k``, ``rf_v`` (B, h, n, c, hd),
+    each chunk on its own (:func:`compress_window`'s math, any n)."""
+    k = rf_k
     mixed = getattr(attn.config, "mixedp_attn", False)
     mu_logits = torch.sum(attn.adaptive_mu_k.to(k.dtype) * rf_k, dim=-1, keepdim=True)
     if mixed:
@@ -346,15 +353,60 @@ def rows_attention(
     if cache.rfa_k[layer] is not None:
         keys = torch.cat([cache.rfa_k[layer], keys], dim=-2)
         values = torch.cat([cache.rfa_v[layer], values], dim=-2)
-    if sdpa:
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q, keys, values, attn_mask=attention_mask, is_causal=False, dropout_p=0.0,
-            scale=attn.head_dim_scaling,
-        )  # fmt: skip
-    else:
-        out = _eva_attend(attn, q, keys, values, attention_mask)  # (B, h, T, hd)
+    out = _attend(attn, q, keys, values, attention_mask, sdpa)  # (B, h, T, hd)
     out = attn.o_proj(out.transpose(1, 2).reshape(b, t, h * hd))
     return out, None, past_key_value
+
+
+def _attend(
+    attn: Any, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+    sdpa: bool,
+) -> torch.Tensor:  # fmt: skip
+    """``q`` (B, h, T, hd) over ``keys``/``values`` (B, h, S, hd) where the bool ``mask``
+    (B, 1, T, S) allows -> (B, h, T, hd): the remote triton path's math (``sdpa``: its
+    ``_multibyte_decoding_forward``) or eva_pt_ref's (:func:`_eva_attend`)."""
+    if sdpa:
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, is_causal=False, dropout_p=0.0,
+            scale=attn.head_dim_scaling,
+        )  # fmt: skip
+    return _eva_attend(attn, q, keys, values, mask)
+
+
+def static_attention(
+    attn: Any,
+    hidden: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache: Any,
+    mask: torch.Tensor,
+    sdpa: bool,
+) -> torch.Tensor:
+    """EVA attention of one layer on ``hidden`` (B, T, d) over fixed buffers (the static
+    engine's ``mtpc.decoding.static_eva.EvaSlots``: per layer ONE key and one value buffer
+    (B, h, S, hd), the chunk RFAs in its first slots, the window ring and the scratch after):
+    writes the new keys/values at ``cache.slots``, recomputes the RFAs of the chunks the pass
+    touches (``cache.chunk_read`` -> ``cache.chunk_write``) from the buffer, then attends over
+    every slot where ``mask`` (B, 1, T, S) allows. Fixed shapes, no host sync -> (B, T, d)."""
+    b, t, _ = hidden.shape
+    h, hd, c = attn.num_heads, attn.head_dim, attn.chunk_size
+    q, k, v = _rotated_qkv(attn, hidden, cos, sin)  # (B, h, T, hd) each
+    keys, values = (
+        cache.keys[attn.layer_idx - cache.first],
+        cache.values[attn.layer_idx - cache.first],
+    )
+    rows = cache.rows[:, None]  # (B, 1)
+    keys[rows, :, cache.slots] = k.transpose(1, 2).to(keys.dtype)  # (B, T, h, hd): in place
+    values[rows, :, cache.slots] = v.transpose(1, 2).to(values.dtype)
+    n = cache.chunk_write.shape[1]  # chunks the pass touches
+    read = cache.chunk_read[:, None, :, None].expand(b, h, n * c, hd)
+    rf_k = keys.gather(2, read).view(b, h, n, c, hd)  # (B, h, n, c, hd)
+    rf_v = values.gather(2, read).view(b, h, n, c, hd)
+    rfa_k, rfa_v = chunk_rfas(attn, rf_k, rf_v)  # (B, h, n, hd)
+    keys[rows, :, cache.chunk_write] = rfa_k.transpose(1, 2).to(keys.dtype)  # (B, n, h, hd)
+    values[rows, :, cache.chunk_write] = rfa_v.transpose(1, 2).to(values.dtype)
+    out = _attend(attn, q, keys, values, mask, sdpa)  # (B, h, T, hd)
+    return attn.o_proj(out.transpose(1, 2).reshape(b, t, h * hd))  # (B, T, d)
 
 
 class EvaByteBackbone(Backbone):
@@ -639,6 +691,40 @@ class EvaByteBackbone(Backbone):
         finally:
             for attn in attns:
                 del attn.forward
+
+    # --- the static engine (mtpc.decoding.static_eva) ---------------------------------------
+    def run_static(
+        self, hidden: torch.Tensor, layers: range, positions: torch.Tensor, native: Any,
+        attend: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """Layers ``layers`` on ``hidden`` (B, T, d) over the static engine's fixed buffers
+        (``mtpc.decoding.static_eva.EvaSlots``; :func:`static_attention`), ``attend`` (B, T,
+        S) bool over their S slots: no bookkeeping, no host sync, no branch on the data, so a
+        compiled step traces it whole. The layers' own norms, projections, MLPs and rotary
+        table; the decoder layer's residual order (``EvaByteDecoderLayer.forward``)."""
+        table = native.rotary  # (N, hd) cos and sin, from the remote rotary_emb
+        cos, sin = table.cos[positions].unsqueeze(1), table.sin[positions].unsqueeze(1)
+        mask = attend[:, None]  # (B, 1, T, S)
+        skip_fp32 = bool(getattr(self.config, "fp32_skip_add", False))
+        for i in layers:
+            layer: Any = self.layers[i]
+            residual = hidden.float() if skip_fp32 else hidden
+            out = static_attention(
+                layer.self_attn, layer.input_layernorm(hidden), cos, sin, native, mask,
+                self.use_triton,
+            )  # fmt: skip
+            hidden = (residual + out).to(out.dtype)
+            residual = hidden.float() if skip_fp32 else hidden
+            out = layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = (residual + out).to(out.dtype)  # (B, T, d)
+        return hidden
+
+    def rotary_table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The remote rotary table's cos, sin (length, hd) of positions ``[0, length)`` (what
+        :meth:`_rotary` indexes), in the backbone's dtype."""
+        probe = torch.zeros(1, dtype=self.dtype, device=self.device)
+        cos, sin = self.inner.rotary_emb(probe, seq_len=length)
+        return cos[:length], sin[:length]
 
     # --- layers --------------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -66,14 +66,17 @@ ATTENTION = ("sdpa", "eager")
 
 def supports_compile(model: Any, compile: bool | str = True) -> str | None:
     """Why ``model`` cannot decode with ``compile`` (its refusal, one line; None: it can)."""
+    from mtpc.backbones.evabyte import EvaByteBackbone
     from mtpc.backbones.llama import LlamaBackbone
 
     backbone = model.backbone
     name, asked = type(backbone).__name__, f"compile={compile!r}"
     supported = (
         "supported: LlamaBackbone with transformers' own Llama layers (the tiny target, HF "
-        f"Llama checkpoints) and attention {' or '.join(ATTENTION)}"
+        f"Llama checkpoints) or EvaByteBackbone, and attention {' or '.join(ATTENTION)}"
     )
+    if type(backbone) is EvaByteBackbone:  # its own static attention (mtpc.decoding.static_eva)
+        return None
     if type(backbone) is not LlamaBackbone:
         return f"{asked} does not support {name}; {supported}"
     if not backbone.native_layers:
@@ -318,11 +321,21 @@ def engine_for(model: Any, batch: int, capacity: int, backend: str) -> StaticEng
     key = (batch, capacity, backend, model.backbone.dtype, str(model.backbone.device))
     engine = kept.pop(key, None)
     if engine is None or engine.failed is not None:
-        engine = StaticEngine(model, batch, capacity, backend)
+        engine = engine_class(model)(model, batch, capacity, backend)
     kept[key] = engine  # the most recent last
     while len(kept) > ENGINES_KEPT:
         kept.pop(next(iter(kept)))
     return engine
+
+
+def engine_class(model: Any) -> type[StaticEngine]:
+    """The engine of ``model``'s backbone: EvaByte's windows and RFAs
+    (``static_eva.EvaStaticEngine``), else the Llama family's slot caches."""
+    if hasattr(model.backbone, "run_rows"):  # EvaByte (as loop.decode picks its layout)
+        from mtpc.decoding.static_eva import EvaStaticEngine
+
+        return EvaStaticEngine
+    return StaticEngine
 
 
 def drop_engines(model: Any) -> None:

@@ -1,0 +1,133 @@
+"""EvaByte on the static engine (``compile=`` with an ``EvaByteBackbone``): its EVA windows
+and chunk RFAs in fixed buffers, which slots and which RFAs a query sees as masks computed
+from the rows' lengths, and the window compression as a fixed-shape RFA update of the chunks
+each pass touches. See docs/DECODING.md, "Compiled decoding: EvaByte".
+
+Per layer ONE key and one value buffer ``(B, h, S, hd)``, ``S = F + R + X``:
+
+- slots ``[0, F)``: chunk q's RFA in slot q (``F = ceil(capacity / c) + 1``; the last slot
+  takes the RFAs of chunks past the capacity, which no query sees);
+- slots ``[F, F + R)``: the window ring, position p's key in slot ``F + p mod R`` (``R``: a
+  multiple of the EVA window W with ``R >= W + X``, so that a pass never overwrites a key
+  a query of its own or a later pass still sees);
+- slots ``[F + R, S)``: the scratch, the padding ids' keys (``X``: the widest pass).
+
+A query at position p (its window starting at ``s = p - p mod W``) sees RFA q iff chunk q
+ends at or before s (``(q + 1) c <= s``), the ring slots holding positions ``[s, length)``
+of its row, and the pass's new ids ``inner`` allows (in its own window). Each pass, in each
+layer, writes its new keys, then recomputes from the ring the RFAs of every chunk its
+positions touch (complete or not: an incomplete chunk's RFA is seen by nobody and is
+recomputed by the pass that completes it), then attends: a chunk that a window boundary
+inside the pass completes is summarised before the queries after the boundary read it, as
+the eager path's compression between two pieces does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from mtpc.decoding.static import StaticEngine
+
+
+class Rotary(NamedTuple):
+    """The remote rotary table of positions ``[0, N)``: ``cos``, ``sin`` ``(N, hd)``."""
+
+    cos: Tensor
+    sin: Tensor
+
+
+class EvaSlots:
+    """The fixed buffers of layers ``first..`` (the module docstring's layout) and the
+    current pass's indices (set by :meth:`EvaStaticEngine._prepare`, read by
+    ``evabyte.static_attention``).
+
+    ``keys[l - first]``, ``values[l - first]``: layer l's ``(B, h, S, hd)``; ``rfas`` (F),
+    ``ring`` (R), ``chunk`` (c), ``window`` (W); ``rows``: ``arange(B)``; per pass:
+    ``slots`` ``(B, T)`` the new ids' buffer slots, ``chunk_read`` ``(B, n c)`` the slots of
+    the n touched chunks' positions, ``chunk_write`` ``(B, n)`` their RFA slots.
+    """
+
+    def __init__(
+        self, keys: list[Tensor], values: list[Tensor], first: int, rfas: int, ring: int,
+        chunk: int, window: int, rotary: Rotary,
+    ) -> None:  # fmt: skip
+        self.keys, self.values, self.first = keys, values, first
+        self.rfas, self.ring, self.chunk, self.window = rfas, ring, chunk, window
+        self.rotary = rotary
+        self.rows = torch.arange(keys[0].shape[0] if keys else 0, device=rotary.cos.device)
+        self.slots: Tensor | None = None
+        self.chunk_read: Tensor | None = None
+        self.chunk_write: Tensor | None = None
+
+
+class EvaStaticEngine(StaticEngine):
+    """:class:`StaticEngine` over an EvaByte target: the same step, layout and compile, its
+    caches :class:`EvaSlots` (``valid`` unused: what a row holds follows from its length)."""
+
+    def _buffers(self, first: int, end: int) -> tuple[Any, Tensor, Tensor]:
+        backbone = self.model.backbone
+        device, dtype = backbone.device, backbone.dtype
+        config = backbone.config
+        w, c = int(config.window_size), int(config.chunk_size)
+        widest = max(self.chunk, self.window + 1)  # a prefill chunk, a draft pass
+        ring = -(-(w + widest) // w) * w
+        rfas = -(-self.capacity // c) + 1
+        self.slots = rfas + ring + widest
+        shape = (self.batch, self._heads, self.slots, self._dim)
+        keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(first, end)]
+        values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(first, end)]
+        lengths = torch.zeros(self.batch, dtype=torch.long, device=device)  # (B,)
+        valid = torch.zeros(self.batch, 0, dtype=torch.bool, device=device)
+        if not hasattr(self, "rotary"):  # positions up to the capacity and a padded pass
+            self.rotary = Rotary(*backbone.rotary_table(self.capacity + 2 * widest))
+        if device.type == "cuda":  # CUDA graphs read the buffers in place
+            for t in (*keys, *values, lengths):
+                torch._dynamo.mark_static_address(t)
+        return EvaSlots(keys, values, first, rfas, ring, c, w, self.rotary), valid, lengths
+
+    def rewind(self, lengths: Tensor) -> None:
+        """Every row keeps its first ``lengths`` ``(B,)`` positions: the ring slots past them
+        are seen by nobody (a query sees positions below its row's length) and the next pass
+        writes over them; the RFAs of chunks they touch are recomputed when completed."""
+        self.lengths.copy_(lengths)
+
+    def _prepare(
+        self, cache: Any, valid: Tensor, lengths: Tensor, real: Tensor, offsets: Tensor,
+        inner: Tensor,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        """Sets the pass's slots on ``cache``; the positions ``(B, T)`` and the visibility
+        ``(B, T, S)`` over ``[RFAs | ring | scratch]`` (the module docstring's rule)."""
+        b, t = real.shape
+        device = real.device
+        f, ring, c, w = cache.rfas, cache.ring, cache.chunk, cache.window
+        span = torch.arange(t, device=device)  # (T,)
+        positions = lengths[:, None] + offsets  # (B, T)
+        slots = torch.where(real, positions % ring, ring + span)  # (B, T) past the RFAs
+        top = lengths + real.sum(1)  # (B,) the rows' lengths after the pass
+        ring_at = torch.arange(ring, device=device)  # (R,)
+        held = top[:, None] - 1 - (top[:, None] - 1 - ring_at) % ring  # (B, R) slot's position
+        start = positions - positions % w  # (B, T) each query's window start
+        scratch = self.slots - f - ring
+        new = torch.zeros(b, t, ring + scratch, dtype=torch.bool, device=device)
+        new.scatter_(2, slots[:, None, :].expand(b, t, t), inner)  # (B, T, R + X)
+        in_window = held[:, None, :] >= start[:, :, None]  # (B, T, R)
+        kept = (held < lengths[:, None])[:, None, :]  # (B, 1, R) held before the pass
+        seen_ring = in_window & (kept | new[..., :ring])
+        chunk_end = (torch.arange(f, device=device) + 1) * c  # (F,)
+        seen_rfas = chunk_end[None, None, :] <= start[:, :, None]  # (B, T, F)
+        seen = torch.cat([seen_rfas, seen_ring, new[..., ring:]], 2)  # (B, T, S)
+        n = -(-(t - 1) // c) + 1  # chunks a pass of T positions can touch
+        chunks = lengths[:, None] // c + torch.arange(n, device=device)  # (B, n)
+        at = chunks[:, :, None] * c + torch.arange(c, device=device)  # (B, n, c) positions
+        cache.chunk_read = f + (at % ring).reshape(b, n * c)
+        cache.chunk_write = chunks.clamp(max=f - 1)
+        cache.slots = f + slots
+        limit = cache.rotary.cos.shape[0] - 1
+        return positions.clamp(max=limit), seen
+
+    @staticmethod
+    def _append(cache: Any, valid: Tensor, lengths: Tensor, real: Tensor) -> None:
+        lengths.add_(real.sum(1))
