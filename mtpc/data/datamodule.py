@@ -151,7 +151,7 @@ class ResumableDataLoader(DataLoader):
     """
 
     sampler: ResumableDistributedSampler
-    _epoch = 0  # the (fresh) sampler's
+    _epoch = 0  # the epoch whose batches are counted (a new sampler's: 0)
     _batches = 0
     _resume = False
 
