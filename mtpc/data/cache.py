@@ -337,12 +337,6 @@ def _memmap(path: Path, dtype: Any, length: int) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r", shape=(length,))
 
 
-def default_cache_dir() -> Path:
-    """``$MTPC_CACHE`` if set, else ``<repo>/.cache/mtpc`` (git-ignored)."""
-    env = os.environ.get("MTPC_CACHE")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / ".cache" / "mtpc"
-
-
 def summary_path(folder: str | os.PathLike[str]) -> Path:
     """The copy of ``summary.json`` next to a cache folder (also written when preparing fails)."""
     folder = Path(folder)

@@ -20,10 +20,11 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_collate
 
 from mtpc.backbones.codecs import get_codec
-from mtpc.data.cache import PreparedData, default_cache_dir, ensure_prepared, load_prepared
+from mtpc.data.cache import PreparedData, ensure_prepared, load_prepared
 from mtpc.data.packing import PackPlan, build_sequence
 from mtpc.data.preprocess import DEFAULT_MAX_BYTES, DEFAULT_VALIDATION_FRACTION
 from mtpc.data.prompts import PROMPT_SET_SEEDS, EvalPrompt, build_prompt_sets
+from mtpc.data.rows import default_cache_dir
 from mtpc.data.sources import TULU3_DATASET, RowSource, load_source
 from mtpc.data.windows import make_windows, valid_counts
 

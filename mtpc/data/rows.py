@@ -57,3 +57,9 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[Row]:
     """Reads the rows of a JSON-lines file."""
     with Path(path).open(encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def default_cache_dir() -> Path:
+    """``$MTPC_CACHE`` if set, else ``<repo>/.cache/mtpc`` (git-ignored)."""
+    env = os.environ.get("MTPC_CACHE")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / ".cache" / "mtpc"

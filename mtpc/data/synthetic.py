@@ -24,8 +24,7 @@ from pathlib import Path
 
 import datasets
 
-from mtpc.data.cache import default_cache_dir
-from mtpc.data.rows import Row, read_jsonl, write_jsonl
+from mtpc.data.rows import Row, default_cache_dir, read_jsonl, write_jsonl
 
 GENERATOR_VERSION = 1  # bump when the output changes, so that stale caches are not reused
 
