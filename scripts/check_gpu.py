@@ -60,7 +60,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -461,6 +461,41 @@ def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
 
 
+class Tie(NamedTuple):
+    """A greedy flip weighed by the tie rule (:func:`tie_at`)."""
+
+    gap: float  # the one-token logit of the reference's token minus the other's
+    noise: float  # max |one pass - one token| over the positions before the flip
+    explained: bool  # gap <= 2 x noise (:func:`flip_explained`): a tie, not a wrong token
+
+    def __str__(self) -> str:
+        sign = "<=" if self.explained else ">"
+        return f"gap {self.gap:.2g} {sign} 2 x noise {self.noise:.2g}"
+
+
+def tie_at(model: MTPCModel, context: Sequence[int], ref: int, other: int,
+           args: argparse.Namespace) -> Tie:  # fmt: skip
+    """The tie rule at a greedy flip after ``context``: the reference picked ``ref``, the
+    other path ``other``; the one-pass vs one-token noise is measured over the
+    :data:`NOISE_POSITIONS` positions before it (:func:`one_pass_logits`). After a context of
+    one id there is no cached position to measure it on: noise 0, only an exact tie."""
+    ids = torch.tensor([list(context)], device=args.device)  # (1, L)
+    if ids.shape[1] < 2:
+        with torch.no_grad():
+            seq, noise = _logits(model.backbone, ids), 0.0  # (1, V)
+    else:
+        start = max(1, ids.shape[1] - NOISE_POSITIONS)
+        one, seq = one_pass_logits(model.backbone, ids, start, ids.shape[1] - start)
+        noise = float((one - seq).abs().max())
+    gap = float(seq[-1][ref] - seq[-1][other])
+    return Tie(gap, noise, flip_explained(seq[-1], ref, other, noise) is not None)
+
+
+def _shown(ties: Sequence[str]) -> str:
+    """The first three counted ties, in brackets ("" when none)."""
+    return f" ({'; '.join(ties[:3])}{', ...' if len(ties) > 3 else ''})" if ties else ""
+
+
 def check_greedy(model: MTPCModel, args: argparse.Namespace) -> tuple[bool | None, str]:
     """Greedy speculative output equals autoregressive output, token for token in float32.
     In half precision the one-pass verifier and the one-token step run different kernels: a
@@ -485,19 +520,15 @@ def check_greedy(model: MTPCModel, args: argparse.Namespace) -> tuple[bool | Non
                 False,
                 f"float32 must be exact: first difference at token {at} ({attention_path(model)})",
             )
-        ids = torch.tensor([context + list(ar.tokens[:first])], device=args.device)  # (1, L)
-        start = max(1, ids.shape[1] - NOISE_POSITIONS)
-        one, seq = one_pass_logits(model.backbone, ids, start, ids.shape[1] - start)
-        noise = float((one - seq).abs().max())
-        gap = flip_explained(seq[-1], ar.tokens[first], sd.tokens[first], noise)
-        if gap is None:
-            wide = float(seq[-1][ar.tokens[first]] - seq[-1][sd.tokens[first]])
+        tie = tie_at(model, context + list(ar.tokens[:first]), ar.tokens[first],
+                     sd.tokens[first], args)  # fmt: skip
+        if not tie.explained:
             return False, (
                 f"token {at}: speculative {sd.tokens[first]} vs autoregressive "
-                f"{ar.tokens[first]}, logit gap {wide:.3g} > 2 x one-pass noise {noise:.3g}: a "
-                f"wrong token, not a {args.dtype} tie ({attention_path(model)})"
+                f"{ar.tokens[first]}, logit gap {tie.gap:.3g} > 2 x one-pass noise "
+                f"{tie.noise:.3g}: a wrong token, not a {args.dtype} tie ({attention_path(model)})"
             )
-        ties.append(f"token {at}: gap {gap:.2g} <= 2 x noise {noise:.2g}")
+        ties.append(f"token {at}: {tie}")
         context += list(sd.tokens[: first + 1])  # both are the target's pick within rounding
         left -= first + 1
     rule = (
@@ -507,11 +538,10 @@ def check_greedy(model: MTPCModel, args: argparse.Namespace) -> tuple[bool | Non
         if not ties
         else f"equal up to {len(ties)} {args.dtype} tie(s)"
     )
-    shown = f" ({'; '.join(ties[:3])}{', ...' if len(ties) > 3 else ''})" if ties else ""
     return True, (
         f"{len(prompt)}-byte prompt, {args.new_tokens} tokens, speculative == autoregressive: "
-        f"{rule}{shown}; {accepted / max(cycles, 1):.2f} accepted drafts per cycle (untrained "
-        f"head; {attention_path(model)})"
+        f"{rule}{_shown(ties)}; {accepted / max(cycles, 1):.2f} accepted drafts per cycle "
+        f"(untrained head; {attention_path(model)})"
     )
 
 
@@ -543,6 +573,209 @@ def check_ar_speed(model: MTPCModel, args: argparse.Namespace) -> tuple[bool | N
         f"(x{ratio:.2f}, minimum x{args.min_ar_speed}); same tokens {same}"
     )
     return same and ratio >= args.min_ar_speed, detail
+
+
+# -- the compiled decode engine (mtpc.generate(..., compile=...), mtpc.decoding.static) --------
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager", "none")
+"""``--compile``: the compiled lines' backend. inductor (the default on CUDA) is what
+``compile=True`` runs there: ``mode="reduce-overhead"``, CUDA graphs; aot_eager and eager trace
+the same one graph without generating code (aot_eager also decomposes it: the CPU smoke
+run's); none (the default on a CPU): SKIP."""
+
+COMPILED_LINES = ("compiled_ar_equals_eager", "compiled_chain_equals_eager",
+                  "compiled_sampled_equals_eager", "compiled_no_recompile")  # fmt: skip
+"""The compiled engine's lines, one set per target (``name[<target>]``)."""
+
+COMPILED_LENGTHS = (3, 9, 40, 17, 70, 5, 33, 1, 24, 50)
+"""The prompts of the equality lines: 10 lengths (70: three prefill chunks), so at B = 8 two
+rows take the places of finished ones."""
+
+NEW_LENGTHS = (2, 31, 45, 64, 100)
+"""``compiled_no_recompile``'s prompts: lengths no line decoded before (1 to 4 prefill chunks);
+at B = 8 with :data:`NEW_FILL`, three more."""
+
+NEW_FILL = (11, 58, 90)
+
+SIZES = (1, 8)
+"""The compiled lines' batch sizes: an engine each (its graphs shared by every line)."""
+
+COMPILED_MAX_NEW = 100
+"""At most this many new tokens (``--new-tokens``): the longest prompt, the tokens and a verify
+window stay in one capacity bucket (256), so no line compiles a graph for another bucket."""
+
+
+def compile_refusal(model: MTPCModel, args: argparse.Namespace) -> str | None:
+    """Why the compiled lines do not run (``--compile none``, the engine's own refusal)."""
+    if args.compile == "none":
+        return "--compile none (the default on a CPU; --compile aot_eager runs these lines)"
+    from mtpc.decoding import static
+
+    return static.supports_compile(model, args.compile)
+
+
+def _prompts(model: MTPCModel, lengths: Sequence[int]) -> list[list[int]]:
+    """One prompt per length, each a different stretch of :func:`_prompt`'s ids."""
+    ids = _prompt(model, 2 * max(lengths))
+    return [ids[(13 * i) % (len(ids) - n + 1) :][:n] for i, n in enumerate(lengths)]
+
+
+def decode_compiled(
+    model: MTPCModel, prompts: Any, args: argparse.Namespace, **kw: Any
+) -> tuple[list[Any], str | None]:
+    """``mtpc.generate(model, prompts, compile=--compile, **kw)``'s results, and why they are
+    not the compiled engine's (None: they are): a fallback warning, an engine whose compiled
+    step ``failed``, a result whose ``engine`` is not ``compiled``."""
+    import warnings
+
+    from mtpc.decoding import static
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RuntimeWarning)
+        out = mtpc.generate(model, prompts, compile=args.compile, **kw)
+    results = out if isinstance(out, list) else [out]
+    engines = vars(model).get(static.ENGINES_ATTRIBUTE, {}).values()
+    why = [str(w.message) for w in caught if "decode step failed" in str(w.message)]
+    why += [f"engine failed: {e.failed}" for e in engines if e.failed is not None]
+    why += [f"results' engine {e!r}" for e in sorted({r.engine for r in results} - {"compiled"})]
+    return results, "; ".join(why)[:300] or None
+
+
+def stop_id(runs: Sequence[Sequence[int]]) -> int:
+    """A stop id that ends about half the rows early: of the ids in ``runs`` (rows decoded
+    without stop ids), the one met before a row's last token in the share of rows nearest one
+    half (then: met latest on average, then the smallest id)."""
+    firsts: dict[int, list[int]] = {}  # id -> its first index in each row that has it
+    for tokens in runs:
+        seen: dict[int, int] = {}
+        for i, token in enumerate(tokens[:-1]):
+            seen.setdefault(token, i)
+        for token, i in seen.items():
+            firsts.setdefault(token, []).append(i)
+    rows = len(runs)
+    return min(firsts, key=lambda t: (abs(2 * len(firsts[t]) - rows),
+                                      -sum(firsts[t]) / len(firsts[t]), t))  # fmt: skip
+
+
+def compare_compiled(
+    model: MTPCModel, args: argparse.Namespace, method: str, greedy: bool
+) -> tuple[bool, str]:
+    """``method`` (greedy or sampled, each row its seed) eagerly and on the compiled engine,
+    the prompts of :data:`COMPILED_LENGTHS` at each of :data:`SIZES`, with a stop id that ends
+    about half the rows early (:func:`stop_id`): the same tokens, row by row. float32 (and
+    any sampled run): identical. Greedy in half precision: each row up to its first flip,
+    which the tie rule (:func:`tie_at`) must explain, counted; the rest of that row is not
+    compared (after a tie the two rows go on from different tokens)."""
+    prompts = _prompts(model, COMPILED_LENGTHS)
+    kw = {"max_new_tokens": min(args.new_tokens, COMPILED_MAX_NEW), "method": method,
+          "greedy": greedy, "seed": list(range(len(prompts)))}  # fmt: skip
+    free = mtpc.generate(model, prompts, batch_size=max(SIZES), stop_ids=(), **kw)
+    kw["stop_ids"] = (stop := stop_id([r.tokens for r in free]),)
+    exact = args.dtype == "float32" or not greedy
+    kind = "greedy" if greedy else "sampled"
+    ties: list[str] = []
+    for size in SIZES:
+        eager = mtpc.generate(model, prompts, batch_size=size, **kw)
+        compiled, fallback = decode_compiled(model, prompts, args, batch_size=size, **kw)
+        if fallback is not None:
+            return False, f"B={size}: not the compiled engine: {fallback}"
+        for row, (e, c) in enumerate(zip(eager, compiled, strict=True)):
+            first = _first_difference(c.tokens, e.tokens)
+            if first is None and len(c.tokens) == len(e.tokens):
+                continue
+            where = f"B={size} row {row} ({len(prompts[row])}-id prompt)"
+            if first is None:
+                return False, f"{where}: {len(c.tokens)} compiled tokens vs {len(e.tokens)} eager"
+            found = f"{where} token {first}: compiled {c.tokens[first]} vs eager {e.tokens[first]}"
+            if exact:
+                return False, f"{found}: {args.dtype} {kind} must be exact"
+            tie = tie_at(model, prompts[row] + list(e.tokens[:first]), e.tokens[first],
+                         c.tokens[first], args)  # fmt: skip
+            if not tie.explained:
+                return False, f"{found}, logit {tie}: a wrong token, not a {args.dtype} tie"
+            ties.append(f"{where} token {first}: {tie}")
+    stopped = sum(r.stopped for r in eager)
+    rule = (
+        "identical"
+        if not ties
+        else f"equal up to the first flip of each row, {len(ties)} {args.dtype} tie(s)"
+        f"{_shown(ties)}"
+    )
+    return True, (
+        f"{len(prompts)} prompts of {min(COMPILED_LENGTHS)}-{max(COMPILED_LENGTHS)} ids, "
+        f"{kw['max_new_tokens']} tokens, stop id {stop} ending {stopped} rows early; B="
+        f"{' and B='.join(map(str, SIZES))} ({len(prompts) - max(SIZES)} rows replaced): tokens "
+        f"{rule} ({args.compile}; {attention_path(model)})"
+    )
+
+
+def check_compiled_sampled(model: MTPCModel, args: argparse.Namespace) -> tuple[bool | None, str]:
+    """Sampled autoregressive and speculative decoding, compiled vs eager: identical tokens."""
+    if args.dtype != "float32":
+        return None, (
+            f"{args.dtype}: a rounding flip changes every later draw, and the tie rule weighs "
+            "greedy flips only (--dtype float32 runs this line)"
+        )
+    parts = []
+    for method in ("autoregressive", "speculative"):
+        ok, detail = compare_compiled(model, args, method, greedy=False)
+        if not ok:
+            return False, f"{method}: {detail}"
+        parts.append(f"{method}: {detail}")
+    return True, "; ".join(parts)
+
+
+def check_no_recompile(model: MTPCModel, args: argparse.Namespace) -> tuple[bool | None, str]:
+    """After a warm-up decode at each of :data:`SIZES` (autoregressive and speculative), five
+    prompts of new lengths, each alone and with three more at B = 8, decode with dynamo's
+    ``error_on_recompile``: no new graph, no fallback, every result ``compiled``."""
+    from torch._dynamo.utils import counters
+
+    methods = ("autoregressive", "speculative")
+    warm = _prompts(model, COMPILED_LENGTHS[: max(SIZES)])
+    why = []
+    for method in methods:
+        for size in SIZES:
+            kw = {"method": method, "batch_size": size, "max_new_tokens": 8, "stop_ids": ()}
+            why.append(decode_compiled(model, warm[:size], args, **kw)[1])
+    if any(why):
+        return False, f"the warm-up did not run compiled: {next(w for w in why if w)}"
+    before = int(counters["stats"]["unique_graphs"])
+    fresh = _prompts(model, NEW_LENGTHS + NEW_FILL)
+    kw = {"max_new_tokens": min(args.new_tokens, COMPILED_MAX_NEW), "stop_ids": ()}
+    calls: list[tuple[Any, int]] = [(p, 1) for p in fresh[: len(NEW_LENGTHS)]] + [(fresh, 8)]
+    with torch._dynamo.config.patch(error_on_recompile=True):  # a recompilation raises: the
+        for method in methods:  # step falls back to eager, with the warning decode_compiled sees
+            for prompts, size in calls:
+                why.append(decode_compiled(model, prompts, args, method=method, batch_size=size,
+                                           **kw)[1])  # fmt: skip
+    graphs = int(counters["stats"]["unique_graphs"]) - before
+    problems = [w for w in why if w] + ([f"{graphs} new graph(s)"] if graphs else [])
+    detail = (
+        f"after a warm-up at B={' and B='.join(map(str, SIZES))}, {len(NEW_LENGTHS)} prompts of "
+        f"new lengths ({', '.join(map(str, NEW_LENGTHS))} ids) alone and with {len(NEW_FILL)} "
+        f"more at B=8, autoregressive and speculative, {kw['max_new_tokens']} tokens: "
+    )
+    if problems:
+        return False, detail + "; ".join(problems)[:300]
+    return True, detail + f"0 new graphs, no recompilation, every result compiled ({args.compile})"
+
+
+def run_compiled_checks(
+    report: Report, label: str, model: MTPCModel, args: argparse.Namespace
+) -> None:
+    """The compiled engine's lines of one target (SKIP, with the reason, where refused)."""
+    checks: tuple[Callable[[], tuple[bool | None, str]], ...] = (
+        lambda: compare_compiled(model, args, "autoregressive", True),
+        lambda: compare_compiled(model, args, "speculative", True),
+        lambda: check_compiled_sampled(model, args),
+        lambda: check_no_recompile(model, args),
+    )  # COMPILED_LINES, in order
+    refusal = compile_refusal(model, args)
+    for name, check in zip(COMPILED_LINES, checks, strict=True):
+        if refusal is not None:
+            report.add("SKIP", f"{name}[{label}]", refusal)
+        else:
+            report.run(f"{name}[{label}]", check)
 
 
 @contextmanager
@@ -704,12 +937,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--break-kernel", action="store_true",
                         help="self-test: force a wrong forward BLOCK_M into EvaByte's kernels "
                              "after each load (its checks FAIL)")  # fmt: skip
+    parser.add_argument("--compile", choices=COMPILE_BACKENDS, default=None,
+                        help="the compiled engine's lines: torch.compile backend (default "
+                             "inductor on cuda, none on cpu: SKIP)")  # fmt: skip
     parser.add_argument(TF32_CHILD, dest="tf32_child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="training overrides (after --)")
     args = parser.parse_args(argv)
     if args.evabyte_code is not None:
         args.evabyte_code = Path(args.evabyte_code)
-    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    cuda = args.device.startswith("cuda")
+    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    args.compile = args.compile or ("inductor" if cuda else "none")
     return args
 
 
@@ -774,6 +1012,8 @@ def run_checks(report: Report, args: argparse.Namespace, root: Path) -> None:
     report.run("train[single]", lambda: check_train_single(args, root))
     for strategy in STRATEGIES[1:]:
         report.run(f"train[{strategy}]", lambda s=strategy: check_train_two_process(s, args, root))
+    for label, model in models.items():  # last: compiling is the slowest part on a cold cache
+        run_compiled_checks(report, label, model, args)
 
 
 if __name__ == "__main__":

@@ -245,3 +245,129 @@ def test_float32_allows_no_tie(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(mtpc, "generate", _Planted(model, at=5, rank=1))
     ok, detail = script.check_greedy(model, args)
     assert ok is False and "float32 must be exact: first difference at token 5" in detail
+
+
+# -- the compiled engine's lines --------------------------------------------------------------
+@pytest.fixture
+def compiled_lines(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The script with one batch size (B = 1: two to four graphs a line, dynamo's ``eager``
+    backend: the same one graph as inductor's, traced in seconds), four prompts (lengths
+    of one to three prefill chunks) and fresh dynamo state."""
+    import torch
+
+    script = _script()
+    monkeypatch.setattr(script, "SIZES", (1,))
+    monkeypatch.setattr(script, "COMPILED_LENGTHS", (3, 40, 17, 70))
+    torch._dynamo.reset()
+    yield script
+    torch._dynamo.reset()
+
+
+def _compiled_model(script: ModuleType, *argv: str) -> tuple[Any, Any]:
+    args = script.parse_args(["--device", "cpu", "--compile", "eager", "--new-tokens", "8", *argv])
+    return script.draft_model("tiny", None, args), args
+
+
+def _corrupt_row_zero(monkeypatch: pytest.MonkeyPatch, model: Any) -> None:
+    """The compiled step's logits of the engine's row 0 pushed towards id 7 (B = 1: every
+    prompt's row), where eager decoding picks the target's own tokens; ``model``'s engines
+    (their graphs of the step before) dropped."""
+    import torch
+
+    from mtpc.decoding.static import StaticEngine, drop_engines
+
+    step = StaticEngine.step
+
+    def corrupted(self: Any, *args: Any) -> Any:
+        trunk, logits = step(self, *args)  # (B, T, d), (B, T, V)
+        bump = torch.zeros_like(logits)
+        bump[0, :, 7] = 50.0
+        return trunk, logits + bump
+
+    monkeypatch.setattr(StaticEngine, "step", corrupted)
+    drop_engines(model)
+
+
+def test_a_corrupted_compiled_logit_row_fails(
+    compiled_lines: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, args = _compiled_model(compiled_lines)
+    ok, detail = compiled_lines.compare_compiled(model, args, "autoregressive", True)
+    assert ok is True and "tokens identical" in detail, detail
+    _corrupt_row_zero(monkeypatch, model)
+    ok, detail = compiled_lines.compare_compiled(model, args, "autoregressive", True)
+    assert ok is False and "compiled 7 vs eager" in detail and "must be exact" in detail, detail
+
+
+def test_a_compiled_chain_that_skips_the_rewind_fails(
+    compiled_lines: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rejected drafts' slots left valid: the chain's next passes read them."""
+    from mtpc.decoding.static import StaticEngine
+
+    monkeypatch.setattr(StaticEngine, "rewind", lambda self, lengths: None)
+    model, args = _compiled_model(compiled_lines)
+    ok, detail = compiled_lines.compare_compiled(model, args, "speculative", True)
+    assert ok is False and "must be exact" in detail, detail
+
+
+@pytest.mark.parametrize("noise", [None, 100.0])
+def test_a_bf16_compiled_flip_is_weighed_by_the_tie_rule(
+    compiled_lines: ModuleType, monkeypatch: pytest.MonkeyPatch, noise: float | None
+) -> None:
+    """bf16: the corrupted step's flips are wrong tokens against the measured noise; with
+    the noise replaced by 100 (more than half the bump) each row's first flip is a counted
+    tie, and the rest of the row is not compared."""
+    script = compiled_lines
+    model, args = _compiled_model(script, "--dtype", "bfloat16")
+    _corrupt_row_zero(monkeypatch, model)
+    if noise is not None:
+        measure = script.one_pass_logits
+
+        def noisy(*a: Any) -> Any:
+            _, seq = measure(*a)
+            return seq + noise, seq
+
+        monkeypatch.setattr(script, "one_pass_logits", noisy)
+    ok, detail = script.compare_compiled(model, args, "autoregressive", True)
+    if noise is None:
+        assert ok is False and "a wrong token, not a bfloat16 tie" in detail, detail
+    else:
+        rows = len(script.COMPILED_LENGTHS)
+        assert ok is True and f"first flip of each row, {rows} bfloat16 tie(s)" in detail, detail
+
+
+def test_a_flip_after_a_one_id_prompt_is_a_tie_only_when_exact() -> None:
+    """No cached position to measure the noise on: noise 0, and a tie needs a zero gap."""
+    import torch
+
+    script = _script()
+    model, args = _compiled_model(script)
+    with torch.no_grad():
+        logits = script._logits(model.backbone, torch.tensor([[5]]))[-1]  # (V,)
+    top, second = logits.topk(2).indices.tolist()
+    assert not script.tie_at(model, [5], top, second, args).explained
+    tie = script.tie_at(model, [5], top, top, args)
+    assert tie.explained and tie.noise == 0.0 and tie.gap == 0.0
+
+
+def test_refused_or_unasked_compiled_lines_are_skip_lines(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's refusal (an unsupported backbone) and ``--compile none`` (the CPU
+    default) are one SKIP line per compiled line, with the reason; nothing is decoded."""
+    from mtpc.decoding import static
+
+    script = _script()
+    model = _compiled_model(script)[0]
+    monkeypatch.setattr(mtpc, "generate", None)  # a decode would crash: a FAIL line
+    reason = "compile='eager' does not support FakeBackbone; supported: ..."
+    monkeypatch.setattr(static, "supports_compile", lambda model, compile: reason)
+    for argv, why in ((["--compile", "eager"], reason), ([], "--compile none")):
+        report = script.Report()
+        script.run_compiled_checks(
+            report, "tiny", model, script.parse_args(["--device", "cpu", *argv])
+        )
+        assert [line.partition(":")[0] for line in report.lines] == [
+            f"SKIP {name}[tiny]" for name in script.COMPILED_LINES
+        ]
+        assert all(why in line for line in report.lines), report.lines
+    assert script.parse_args(["--device", "cuda"]).compile == "inductor"
