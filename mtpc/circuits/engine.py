@@ -315,11 +315,13 @@ class Circuit:
         most_probable: bool = False,
         generator: torch.Generator | None = None,
         batch_size: int = 1,
+        uniforms: Tensor | None = None,
     ) -> Tensor:
         """``(B, n)`` long: the input unit a latent path z ~ q(z | evidence) selects per position.
 
         ``evidence_leaves`` ``(B, m, r)``: log phi of the first m positions' units at their
-        tokens; ``most_probable``: each sum unit takes its most probable child instead.
+        tokens; ``most_probable``: each sum unit takes its most probable child instead;
+        ``uniforms`` ``(B, U)``: one per sum unit (a decoder's stream), else ``generator``'s.
         """
         n, r, U = self.window, self.rank, self.num_sum_units
         if sum_logw is not None:
@@ -347,7 +349,7 @@ class Circuit:
             else:
                 leaves = torch.cat([ev, ev.new_zeros(batch_size, n - ev.shape[1], r)], 1)
                 scores = self._posterior(leaves, lw, max_product=False)
-        choice = scores.argmax(-1) if most_probable else categorical(scores, generator)
+        choice = scores.argmax(-1) if most_probable else categorical(scores, generator, uniforms)
         return self._walk_down(choice)  # (B, n)
 
     def _prefix_plan(self, span: int) -> tuple[_Step, ...] | None:
@@ -525,12 +527,28 @@ class Circuit:
         return int(ev.shape[1])
 
 
-def categorical(logits: Tensor, generator: torch.Generator | None) -> Tensor:
-    """One draw per row of unnormalised log-probabilities ``(..., C)`` by inverse CDF.
+def categorical(
+    logits: Tensor, generator: torch.Generator | None = None, u: Tensor | None = None
+) -> Tensor:
+    """One draw per row of unnormalised log-probabilities ``(..., C)`` by inverse CDF, with
+    the uniforms ``u`` ``(...,)`` (a decoder's stream) or fresh ones from ``generator``.
 
     One uniform per row (Gumbel-max needs one per entry: several times slower on CPU).
     """
-    cdf = torch.softmax(logits, -1).cumsum(-1)  # (..., C)
-    u = torch.rand((*cdf.shape[:-1], 1), generator=generator, device=cdf.device, dtype=cdf.dtype)
-    idx = torch.searchsorted(cdf, u * cdf[..., -1:], right=True)  # (..., 1)
+    probs = torch.softmax(logits, -1)  # (..., C)
+    if u is None:
+        u = torch.rand(
+            probs.shape[:-1], generator=generator, device=probs.device, dtype=probs.dtype
+        )
+    return inverse_cdf(probs, u)
+
+
+def inverse_cdf(weights: Tensor, u: Tensor) -> Tensor:
+    """The entry of each row of nonnegative ``weights`` ``(..., C)`` (not necessarily
+    normalised) where the cumulative sum first exceeds ``u`` ``(...,)`` in [0, 1) of the row's
+    total, summed in ``u``'s dtype: an entry of zero weight is never chosen."""
+    cdf = weights.to(u.dtype).cumsum(-1)  # (..., C)
+    total = cdf[..., -1:]
+    x = torch.minimum(u[..., None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    idx = torch.searchsorted(cdf, x, right=True)  # (..., 1)
     return idx.squeeze(-1).clamp_max(cdf.shape[-1] - 1)

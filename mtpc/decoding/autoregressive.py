@@ -13,7 +13,8 @@ import torch
 from torch import Tensor
 
 from mtpc.decoding.common import Request
-from mtpc.decoding.loop import Layout, Outcome, Row, Run, new_row, settle
+from mtpc.decoding.draws import EMIT
+from mtpc.decoding.loop import Layout, Outcome, Row, Run, cycle_draws, new_row, settle
 
 
 def prefill(run: Run, layout: Layout, new: Sequence[tuple[int, Request, Tensor]]) -> list[Row]:
@@ -29,14 +30,16 @@ def prefill(run: Run, layout: Layout, new: Sequence[tuple[int, Request, Tensor]]
 def step(run: Run, layout: Layout, rows: Sequence[Row]) -> list[Row]:
     """One token of every row (the target's choice); returns the rows done."""
     clock = run.clock
+    kept = torch.cat([row.kept_logits for row in rows])  # (B, V)
+    u = None if run.rule.greedy else cycle_draws(run, rows).take(EMIT, 1)[:, 0]  # (B,)
+    chosen = run.rule.draw(kept, u)  # (B,): every row's token at once
     done, going, tokens = [], [], []
-    for row in rows:
-        token = run.rule.pick(row.kept_logits[0], row.generator)
+    for i, (row, token) in enumerate(zip(rows, chosen.tolist(), strict=True)):
         if settle(run, row, 0, Outcome([], token, drafted=0, keep=0, after=0)) is None:
             done.append(row)
         else:
             going.append(row)
-            tokens.append(torch.tensor([token], device=row.kept_logits.device))
+            tokens.append(chosen[i : i + 1])  # (1,)
     clock.lap("verify")
     layout.release(done)
     if going:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mtpc.circuits.engine import inverse_cdf
 from mtpc.decoding.settings import DecodingSettings, DraftRule, check_ids
 from mtpc.decoding.verify import process_logits
 
@@ -218,6 +219,14 @@ class TargetRule:
         if self.greedy:
             return int(self.argmax(logits))
         return self.sample(self.probs(logits), generator)
+
+    def draw(self, logits: Tensor, u: Tensor | None) -> Tensor:
+        """One next token per row of logits ``(..., V)``: argmaxes, or samples by inverse CDF
+        with the uniforms ``u`` ``(...,)`` (a row's stream, ``mtpc.decoding.draws``)."""
+        if self.greedy:
+            return self.argmax(logits)
+        assert u is not None, "sampling needs uniforms"
+        return inverse_cdf(self.probs(logits), u)
 
     def choose(self, logits: Tensor, generator: torch.Generator | None) -> Tensor:
         """One token per row of logits (k, V): argmaxes or one draw per row (k,)."""

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from mtpc.circuits.params import CircuitParams
 from mtpc.decoding.common import GenerationResult, Request, Stopwatch, TargetRule, cut_at_stop
+from mtpc.decoding.draws import Draws, row_key
 from mtpc.decoding.layout import Padded, Stream, Tree
 from mtpc.decoding.windowed import Windowed
 
@@ -73,7 +74,8 @@ class HeadState:
         self._sum_logw: Tensor | None = None
         self._params: CircuitParams | None = None
 
-    def _tempered(self, logp: Tensor) -> Tensor:
+    def tempered(self, logp: Tensor) -> Tensor:
+        """Log-probabilities ``(..., V)`` of the tempered (renormalised) circuit leaves."""
         return logp if self.temperature is None else torch.log_softmax(logp / self.temperature, -1)
 
     @property
@@ -96,7 +98,7 @@ class HeadState:
     def leaf_logp(self, positions: Tensor, units: Tensor | None = None) -> Tensor:
         """Normalised (tempered) log phi (fp32) at ``positions`` ``(k,)``: of one unit each
         (``units`` ``(k,)``): ``(1, k, V)``; of every unit (None): ``(1, k, r, V)``."""
-        return self._tempered(torch.log_softmax(self.leaf_logits(positions, units), -1))
+        return self.tempered(torch.log_softmax(self.leaf_logits(positions, units), -1))
 
     def leaf_logits(self, positions: Tensor, units: Tensor | None = None) -> Tensor:
         """Unnormalised, untempered logits of the same rows (fp32): enough for an argmax."""
@@ -119,7 +121,7 @@ class HeadState:
         if self._params is None:
             self.lap("circuit")
             params = self.head(self.features)
-            self._params = CircuitParams(self._tempered(params.input_logp), params.sum_logw)
+            self._params = CircuitParams(self.tempered(params.input_logp), params.sum_logw)
             self.lap("head")
         return self._params
 
@@ -131,7 +133,7 @@ class Row:
     index: int  # the prompt's place in the call
     state: HeadState | None  # the draft head at the last processed state e_t (None: AR)
     kept_logits: Tensor  # (1, V) p(x_{t+1} | x_<=t) from the last pass
-    generator: torch.Generator  # the draws and the acceptance tests
+    key: tuple[int, int]  # its stream's key (draws.row_key of its seed): every draw it makes
     res: GenerationResult  # filled cycle by cycle; res.tokens: the emitted ids
     length: int  # ids processed or pending (prompt + emitted)
     pending: int | None = None  # the kept correction / bonus not yet processed (condition)
@@ -177,20 +179,28 @@ class Proposer(Protocol):
     def begin(self, state: HeadState) -> None:
         """Work done as soon as a new state exists (a tree: theta_t's whole table)."""
 
-    def draft(self, row: Row, evidence: Tensor | None, span: int) -> Proposal:
-        """Drafts from ``row.state`` given the pending token ``evidence`` ``(1, 1)`` or None;
-        ``span``: positions one pass verifies exactly, the pending token included."""
-        ...
-
     def draft_rows(
-        self, rows: Sequence[Row], evidence: Sequence[Tensor | None], spans: Sequence[int]
+        self,
+        rows: Sequence[Row],
+        evidence: Sequence[Tensor | None],
+        spans: Sequence[int],
+        draws: Draws,
     ) -> list[Proposal]:
-        """:meth:`draft` of every row (many at once where the proposer can)."""
+        """Each row's drafts from ``row.state`` given its pending token ``evidence`` ``(1, 1)``
+        or None; ``spans``: positions one pass verifies exactly, the pending token included;
+        ``draws``: the rows' streams this cycle."""
         ...
 
-    def verify(self, run: Run, row: Row, proposal: Proposal, target: Tensor) -> Outcome:
-        """Accepts drafts given ``target`` ``(T + 1 - pre, V)``: the target's logits at the
-        first drafted position, then after each (row 1 + i: after draft i)."""
+    def verify_rows(
+        self,
+        run: Run,
+        rows: Sequence[Row],
+        proposals: Sequence[Proposal],
+        targets: Sequence[Tensor],
+        draws: Draws,
+    ) -> list[Outcome]:
+        """Accepts each row's drafts given its ``target`` ``(T + 1 - pre, V)``: the target's
+        logits at the first drafted position, then after each (row 1 + i: after draft i)."""
         ...
 
 
@@ -215,11 +225,15 @@ class Run:
 
 
 def new_row(run: Run, index: int, request: Request, prompt: Tensor, method: str) -> Row:
-    """A row before its prefill, its generator seeded with its own request's seed."""
-    device = run.model.backbone.device
-    generator = torch.Generator(device=device).manual_seed(request.seed)
+    """A row before its prefill, its stream keyed by its own request's seed."""
     res = GenerationResult(tokens=[], method=method)
-    return Row(index, None, prompt.new_zeros(0), generator, res, prompt.shape[0])
+    return Row(index, None, prompt.new_zeros(0), row_key(request.seed), res, prompt.shape[0])
+
+
+def cycle_draws(run: Run, rows: Sequence[Row]) -> Draws:
+    """The rows' streams this cycle, each at its next output position."""
+    starts = [len(row.res.tokens) for row in rows]
+    return Draws([row.key for row in rows], starts, run.model.backbone.device)
 
 
 @torch.no_grad()
@@ -326,14 +340,12 @@ def cycle(run: Run, layout: Layout, rows: Sequence[Row]) -> list[Row]:
     ]  # (1, 1) each
     # positions that one pass verifies exactly (EvaByte: up to its window's end)
     spans = [model.backbone.one_pass_span(row.processed, window) for row in rows]
-    proposals = run.proposer.draft_rows(rows, evidence, spans)
+    draws = cycle_draws(run, rows)
+    proposals = run.proposer.draft_rows(rows, evidence, spans, draws)
     clock.lap("circuit")
     hidden, targets = verify_pass(run, layout, rows, proposals)
     clock.lap("model")
-    outcomes = [
-        run.proposer.verify(run, row, proposal, target)
-        for row, proposal, target in zip(rows, proposals, targets, strict=True)
-    ]
+    outcomes = run.proposer.verify_rows(run, rows, proposals, targets, draws)
     clock.lap("verify")
     done: list[Row] = []
     going: list[Row] = []

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from mtpc.circuits.tree import TokenTree, build_tree
 from mtpc.decoding.common import Request, TargetRule
+from mtpc.decoding.draws import EMIT, Draws
 from mtpc.decoding.loop import HeadState, Outcome, Proposal, Row, Run
 
 
@@ -33,13 +34,14 @@ def walk(
     tree: TokenTree,
     target: Tensor,
     rule: TargetRule,
-    generator: torch.Generator | None,
+    u: Tensor | None,
     max_throughput: bool = False,
 ) -> tuple[list[int], list[int], int]:
     """Exact verification of a token tree: descend while the target's choice is a child.
 
     ``target``: ``(N + 1, V)`` the target's logits at the root, then at each node (row 1 + i:
-    node i's); ``max_throughput``: take the most probable child (not lossless). Returns
+    node i's); ``u`` ``(depth + 1,)``: the row's uniforms of the target's choice at each depth
+    (sampling); ``max_throughput``: take the most probable child (not lossless). Returns
     (accepted node indices, accepted tokens, the emitted token after them).
     """
     children: dict[int, dict[int, int]] = {}
@@ -54,7 +56,8 @@ def walk(
         elif choices is not None:
             token = choices[node + 1]
         else:
-            token = rule.pick(target[node + 1], generator)
+            assert u is not None
+            token = int(rule.draw(target[node + 1], u[len(path)]))
         if token not in kids:
             return path, tokens, token
         node = kids[token]
@@ -74,7 +77,7 @@ class Tree:
         """theta_t's whole table, as soon as the state exists (``build_tree`` reads it)."""
         state.params()
 
-    def draft(self, row: Row, evidence: Tensor | None, span: int) -> Proposal:
+    def _draft(self, row: Row, evidence: Tensor | None, span: int) -> Proposal:
         """The ``budget`` most probable draft prefixes under q(. | evidence), the root
         included no deeper than ``span``."""
         state, pre = row.head, 0 if evidence is None else 1
@@ -85,17 +88,41 @@ class Tree:
         return Proposal(ids[None], pre, tree, (depth, mask))
 
     def draft_rows(
-        self, rows: Sequence[Row], evidence: Sequence[Tensor | None], spans: Sequence[int]
+        self,
+        rows: Sequence[Row],
+        evidence: Sequence[Tensor | None],
+        spans: Sequence[int],
+        draws: Draws,
     ) -> list[Proposal]:
-        """Each row's tree (:meth:`draft`)."""
-        return [self.draft(*a) for a in zip(rows, evidence, spans, strict=True)]
+        """Each row's tree (deterministic: no draws)."""
+        return [self._draft(*a) for a in zip(rows, evidence, spans, strict=True)]
 
-    def verify(self, run: Run, row: Row, proposal: Proposal, target: Tensor) -> Outcome:
-        """:func:`walk`; keeps the root and the accepted path; records the tree's nodes and
-        expected acceptance."""
+    def verify_rows(
+        self,
+        run: Run,
+        rows: Sequence[Row],
+        proposals: Sequence[Proposal],
+        targets: Sequence[Tensor],
+        draws: Draws,
+    ) -> list[Outcome]:
+        """:meth:`verify` of each row (a tree's walk is its own), the uniforms of all rows in
+        one tensor op."""
+        u = None
+        if not run.rule.greedy:  # (max_throughput too: a leaf's token is the target's)
+            u = draws.take(EMIT, rows[0].head.circuit.window + 1)  # (B, n + 1)
+        return [
+            self.verify(run, row, proposal, target, None if u is None else u[b])
+            for b, (row, proposal, target) in enumerate(zip(rows, proposals, targets, strict=True))
+        ]
+
+    def verify(
+        self, run: Run, row: Row, proposal: Proposal, target: Tensor, u: Tensor | None
+    ) -> Outcome:
+        """:func:`walk` with the row's uniforms ``u`` ``(n + 1,)``; keeps the root and the
+        accepted path; records the tree's nodes and expected acceptance."""
         tree: TokenTree = proposal.drafts
         rule, max_throughput = run.rule, run.request.max_throughput
-        path, accepted, token = walk(tree, target, rule, row.generator, max_throughput)
+        path, accepted, token = walk(tree, target, rule, u, max_throughput)
         row.res.nodes.append(len(tree))
         row.res.expected.append(tree.expected_by_depth(row.head.circuit.window - proposal.pre))
         keep = ([0] if proposal.pre else []) + [proposal.pre + i for i in path]

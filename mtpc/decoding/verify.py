@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from mtpc.circuits.engine import inverse_cdf
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -18,6 +20,14 @@ class Verdict:
 
     accepted: int  # s, the drafts accepted (0..n)
     next_token: int  # the correction (s < n) or the bonus token (s = n)
+
+
+@dataclass(frozen=True)
+class Verdicts:
+    """Results of verifying B drafted chains at once."""
+
+    accepted: Tensor  # (B,) s per row (0..m_b)
+    tokens: Tensor  # (B,) the correction (s < m_b) or the bonus token (s = m_b)
 
 
 def process_logits(
@@ -135,3 +145,45 @@ def verify_sampling_lazy(
             q_s = draft_dist(s).to(target_probs.dtype)  # (V,)
             return Verdict(s, _sample(residual(target_probs[s], q_s), generator))
     return Verdict(n, _sample(target_probs[n], generator))
+
+
+def first_rejection(accepted: Tensor, lengths: Tensor) -> Tensor:
+    """s per row ``(B,)``: the accepted drafts before the first rejection, from ``accepted``
+    ``(B, M)`` bool (padding past each row's ``lengths`` ``(B,)`` counts as a rejection)."""
+    valid = torch.arange(accepted.shape[1], device=accepted.device) < lengths[:, None]
+    return (accepted & valid).long().cumprod(1).sum(1)
+
+
+def accept_greedy(choices: Tensor, drafts: Tensor, lengths: Tensor) -> Verdicts:
+    """:func:`verify_greedy` of B rows: ``choices`` ``(B, M + 1)`` the target's argmax after
+    the context and after each draft, ``drafts`` ``(B, M)``, row b's first ``lengths[b]``
+    real (the rest padding)."""
+    s = first_rejection(drafts == choices[:, :-1], lengths)  # (B,)
+    return Verdicts(s, choices.gather(1, s[:, None])[:, 0])
+
+
+def accept_sampling(p: Tensor, q: Tensor, u: Tensor, lengths: Tensor) -> Tensor:
+    """The acceptance tests of :func:`verify_sampling` for B rows: s per row ``(B,)``.
+
+    ``p``, ``q`` ``(B, M)``: p_i(x_i) and q_i(x_i) at the drafts (row b's first ``lengths[b]``
+    real); ``u`` ``(B, M)`` float64: draft i is accepted when u_i < p_i(x_i) / q_i(x_i)
+    (always when q_i(x_i) = 0).
+    """
+    p, q = p.double(), q.double()
+    ratio = torch.where(q > 0, p / q.clamp(min=1e-300), torch.ones_like(p))
+    return first_rejection(u < ratio, lengths)
+
+
+def correction_or_bonus(
+    target_probs: Tensor, accepted: Tensor, lengths: Tensor, proposals: Tensor, u: Tensor
+) -> Tensor:
+    """The token after s accepted drafts ``(B,)``: from the residual norm(max(0, p_s - q_s))
+    where s < m_b, else the bonus from p_m, by inverse CDF with ``u`` ``(B,)``.
+
+    ``target_probs`` ``(B, M + 1, V)``; ``proposals`` ``(B, V)``: q_s(.) where s < m_b (any
+    other row's is ignored)."""
+    index = accepted[:, None, None].expand(-1, 1, target_probs.shape[2])
+    p_s = target_probs.gather(1, index)[:, 0]  # (B, V)
+    rejected = (accepted < lengths)[:, None]
+    dist = torch.where(rejected, residual(p_s, proposals.to(p_s.dtype)), p_s)
+    return inverse_cdf(dist, u)
