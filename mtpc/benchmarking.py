@@ -32,9 +32,7 @@ def best_time(
     """Best (minimum) seconds per call over ``rounds`` rounds of at least ``min_time / 5``."""
     for _ in range(warmup):
         fn()
-    t0 = time.perf_counter()
-    fn()
-    once = max(time.perf_counter() - t0, 1e-7)
+    once = max(timed(fn)[0], 1e-7)
     reps = max(1, int(min_time / 5 / once))
     times = []
     for _ in range(rounds):

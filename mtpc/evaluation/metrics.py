@@ -34,12 +34,10 @@ def prompt_record(result: GenerationResult, per_cycle: bool = True) -> dict[str,
     acceptance per position needs; False for runs with no drafts to judge. A cycle cut short
     inside its accepted drafts counts only the emitted ones as judged and accepted.
     """
-    accepted: list[int] = []
-    drafted: list[int] = []
-    for s, e, m in zip(result.accepted, result.emitted, result.drafted, strict=True):
-        cut = s > e  # max_new_tokens / a stop id ended the output inside the accepted drafts
-        accepted.append(e if cut else s)
-        drafted.append(e if cut else m)
+    cycles = list(zip(result.accepted, result.emitted, result.drafted, strict=True))
+    # s > e: max_new_tokens / a stop id ended the output inside the s accepted drafts
+    accepted = [min(s, e) for s, e, _ in cycles]
+    drafted = [e if s > e else m for s, e, m in cycles]
     record: dict[str, Any] = {
         "new_tokens": len(result.tokens), "cycles": len(result.cycle_seconds),
         "accepted_total": sum(accepted), "cycle_seconds": sum(result.cycle_seconds),

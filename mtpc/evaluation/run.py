@@ -419,11 +419,9 @@ def evaluate(
     spec_bench_questions(s)  # prompts=spec_bench: a bad file is refused before anything loads
     if s.output.report:
         return rebuild_report(s)
-    drafter = s.drafter
-    root = s.output.root_dir
     # drafter=hetero alone evaluates only the other-vocabulary drafter; with draft= both
-    drafts = resolve_drafts(s.draft, root) if drafter is None or s.draft else []
-    base_paths = resolve_drafts(s.baseline, root, key="baseline")
+    drafts = resolve_drafts(s.draft, s.output.root_dir) if s.drafter is None or s.draft else []
+    base_paths = resolve_drafts(s.baseline, s.output.root_dir, key="baseline")
     baseline_set = {b.resolve() for b in base_paths}
     drafts = [d for d in drafts if d.resolve() not in baseline_set]  # also the baseline: once
     if drafts or base_paths:  # the target comes from the drafts
@@ -441,7 +439,7 @@ def evaluate(
     with RecordStore.open(folder, manifest, force=s.output.resume == "force") as store:
         try:
             prompt_sets = decode_all(s, store, drafts, base_paths)
-            if drafter is not None:
+            if s.drafter is not None:
                 if prompt_sets is None:
                     prompt_sets = load_prompts(s, str(s.model.codec), s.prompts.max_prompt_length)
                     check_prompts(store, prompt_sets)

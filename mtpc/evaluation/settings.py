@@ -258,9 +258,8 @@ class Drafter:
         with _refusing(EvalConfigError):
             check_settings(Spelling(lambda f: f"drafter.{f}", config=True), greedy=greedy, **hetero)
         model = str(self.model)
-        allowed = "allowed: a local HF causal-LM folder or " + ", ".join(
-            FIXTURE_PREFIX + f for f in FIXTURES
-        )
+        fixtures = ", ".join(FIXTURE_PREFIX + f for f in FIXTURES)
+        allowed = f"allowed: a local HF causal-LM folder or {fixtures}"
         fixture = model.startswith(FIXTURE_PREFIX)
         if fixture and model.removeprefix(FIXTURE_PREFIX) not in FIXTURES:
             raise EvalConfigError(f"drafter.model={model!r} is not allowed; {allowed}")
