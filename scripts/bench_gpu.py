@@ -20,6 +20,11 @@ Parts (``--parts``), each under its own guard (a failing part is one line of the
   CPU); the first-visit penalty (a step at lengths never seen, over a warm step);
 * ``cycle``: the all-accepting n-draft cycle (``max_throughput=True``) of FF, CP r and BTree
   r: wall, GPU busy, tokens per cycle, cost in AR steps;
+* with ``--compile BACKEND`` (default: ``inductor`` on CUDA, ``none`` (skipped) on a CPU)
+  the decode and cycle readings are taken again on the static, compiled engine
+  (``compile=BACKEND``, docs/DECODING.md "Compiled decoding"; EvaByte's
+  ``mtpc.decoding.static_eva``): the AR step, its first visit of new lengths, the cycles (a
+  target the engine refuses: the refusal, one line);
 * ``batch``: on the tiny target (``assets/tiny_target``), batched speculative vs
   autoregressive tokens/s at each B (``scripts/bench_batch.py``'s measurement; outputs
   exact);
@@ -243,29 +248,49 @@ def random_prompt(length: int, vocab: int, seed: int = 0) -> list[int]:
     return torch.randint(10, min(vocab, 256), (length,), generator=g).tolist()
 
 
+def compile_refusal(model: Any, args: argparse.Namespace) -> str | None:
+    """Why the compiled readings are not taken (``--compile none``, the engine's refusal)."""
+    if args.compile == "none":
+        return "--compile none"
+    from mtpc.decoding.static import supports_compile
+
+    return supports_compile(model, args.compile)
+
+
 def measure_decode(backbone: Any, args: argparse.Namespace, copy_gbps: float) -> dict[str, Any]:
-    """The memory-bound step, the warm AR step and the first-visit penalty."""
+    """The memory-bound step, the warm AR step and the first-visit penalty (eager, then
+    ``compiled_``: on the compiled engine)."""
     from mtpc.decoding import generate
     from mtpc.model import MTPCModel
 
     model = MTPCModel.from_backbone(backbone, "ff", args.n, 1, head_dtype=args.dtype).eval()
     weight_bytes = sum(p.numel() * p.element_size() for p in backbone.hf_model.parameters())
     prompt = random_prompt(args.prompt_len, backbone.vocab_size)
-    with torch.no_grad():
-        warm = step_readings(model, prompt, args.steps, args.device, method="autoregressive")
-        cold_prompt = prompt[: args.prompt_len // 2 + 1]  # lengths no run has visited
-        cold = generate(model, cold_prompt, args.steps, method="autoregressive", stop_ids=())
-    cold_ms = 1e3 * statistics.median(cold.cycle_seconds)
-    return {
+    found = {
         "weight_GB": weight_bytes / 1e9,
         "memory_bound_step_ms": 1e3 * weight_bytes / (copy_gbps / 2 * 1e9),
-        "ar_wall_ms": warm["wall_ms"],
-        "ar_gpu_ms": warm["gpu_ms"],
-        "ar_gpu_busy_share": warm["gpu_busy_share"],
-        "ar_cpu_ms": warm["cpu_ms"],
-        "ar_cold_wall_ms": cold_ms,
-        "first_visit_penalty": cold_ms / warm["wall_ms"],
     }
+    refusal = compile_refusal(model, args)
+    for prefix, compile in (("", False), ("compiled_", args.compile)):
+        if compile and refusal is not None:
+            found["compiled_skipped"] = refusal
+            continue
+        kw = {"method": "autoregressive", "compile": compile}
+        with torch.no_grad():
+            warm = step_readings(model, prompt, args.steps, args.device, **kw)
+            cold_prompt = prompt[: args.prompt_len // 2 + 1]  # lengths no run has visited
+            cold = generate(model, cold_prompt, args.steps, stop_ids=(), **kw)
+        cold_ms = 1e3 * statistics.median(cold.cycle_seconds)
+        found.update({
+            f"{prefix}ar_wall_ms": warm["wall_ms"],
+            f"{prefix}ar_gpu_ms": warm["gpu_ms"],
+            f"{prefix}ar_gpu_busy_share": warm["gpu_busy_share"],
+            f"{prefix}ar_cpu_ms": warm["cpu_ms"],
+            f"{prefix}ar_cold_wall_ms": cold_ms,
+            f"{prefix}first_visit_penalty": cold_ms / warm["wall_ms"],
+            f"{prefix}engine": cold.engine,
+        })  # fmt: skip
+    return found
 
 
 def measure_cycle(backbone: Any, args: argparse.Namespace, kind: str) -> dict[str, Any]:
@@ -275,9 +300,14 @@ def measure_cycle(backbone: Any, args: argparse.Namespace, kind: str) -> dict[st
     rank = 1 if kind == "ff" else args.rank
     model = MTPCModel.from_backbone(backbone, kind, args.n, rank, head_dtype=args.dtype).eval()
     prompt = random_prompt(args.prompt_len, backbone.vocab_size)
+    new = args.steps * args.n  # all-accepting: n tokens per cycle
     with torch.no_grad():
-        new = args.steps * args.n  # all-accepting: n tokens per cycle
         found = step_readings(model, prompt, new, args.device, max_throughput=True)
+        refusal = compile_refusal(model, args)
+        if refusal is None:  # the same cycles on the compiled engine
+            found["compiled"] = step_readings(
+                model, prompt, new, args.device, max_throughput=True, compile=args.compile
+            )
     return {"rank": rank, **found}
 
 
@@ -445,12 +475,30 @@ def table(data: dict[str, Any]) -> str:
                     [name, "AR step, lengths not seen before", fmt(d["ar_cold_wall_ms"]), "-", cold]
                 ),
             ]
+            if "compiled_ar_wall_ms" in d:
+                busy = (
+                    f"GPU busy {percent(d['compiled_ar_gpu_busy_share'])}; {d['compiled_engine']}"
+                )
+                cold = f"{d['compiled_first_visit_penalty']:.2f}x the warm step"
+                lines += [
+                    markdown_row([name, "AR step, compiled", fmt(d["compiled_ar_wall_ms"]),
+                                  fmt(d["compiled_ar_gpu_ms"]), busy]),
+                    markdown_row([name, "AR step, compiled, new lengths",
+                                  fmt(d["compiled_ar_cold_wall_ms"]), "-", cold]),
+                ]  # fmt: skip
         for kind, c in (found.get("cycle") or {}).items():
             rank = f" r={c['rank']}" if c["rank"] > 1 else ""
             what = f"{n}-draft cycle, {KIND_NAMES.get(kind, kind)}{rank}"
             steps = f"; {c['wall_ms'] / ar:.2f} AR steps" if ar else ""
             note = f"{c['tokens_per_step']:.1f} tokens/cycle{steps}"
             lines.append(markdown_row([name, what, fmt(c["wall_ms"]), fmt(c["gpu_ms"]), note]))
+            if c.get("compiled"):
+                k = c["compiled"]
+                note = f"{k['tokens_per_step']:.1f} tokens/cycle"
+                lines.append(
+                    markdown_row([name, f"{what}, compiled", fmt(k["wall_ms"]), fmt(k["gpu_ms"]),
+                                  note])
+                )  # fmt: skip
         for t in found.get("train") or []:
             what = f"training step, {t['bytes']:,} bytes, {t['precision']}"
             peak = fmt(t["peak_GB"], ".1f", " GB")
@@ -498,6 +546,9 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--evabyte-code", type=Path, default=os.environ.get("MTPC_EVABYTE_CODE") or None,
         help="a folder with EvaByte's evabyte_hf/*.py (default $MTPC_EVABYTE_CODE)")  # fmt: skip
     add("--attention-impl", default="auto", help="EvaByte's model.attention_impl")
+    add("--compile", default=None, choices=["inductor", "aot_eager", "eager", "none"],
+        help="the compiled engine's backend for its readings (compile=); none: skipped "
+             "(default: inductor on CUDA, none on a CPU)")  # fmt: skip
     for flag in SIZE_FLAGS:
         add(f"--{flag.replace('_', '-')}", type=int, default=None, help="size override")
     add("--n", type=int, default=16, help="draft window")
@@ -523,6 +574,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if cuda(args.device) and not torch.cuda.is_available():
         parser.error(f"--device is {args.device!r} but torch sees no CUDA GPU; allowed: cpu")
     args.kinds = args.kinds.split(",")
+    args.compile = args.compile or ("inductor" if cuda(args.device) else "none")
     args.batch_sizes = [int(v) for v in args.batch_sizes.split(",")]
     args.train_lengths = [int(v) for v in args.train_lengths.split(",")]
     return args

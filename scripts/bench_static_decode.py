@@ -35,11 +35,19 @@ median over the repeats.
     python scripts/bench_static_decode.py                               # inductor, B = 1, 8
     python scripts/bench_static_decode.py --backend aot_eager --sizes 1 4 16 --repeats 5
     python scripts/bench_static_decode.py --chain --sizes 1 8           # + the speculative chain
+    python scripts/bench_static_decode.py --target evabyte --evabyte-code DIR --chain --window 4
+
+``--target evabyte`` (``--evabyte-code DIR``, a folder with EvaByte's ``evabyte_hf/*.py``,
+default ``$MTPC_EVABYTE_CODE``) measures a tiny random
+checkpoint of EvaByte's real remote code instead (``scripts/bench_batch.py``'s: EVA window
+16, chunks of 4, float32, the torch EVA path): its eager path is ``Stream`` at B = 1 and
+``windowed.Windowed`` above, its compiled one ``static_eva.EvaStaticEngine``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections import Counter
@@ -47,7 +55,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from bench_batch import _prompts
+from bench_batch import _evabyte_model, _prompts
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mtpc.benchmarking import machine, markdown_header, markdown_row, timed, write_json
@@ -76,6 +84,16 @@ def profiled_ops(fn: Callable[[], object]) -> int:
         return event is not None and str(event.name).startswith("aten::")
 
     return sum(aten(e) and not aten(e.cpu_parent) for e in prof.events())
+
+
+def eager_layout(model: Any, size: int) -> Any:
+    """The eager path's layout of ``size`` rows (as ``loop.decode`` picks it)."""
+    from mtpc.decoding.layout import Padded, Stream
+    from mtpc.decoding.windowed import Windowed
+
+    if size == 1:
+        return Stream(model)
+    return Windowed(model) if hasattr(model.backbone, "run_rows") else Padded(model)
 
 
 def step_cost(
@@ -110,14 +128,13 @@ def step_cost(
 @torch.no_grad()
 def measure_steps(model: Any, prompts: list[list[int]], size: int, args: argparse.Namespace):
     """The decode step alone, eager and compiled, with ``size`` rows held."""
-    from mtpc.decoding.layout import Padded, Stream
     from mtpc.decoding.static import StaticLayout, capacity_for, engine_for
 
     device = model.backbone.device
     batch = [torch.tensor(p, device=device) for p in (prompts * size)[:size]]
     rows = [object() for _ in batch]
     longest = max(len(p) for p in batch) + args.steps + 2
-    eager = Stream(model) if size == 1 else Padded(model)
+    eager = eager_layout(model, size)
     eager.admit(rows, batch)
     engine = engine_for(model, size, capacity_for(longest), args.backend)
     compiled = StaticLayout(engine)
@@ -212,7 +229,6 @@ def cycle_cost(
 @torch.no_grad()
 def measure_cycles(model: Any, prompts: list[list[int]], size: int, args: argparse.Namespace):
     """One cycle's model work alone, eager and compiled, with ``size`` rows held."""
-    from mtpc.decoding.layout import Padded, Stream
     from mtpc.decoding.static import StaticLayout, capacity_for, engine_for
 
     device, window = model.backbone.device, model.head.circuit.window
@@ -221,7 +237,7 @@ def measure_cycles(model: Any, prompts: list[list[int]], size: int, args: argpar
     # the calls' capacity (the same compiled graphs); as many cycles as their tokens allow
     longest = max(len(p) for p in batch) + args.max_new_tokens + window + 1
     steps = max(1, min(args.steps, args.max_new_tokens // max(1, window // 2) - 2))
-    eager = Stream(model) if size == 1 else Padded(model)
+    eager = eager_layout(model, size)
     engine = engine_for(model, size, capacity_for(longest), args.backend)
     compiled = StaticLayout(engine)
     out: dict[str, Any] = {"cycle_steps": steps}
@@ -317,6 +333,10 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--window", type=int, default=8, help="the chain's draft: n")
     parser.add_argument("--rank", type=int, default=8, help="the chain's draft: r")
     parser.add_argument("--lora", type=int, default=1, help="the chain's draft: k")
+    parser.add_argument("--evabyte-code", default=os.environ.get("MTPC_EVABYTE_CODE") or None,
+                        help="measure a tiny EvaByte of the real remote code in this folder "
+                        "(default $MTPC_EVABYTE_CODE)")  # fmt: skip
+    parser.add_argument("--target", default="tiny", choices=["tiny", "evabyte"])
     args = parser.parse_args(argv)
     if not args.sizes or min(args.sizes) < 1 or min(args.prompts, args.repeats, args.steps) < 1:
         parser.error("--sizes, --prompts, --steps and --repeats: allowed: ints >= 1")
@@ -330,9 +350,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     args = parse(argv)
     torch.set_num_threads(args.threads)
-    model = MTPCModel.target_only(load_backbone("tiny", device=args.device))
+    if args.target == "evabyte":
+        if not args.evabyte_code:
+            raise SystemExit("--target evabyte needs --evabyte-code DIR (or $MTPC_EVABYTE_CODE)")
+        options = argparse.Namespace(
+            evabyte_code=args.evabyte_code, eva=[], device=args.device, window=args.window,
+            rank=args.rank,
+        )  # fmt: skip
+        label, eva = _evabyte_model(options)
+        print(label)
+        model = MTPCModel.target_only(eva.backbone)
+    else:
+        model = MTPCModel.target_only(load_backbone("tiny", device=args.device))
     context = int(model.backbone.config.max_position_embeddings)
-    prompts = _prompts(args.prompts, "tiny", context - args.max_new_tokens - 1)
+    prompts = _prompts(args.prompts, model.backbone.codec, context - args.max_new_tokens - 1)
     lengths = [len(p) for p in prompts]
     print(f"machine: {machine()}, {args.threads} thread(s), {args.device}, torch "
           f"{torch.__version__}; backend {args.backend}; {len(prompts)} prompts of "
