@@ -199,14 +199,13 @@ def measure(model: Any, prompts: list[list[int]], args: argparse.Namespace) -> l
 
 
 def cycle_cost(
-    layout: Any, rows: Sequence[Any], steps: int, device: torch.device, window: int
+    layout: Any, rows: Sequence[Any], steps: int, device: torch.device, window: int, keep: int
 ) -> dict[str, float]:
     """Median ms of one cycle's model work (a verify pass of ``window`` ids per row, a keep of
-    half of them, the draft tail over the kept states) over ``steps`` cycles, and the
+    ``keep`` of them, the draft tail over the kept states) over ``steps`` cycles, and the
     outermost aten calls the profiler sees in one."""
     ids = [torch.arange(65, 65 + window, device=device) for _ in rows]
     trees = [None] * len(rows)
-    keep = max(1, window // 2)
 
     def one() -> None:
         states = layout.target(rows, ids, trees)[0]
@@ -236,14 +235,17 @@ def measure_cycles(model: Any, prompts: list[list[int]], size: int, args: argpar
     rows = [object() for _ in batch]
     # the calls' capacity (the same compiled graphs); as many cycles as their tokens allow
     longest = max(len(p) for p in batch) + args.max_new_tokens + window + 1
-    steps = max(1, min(args.steps, args.max_new_tokens // max(1, window // 2) - 2))
     eager = eager_layout(model, size)
     engine = engine_for(model, size, capacity_for(longest), args.backend)
     compiled = StaticLayout(engine)
-    out: dict[str, Any] = {"cycle_steps": steps}
+    # half of the pass kept; EvaByte keeps it whole (all accepted): half of a pass that crossed
+    # a window's end would cut into the compressed window (the loop's drafts never cross it)
+    keep = window if hasattr(model.backbone, "run_rows") else max(1, window // 2)
+    steps = max(1, min(args.steps, args.max_new_tokens // keep - 2))
+    out: dict[str, Any] = {"cycle_steps": steps, "cycle_keep": keep}
     for name, layout in (("eager", eager), ("compiled", compiled)):
         layout.draft(rows, layout.admit(rows, batch)[0])
-        cost = cycle_cost(layout, rows, steps, device, window)
+        cost = cycle_cost(layout, rows, steps, device, window, keep)
         out.update({f"{name}_{key}": value for key, value in cost.items()})
     return out
 
@@ -330,6 +332,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", default=None, help="write the rows as JSON here")
     parser.add_argument("--chain", action="store_true", help="also the speculative chain")
+    parser.add_argument("--chain-only", action="store_true", help="the chain, no AR rows")
     parser.add_argument("--window", type=int, default=8, help="the chain's draft: n")
     parser.add_argument("--rank", type=int, default=8, help="the chain's draft: r")
     parser.add_argument("--lora", type=int, default=1, help="the chain's draft: k")
@@ -369,10 +372,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
           f"{torch.__version__}; backend {args.backend}; {len(prompts)} prompts of "
           f"{min(lengths)}-{max(lengths)} ids, {args.max_new_tokens} new tokens each, "
           f"{args.repeats} repeat(s), median wall time")  # fmt: skip
-    rows = measure(model, prompts, args)
+    rows = [] if args.chain_only else measure(model, prompts, args)
     print(table(rows))
     report = {"machine": machine(), "torch": torch.__version__, "args": vars(args), "rows": rows}
-    if args.chain:
+    if args.chain or args.chain_only:
         draft = MTPCModel.from_backbone(
             model.backbone, "btree", args.window, args.rank, lora_layers=args.lora
         )

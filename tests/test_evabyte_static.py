@@ -205,14 +205,16 @@ class LateEngine(EvaStaticEngine):
         return positions, seen
 
 
-def poisoned_outputs(model: MTPCModel, engine_type: type, poison: bool) -> torch.Tensor:
+def poisoned_outputs(
+    model: MTPCModel, engine_type: type, poison: bool, chunk: int = 32
+) -> torch.Tensor:
     """Rows of 5, 37 and 23 bytes (place 3 empty) in an engine, then one pass of 32 ids of
     row 0 and 9 of row 2 (crossing window boundaries; row 1 sits out): the real ids' logits.
     ``poison``: first, huge keys and values in every slot no query of the pass may read: the
     ring slots of positions before each row's window or past its length, the RFA slots of
     chunks not complete before the pass (a complete chunk of the row's window is read by the
     queries past the window's end), the scratch, the empty place."""
-    engine = engine_type(model, 4, 256, backend="eager")
+    engine = engine_type(model, 4, 256, backend="eager", chunk=chunk)
     layout = StaticLayout(engine)
     rng = random.Random(5)
     rows = [object() for _ in range(3)]
@@ -242,17 +244,21 @@ def poisoned_outputs(model: MTPCModel, engine_type: type, poison: bool) -> torch
         return engine.step(ids, real, offsets, inner)[1][real]  # the real ids' logits
 
 
-def test_no_slot_or_rfa_a_query_must_not_see_is_read(folder: Path) -> None:
+@pytest.mark.parametrize("chunk", [32, 40])
+def test_no_slot_or_rfa_a_query_must_not_see_is_read(folder: Path, chunk: int) -> None:
     """Huge keys and values in every slot and RFA no query of a pass may read (other rows',
     stale ring slots, incomplete chunks' RFAs, the scratch) change no output; the same poison
     changes them when the mask shows every slot, or a window's earlier positions (a mask
-    this test would not catch would pass the broken engines too)."""
+    this test would not catch would pass the broken engines too). Prefill chunks of 32 and
+    40: rings of 48 and 56 slots (W + the chunk; 56 is not a multiple of W)."""
     model = load(folder, None)
-    clean = poisoned_outputs(model, EvaStaticEngine, poison=False)
+    clean = poisoned_outputs(model, EvaStaticEngine, poison=False, chunk=chunk)
     assert bool(clean.isfinite().all())
-    assert torch.equal(poisoned_outputs(model, EvaStaticEngine, poison=True), clean)
+    if chunk != 32:  # the same outputs as the ring of 48 (to float rounding)
+        torch.testing.assert_close(clean, poisoned_outputs(model, EvaStaticEngine, False))
+    assert torch.equal(poisoned_outputs(model, EvaStaticEngine, True, chunk), clean)
     for broken in (BlindEngine, LateEngine):
-        got = poisoned_outputs(model, broken, poison=True)
+        got = poisoned_outputs(model, broken, poison=True, chunk=chunk)
         assert not torch.allclose(got, clean, atol=1e-2), broken.__name__
 
 

@@ -7,9 +7,9 @@ Per layer ONE key and one value buffer ``(B, h, S, hd)``, ``S = F + R + X``:
 
 - slots ``[0, F)``: chunk q's RFA in slot q (``F = ceil(capacity / c) + 1``; the last slot
   takes the RFAs of chunks past the capacity, which no query sees);
-- slots ``[F, F + R)``: the window ring, position p's key in slot ``F + p mod R`` (``R``: a
-  multiple of the EVA window W with ``R >= W + X``, so that a pass never overwrites a key
-  a query of its own or a later pass still sees);
+- slots ``[F, F + R)``: the window ring, position p's key in slot ``F + p mod R`` (``R = W +
+  X``, W the EVA window: a pass's new keys land on positions at least W + 1 before its
+  first, which none of its queries nor any later one sees);
 - slots ``[F + R, S)``: the scratch, the padding ids' keys (``X``: the widest pass).
 
 A query at position p (its window starting at ``s = p - p mod W``) sees RFA q iff chunk q
@@ -73,7 +73,7 @@ class EvaStaticEngine(StaticEngine):
         config = backbone.config
         w, c = int(config.window_size), int(config.chunk_size)
         widest = max(self.chunk, self.window + 1)  # a prefill chunk, a draft pass
-        ring = -(-(w + widest) // w) * w
+        ring = w + widest
         rfas = -(-self.capacity // c) + 1
         self.slots = rfas + ring + widest
         shape = (self.batch, self._heads, self.slots, self._dim)
