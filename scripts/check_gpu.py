@@ -1,9 +1,10 @@
-"""GPU self-check: what only a GPU can show, in about two minutes, before a long job.
+"""GPU self-check: what only a GPU can show, in a few minutes, before a long job.
 
     python scripts/check_gpu.py                        # one GPU (two-GPU part when 2 are visible)
     python scripts/check_gpu.py --evabyte-code DIR     # + EvaByte's triton kernels vs torch
     python scripts/check_gpu.py --device cpu           # the same checks on CPU (the test suite)
     python scripts/check_gpu.py --device cpu --evabyte-code DIR   # EvaByte's kernels on CPU
+    python scripts/check_gpu.py --device cpu --compile aot_eager  # + the compiled engine's lines
     python scripts/check_gpu.py -- model.dtype=bfloat16 lora.layers=2   # training overrides
 
 One line per check, ``PASS name: detail``, ``FAIL name: detail`` or ``SKIP name: why``;
@@ -31,6 +32,17 @@ status is 1 when any check fails. Checks (docs/TRAINING.md, "GPU self-check"):
 * ``ar_vs_hf_generate[<target>]``: our autoregressive decoding gives the target's own
   ``generate`` output, and its tokens per second against ``generate``'s
   (fails below ``--min-ar-speed``).
+* ``compiled_ar_equals_eager[<target>]``, ``compiled_chain_equals_eager[<target>]``: greedy
+  autoregressive / speculative decoding on the static, compiled engine (``mtpc.generate(...,
+  compile=--compile)``: inductor on CUDA, ``mode="reduce-overhead"``, CUDA graphs) against
+  eager decoding, at B = 1 and B = 8: 10 prompts of 1 to 120 ids and a stop id that ends about
+  half the rows early (rows replaced). float32: identical tokens; bf16: each row up to its
+  first flip, which the tie rule of ``greedy_spec_equals_ar`` must explain (counted).
+* ``compiled_sampled_equals_eager[<target>]``: the same, sampled (each row its seed), both
+  methods: identical tokens in float32 (SKIP in bf16).
+* ``compiled_no_recompile[<target>]``: after a warm-up, five prompts of new lengths (alone and
+  at B = 8) decode under dynamo's ``error_on_recompile``: no new graph, no fallback.
+  SKIP with ``--compile none`` (the CPU default) or ``supports_compile``'s refusal.
 * ``train[<strategy>]``: three optimizer steps of the draft (LoRA on the last layer): the
   attention path, trainable dtypes (all float32), a finite loss, every trainable tensor
   moved, peak memory, step times, the checkpoint's size and that it holds only trained
@@ -586,22 +598,25 @@ COMPILED_LINES = ("compiled_ar_equals_eager", "compiled_chain_equals_eager",
                   "compiled_sampled_equals_eager", "compiled_no_recompile")  # fmt: skip
 """The compiled engine's lines, one set per target (``name[<target>]``)."""
 
-COMPILED_LENGTHS = (3, 9, 40, 17, 70, 5, 33, 1, 24, 50)
-"""The prompts of the equality lines: 10 lengths (70: three prefill chunks), so at B = 8 two
-rows take the places of finished ones."""
+COMPILED_LENGTHS = (3, 9, 40, 17, 70, 5, 33, 1, 24, 120)
+"""The prompts of the equality lines: 10 lengths (1 to 4 prefill chunks; 120 ids and the new
+tokens cross the tiny EvaByte's window of 128), so at B = 8 two rows take the places of
+finished ones."""
 
-NEW_LENGTHS = (2, 31, 45, 64, 100)
-"""``compiled_no_recompile``'s prompts: lengths no line decoded before (1 to 4 prefill chunks);
-at B = 8 with :data:`NEW_FILL`, three more."""
+NEW_LENGTHS = (2, 31, 45, 64, 130)
+"""``compiled_no_recompile``'s prompts: lengths no line decoded before (1 to 5 prefill chunks;
+130: past the tiny EvaByte's window); at B = 8 with :data:`NEW_FILL`, three more."""
 
 NEW_FILL = (11, 58, 90)
 
 SIZES = (1, 8)
 """The compiled lines' batch sizes: an engine each (its graphs shared by every line)."""
 
-COMPILED_MAX_NEW = 100
-"""At most this many new tokens (``--new-tokens``): the longest prompt, the tokens and a verify
-window stay in one capacity bucket (256), so no line compiles a graph for another bucket."""
+COMPILED_NEW = 24
+"""New tokens per row in the compiled lines, at most (``--new-tokens`` below it): enough for
+each row's stop, the chain's rewinds and the replaced rows; more would only slow the CPU run
+(a GPU's time goes to compiling). The longest prompt, the tokens and a verify window stay in
+one capacity bucket (256): no line compiles a graph of another bucket."""
 
 
 def compile_refusal(model: MTPCModel, args: argparse.Namespace) -> str | None:
@@ -640,7 +655,7 @@ def decode_compiled(
     return results, "; ".join(why)[:300] or None
 
 
-def stop_id(runs: Sequence[Sequence[int]]) -> int:
+def stop_id(runs: Sequence[Sequence[int]]) -> int | None:
     """A stop id that ends about half the rows early: of the ids in ``runs`` (rows decoded
     without stop ids), the one met before a row's last token in the share of rows nearest one
     half (then: met latest on average, then the smallest id)."""
@@ -653,7 +668,7 @@ def stop_id(runs: Sequence[Sequence[int]]) -> int:
             firsts.setdefault(token, []).append(i)
     rows = len(runs)
     return min(firsts, key=lambda t: (abs(2 * len(firsts[t]) - rows),
-                                      -sum(firsts[t]) / len(firsts[t]), t))  # fmt: skip
+                                      -sum(firsts[t]) / len(firsts[t]), t), default=None)  # fmt: skip
 
 
 def compare_compiled(
@@ -666,10 +681,11 @@ def compare_compiled(
     which the tie rule (:func:`tie_at`) must explain, counted; the rest of that row is not
     compared (after a tie the two rows go on from different tokens)."""
     prompts = _prompts(model, COMPILED_LENGTHS)
-    kw = {"max_new_tokens": min(args.new_tokens, COMPILED_MAX_NEW), "method": method,
+    kw = {"max_new_tokens": min(args.new_tokens, COMPILED_NEW), "method": method,
           "greedy": greedy, "seed": list(range(len(prompts)))}  # fmt: skip
     free = mtpc.generate(model, prompts, batch_size=max(SIZES), stop_ids=(), **kw)
-    kw["stop_ids"] = (stop := stop_id([r.tokens for r in free]),)
+    stop = stop_id([r.tokens for r in free])
+    kw["stop_ids"] = () if stop is None else (stop,)
     exact = args.dtype == "float32" or not greedy
     kind = "greedy" if greedy else "sampled"
     ties: list[str] = []
@@ -694,6 +710,10 @@ def compare_compiled(
                 return False, f"{found}, logit {tie}: a wrong token, not a {args.dtype} tie"
             ties.append(f"{where} token {first}: {tie}")
     stopped = sum(r.stopped for r in eager)
+    cycles = [a < d for r in compiled for a, d in zip(r.accepted, r.drafted, strict=False)]
+    rewound = (
+        f", {sum(cycles)} of {len(cycles)} cycles rewound" if method != "autoregressive" else ""
+    )
     rule = (
         "identical"
         if not ties
@@ -702,7 +722,7 @@ def compare_compiled(
     )
     return True, (
         f"{len(prompts)} prompts of {min(COMPILED_LENGTHS)}-{max(COMPILED_LENGTHS)} ids, "
-        f"{kw['max_new_tokens']} tokens, stop id {stop} ending {stopped} rows early; B="
+        f"{kw['max_new_tokens']} tokens, stop id {stop} ending {stopped} rows early{rewound}; B="
         f"{' and B='.join(map(str, SIZES))} ({len(prompts) - max(SIZES)} rows replaced): tokens "
         f"{rule} ({args.compile}; {attention_path(model)})"
     )
@@ -741,7 +761,7 @@ def check_no_recompile(model: MTPCModel, args: argparse.Namespace) -> tuple[bool
         return False, f"the warm-up did not run compiled: {next(w for w in why if w)}"
     before = int(counters["stats"]["unique_graphs"])
     fresh = _prompts(model, NEW_LENGTHS + NEW_FILL)
-    kw = {"max_new_tokens": min(args.new_tokens, COMPILED_MAX_NEW), "stop_ids": ()}
+    kw = {"max_new_tokens": min(args.new_tokens, COMPILED_NEW), "stop_ids": ()}
     calls: list[tuple[Any, int]] = [(p, 1) for p in fresh[: len(NEW_LENGTHS)]] + [(fresh, 8)]
     with torch._dynamo.config.patch(error_on_recompile=True):  # a recompilation raises: the
         for method in methods:  # step falls back to eager, with the warning decode_compiled sees

@@ -36,16 +36,21 @@ def _lines(output: str) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_cpu_mode_passes_every_check_it_can_run(tmp_path: Path) -> None:
-    """Every check PASSes on a CPU (the AR speed floor off: no timed assertion in a test)."""
+    """Every check PASSes on a CPU (the AR speed floor off: no timed assertion in a test),
+    the compiled engine's lines with ``--compile aot_eager`` (B = 1 and B = 8, rows replaced,
+    five new prompt lengths without a recompilation)."""
     env = {**os.environ, "PROJECT_ROOT": str(tmp_path), "MTPC_CACHE": str(tmp_path / "c")}
     env.pop("MTPC_EVABYTE_CODE", None)
-    command = [sys.executable, str(SCRIPT), "--device", "cpu", "--min-ar-speed", "0"]
+    command = [sys.executable, str(SCRIPT), "--device", "cpu", "--min-ar-speed", "0",
+               "--compile", "aot_eager"]  # fmt: skip
     result = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True)
     lines = _lines(result.stdout)
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
+    compiled = [f"{name}[tiny]" for name in _script().COMPILED_LINES]
     for name in ("device", "load[tiny]", "one_pass_verify[tiny]", "greedy_spec_equals_ar[tiny]",
-                 "ar_vs_hf_generate[tiny]", "train[single]"):  # fmt: skip
+                 "ar_vs_hf_generate[tiny]", "train[single]", *compiled):  # fmt: skip
         assert lines.get(name) == "PASS", (name, result.stdout)
+    assert "stop id" in result.stdout and "0 new graphs" in result.stdout
     for name in ("load[evabyte-tiny]", "eva_triton_vs_torch", "eva_train_triton_vs_torch",
                  "train[ddp]"):  # fmt: skip
         assert lines[name] == "SKIP", (name, result.stdout)
