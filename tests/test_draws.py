@@ -109,6 +109,14 @@ def test_the_uniforms_are_uniform_and_distinct_keys_are_uncorrelated() -> None:
     assert torch.equal(one[0], u[37])
     index = torch.arange(rows) % k
     assert torch.equal(base.at(DRAFT, index), u[torch.arange(rows), index])
+    # a cycle's table (every slot hashed at once) holds the same draws
+    keys = [row_key(s) for s in range(rows)]
+    table = Draws(keys, [0] * rows, cpu, {LATENT: 3, DRAFT: k, EMIT: 9})
+    assert torch.equal(table.take(DRAFT, k), u)
+    assert torch.equal(table.at(DRAFT, index), u[torch.arange(rows), index])
+    assert torch.equal(table.take(LATENT, 2), base.take(LATENT, 2))
+    assert torch.equal(table.at(EMIT, index % 9), base.at(EMIT, index % 9))
+    assert torch.equal(table.take(ACCEPT, 4), base.take(ACCEPT, 4))  # not in the table
 
 
 def reference(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, u: torch.Tensor) -> tuple:

@@ -7,7 +7,7 @@ of a finished row, on CPU and CUDA. See docs/DECODING.md, "Random draws".
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -22,11 +22,10 @@ UNIT = 2.0**-53
 
 
 def _mul32(x: Tensor, c: int) -> Tensor:
-    """``x * c mod 2^32`` for ``x`` < 2^32 in int64 without overflow: two 16-bit halves of
-    ``c``, each product < 2^48."""
-    lo = x * (c & 0xFFFF)
-    hi = ((x * (c >> 16)) & 0xFFFF) << 16
-    return (lo + hi) & MASK
+    """``x * c mod 2^32`` for ``x`` < 2^32 in int64 without overflow: ``c`` >= 2^31 enters
+    as ``c - 2^32`` (the same residue), so ``|x * c|`` < 2^63; ``& MASK`` of the
+    two's-complement product is the residue."""
+    return (x * (c - (1 << 32) if c >= 1 << 31 else c)) & MASK
 
 
 def mix(x: Tensor) -> Tensor:
@@ -76,29 +75,43 @@ def columns(slot: int, count: int, device: torch.device | str = "cpu") -> Tensor
 class Draws:
     """The stream of one cycle's rows: their keys (:func:`row_key`) and ``starts``, the output
     position of each row's first token this cycle (every cycle emits at least one token, so a
-    row never meets the same (start, slot, index) twice). Built on the device at first use
-    (a greedy cycle draws nothing)."""
+    row never meets the same (start, slot, index) twice). ``counts``: the draws per slot a
+    cycle may read, hashed in one table at the first read (a greedy cycle reads none)."""
 
     def __init__(
-        self, keys: Sequence[tuple[int, int]], starts: Sequence[int], device: torch.device
+        self,
+        keys: Sequence[tuple[int, int]],
+        starts: Sequence[int],
+        device: torch.device,
+        counts: Mapping[int, int] | None = None,
     ) -> None:
         self._rows = [[*k, s] for k, s in zip(keys, starts, strict=True)]
         self.device = device
-        self._table: Tensor | None = None
+        self.counts = dict(counts or {})
+        self._blocks: dict[int, Tensor] | None = None
 
-    @property
-    def table(self) -> Tensor:
-        """``(B, 3)`` int64: each row's two key lanes and start (one host-to-device copy)."""
-        if self._table is None:
-            self._table = torch.tensor(self._rows, dtype=torch.long, device=self.device)
-        return self._table
+    def _hash(self, cols: Tensor) -> Tensor:
+        """:func:`uniforms` of every row at ``cols`` ``(k,)`` or ``(B, k)``."""
+        table = torch.tensor(self._rows, dtype=torch.long, device=self.device)  # (B, 3)
+        return uniforms(table[:, :2], table[:, 2], cols)
+
+    def _block(self, slot: int) -> Tensor:
+        """Draws 0..counts[slot]-1 of ``slot`` ``(B, counts[slot])`` (the table's)."""
+        if self._blocks is None:
+            cols = torch.cat([columns(s, c, self.device) for s, c in self.counts.items()])
+            table = self._hash(cols).split(list(self.counts.values()), 1)
+            self._blocks = dict(zip(self.counts, table, strict=True))
+        return self._blocks[slot]
 
     def take(self, slot: int, count: int) -> Tensor:
         """Draws 0..count-1 of ``slot`` for every row ``(B, count)``."""
-        t = self.table
-        return uniforms(t[:, :2], t[:, 2], columns(slot, count, self.device))
+        if count <= self.counts.get(slot, -1):
+            return self._block(slot)[:, :count]
+        return self._hash(columns(slot, count, self.device))
 
     def at(self, slot: int, index: Tensor) -> Tensor:
-        """Draw ``index[b]`` of ``slot`` for each row b ``(B,)`` (index ``(B,)``)."""
-        t = self.table
-        return uniforms(t[:, :2], t[:, 2], ((slot << 16) | index)[:, None])[:, 0]
+        """Draw ``index[b]`` of ``slot`` for each row b ``(B,)`` (index ``(B,)``; in the table
+        when ``slot`` is: then below its count)."""
+        if slot in self.counts:
+            return self._block(slot).gather(1, index[:, None])[:, 0]
+        return self._hash(((slot << 16) | index)[:, None])[:, 0]

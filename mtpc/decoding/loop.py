@@ -17,7 +17,7 @@ from torch import Tensor
 
 from mtpc.circuits.params import CircuitParams
 from mtpc.decoding.common import GenerationResult, Request, Stopwatch, TargetRule, cut_at_stop
-from mtpc.decoding.draws import Draws, row_key
+from mtpc.decoding.draws import ACCEPT, DRAFT, EMIT, LATENT, Draws, row_key
 from mtpc.decoding.layout import Padded, Stream, Tree
 from mtpc.decoding.windowed import Windowed
 
@@ -231,9 +231,15 @@ def new_row(run: Run, index: int, request: Request, prompt: Tensor, method: str)
 
 
 def cycle_draws(run: Run, rows: Sequence[Row]) -> Draws:
-    """The rows' streams this cycle, each at its next output position."""
+    """The rows' streams this cycle, each at its next output position: AR's one token, or a
+    speculative cycle's draws (n drafts, U latent units, n tests, n + 1 emitted tokens)."""
     starts = [len(row.res.tokens) for row in rows]
-    return Draws([row.key for row in rows], starts, run.model.backbone.device)
+    counts = {EMIT: 1}
+    if run.proposer is not None:
+        circuit = run.model.head.circuit
+        n = circuit.window
+        counts = {DRAFT: n, LATENT: circuit.num_sum_units, ACCEPT: n, EMIT: n + 1}
+    return Draws([row.key for row in rows], starts, run.model.backbone.device, counts)
 
 
 @torch.no_grad()
