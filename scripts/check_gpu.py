@@ -762,7 +762,8 @@ def check_no_recompile(model: MTPCModel, args: argparse.Namespace) -> tuple[bool
     before = int(counters["stats"]["unique_graphs"])
     fresh = _prompts(model, NEW_LENGTHS + NEW_FILL)
     kw = {"max_new_tokens": min(args.new_tokens, COMPILED_NEW), "stop_ids": ()}
-    calls: list[tuple[Any, int]] = [(p, 1) for p in fresh[: len(NEW_LENGTHS)]] + [(fresh, 8)]
+    calls: list[tuple[Any, int]] = [(p, 1) for p in fresh[: len(NEW_LENGTHS)]]
+    calls.append((fresh, max(SIZES)))
     with torch._dynamo.config.patch(error_on_recompile=True):  # a recompilation raises: the
         for method in methods:  # step falls back to eager, with the warning decode_compiled sees
             for prompts, size in calls:
@@ -773,7 +774,7 @@ def check_no_recompile(model: MTPCModel, args: argparse.Namespace) -> tuple[bool
     detail = (
         f"after a warm-up at B={' and B='.join(map(str, SIZES))}, {len(NEW_LENGTHS)} prompts of "
         f"new lengths ({', '.join(map(str, NEW_LENGTHS))} ids) alone and with {len(NEW_FILL)} "
-        f"more at B=8, autoregressive and speculative, {kw['max_new_tokens']} tokens: "
+        f"more at B={max(SIZES)}, autoregressive and speculative, {kw['max_new_tokens']} tokens: "
     )
     if problems:
         return False, detail + "; ".join(problems)[:300]
