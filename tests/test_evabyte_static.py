@@ -13,13 +13,11 @@ slow tests.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
 import random
 import subprocess
 import sys
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -35,6 +33,7 @@ from mtpc.decoding.static import StaticLayout
 from mtpc.decoding.static_eva import EvaStaticEngine
 from mtpc.model import MTPCModel
 from tests.helpers import REPO, evabyte_checkpoint, needs_evabyte_code
+from tests.test_static_decode import no_fallback
 
 pytestmark = [needs_evabyte_code, pytest.mark.usefixtures("one_thread")]
 
@@ -93,16 +92,6 @@ def prompts(count: int, seed: int = 0) -> list[list[int]]:
 
 def graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
-
-
-@contextlib.contextmanager
-def no_fallback() -> Iterator[None]:
-    """Fails when the compiled step fell back to eager inside the block (its warning)."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", RuntimeWarning)
-        yield
-    fallbacks = [str(w.message) for w in caught if "decode step failed" in str(w.message)]
-    assert not fallbacks, fallbacks
 
 
 def both(model: MTPCModel, items: list[list[int]], new: int, backend: str, **kw: Any) -> Any:

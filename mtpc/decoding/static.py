@@ -6,6 +6,8 @@ decoding".
 
 :class:`StaticEngine` holds the buffers and the step; :class:`StaticLayout` is the loop's
 layout over it (``admit``, ``target``, ``release``: what autoregressive decoding uses).
+EvaByte's engine (its windows and chunk RFAs in fixed buffers) is
+``mtpc.decoding.static_eva.EvaStaticEngine``, the same step over its own caches.
 """
 
 from __future__ import annotations
