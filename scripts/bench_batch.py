@@ -15,8 +15,10 @@ speculatively (greedy; ``--sampling`` adds T = 1 sampling). It reports:
   from the smallest size's, which should be 0 in float64 and rare in float32);
 * the share of a speculative cycle spent per section (``profile=True``: model = the one
   batched trunk + tail pass and the head, circuit = drafting, verify = the acceptance tests,
-  cache = crops/commits, overhead = the rest of the loop; the greedy draft runs for all rows
-  at once, sampled drafts and every acceptance test row by row);
+  cache = crops/commits, overhead = the rest of the loop; the greedy draft and every chain's
+  acceptance run for all rows at once, sampled drafts' circuit calls row by row), and the
+  acceptance's time per row and cycle (``verify us/row-cyc``: the verify section over all
+  rows' cycles);
 * ``--what regenerate``: rows/s of regeneration (``regenerate_rows``, as
   ``scripts/regenerate.py batch_size=B`` runs it: greedy, speculative with the draft) of
   ``--prompts`` synthetic rows at each B, and the rows that differ from B = 1's.
@@ -133,16 +135,26 @@ def _per_row_tokens_per_cycle(results: Sequence[Any]) -> tuple[float, float]:
     return statistics.fmean(per_row), pooled
 
 
+def _breakdowns(results: Sequence[Any], size: int) -> list[dict[str, float] | None]:
+    """The runs' section times: at B > 1 one run decodes every row and each result carries
+    the run's breakdown; at B = 1 each prompt is its own run."""
+    return [results[0].breakdown] if size > 1 else [r.breakdown for r in results]
+
+
 def _shares(results: Sequence[Any], size: int) -> dict[str, float]:
-    """Fraction of the cycles' time per section. At B > 1 one run decodes every row and each
-    result carries the run's breakdown; at B = 1 each prompt is its own run: summed."""
-    parts = [results[0].breakdown] if size > 1 else [r.breakdown for r in results]
+    """Fraction of the cycles' time per section (the runs' summed)."""
     total: dict[str, float] = {}
-    for part in parts:
+    for part in _breakdowns(results, size):
         for key, value in (part or {}).items():
             total[key] = total.get(key, 0.0) + value
     cycle = sum(total.values())
     return {k: v / cycle for k, v in total.items()} if cycle else {}
+
+
+def _verify_per_row_cycle(results: Sequence[Any], size: int) -> float:
+    """Microseconds of the acceptance section (``verify``) per row and cycle."""
+    seconds = sum((part or {}).get("verify", 0.0) for part in _breakdowns(results, size))
+    return 1e6 * seconds / max(1, sum(len(r.cycle_seconds) for r in results))
 
 
 def measure_decoding(
@@ -200,6 +212,7 @@ def measure_decoding(
                 for s, a in zip(sd, outputs[(mode, size, "autoregressive")], strict=True)
             )
             row["sd_shares"] = _shares(sd, size)
+            row["sd_verify_us_per_row_cycle"] = _verify_per_row_cycle(sd, size)
             rows.append(row)
     return rows
 
@@ -209,7 +222,7 @@ def table_decoding(rows: Sequence[dict[str, Any]]) -> str:
     first = rows[0]["batch_size"]
     columns = ["mode", "B", "AR tok/s", "SD tok/s", "SD/AR", f"AR x B={first}", f"SD x B={first}",
                "tok/cyc (rows)", "tok/cyc (pooled)", f"!= B={first} (AR, SD)", "SD != AR",
-               *(f"SD {p}" for p in PARTS)]  # fmt: skip
+               *(f"SD {p}" for p in PARTS), "SD verify us/row-cyc"]  # fmt: skip
     lines = [markdown_header(*columns)]
     for r in rows:
         shares = r["sd_shares"]
@@ -220,6 +233,7 @@ def table_decoding(rows: Sequence[dict[str, Any]]) -> str:
             f"{r['ar_differ_first']}, {r['sd_differ_first']}",
             r["sd_differ_ar"] if r["mode"] == "greedy" else "",
             *(f"{100 * shares[p]:.0f}%" if p in shares else "" for p in PARTS),
+            f"{r['sd_verify_us_per_row_cycle']:.0f}",
         ]))  # fmt: skip
     return "\n".join(lines)
 
