@@ -24,7 +24,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import mtpc
-from mtpc.decoding import static
+from mtpc.decoding import static, static_step
 from mtpc.decoding.layout import Stream
 from mtpc.decoding.settings import c_compiler
 from mtpc.decoding.static import StaticEngine, StaticLayout
@@ -231,7 +231,7 @@ def test_a_compile_failure_falls_back_to_eager_with_a_warning(
 
         return run
 
-    monkeypatch.setattr(static, "compile_step", broken)
+    monkeypatch.setattr(static_step, "compile_step", broken)
     prompts = prompts_of((4, 30, 12))
     eager = mtpc.generate(tiny, prompts, 16, method="autoregressive", batch_size=2)
     with pytest.warns(RuntimeWarning, match="RuntimeError: no graph today"):

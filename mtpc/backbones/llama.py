@@ -131,7 +131,7 @@ class LlamaBackbone(Backbone):
         attend: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
         """Layers ``layers`` on ``hidden`` (B, T, d) over a fixed-capacity cache
-        (``mtpc.decoding.static.SlotCache``: it writes each new key at its row's slot and
+        (``mtpc.decoding.static_step.SlotCache``: it writes each new key at its row's slot and
         returns every slot), ``attend`` (B, T, S) bool over those S slots: no bookkeeping and
         no host sync, so that a compiled decode step traces it whole (no LoRA switch: the
         adapter stays as it is, off outside ``Backbone.adapter``)."""

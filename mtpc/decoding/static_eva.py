@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from mtpc.decoding.static import StaticEngine
+from mtpc.decoding.static_step import StaticEngine
 
 
 class Rotary(NamedTuple):
