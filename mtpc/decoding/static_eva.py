@@ -1,7 +1,7 @@
 """EvaByte on the static engine (``compile=`` with an ``EvaByteBackbone``): its EVA windows
 and chunk RFAs in fixed buffers, which slots and which RFAs a query sees as masks computed
 from the rows' lengths, and the window compression as a fixed-shape RFA update of the chunks
-each pass touches. See docs/DECODING.md, "Compiled decoding: EvaByte".
+each pass touches. See docs/DECODING.md, "EvaByte on the engine".
 
 Per layer ONE key and one value buffer ``(B, h, S, hd)``, ``S = F + R + X``:
 
