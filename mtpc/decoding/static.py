@@ -59,14 +59,17 @@ ENGINES_ATTRIBUTE = "_mtpc_static_engines"
 outside would keep every model alive through its engines)."""
 
 
-def engine_for(model: Any, batch: int, capacity: int, backend: str) -> StaticEngine:
-    """An engine of ``batch`` rows of ``capacity`` slots for ``model``: the last calls' one
-    when its shape matches (its graph is compiled already), else a new one."""
+def engine_for(
+    model: Any, batch: int, capacity: int, backend: str, widest: int = 0
+) -> StaticEngine:
+    """An engine of ``batch`` rows of ``capacity`` slots for ``model`` (``widest``: a token
+    tree's pass, its scratch): the last calls' one when its shape matches (its graph is
+    compiled already), else a new one."""
     kept: dict[tuple[Any, ...], StaticEngine] = vars(model).setdefault(ENGINES_ATTRIBUTE, {})
-    key = (batch, capacity, backend, model.backbone.dtype, str(model.backbone.device))
+    key = (batch, capacity, backend, widest, model.backbone.dtype, str(model.backbone.device))
     engine = kept.pop(key, None)
     if engine is None or engine.failed is not None:
-        engine = engine_class(model)(model, batch, capacity, backend)
+        engine = engine_class(model)(model, batch, capacity, backend, widest=widest)
     kept[key] = engine  # the most recent last
     while len(kept) > ENGINES_KEPT:
         kept.pop(next(iter(kept)))
@@ -91,10 +94,12 @@ def drop_engines(model: Any) -> None:
 class StaticLayout:
     """The rows of one decoding call in a :class:`StaticEngine`'s places (one per batch row):
     the loop's layout (``admit``, ``target``, ``keep``, ``draft``, ``release``) for
-    autoregressive decoding and the speculative chain."""
+    autoregressive decoding, the speculative chain and token trees (``widest``: a tree
+    pass's fixed T)."""
 
-    def __init__(self, engine: StaticEngine) -> None:
+    def __init__(self, engine: StaticEngine, widest: int = 0) -> None:
         self.engine = engine
+        self.widest = widest  # a token tree's pass: its fixed T (its budget + 1)
         self.places: list[Any] = [None] * engine.batch  # the row in each place, or None
         self._shapes: dict[int, tuple[Tensor, Tensor]] = {}  # T -> (offsets, causal inner)
         self._eyes: dict[int, Tensor] = {}  # T -> (T, T) identity: padding sees itself
@@ -143,14 +148,16 @@ class StaticLayout:
         self, rows: Sequence[Any], ids: Sequence[Tensor], trees: Sequence[Any], last: bool = False
     ) -> tuple[list[Tensor], list[Tensor]]:
         """One pass of each row's new ids ``(T_b,)`` (one id: autoregressive decoding and the
-        ``recompute`` pass; a chain's pending token and drafts: at most the window), padded to
-        the pass's fixed T (1, else the window): the rows' trunk states ``(1, T_b, d)`` and
-        logits ``(T_b, V)``."""
+        ``recompute`` pass; a chain's pending token and drafts: at most the window; a token
+        tree's root and nodes, ``trees``' ``(depth (T_b,), mask (T_b, T_b))``: at most
+        :attr:`widest`), padded to the pass's fixed T (1; the window; a tree pass:
+        :attr:`widest`): the rows' trunk states ``(1, T_b, d)`` and logits ``(T_b, V)``."""
         engine = self.engine
         widths = [x.shape[0] for x in ids]
-        width = 1 if max(widths) == 1 else engine.window
-        if any(tree is not None for tree in trees) or max(widths) > width:
-            raise ValueError("the static layout runs chains of at most the window per row")
+        tree = any(t is not None for t in trees)
+        width = self.widest if tree else 1 if max(widths) == 1 else engine.window
+        if max(widths) > width:
+            raise ValueError(f"a pass of {max(widths)} ids in a static layout of {width}")
         device, b = engine.device, engine.batch
         places = self._places(rows)  # (R,)
         offsets, inner = self._shape(width)
@@ -163,6 +170,11 @@ class StaticLayout:
             new[places, : max(widths)] = torch.nn.utils.rnn.pad_sequence(list(ids), True)
             count = torch.tensor(widths, device=device)
             real[places] = offsets[0][None] < count[:, None]
+            if tree:  # each row's depths and ancestor mask (a chain row's: causal)
+                offsets, inner = offsets.clone(), inner.clone()
+                for i, t, layout in zip(places.tolist(), widths, trees, strict=True):
+                    if layout is not None:
+                        offsets[i, :t], inner[i, :t, :t] = layout
             inner = (inner & real[:, None, :]) | self._eye(width)
         self.base = engine.lengths.clone()  # (B,) before the pass: what keep cuts back to
         trunk, out = engine.run(new, real, offsets, inner)
@@ -193,16 +205,25 @@ class StaticLayout:
 
     def keep(self, rows: Sequence[Any], keeps: Sequence[int | Tensor]) -> None:
         """Each row keeps the first ``keeps[i]`` positions of the last pass (a chain's
-        pending token and accepted drafts): its length rewinds to them, one tensor op for all
-        rows (:meth:`StaticEngine.rewind`); the rest of its slots are free."""
+        pending token and accepted drafts), or the ``(K_i,)`` offsets ``keeps[i]`` (a token
+        tree's root and accepted path: their keys and values move down to the first K_i
+        slots of the pass, :meth:`StaticEngine.compact`, one gather and write per buffer for
+        all rows); its length rewinds to them (:meth:`StaticEngine.rewind`); the rest of its
+        slots are free."""
         if not rows:
             return
-        if any(not isinstance(k, int) for k in keeps):
-            raise ValueError("the static layout keeps a chain's prefix (token trees: not yet)")
         engine = self.engine
+        places = self._places(rows)  # (R,)
+        counts = [k if isinstance(k, int) else k.shape[0] for k in keeps]
+        paths = [k for k in keeps if not isinstance(k, int)]
+        if paths:  # (R, K): each row's kept offsets (a prefix: 0..k-1), then j itself
+            device = engine.device
+            kept = [torch.arange(k, device=device) if isinstance(k, int) else k for k in keeps]
+            index = torch.nn.utils.rnn.pad_sequence(kept, True, padding_value=-1)  # (R, K)
+            span = torch.arange(index.shape[1], device=device).expand_as(index)
+            engine.compact(places, self.base[places], torch.where(index < 0, span, index))
         lengths = engine.lengths.clone()
-        places = self._places(rows)
-        lengths[places] = self.base[places] + torch.tensor(list(keeps), device=engine.device)
+        lengths[places] = self.base[places] + torch.tensor(counts, device=engine.device)
         engine.rewind(lengths)
 
     def draft(self, rows: Sequence[Any], states: Sequence[Tensor]) -> list[Tensor | None]:
@@ -257,18 +278,24 @@ def decode_static(
 ) -> list[Any]:
     """``loop.decode`` of checked requests (``compile`` set: its backend) in a
     :class:`StaticEngine` of ``size`` rows, its capacity the longest prompt plus
-    ``max_new_tokens`` (plus a window for a chain's last verify pass), rounded up to
-    :data:`BUCKET`; autoregressive (``admit``, ``step``) or speculative (``proposer``: a
-    chain). Each result's ``engine`` says what ran (``compiled``, or ``static`` after a
-    fallback)."""
+    ``max_new_tokens`` (plus a verify pass: a chain's window + 1, a token tree's budget + 1),
+    rounded up to :data:`BUCKET`; autoregressive (``admit``, ``step``) or speculative
+    (``proposer``: a chain, or a token tree: the Llama family's engine only). Each result's
+    ``engine`` says what ran (``compiled``, or ``static`` after a fallback)."""
     from mtpc.decoding.loop import decode
 
     request = requests[0]
+    widest = request.tree_budget + 1 if request.tree_budget and proposer is not None else 0
+    if widest and engine_class(model) is not StaticEngine:
+        raise ValueError(
+            f"compile={request.compile!r} runs token trees on the Llama family's engine, not "
+            f"on {type(model.backbone).__name__} (EvaByte); allowed: tree_budget=0 (its chain)"
+        )
     longest = max(p.shape[0] for p in prompts) + request.max_new_tokens
-    if proposer is not None:  # a verify pass writes up to a window past the emitted tokens
-        longest += model.head.circuit.window + 1
-    engine = engine_for(model, size, capacity_for(longest), str(request.compile))
-    layout = StaticLayout(engine)
+    if proposer is not None:  # a verify pass writes up to a window (a tree) past the tokens
+        longest += max(model.head.circuit.window + 1, widest)
+    engine = engine_for(model, size, capacity_for(longest), str(request.compile), widest)
+    layout = StaticLayout(engine, widest)
     results = decode(model, prompts, requests, proposer, size, admit, step, layout)
     for res in results:
         res.engine = engine.engine

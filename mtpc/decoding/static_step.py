@@ -74,6 +74,7 @@ class StaticEngine:
         capacity: int,
         backend: str = "inductor",
         chunk: int = PREFILL_CHUNK,
+        widest: int = 0,
     ) -> None:
         backbone = model.backbone
         config = backbone.config
@@ -88,8 +89,9 @@ class StaticEngine:
         self._dim = int(
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         )
-        # the scratch: one slot per padding position of a pass (a prefill chunk, a window)
-        self.slots = capacity + max(chunk, self.window + 1)
+        # the scratch: one slot per padding position of a pass (a prefill chunk, a window,
+        # ``widest``: a token tree's pass)
+        self.slots = capacity + max(chunk, self.window + 1, widest)
         self.cache, self.valid, self.lengths = self._buffers(0, backbone.num_layers)
         self.slot_index = torch.arange(self.slots, device=device)  # (S,)
         self.draft_cache: SlotCache | None = None
@@ -132,6 +134,23 @@ class StaticEngine:
         writes over them."""
         self.lengths.copy_(lengths)
         torch.lt(self.slot_index[None], lengths[:, None], out=self.valid)  # slot = position
+
+    def compact(self, places: Tensor, base: Tensor, keep: Tensor) -> None:
+        """Each row ``places[r]`` keeps the positions ``base[r] + keep[r, j]`` of its last pass
+        (a token tree's root and accepted path) as ``base[r] + j``: one gather and one
+        ``index_put_`` per layer's buffer for all rows (its lengths: :meth:`rewind`).
+
+        Args:
+            places: ``(R,)`` the rows' places.
+            base: ``(R,)`` their lengths before the pass.
+            keep: ``(R, K)`` the kept offsets from ``base`` (a row's past its own count: ``j``
+                itself, which copies a slot onto itself).
+        """
+        rows = places[:, None]  # (R, 1)
+        src = base[:, None] + keep  # (R, K)
+        dst = base[:, None] + torch.arange(keep.shape[1], device=keep.device)  # (R, K)
+        for buffer in (*self.cache.keys, *self.cache.values):  # (B, H_kv, S, D) each
+            buffer[rows, :, dst] = buffer[rows, :, src]  # (R, K, H_kv, D): gathered first
 
     def step(
         self, ids: Tensor, real: Tensor, offsets: Tensor, inner: Tensor
