@@ -27,6 +27,11 @@ r = ``--rank`` from the target's MTP unembeddings, a LoRA tail of ``--lora`` lay
   half of it and the draft tail over the kept states; the calls' capacity, as many cycles as
   ``--max-new-tokens`` allows, at most ``--steps``): median ms and aten calls.
 
+A token tree's cycle (``--tree-budget N``, ``--tree-only``: without the AR rows): the same
+draft, a pass of a pending root and N nodes per row (a binary heap; its depths and ancestor
+mask), the keep of its rightmost path (compacted: the nodes move to the pass's first slots),
+the draft tail over the kept states; eager vs compiled, median ms and aten calls.
+
 The compiled graphs are built first (``warm-up`` column: seconds of the first call, which
 compiles the step at this B and the prefill chunk; the chain's: its verify and draft-tail
 steps too) and are not timed. Cells alternate between repeats; a cell's wall time is the
@@ -35,6 +40,7 @@ median over the repeats.
     python scripts/bench_static_decode.py                               # inductor, B = 1, 8
     python scripts/bench_static_decode.py --backend aot_eager --sizes 1 4 16 --repeats 5
     python scripts/bench_static_decode.py --chain --sizes 1 8           # + the speculative chain
+    python scripts/bench_static_decode.py --tree-budget 16 --tree-only --backend aot_eager
     python scripts/bench_static_decode.py --target evabyte --evabyte-code DIR --chain --window 4
 
 ``--target evabyte`` (``--evabyte-code DIR``, a folder with EvaByte's ``evabyte_hf/*.py``,
@@ -199,18 +205,20 @@ def measure(model: Any, prompts: list[list[int]], args: argparse.Namespace) -> l
 
 
 def cycle_cost(
-    layout: Any, rows: Sequence[Any], steps: int, device: torch.device, window: int, keep: int
-) -> dict[str, float]:
+    layout: Any, rows: Sequence[Any], steps: int, device: torch.device, window: int,
+    keep: int | torch.Tensor, tree: Any = None,
+) -> dict[str, float]:  # fmt: skip
     """Median ms of one cycle's model work (a verify pass of ``window`` ids per row, a keep of
-    ``keep`` of them, the draft tail over the kept states) over ``steps`` cycles, and the
-    outermost aten calls the profiler sees in one."""
+    ``keep`` of them: a prefix's length, or a tree's kept nodes ``(K,)``; the draft tail
+    over the kept states) over ``steps`` cycles, and the outermost aten calls the profiler
+    sees in one. ``tree``: the pass's ``(depth (T,), mask (T, T))`` (None: a chain)."""
     ids = [torch.arange(65, 65 + window, device=device) for _ in rows]
-    trees = [None] * len(rows)
+    trees = [tree] * len(rows)
 
     def one() -> None:
         states = layout.target(rows, ids, trees)[0]
         layout.keep(rows, [keep] * len(rows))
-        layout.draft(rows, [s[:, :keep] for s in states])
+        layout.draft(rows, [s[:, :keep] if isinstance(keep, int) else s[:, keep] for s in states])
 
     one()  # warm (caches, allocator)
     times = []
@@ -225,29 +233,73 @@ def cycle_cost(
     return {"cycle_ms": 1000 * statistics.median(times), "cycle_aten_calls": profiled_ops(one)}
 
 
+def heap_tree(nodes: int, depth: int, device: torch.device) -> tuple[Any, torch.Tensor]:
+    """A pending root and ``nodes - 1`` nodes as a binary heap (node i's parent: (i - 1) // 2):
+    its ``(depth (T,), ancestor mask (T, T))`` and the kept path ``(K,)``, the rightmost
+    one down to ``depth`` (its nodes off the pass's prefix: the keep moves them)."""
+    parents = [(i - 1) // 2 for i in range(nodes)]
+    mask = torch.eye(nodes, dtype=torch.bool, device=device)
+    for i in range(1, nodes):
+        mask[i] |= mask[parents[i]]
+    depths = torch.tensor([(i + 1).bit_length() - 1 for i in range(nodes)], device=device)
+    path = [0]
+    while 2 * path[-1] + 2 < nodes and len(path) <= depth:
+        path.append(2 * path[-1] + 2)
+    return (depths, mask), torch.tensor(path, device=device)
+
+
 @torch.no_grad()
-def measure_cycles(model: Any, prompts: list[list[int]], size: int, args: argparse.Namespace):
-    """One cycle's model work alone, eager and compiled, with ``size`` rows held."""
+def measure_cycles(
+    model: Any, prompts: list[list[int]], size: int, args: argparse.Namespace, budget: int = 0
+) -> dict[str, Any]:
+    """One cycle's model work alone, eager and compiled, with ``size`` rows held: a chain's
+    (``budget`` 0), or a token tree's of ``budget`` nodes and a pending root."""
     from mtpc.decoding.static import StaticLayout, capacity_for, engine_for
 
     device, window = model.backbone.device, model.head.circuit.window
     batch = [torch.tensor(p, device=device) for p in (prompts * size)[:size]]
     rows = [object() for _ in batch]
     # the calls' capacity (the same compiled graphs); as many cycles as their tokens allow
-    longest = max(len(p) for p in batch) + args.max_new_tokens + window + 1
+    width = budget + 1 if budget else window
+    longest = max(len(p) for p in batch) + args.max_new_tokens + max(window + 1, width)
     eager = eager_layout(model, size)
-    engine = engine_for(model, size, capacity_for(longest), args.backend)
-    compiled = StaticLayout(engine)
+    widest = budget + 1 if budget else 0
+    engine = engine_for(model, size, capacity_for(longest), args.backend, widest)
+    compiled = StaticLayout(engine, widest)
+    tree, keep = None, max(1, window // 2)
     # half of the pass kept; EvaByte keeps it whole (all accepted): half of a pass that crossed
     # a window's end would cut into the compressed window (the loop's drafts never cross it)
-    keep = window if hasattr(model.backbone, "run_rows") else max(1, window // 2)
-    steps = max(1, min(args.steps, args.max_new_tokens // keep - 2))
-    out: dict[str, Any] = {"cycle_steps": steps, "cycle_keep": keep}
+    if hasattr(model.backbone, "run_rows"):
+        keep = window
+    if budget:  # the root and the heap's rightmost path, at most the window
+        tree, keep = heap_tree(width, window - 1, device)
+    kept = keep if isinstance(keep, int) else keep.shape[0]
+    steps = max(1, min(args.steps, args.max_new_tokens // kept - 2))
+    out: dict[str, Any] = {"cycle_steps": steps, "cycle_keep": kept}
     for name, layout in (("eager", eager), ("compiled", compiled)):
         layout.draft(rows, layout.admit(rows, batch)[0])
-        cost = cycle_cost(layout, rows, steps, device, window, keep)
+        cost = cycle_cost(layout, rows, steps, device, width, keep, tree)
         out.update({f"{name}_{key}": value for key, value in cost.items()})
+    out["cycle_engine"] = engine.engine
     return out
+
+
+def tree_table(model: Any, prompts: list[list[int]], args: argparse.Namespace) -> list[dict]:
+    """One row per B: a token tree cycle's model work alone (``--tree-budget`` nodes), eager
+    vs compiled, printed as a Markdown table."""
+    rows = [{"batch_size": size, **measure_cycles(model, prompts, size, args, args.tree_budget)}
+            for size in args.sizes]  # fmt: skip
+    lines = [markdown_header("B", "nodes", "kept", "cycle model ms eager",
+                             "cycle model ms compiled", "x eager", "cycle model aten eager",
+                             "cycle model aten compiled", "engine")]  # fmt: skip
+    for r in rows:
+        lines.append(markdown_row([
+            r["batch_size"], args.tree_budget, r["cycle_keep"], f"{r['eager_cycle_ms']:.2f}",
+            f"{r['compiled_cycle_ms']:.2f}", f"{r['eager_cycle_ms'] / r['compiled_cycle_ms']:.2f}",
+            r["eager_cycle_aten_calls"], r["compiled_cycle_aten_calls"], r["cycle_engine"],
+        ]))  # fmt: skip
+    print("\n".join(lines))
+    return rows
 
 
 def measure_chain(model: Any, prompts: list[list[int]], args: argparse.Namespace) -> list[dict]:
@@ -336,11 +388,20 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--window", type=int, default=8, help="the chain's draft: n")
     parser.add_argument("--rank", type=int, default=8, help="the chain's draft: r")
     parser.add_argument("--lora", type=int, default=1, help="the chain's draft: k")
+    parser.add_argument(
+        "--tree-budget",
+        type=int,
+        default=0,
+        help="also a token tree's cycle of this many nodes (its model work)",
+    )
+    parser.add_argument("--tree-only", action="store_true", help="the tree cycle, no AR rows")  # fmt: skip
     parser.add_argument("--evabyte-code", default=os.environ.get("MTPC_EVABYTE_CODE") or None,
                         help="measure a tiny EvaByte of the real remote code in this folder "
                         "(default $MTPC_EVABYTE_CODE)")  # fmt: skip
     parser.add_argument("--target", default="tiny", choices=["tiny", "evabyte"])
     args = parser.parse_args(argv)
+    if args.tree_budget and args.target == "evabyte":
+        parser.error("--tree-budget: EvaByte's engine runs chains; allowed: --target tiny")
     if not args.sizes or min(args.sizes) < 1 or min(args.prompts, args.repeats, args.steps) < 1:
         parser.error("--sizes, --prompts, --steps and --repeats: allowed: ints >= 1")
     return args
@@ -372,17 +433,23 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
           f"{torch.__version__}; backend {args.backend}; {len(prompts)} prompts of "
           f"{min(lengths)}-{max(lengths)} ids, {args.max_new_tokens} new tokens each, "
           f"{args.repeats} repeat(s), median wall time")  # fmt: skip
-    rows = [] if args.chain_only else measure(model, prompts, args)
-    print(table(rows))
+    rows = [] if args.chain_only or args.tree_only else measure(model, prompts, args)
+    if rows:
+        print(table(rows))
     report = {"machine": machine(), "torch": torch.__version__, "args": vars(args), "rows": rows}
-    if args.chain or args.chain_only:
+    if args.chain or args.chain_only or args.tree_budget:
         draft = MTPCModel.from_backbone(
             model.backbone, "btree", args.window, args.rank, lora_layers=args.lora
         )
+    if args.chain or args.chain_only:
         print(f"speculative chain: btree n={args.window} r={args.rank} k={args.lora} (the "
               "target's MTP unembeddings, LoRA B = 0), greedy, policy=condition")  # fmt: skip
         report["chain"] = measure_chain(draft, prompts, args)
         print(chain_table(report["chain"]))
+    if args.tree_budget:
+        print(f"token tree cycle: {args.tree_budget} nodes and a pending root (a binary heap), "
+              f"its rightmost path kept; the draft's tail k={args.lora}")  # fmt: skip
+        report["tree"] = tree_table(draft, prompts, args)
     write_json(args.json, report, default=str)
     import json
 
