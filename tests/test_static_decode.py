@@ -24,6 +24,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import mtpc
+from mtpc.backbones.llama import LlamaBackbone
 from mtpc.decoding import static, static_step
 from mtpc.decoding.layout import Stream
 from mtpc.decoding.settings import c_compiler
@@ -257,8 +258,10 @@ def _attention(hf: torch.nn.Module, impl: str) -> torch.nn.Module:
 @pytest.mark.parametrize(
     ("target", "message"),
     [
-        (lambda: fake_llama3_byte(2), r"compile=True does not support Llama3ByteBackbone; "
-         r"supported: LlamaBackbone"),
+        (lambda: LlamaBackbone(fake_llama3_byte(2)), r"^compile=True does not support "
+         r"LlamaBackbone with remote-code layers; supported: LlamaBackbone with "
+         r"transformers' own Llama layers \(the tiny target, HF Llama checkpoints\), "
+         r"Llama3ByteBackbone or EvaByteBackbone, and attention sdpa or eager$"),
         (lambda: _attention(tiny_llama(2), "flex_attention"), r"^compile=True does not "
          r"support attention 'flex_attention'; supported: .* and attention sdpa or eager$"),
     ],

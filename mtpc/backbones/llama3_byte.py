@@ -103,34 +103,38 @@ class ExpansionLookup:
 
     def __call__(self, ids: torch.Tensor, last_n: int | None = None) -> torch.Tensor:
         """Expanded ids of ``ids`` (B, S) -> (B, S), zeros before ``S - last_n`` (as the rule)."""
-        edges, children, values, is_key, single, single_value = self._tensors(ids.device)
         b, s = ids.shape
         first = 0 if last_n is None else max(0, s - last_n)
         out = torch.zeros_like(ids)
         if first >= s:
             return out
         x = ids.long() + 1  # (B, S) shifted ids
-        x = torch.where(x < self.width, x, 0)  # 0: an id no key holds
         d = self.depth
         padded = torch.cat([x.new_zeros(b, d), x], dim=1)  # (B, d + S): 0 before the row
         # cols[:, p, j]: the shifted id j steps before position first + p (0 before the row)
         steps = torch.arange(d, device=ids.device)  # (d,)
         back = torch.arange(first + d, s + d, device=ids.device)[:, None] - steps  # (P, d)
-        cols = padded[:, back]  # (B, P, d)
-        node = torch.zeros(b, s - first, dtype=torch.long, device=ids.device)  # (B, P) trie node
+        out[:, first:] = self.walk(padded[:, back], ids.device.type == "cpu").to(out.dtype)
+        return out
+
+    def walk(self, cols: torch.Tensor, early: bool = False) -> torch.Tensor:
+        """Expanded ids ``(B, P)`` of positions whose shifted histories are ``cols``
+        ``(B, P, m)`` (``cols[..., j]``: the shifted id j steps back, 0 before the row; ``m``
+        at least the trie's depth). ``early``: stop once no walk goes on (a host sync: CPU
+        tensors outside a compiled graph only)."""
+        edges, children, values, is_key, single, single_value = self._tensors(cols.device)
+        cols = torch.where(cols < self.width, cols, 0)  # 0: an id no key holds
+        node = torch.zeros_like(cols[..., 0])  # (B, P) trie node
         best = torch.zeros_like(node)  # (B, P): the deepest key's value (0: no key matched)
-        on_host = ids.device.type == "cpu"
-        for j in range(d):
+        for j in range(self.depth):
             edge = node * self.width + cols[..., j]  # (B, P)
             at = torch.searchsorted(edges, edge).clamp_(max=edges.numel() - 1)  # (B, P)
             node = torch.where(edges[at] == edge, children[at], self.dead)
             best = torch.where(is_key[node], values[node], best)
-            if on_host and bool((node == self.dead).all()):  # no sync on a GPU
+            if early and bool((node == self.dead).all()):
                 break
-        last = x[:, first:].clamp(max=single.numel() - 1)  # (B, P) the most recent shifted id
-        best = torch.where(single[last], single_value[last], best)
-        out[:, first:] = best.to(out.dtype)
-        return out
+        last = cols[..., 0].clamp(max=single.numel() - 1)  # (B, P) the most recent shifted id
+        return torch.where(single[last], single_value[last], best)
 
 
 class Llama3ByteBackbone(LlamaBackbone):
@@ -151,9 +155,28 @@ class Llama3ByteBackbone(LlamaBackbone):
         positions = history.shape[1] if last_n is None else min(last_n, history.shape[1])
         if history.device.type == "cpu" and positions <= HOST_RULE_MAX_POSITIONS:
             return expand_input_ids(history, self.inner.expand_input_ids_dict, self.maxlen, last_n)
+        lookup = self.expansion(history.device)
+        assert lookup is not None
+        return lookup(history, last_n)
+
+    def expansion(self, device: torch.device) -> ExpansionLookup | None:
+        """The expansion's trie (None: no expansion), its tables on ``device``."""
+        if not self.expand:
+            return None
         if self._lookup is None:
             self._lookup = ExpansionLookup(self.inner.expand_input_ids_dict, self.maxlen)
-        return self._lookup(history, last_n)
+        self._lookup._tensors(device)
+        return self._lookup
+
+    def embed_windows(self, ids: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
+        """Input embeddings ``(B, T, d)`` of ``ids`` ``(B, T)`` whose shifted histories (id + 1,
+        most recent first, the id itself at 0, 0 before the row) are ``windows`` ``(B, T,
+        maxlen)``: tensor ops only, no host sync (the static decode step's, compiled)."""
+        emb = self.inner.embed_tokens(ids)  # (B, T, d)
+        lookup = self.expansion(ids.device)
+        if lookup is None:
+            return emb
+        return emb + self.inner.expand_embed_tokens(lookup.walk(windows))
 
     def embed(self, ids: torch.Tensor, past_ids: torch.Tensor | None = None) -> torch.Tensor:
         emb = self.inner.embed_tokens(ids)  # (B, T, d)

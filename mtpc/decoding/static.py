@@ -30,18 +30,20 @@ def supports_compile(model: Any, compile: bool | str = True) -> str | None:
     """Why ``model`` cannot decode with ``compile`` (its refusal, one line; None: it can)."""
     from mtpc.backbones.evabyte import EvaByteBackbone
     from mtpc.backbones.llama import LlamaBackbone
+    from mtpc.backbones.llama3_byte import Llama3ByteBackbone
 
     backbone = model.backbone
     name, asked = type(backbone).__name__, f"compile={compile!r}"
     supported = (
         "supported: LlamaBackbone with transformers' own Llama layers (the tiny target, HF "
-        f"Llama checkpoints) or EvaByteBackbone, and attention {' or '.join(ATTENTION)}"
+        "Llama checkpoints), Llama3ByteBackbone or EvaByteBackbone, and attention "
+        f"{' or '.join(ATTENTION)}"
     )
     if type(backbone) is EvaByteBackbone:  # its own static attention (mtpc.decoding.static_eva)
         return None
-    if type(backbone) is not LlamaBackbone:
+    if type(backbone) not in (LlamaBackbone, Llama3ByteBackbone):
         return f"{asked} does not support {name}; {supported}"
-    if not backbone.native_layers:
+    if not backbone.native_layers and type(backbone) is not Llama3ByteBackbone:
         return f"{asked} does not support {name} with remote-code layers; {supported}"
     impl = getattr(backbone.config, "_attn_implementation", None) or "eager"
     if impl not in ATTENTION:

@@ -101,6 +101,11 @@ class StaticEngine:
         self.compiled_draft: Callable[..., Tensor] | None = None
         self.failed: str | None = None  # why the compiled step fell back to eager
         self.ran_compiled = False
+        # the byte Llama's embedding reads each id's last ``maxlen`` ids: the ids by slot
+        self.slot_ids: Tensor | None = None  # (B, S)
+        if getattr(backbone, "needs_history", False):
+            self.slot_ids = torch.zeros(batch, self.slots, dtype=torch.long, device=device)
+            backbone.expansion(device)  # its lookup tables built (and on the device) eagerly
 
     def _buffers(self, first: int, end: int) -> tuple[SlotCache, Tensor, Tensor]:
         """Key and value buffers of layers ``first..end-1``, their ``valid`` and ``lengths``."""
@@ -151,6 +156,8 @@ class StaticEngine:
         dst = base[:, None] + torch.arange(keep.shape[1], device=keep.device)  # (R, K)
         for buffer in (*self.cache.keys, *self.cache.values):  # (B, H_kv, S, D) each
             buffer[rows, :, dst] = buffer[rows, :, src]  # (R, K, H_kv, D): gathered first
+        if self.slot_ids is not None:
+            self.slot_ids[rows, dst] = self.slot_ids[rows, src]  # (R, K)
 
     def step(
         self, ids: Tensor, real: Tensor, offsets: Tensor, inner: Tensor
@@ -171,13 +178,32 @@ class StaticEngine:
             The trunk's pre-norm states ``(B, T, d)`` and the verifier's logits ``(B, T, V)``.
         """
         model, backbone = self.model, self.model.backbone
-        hidden = model.embed(ids, None)  # (B, T, d)
+        if self.slot_ids is None:
+            hidden = model.embed(ids, None)  # (B, T, d)
+        else:  # the byte Llama: each id after its own last ids (a tree node: its root path)
+            hidden = backbone.embed_windows(ids, self._windows(ids, offsets, inner))
         split, layers = model.split, backbone.num_layers
         positions, seen = self._prepare(self.cache, self.valid, self.lengths, real, offsets, inner)
+        if self.slot_ids is not None:
+            self.slot_ids.scatter_(1, self.cache.slots, ids)  # type: ignore[arg-type]
         trunk = backbone.run_static(hidden, range(split), positions, self.cache, seen)
         tail = backbone.run_static(trunk, range(split, layers), positions, self.cache, seen)
         self._append(self.cache, self.valid, self.lengths, real)
         return trunk, model.verifier_logits(tail)  # (B, T, d), (B, T, V)
+
+    def _windows(self, ids: Tensor, offsets: Tensor, inner: Tensor) -> Tensor:
+        """Each new id's shifted history ``(B, T, m)`` (``m`` = the byte Llama's ``maxlen``;
+        j: the id j steps back, + 1; 0 before the row): the new ids it sees at depth
+        ``offsets - j`` (a chain's id j before it, a tree node's ancestor), then the row's
+        own ids by slot before its length."""
+        m = int(self.model.backbone.maxlen)
+        want = offsets[:, :, None] - torch.arange(m, device=ids.device)  # (B, T, m) depths
+        match = inner[:, :, None, :] & (offsets[:, None, None, :] == want[..., None])  # (B,T,m,T)
+        new = (match * (ids[:, None, None, :] + 1)).sum(-1)  # (B, T, m)
+        assert self.slot_ids is not None
+        at = self.lengths[:, None, None] + want  # (B, T, m) the slot of an id before the pass
+        past = self.slot_ids.gather(1, at.clamp(min=0).flatten(1)).view_as(at) + 1
+        return torch.where(want >= 0, new, torch.where(at >= 0, past, 0))
 
     def draft_step(self, hidden: Tensor, real: Tensor, offsets: Tensor, inner: Tensor) -> Tensor:
         """The draft tail (layers split..L-1, the LoRA adapter on: the caller switches it) on
