@@ -10,7 +10,6 @@ ids from the histories changes the tokens.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -21,17 +20,11 @@ from mtpc.decoding.static import StaticEngine
 from mtpc.model import MTPCModel
 from tests.fakes import fake_llama3_byte
 from tests.test_static_decode import graphs, no_fallback
-from tests.test_static_tree import compiled_trees, eager_trees
+
+# _fresh_dynamo: the autouse fixture (each test compiles from scratch, counts its own graphs)
+from tests.test_static_tree import _fresh_dynamo, compiled_trees, eager_trees  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo() -> Iterator[None]:
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
 
 
 def byte_model(k: int = 1) -> MTPCModel:

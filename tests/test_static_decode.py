@@ -399,6 +399,22 @@ def test_chain_does_not_recompile_for_new_prompt_lengths() -> None:
     assert [r.tokens for r in alone] == [r.tokens for r in batch]
 
 
+def poison_past_lengths(layout: StaticLayout, width: int) -> int:
+    """Huge keys and values in every slot past each row's length (trunk, and cache D once it
+    exists); returns how many of them the last pass of ``width`` ids per row wrote (its
+    rejected positions' slots, past the rows' new lengths)."""
+    engine = layout.engine
+    for buffers, lengths in ((engine.cache, engine.lengths),
+                             (engine.draft_cache, engine.draft_lengths)):  # fmt: skip
+        if buffers is None:  # cache D starts with the first draft pass
+            continue
+        free = engine.slot_index[None] >= lengths[:, None]  # (B, S)
+        for buffer in (*buffers.keys, *buffers.values):
+            buffer.masked_fill_(free[:, None, :, None], 1e6)
+    slot, passed = engine.slot_index[None], layout.base[:, None] + width
+    return int(((slot >= engine.lengths[:, None]) & (slot < passed)).sum())
+
+
 @pytest.mark.parametrize("policy", ["recompute", "condition"])
 def test_rewound_slots_are_never_read(policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """After every keep, huge keys and values go into every slot past each row's rewound
@@ -414,17 +430,7 @@ def test_rewound_slots_are_never_read(policy: str, monkeypatch: pytest.MonkeyPat
     original, poisoned = StaticLayout.keep, []
 
     def poison(layout: StaticLayout) -> None:
-        """Huge keys and values past every row's length, trunk and cache D; counts the
-        rejected drafts' slots among them (the last pass's, past the rewound length)."""
-        engine = layout.engine
-        for buffers, lengths in ((engine.cache, engine.lengths),
-                                 (engine.draft_cache, engine.draft_lengths)):  # fmt: skip
-            assert buffers is not None
-            free = engine.slot_index[None] >= lengths[:, None]  # (B, S)
-            for buffer in (*buffers.keys, *buffers.values):
-                buffer.masked_fill_(free[:, None, :, None], 1e6)
-        slot, passed = engine.slot_index[None], layout.base[:, None] + engine.window
-        poisoned.append(int(((slot >= engine.lengths[:, None]) & (slot < passed)).sum()))
+        poisoned.append(poison_past_lengths(layout, layout.engine.window))
 
     def keep(self: StaticLayout, rows, keeps) -> None:  # type: ignore[no-untyped-def]
         original(self, rows, keeps)

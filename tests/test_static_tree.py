@@ -27,7 +27,13 @@ from mtpc.decoding.static import StaticEngine, StaticLayout
 from mtpc.decoding.tree import Tree
 from mtpc.model import MTPCModel
 from tests.fakes import fake_evabyte, make_model
-from tests.test_static_decode import CHAIN_MODES, chain_prompts, graphs, no_fallback
+from tests.test_static_decode import (
+    CHAIN_MODES,
+    chain_prompts,
+    graphs,
+    no_fallback,
+    poison_past_lengths,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -147,23 +153,9 @@ def test_rejected_nodes_are_never_read(policy: str, monkeypatch: pytest.MonkeyPa
     eager = eager_trees(model, prompts, 24, 3, **kw)
     original, poisoned = StaticLayout.keep, []
 
-    def poison(layout: StaticLayout) -> None:
-        """Huge keys and values past every row's length, trunk and cache D; counts the
-        pass's slots among them (its rejected nodes' and moved path nodes' old slots)."""
-        engine = layout.engine
-        for buffers, lengths in ((engine.cache, engine.lengths),
-                                 (engine.draft_cache, engine.draft_lengths)):  # fmt: skip
-            if buffers is None:  # cache D starts with the first draft pass
-                continue
-            free = engine.slot_index[None] >= lengths[:, None]  # (B, S)
-            for buffer in (*buffers.keys, *buffers.values):
-                buffer.masked_fill_(free[:, None, :, None], 1e6)
-        slot, passed = engine.slot_index[None], layout.base[:, None] + layout.widest
-        poisoned.append(int(((slot >= engine.lengths[:, None]) & (slot < passed)).sum()))
-
     def keep(self: StaticLayout, rows, keeps) -> None:  # type: ignore[no-untyped-def]
-        original(self, rows, keeps)
-        poison(self)
+        original(self, rows, keeps)  # then poisons the slots past the rows' lengths
+        poisoned.append(poison_past_lengths(self, self.widest))
 
     monkeypatch.setattr(StaticLayout, "keep", keep)
     moved = moved_paths(monkeypatch)
