@@ -64,7 +64,9 @@ class StaticEngine:
 
     A draft with a LoRA tail (k > 0) has its own cache D of the tail's layers (adapter on):
     ``draft_cache``, ``draft_valid``, ``draft_lengths``, the same way (allocated on first use
-    by :meth:`run_draft`; its step :meth:`draft_step`).
+    by :meth:`run_draft`; its step :meth:`draft_step`). A token tree's accepted path moves
+    down to the pass's first slots (:meth:`compact`) before the rewind. The byte Llama's
+    embedding reads each id's last ids: ``slot_ids`` ``(B, S)`` holds the rows' ids by slot.
     """
 
     def __init__(
@@ -105,6 +107,8 @@ class StaticEngine:
         self.slot_ids: Tensor | None = None  # (B, S)
         if getattr(backbone, "needs_history", False):
             self.slot_ids = torch.zeros(batch, self.slots, dtype=torch.long, device=device)
+            if device.type == "cuda":  # read and written in place, as the caches
+                torch._dynamo.mark_static_address(self.slot_ids)
             backbone.expansion(device)  # its lookup tables built (and on the device) eagerly
 
     def _buffers(self, first: int, end: int) -> tuple[SlotCache, Tensor, Tensor]:
