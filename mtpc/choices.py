@@ -20,7 +20,7 @@ STAGES = ("heads", "lora")
 METHODS = ("speculative", "autoregressive")
 # torch.compile backends of compile= (True: inductor); docs/DECODING.md, "Compiled decoding"
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
-COMPILE_METHODS = ("autoregressive", "speculative")  # what compile= decodes (chains: no trees yet)
+COMPILE_METHODS = ("autoregressive", "speculative")  # what compile= decodes (chains and trees)
 C_COMPILERS = ("cc", "gcc", "g++")  # what inductor may build with (after $CC)
 POLICIES = ("condition", "recompute", "drop")
 SAMPLING_POLICIES = ("condition", "recompute")  # exact for speculative sampling (drop is biased)

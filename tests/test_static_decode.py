@@ -285,11 +285,6 @@ def test_evabyte_is_not_refused() -> None:
 @pytest.mark.parametrize(
     ("kw", "message"),
     [
-        ({"compile": True, "tree_budget": 4}, r"^compile=True runs the speculative chain so "
-         r"far, not token trees \(tree_budget=4\); allowed: compile=False with tree_budget=4, "
-         r"or tree_budget=0$"),
-        ({"compile": "aot_eager", "tree_budget": 16, "greedy": False}, r"compile='aot_eager' "
-         r"runs the speculative chain so far, not token trees"),
         ({"compile": "max", "method": "autoregressive"}, r"^compile='max' is not allowed; "
          r"allowed: True, False, 'inductor', 'aot_eager', 'eager'$"),
     ],

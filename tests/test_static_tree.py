@@ -5,10 +5,6 @@ compaction of the accepted path's keys and values to the pass's first slots
 do not recompile for new prompt lengths, a rejected node's slot is never read after ``keep``
 (and a compaction that leaves the path in place is caught), and EvaByte's trees are refused
 in one line before any decoding.
-
-``mtpc.generate`` still sends ``tree_budget`` requests to the eager loop (its ``_decode``
-dispatch), so these tests call ``static.decode_static`` with the ``Tree`` proposer the way
-``generate`` calls it for a chain: checked settings and prompts, then the engine.
 """
 
 from __future__ import annotations
@@ -21,7 +17,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import mtpc
-from mtpc.decoding import checked_prompts, static
+from mtpc.decoding import static
 from mtpc.decoding.settings import c_compiler, check_settings
 from mtpc.decoding.static import StaticEngine, StaticLayout
 from mtpc.decoding.tree import Tree
@@ -52,16 +48,9 @@ def _fresh_dynamo() -> Iterator[None]:
 def compiled_trees(
     model: MTPCModel, prompts: list[list[int]], new: int, backend: str, size: int, **kw: object
 ) -> list:  # type: ignore[type-arg]
-    """``mtpc.generate(model, prompts, new, tree_budget=..., compile=backend,
-    batch_size=size, seed=[0, 1, ...], **kw)`` on the static engine (``generate``'s checks,
-    then ``static.decode_static`` with the ``Tree`` proposer)."""
-    kw = {"tree_budget": BUDGET, **kw}
-    settings = check_settings(max_new_tokens=new, **kw)  # type: ignore[arg-type]
-    settings = dataclasses.replace(settings, compile=backend)
-    items, requests = checked_prompts(model, prompts, settings, list(range(len(prompts))), True)
-    model.eval()
-    with torch.no_grad():
-        return static.decode_static(model, items, requests, size, proposer=Tree(requests[0]))
+    """``mtpc.generate`` of token trees (``BUDGET`` nodes) on the static engine."""
+    kw = {"tree_budget": BUDGET, "seed": list(range(len(prompts))), **kw}
+    return mtpc.generate(model, prompts, new, batch_size=size, compile=backend, **kw)  # type: ignore[arg-type]
 
 
 def eager_trees(model: MTPCModel, prompts: list[list[int]], new: int, size: int, **kw: object):  # type: ignore[no-untyped-def]

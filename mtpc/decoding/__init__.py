@@ -192,14 +192,16 @@ def _decode(
         if request.tree_budget:
             from mtpc.decoding.tree import Tree
 
-            return decode(model, prompts, requests, Tree(request), size)
-        from mtpc.decoding.speculative import Chain
+            proposer: Any = Tree(request)
+        else:
+            from mtpc.decoding.speculative import Chain
 
+            proposer = Chain(request, drafter)
         if request.compile:
             from mtpc.decoding.static import decode_static
 
-            return decode_static(model, prompts, requests, size, proposer=Chain(request, drafter))
-        return decode(model, prompts, requests, Chain(request, drafter), size)
+            return decode_static(model, prompts, requests, size, proposer=proposer)
+        return decode(model, prompts, requests, proposer, size)
     finally:
         if was_training:
             model.train()

@@ -275,12 +275,11 @@ def c_compiler() -> tuple[str | None, list[str]]:
     return found, ([f"$CC={cc}"] if cc else []) + list(C_COMPILERS)
 
 
-def check_compile(
-    spell: Spelling, compile: object, method: str, tree_budget: int | None = None
-) -> bool | str:
+def check_compile(spell: Spelling, compile: object, method: str) -> bool | str:
     """``compile``: False, or the torch.compile backend it names (True: ``inductor``);
-    refused with a method it does not run yet, a token tree (chains only so far), or inductor
-    without a C compiler."""
+    refused with a method it does not run, or inductor without a C compiler (a token tree on
+    a backbone whose engine runs chains only, EvaByte: ``static.decode_static``, with the
+    model)."""
     if compile is False:
         return False
     allowed = ", ".join(repr(b) for b in COMPILE_BACKENDS)
@@ -291,13 +290,6 @@ def check_compile(
         raise SettingsError(
             f"{name}={compile!r} runs {' and '.join(map(repr, COMPILE_METHODS))} (not "
             f"{method!r}); allowed: {name}=False with method={method!r}"
-        )
-    if tree_budget and method == "speculative":
-        trees = spell("tree_budget")
-        raise SettingsError(
-            f"{name}={compile!r} runs the speculative chain so far, not token trees "
-            f"({trees}={tree_budget}); allowed: {name}=False with {trees}={tree_budget}, or "
-            f"{trees}=0"
         )
     backend = "inductor" if compile is True else str(compile)
     if backend == "inductor":
@@ -337,7 +329,7 @@ def check_settings(
     )  # fmt: skip
     sampling = _check_sampling(sp, s)
     stops = None if s.stop_ids is None else tuple(check_ids(sp("stop_ids"), list(s.stop_ids)))
-    compile = False if hetero else check_compile(sp, s.compile, s.method, s.tree_budget)
+    compile = False if hetero else check_compile(sp, s.compile, s.method)
     if hetero:
         _choice(sp, "algorithm", s.algorithm, ALGORITHMS)
         _choice(sp, "psi", s.psi, PSI_METHODS)
