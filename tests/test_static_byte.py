@@ -44,7 +44,7 @@ def byte_prompts(seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(40) for _ in range(n)] for n in (3, 9, 40, 17, 5)]
 
 
-@pytest.mark.parametrize("size", [1, 3])
+@pytest.mark.parametrize("size", [pytest.param(1, marks=pytest.mark.slow), 3])
 def test_compiled_byte_llama_equals_eager(size: int) -> None:
     """Autoregressive and the chain (``condition`` greedy, ``recompute`` sampled): the rows
     equal the eager path's (tokens, accepted drafts), one graph per shape, no graph break."""
@@ -64,7 +64,7 @@ def test_compiled_byte_llama_equals_eager(size: int) -> None:
     assert graphs() == 5
 
 
-@pytest.mark.parametrize("size", [1, 3])
+@pytest.mark.parametrize("size", [pytest.param(1, marks=pytest.mark.slow), 3])
 def test_compiled_byte_llama_trees_equal_eager(size: int) -> None:
     """Token trees on the byte Llama (each node's expansion after its own root path): the
     rows equal the eager trees', greedy and sampled."""

@@ -85,7 +85,7 @@ def no_fallback() -> Iterator[None]:
     assert not fallbacks, fallbacks
 
 
-@pytest.mark.parametrize("size", [1, 8, 3])
+@pytest.mark.parametrize("size", [pytest.param(1, marks=pytest.mark.slow), 8, 3])
 def test_compiled_tokens_equal_eager(tiny: MTPCModel, size: int) -> None:
     """8 prompts of different lengths: B = 1 (one prompt at a time in one engine), all 8 at
     once, and 3 at once (finished rows' places taken by waiting prompts): greedy and sampled
@@ -352,8 +352,15 @@ def same_rows(eager: list, compiled: list) -> None:  # type: ignore[type-arg]
     assert {r.engine for r in eager} == {"eager"}
 
 
-@pytest.mark.parametrize(("kind", "k", "size"), [("btree", 1, 1), ("btree", 1, 3), ("ff", 0, 1),
-                                                 ("ff", 0, 3)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("kind", "k", "size"),
+    [
+        pytest.param("btree", 1, 1, marks=pytest.mark.slow),
+        ("btree", 1, 3),
+        pytest.param("ff", 0, 1, marks=pytest.mark.slow),
+        ("ff", 0, 3),
+    ],
+)  # B = 1 slow: the quick set keeps the batches
 def test_compiled_chain_equals_eager(kind: str, k: int, size: int) -> None:
     """The speculative chain on the engine (float64 fakes, a BTree draft with a LoRA tail and
     an FF draft reading the trunk's state): every policy, greedy and sampled (each row its
@@ -410,7 +417,7 @@ def poison_past_lengths(layout: StaticLayout, width: int) -> int:
     return int(((slot >= engine.lengths[:, None]) & (slot < passed)).sum())
 
 
-@pytest.mark.parametrize("policy", ["recompute", "condition"])
+@pytest.mark.parametrize("policy", ["recompute", pytest.param("condition", marks=pytest.mark.slow)])
 def test_rewound_slots_are_never_read(policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """After every keep, huge keys and values go into every slot past each row's rewound
     length (the rejected drafts', trunk and draft tail): the rows still equal the eager path.

@@ -88,8 +88,15 @@ def moved_paths(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return moved
 
 
-@pytest.mark.parametrize(("kind", "k", "size"), [("btree", 1, 1), ("btree", 1, 8), ("cp", 0, 1),
-                                                 ("cp", 0, 8)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("kind", "k", "size"),
+    [
+        pytest.param("btree", 1, 1, marks=pytest.mark.slow),
+        ("btree", 1, 8),
+        pytest.param("cp", 0, 1, marks=pytest.mark.slow),
+        ("cp", 0, 8),
+    ],
+)  # B = 1 slow: the quick set keeps the batches
 def test_compiled_trees_equal_eager(
     kind: str, k: int, size: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -134,7 +141,7 @@ def test_trees_do_not_recompile_for_new_prompt_lengths() -> None:
     assert [r.tokens for r in batch] == [r.tokens for r in eager_trees(model, prompts, 20, 5, **kw)]
 
 
-@pytest.mark.parametrize("policy", ["recompute", "condition"])
+@pytest.mark.parametrize("policy", [pytest.param("recompute", marks=pytest.mark.slow), "condition"])
 def test_rejected_nodes_are_never_read(policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """After every keep, huge keys and values go into every slot past each row's length (the
     rejected nodes' and the accepted path's old slots, trunk and cache D): the rows still
