@@ -145,3 +145,17 @@ def evabyte_checkpoint(root: Path, **overrides: Any) -> Path:
     sizes = {"max_position_embeddings": 512, **overrides}
     folder, _ = tools.write_checkpoint("evabyte", code, "default", root, **sizes)
     return Path(folder)
+
+
+def run_under_triton_interpreter(tmp_path: Path, script: str) -> None:
+    """Runs ``script`` (``{path}``: a tiny EvaByte checkpoint of window 128, the triton
+    kernels' block) in a child process under triton's CPU interpreter; it must print
+    ``equal`` last."""
+    folder = evabyte_checkpoint(tmp_path, window_size=128, num_hidden_layers=2)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", script.format(path=str(folder))], env=env, cwd=REPO,
+        capture_output=True, text=True, timeout=1500,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "equal", done.stdout[-2000:]

@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +24,11 @@ import torch
 
 import mtpc
 from mtpc.model import MTPCModel
-from tests.helpers import REPO, evabyte_checkpoint, needs_evabyte_code
+from tests.helpers import (
+    evabyte_checkpoint,
+    needs_evabyte_code,
+    run_under_triton_interpreter,
+)
 
 pytestmark = [needs_evabyte_code, pytest.mark.usefixtures("one_thread")]
 
@@ -170,15 +171,7 @@ def test_a_row_reads_only_its_own_window_and_rfas(model: MTPCModel) -> None:
 def test_triton_path_batches_equal_alone_under_the_interpreter(tmp_path: Path) -> None:
     """EvaByte's triton path (its prefill kernels and window compression, triton's CPU
     interpreter, window 128 as the kernels' blocks need): batch 2 of 3 rows == alone."""
-    folder = evabyte_checkpoint(tmp_path, window_size=128, num_hidden_layers=2)
-    script = TRITON_SCRIPT.format(path=str(folder))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True,
-        timeout=1500,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == "equal", done.stdout[-2000:]
+    run_under_triton_interpreter(tmp_path, TRITON_SCRIPT)
 
 
 TRITON_SCRIPT = """

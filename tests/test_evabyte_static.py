@@ -14,10 +14,7 @@ slow tests.
 from __future__ import annotations
 
 import importlib.util
-import os
 import random
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,7 +29,11 @@ from mtpc.decoding.settings import c_compiler
 from mtpc.decoding.static import StaticLayout
 from mtpc.decoding.static_eva import EvaStaticEngine
 from mtpc.model import MTPCModel
-from tests.helpers import REPO, evabyte_checkpoint, needs_evabyte_code
+from tests.helpers import (
+    evabyte_checkpoint,
+    needs_evabyte_code,
+    run_under_triton_interpreter,
+)
 from tests.test_static_decode import no_fallback
 
 pytestmark = [needs_evabyte_code, pytest.mark.usefixtures("one_thread")]
@@ -310,15 +311,7 @@ def test_triton_path_compiled_equals_eager_under_the_interpreter(tmp_path: Path)
     triton's CPU interpreter, window 128 as the kernels' blocks need; the static step runs
     its torch attention with SDPA, as the triton path's decoding passes do): compiled ==
     eager, B = 2 of 3 rows, autoregressive and the chain."""
-    folder = evabyte_checkpoint(tmp_path, window_size=128, num_hidden_layers=2)
-    script = TRITON_SCRIPT.format(path=str(folder))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True,
-        timeout=1500,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == "equal", done.stdout[-2000:]
+    run_under_triton_interpreter(tmp_path, TRITON_SCRIPT)
 
 
 TRITON_SCRIPT = """
