@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import mmap
 import sys
 from pathlib import Path
 
@@ -43,15 +44,21 @@ def test_reports_are_markdown_tables_and_json(tmp_path: Path) -> None:
 def test_peak_rss_extra_sees_what_a_call_allocates() -> None:
     size = 64 * 2**20
 
-    held: list[bytearray] = []
+    held: list[mmap.mmap] = []
 
     def allocate() -> None:
-        held.append(bytearray(size))  # touched: zero-filled pages are resident
+        # fresh anonymous pages, each touched: a bytearray may reuse heap pages that earlier
+        # tests freed and that are still resident (seen in CI: 0.0 with the block held)
+        block = mmap.mmap(-1, size)
+        for offset in range(0, size, mmap.PAGESIZE):
+            block[offset] = 1
+        held.append(block)
 
     # the block is still held when VmHWM is read: a block freed inside the call is seen only
-    # once the kernel folds its RSS into the high-water mark, which it may do lazily (seen
-    # in CI: 0.0 after a worker's earlier tests)
+    # once the kernel folds its RSS into the high-water mark, which it may do lazily
     assert peak_rss_extra_mb(allocate) >= 0.9 * size / 2**20
+    for block in held:
+        block.close()
     held.clear()
     assert peak_rss_extra_mb(lambda: None) < 0.5 * size / 2**20
 
