@@ -316,7 +316,7 @@ def test_a_compiled_chain_that_skips_the_rewind_fails(
     assert ok is False and "must be exact" in detail, detail
 
 
-@pytest.mark.parametrize("noise", [None, 100.0])
+@pytest.mark.parametrize("noise", [None, pytest.param(100.0, marks=pytest.mark.slow)])
 def test_a_bf16_compiled_flip_is_weighed_by_the_tie_rule(
     compiled_lines: ModuleType, monkeypatch: pytest.MonkeyPatch, noise: float | None
 ) -> None:

@@ -85,7 +85,9 @@ def no_fallback() -> Iterator[None]:
     assert not fallbacks, fallbacks
 
 
-@pytest.mark.parametrize("size", [pytest.param(1, marks=pytest.mark.slow), 8, 3])
+@pytest.mark.parametrize(
+    "size", [pytest.param(1, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow), 3]
+)
 def test_compiled_tokens_equal_eager(tiny: MTPCModel, size: int) -> None:
     """8 prompts of different lengths: B = 1 (one prompt at a time in one engine), all 8 at
     once, and 3 at once (finished rows' places taken by waiting prompts): greedy and sampled
@@ -358,7 +360,7 @@ def same_rows(eager: list, compiled: list) -> None:  # type: ignore[type-arg]
         pytest.param("btree", 1, 1, marks=pytest.mark.slow),
         ("btree", 1, 3),
         pytest.param("ff", 0, 1, marks=pytest.mark.slow),
-        ("ff", 0, 3),
+        pytest.param("ff", 0, 3, marks=pytest.mark.slow),
     ],
 )  # B = 1 slow: the quick set keeps the batches
 def test_compiled_chain_equals_eager(kind: str, k: int, size: int) -> None:
