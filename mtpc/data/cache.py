@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,29 +75,6 @@ def _corrupt(folder: Path, name: str, what: str) -> CacheCorruptError:
         f"data cache {folder} is corrupt: {name} {what}; it is rebuilt automatically by the "
         f"data module, or delete the folder (rm -r {folder}) to rebuild it"
     )
-
-
-def cache_folder(
-    cache_dir: str | os.PathLike[str],
-    source: RowSource,
-    codec: str,
-    max_bytes: int,
-    seed: int,
-    validation_fraction: float,
-) -> tuple[Path, dict[str, Any]]:
-    """The folder of a prepared dataset and the key parts it is named after."""
-    parts = {
-        "version": CACHE_VERSION,
-        "dataset": source.fingerprint,
-        "codec": codec,
-        "max_bytes": int(max_bytes),
-        "seed": int(seed),
-        "validation_fraction": float(validation_fraction),
-    }
-    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", source.name)[:48].strip("_") or "data"
-    key = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
-    name = f"{slug}-{codec}-ctx{max_bytes}-seed{seed}-{key[:16]}"
-    return Path(cache_dir) / "data" / name, parts
 
 
 @dataclass
@@ -164,7 +140,18 @@ def prepare(
 ) -> Path:
     """Tokenises, filters and splits ``source`` into its cache folder (returned) unless it is
     there already; ``DataError`` when no row is usable (naming the dataset and the counts)."""
-    folder, parts = cache_folder(cache_dir, source, codec, max_bytes, seed, validation_fraction)
+    parts = {  # the key: the folder is named after a hash of it
+        "version": CACHE_VERSION,
+        "dataset": source.fingerprint,
+        "codec": codec,
+        "max_bytes": int(max_bytes),
+        "seed": int(seed),
+        "validation_fraction": float(validation_fraction),
+    }
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", source.name)[:48].strip("_") or "data"
+    key = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+    name = f"{slug}-{codec}-ctx{max_bytes}-seed{seed}-{key[:16]}"
+    folder = Path(cache_dir) / "data" / name
     if (folder / "meta.json").is_file():
         logger.info("data cache hit: %s", folder)
         return folder
@@ -226,8 +213,10 @@ def _build_cache(
         )
     if source.split_mask is None:
         train, val = split_indices(docs.num_docs, parts["seed"], parts["validation_fraction"])
-    else:
-        train, val = split_by_mask(docs.row_positions, source.split_mask(), parts["seed"])
+    else:  # the source's own split (one bool per row: validation), shuffled by the seed
+        held = np.asarray(source.split_mask(), dtype=np.bool_)[docs.row_positions]  # (D,)
+        perm = np.random.default_rng(parts["seed"]).permutation(docs.num_docs).astype(np.int64)
+        train, val = perm[~held[perm]], perm[held[perm]]
     np.save(tmp / "offsets.npy", docs.offsets)
     np.save(tmp / "doc_source.npy", docs.source_ids)
     np.save(tmp / "doc_row.npy", docs.row_positions)
@@ -262,18 +251,6 @@ def _build_cache(
     }
     _write_json(tmp / "meta.json", meta)
     return summary, meta
-
-
-def split_by_mask(
-    row_positions: np.ndarray, validation: Sequence[bool], seed: int = 0
-) -> tuple[np.ndarray, np.ndarray]:
-    """(train, validation) document indices by a (per source row) mask, shuffled by ``seed``.
-
-    ``row_positions`` (D,) maps documents to source rows; ``validation`` has one bool per row.
-    """
-    mask = np.asarray(validation, dtype=np.bool_)[row_positions]  # (D,)
-    perm = np.random.default_rng(seed).permutation(len(row_positions)).astype(np.int64)
-    return perm[~mask[perm]], perm[mask[perm]]
 
 
 def load_prepared(folder: str | os.PathLike[str], verify: bool = True) -> PreparedData:

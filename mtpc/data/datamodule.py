@@ -100,8 +100,8 @@ class ResumableDistributedSampler(DistributedSampler):
 
     start = 0  # global positions of this epoch's permutation already consumed
 
-    def global_indices(self) -> list[int]:
-        """The epoch's permutation over all ranks, padded or cut to ``total_size``."""
+    def __iter__(self) -> Iterator[int]:
+        # a generator: the permutation is drawn at the first next(), after set_epoch
         n = len(self.dataset)  # type: ignore[arg-type]
         if self.shuffle:
             g = torch.Generator()
@@ -112,11 +112,8 @@ class ResumableDistributedSampler(DistributedSampler):
         if not self.drop_last:  # pad by wrap-around
             while len(indices) < self.total_size:
                 indices += indices[: self.total_size - len(indices)]
-        return indices[: self.total_size]
-
-    def __iter__(self) -> Iterator[int]:
-        # a generator: the permutation is drawn at the first next(), after set_epoch
-        yield from self.global_indices()[self.start :][self.rank :: self.num_replicas]
+        # the epoch's permutation over all ranks, cut to total_size
+        yield from indices[: self.total_size][self.start :][self.rank :: self.num_replicas]
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:

@@ -154,9 +154,8 @@ def build_prompt_sets(
         )
     available = np.arange(len(pool))
     sets: list[list[EvalPrompt]] = []
-    for seed in seeds:
-        candidates = available if disjoint else np.arange(len(pool))
-        picked = np.random.default_rng(seed).permutation(candidates)[:num_prompts]
+    for seed in seeds:  # available: the whole pool when the sets overlap
+        picked = np.random.default_rng(seed).permutation(available)[:num_prompts]
         sets.append([pool[i] for i in picked.tolist()])
         if disjoint:
             available = np.setdiff1d(available, picked)

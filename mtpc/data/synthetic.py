@@ -246,9 +246,7 @@ def load_synthetic(
     use, read back afterwards. ``ValueError`` for a negative ``num_rows`` or a
     ``validation_fraction`` outside [0, 1).
     """
-    if num_rows < 0:
-        raise ValueError(f"num_rows must be >= 0, got {num_rows}")
-    if not 0.0 <= validation_fraction < 1.0:
+    if not 0.0 <= validation_fraction < 1.0:  # a negative num_rows: generate_rows refuses it
         raise ValueError(f"validation_fraction must be in [0, 1), got {validation_fraction}")
     key = f"synthetic-v{GENERATOR_VERSION}-n{num_rows}-seed{seed}-val{validation_fraction:g}"
     folder = Path(default_cache_dir() if cache_dir is None else cache_dir) / "synthetic" / key
