@@ -86,37 +86,6 @@ def split_at_last_user(
     return prompt, "\n".join(answers)
 
 
-def make_prompts(
-    rows: Iterable[Mapping[str, Any]],
-    codec: ByteCodec,
-    english_only: bool = True,
-    max_prompt_length: int | None = None,
-) -> list[EvalPrompt]:
-    """Every usable prompt of ``rows``, in row order (malformed rows are skipped)."""
-    rows = list(rows)
-    out: list[EvalPrompt] = []
-    for position, row in enumerate(rows):
-        parts = split_at_last_user(row["messages"]) if check_row(row) is None else None
-        if parts is None:
-            continue
-        messages, reference = parts
-        user_text = "\n".join(m["content"] for m in messages if m["role"] == "user")
-        if english_only and not is_english(user_text, reference):
-            continue
-        ids = codec.generation_prompt(messages)
-        if max_prompt_length is not None and len(ids) > max_prompt_length:
-            continue
-        row_id = str(row.get("id") or f"row-{position}")
-        out.append(
-            EvalPrompt(row_id, str(row.get("source") or "unknown"), messages, ids, reference)
-        )
-    skipped = len(rows) - len(out)
-    logger.info(
-        "prompt pool: %d usable, %d skipped (english_only=%s)", len(out), skipped, english_only
-    )
-    return out
-
-
 class UnknownSourceError(ValueError):
     """``sources`` names a source that no usable prompt has; the message lists the available."""
 
@@ -137,7 +106,27 @@ def build_prompt_sets(
     warning), or all of it in a seeded order. ``sources`` keeps those ``source`` values; one
     that no usable prompt has raises ``UnknownSourceError``.
     """
-    pool = make_prompts(rows, codec, english_only, max_prompt_length)
+    rows = list(rows)
+    pool: list[EvalPrompt] = []  # every usable prompt, in row order (malformed rows skipped)
+    for position, row in enumerate(rows):
+        parts = split_at_last_user(row["messages"]) if check_row(row) is None else None
+        if parts is None:
+            continue
+        messages, reference = parts
+        user_text = "\n".join(m["content"] for m in messages if m["role"] == "user")
+        if english_only and not is_english(user_text, reference):
+            continue
+        ids = codec.generation_prompt(messages)
+        if max_prompt_length is not None and len(ids) > max_prompt_length:
+            continue
+        row_id = str(row.get("id") or f"row-{position}")
+        pool.append(
+            EvalPrompt(row_id, str(row.get("source") or "unknown"), messages, ids, reference)
+        )
+    skipped = len(rows) - len(pool)
+    logger.info(
+        "prompt pool: %d usable, %d skipped (english_only=%s)", len(pool), skipped, english_only
+    )
     if sources is not None:
         names = sorted({p.source for p in pool})
         unknown = [s for s in sources if s not in names]

@@ -61,9 +61,21 @@ def load_source(
         raise DataError("data source 'local' needs data.path=<jsonl | parquet | arrow dir>")
     if source == "synthetic":
         return synthetic_source(num_rows, seed)
-    return hub_source(
-        hf_name, split=hf_split, revision=revision, streaming=streaming, num_rows=num_rows
-    )
+    import datasets  # a hub dataset of the Tülu 3 schema
+
+    try:
+        ds = datasets.load_dataset(hf_name, split=hf_split, revision=revision, streaming=streaming)
+    except Exception as err:  # offline, gated, renamed: say what to do instead
+        raise RuntimeError(
+            f"could not load {hf_name!r} (split {hf_split!r}) from the Hugging Face hub: {err}. "
+            "Without network, download it elsewhere and pass data.path=<jsonl | parquet | "
+            "arrow dir | save_to_disk dir>"
+        ) from err
+    label = f"{hf_name}[{hf_split}]@{revision or 'main'}"
+    if streaming:  # keyed by name@revision (pin a commit), else by its Arrow fingerprint
+        stream = ds if num_rows is None else ds.take(num_rows)
+        return RowSource(label, f"hub-stream:{label}:n{num_rows}", lambda: iter(stream), num_rows)
+    return _limit(_arrow_source(ds, label, f"hub:{label}:{ds._fingerprint}"), num_rows)
 
 
 def synthetic_source(num_rows: int | None = None, seed: int = 0) -> RowSource:
@@ -79,34 +91,6 @@ def synthetic_source(num_rows: int | None = None, seed: int = 0) -> RowSource:
         num_rows=n,
         take_rows=lambda positions: [rows[int(p)] for p in positions],
     )
-
-
-def hub_source(
-    name: str = TULU3_DATASET,
-    split: str = "train",
-    revision: str | None = None,
-    streaming: bool = False,
-    num_rows: int | None = None,
-) -> RowSource:
-    """A hub dataset of the Tülu 3 schema through ``datasets.load_dataset``.
-
-    Keyed by its Arrow fingerprint; streaming, by ``name@revision`` (pin a commit).
-    """
-    import datasets
-
-    try:
-        ds = datasets.load_dataset(name, split=split, revision=revision, streaming=streaming)
-    except Exception as err:  # offline, gated, renamed: say what to do instead
-        raise RuntimeError(
-            f"could not load {name!r} (split {split!r}) from the Hugging Face hub: {err}. "
-            "Without network, download it elsewhere and pass data.path=<jsonl | parquet | "
-            "arrow dir | save_to_disk dir>"
-        ) from err
-    label = f"{name}[{split}]@{revision or 'main'}"
-    if streaming:
-        stream = ds if num_rows is None else ds.take(num_rows)
-        return RowSource(label, f"hub-stream:{label}:n{num_rows}", lambda: iter(stream), num_rows)
-    return _limit(_arrow_source(ds, label, f"hub:{label}:{ds._fingerprint}"), num_rows)
 
 
 def local_source(path: str | os.PathLike[str]) -> RowSource:
