@@ -23,12 +23,10 @@ class _LayerStep(NamedTuple):
     num_folds: int  # F
     num_units: int  # R
     arity: int  # A: children per product fold
-    slot0: Slot  # the first (for a sum, the only) input slot
     view: tuple[int, bool, int] | None  # a product over consecutive folds of one layer:
     # (source layer, narrow it?, first fold); None: read ``slots``
     lo: int  # first sum-weight row of the layer
-    hi: int  # one past its last row
-    slots: tuple[Slot, ...]
+    slots: tuple[Slot, ...]  # a sum's one input slot; a product's A
 
 
 class _Step(NamedTuple):
@@ -61,10 +59,8 @@ class Circuit:
                 src = la.slots[0].sources[0]
                 whole = la.view_start == 0 and self.layers[src].num_folds == la.num_folds * la.arity
                 view = (src, not whole, la.view_start)
-            F, R, lo, slots = la.num_folds, la.num_units, la.sum_offset, tuple(la.slots)
-            self._plan.append(
-                _LayerStep(la.kind == "sum", F, R, la.arity, slots[0], view, lo, lo + F * R, slots)
-            )
+            F, R, A = la.num_folds, la.num_units, la.arity
+            self._plan.append(_LayerStep(la.kind == "sum", F, R, A, view, la.sum_offset, la.slots))
         # prefix fast path: layer 1 multiplies consecutive inputs and nobody else reads them
         self._prefix_index: Tensor | None = None
         l1 = self.layers[1] if len(self.layers) > 1 else None
@@ -82,9 +78,7 @@ class Circuit:
         # ancestor fold there (tree-shaped: at most one fold of a layer holds a position), and
         # which positions have one; products keep the unit index (Hadamard)
         self._walk: list[tuple[Tensor, Tensor | None]] = []
-        for la in reversed(self.layers[1:]):
-            if la.kind != "sum":
-                continue
+        for la in reversed([la for la in self.layers if la.kind == "sum"]):
             rows = torch.full((n,), la.sum_offset, dtype=torch.long)
             has = torch.zeros(n, dtype=torch.bool)
             for f, scope in enumerate(la.scopes):
@@ -105,24 +99,14 @@ class Circuit:
 
     def log_prob(self, params: CircuitParams, x: Tensor) -> Tensor:
         """``(B,)`` log q(x_1..x_n) of full windows ``x`` ``(B, n)``."""
-        lp, lw = self._unpack(params)
-        self._check_tokens(x, "x", lp, exact=True)
-        leaves = self._leaf_values(lp, x).unsqueeze(-1)  # (B, n, r, 1)
-        return self._upward(leaves, lw)[0][:, 0, 0]
+        leaves, lw = self._leaves(params, x, None, "")
+        return self._upward(leaves.unsqueeze(-1), lw)[0][:, 0, 0]  # leaves: (B, n, r, 1)
 
     def prefix_log_prob(
         self, params: CircuitParams, x: Tensor, mask: Tensor | None = None
     ) -> Tensor:
         """``(B, n)``, column i = log q(x_1..x_{i+1}); ``mask`` False: summed out, id unchecked."""
-        lp, lw = self._unpack(params)
-        if mask is not None:
-            self._check_shape(mask, "mask", (lp.shape[0], self.window))
-            x = torch.where(mask, x, 0) if x.shape == mask.shape else x
-        self._check_tokens(x, "x", lp, exact=True)
-        leaves = self._leaf_values(lp, x)  # (B, n, r)
-        if mask is not None:
-            leaves = leaves.masked_fill(~mask.unsqueeze(-1), 0.0)
-        return self.prefix_from_leaves(leaves, lw)
+        return self.prefix_from_leaves(*self._leaves(params, x, mask, "mask"))
 
     def prefix_from_leaves(self, leaves: Tensor, sum_logw: Tensor | None) -> Tensor:
         """``(B, n)`` prefix log-marginals from ``leaves`` ``(B, n, r)``, log phi at the tokens
@@ -144,11 +128,7 @@ class Circuit:
 
     def marginal_log_prob(self, params: CircuitParams, x: Tensor, observed: Tensor) -> Tensor:
         """``(B,)`` log-marginal of the ``observed`` ``(B, n)`` positions of ``x`` ``(B, n)``."""
-        lp, lw = self._unpack(params)
-        self._check_shape(observed, "observed", (lp.shape[0], self.window))
-        x = torch.where(observed, x, 0) if x.shape == observed.shape else x
-        self._check_tokens(x, "x", lp, exact=True)
-        leaves = self._leaf_values(lp, x).masked_fill(~observed.unsqueeze(-1), 0.0)
+        leaves, lw = self._leaves(params, x, observed, "observed")
         return self._upward(leaves.unsqueeze(-1), lw)[0][:, 0, 0]
 
     def conditional_log_prob(self, params: CircuitParams, prefix: Tensor | None = None) -> Tensor:
@@ -182,11 +162,9 @@ class Circuit:
             inputs[(0, m)] = unit.unsqueeze(0)
             log_g = self._prefix_values(plan, inputs, _f32(sum_logw).to(next_logp.dtype))[:, 0]
         else:
-            parts = [leaves.unsqueeze(-1).expand(B, m, r, r).to(next_logp.dtype)] if m else []
-            parts.append(unit.expand(B, 1, r, r))
-            if m + 1 < self.window:
-                parts.append(next_logp.new_zeros(B, self.window - m - 1, r, r))
-            cols = torch.cat(parts, 1) if len(parts) > 1 else parts[0]  # (B, n, r, r)
+            before = leaves.unsqueeze(-1).expand(B, m, r, r).to(next_logp.dtype)
+            after = next_logp.new_zeros(B, self.window - m - 1, r, r)
+            cols = torch.cat([before, unit.expand(B, 1, r, r), after], 1)  # (B, n, r, r)
             log_g = self._upward(cols, sum_logw)[0][:, 0]  # (B, r)
         root = torch.logsumexp(log_g.unsqueeze(-1) + next_logp, dim=1)  # (B, V)
         return torch.log_softmax(root, dim=-1)
@@ -238,7 +216,7 @@ class Circuit:
         B, K = outs[-1].shape[0], outs[-1].shape[-1]
         wexp = None
         fmin = torch.finfo(leaves.dtype).min
-        for is_sum, F, R, A, slot0, view, lo, hi, slots in plan:
+        for is_sum, F, R, A, view, lo, slots in plan:
             if not is_sum:
                 sum_inputs.append(None)
                 if view is not None:
@@ -247,20 +225,20 @@ class Circuit:
                         src = src.narrow(1, view[2], F * A)
                     y = src.unflatten(1, (F, A)).sum(2) if A > 1 else src  # (B, F, r, K)
                 else:
-                    y = self._read(outs, slot0)
+                    y = self._read(outs, slots[0])
                     for slot in slots[1:]:
                         y = y + self._read(outs, slot)
             else:
                 assert sum_logw is not None
-                c = self._read(outs, slot0)  # (B, F, r, K)
+                c = self._read(outs, slots[0])  # (B, F, r, K)
                 sum_inputs.append(c)
                 if max_product:
-                    w = sum_logw[:, lo:hi].view(B, F, R, r, 1)
+                    w = sum_logw[:, lo : lo + F * R].view(B, F, R, r, 1)
                     y = (w + c.unsqueeze(2)).amax(3)  # (B, F, R, K)
                 else:
                     if wexp is None:
                         wexp = sum_logw.exp()  # (B, U, r)
-                    w = wexp[:, lo:hi].reshape(B * F, R, r)
+                    w = wexp[:, lo : lo + F * R].reshape(B * F, R, r)
                     mx = c.detach().amax(2, keepdim=True).clamp_min(fmin)  # (B, F, 1, K)
                     z = torch.exp(c - mx).reshape(B * F, r, K)
                     y = torch.bmm(w, z).view(B, F, R, K).log() + mx  # (B, F, R, K)
@@ -279,32 +257,23 @@ class Circuit:
         lp, lw = self._unpack(params)
         m = self._check_evidence(evidence, lp, name="evidence", max_len=self.window)
         B, n, r, V = lp.shape
+        ev = lp.new_zeros(B, 0, dtype=torch.long) if evidence is None or not m else evidence
         if m == n:
-            assert evidence is not None
-            return evidence.clone()
-        leaves = None
-        if max_product or m > 0:
-            leaves = lp[:, m:].amax(-1) if max_product else lp.new_zeros(B, n - m, r)
-            if m:
-                assert evidence is not None
-                leaves = torch.cat([self._leaf_values(lp, evidence), leaves], 1)  # (B, n, r)
+            return ev.clone()
         if lw is None:  # no sum unit: one unit per position
-            units = torch.zeros(B, n, dtype=torch.long, device=lp.device)
-        else:  # every choice at once (leaves None: the prior); the walk down follows indices
-            scores = lw if leaves is None else self._posterior(leaves, lw, max_product=max_product)
+            units = lp.new_zeros(B, n, dtype=torch.long)
+        else:  # every choice at once (no evidence: the prior); the walk down follows indices
+            scores = lw
+            if max_product or m:
+                free = lp[:, m:].amax(-1) if max_product else lp.new_zeros(B, n - m, r)
+                leaves = torch.cat([self._leaf_values(lp, ev), free], 1)  # (B, n, r)
+                scores = self._posterior(leaves, lw, max_product=max_product)
             choice = scores.argmax(-1) if max_product else categorical(scores, generator)
             units = self._walk_down(choice)  # (B, n)
-        free_lp = lp[:, m:]  # (B, n - m, r, V)
-        if r == 1:
-            logits = free_lp[:, :, 0]
-        else:
-            idx = units[:, m:, None, None].expand(B, n - m, 1, V)
-            logits = free_lp.gather(2, idx).squeeze(2)  # (B, n - m, V)
+        idx = units[:, m:, None, None].expand(B, n - m, 1, V)
+        logits = lp[:, m:].gather(2, idx).squeeze(2)  # (B, n - m, V)
         tokens = logits.argmax(-1) if max_product else categorical(logits, generator)
-        if m:
-            assert evidence is not None
-            tokens = torch.cat([evidence, tokens], 1)
-        return tokens
+        return torch.cat([ev, tokens], 1)
 
     @torch.no_grad()
     def latent_path(
@@ -467,6 +436,21 @@ class Circuit:
             else torch.cat([outs[s] for s in slot.sources], 1)
         )
         return src.index_select(1, self._on(slot.index, src.device))
+
+    def _leaves(
+        self, params: CircuitParams, x: Tensor, mask: Tensor | None, name: str
+    ) -> tuple[Tensor, Tensor | None]:
+        """log phi at full windows ``x`` ``(B, n)``: ``(B, n, r)``, 0 where ``mask`` (named
+        ``name`` in errors) is False; and the sum log-weights."""
+        lp, lw = self._unpack(params)
+        if mask is not None:
+            self._check_shape(mask, name, (lp.shape[0], self.window))
+            x = torch.where(mask, x, 0) if x.shape == mask.shape else x
+        self._check_tokens(x, "x", lp, exact=True)
+        leaves = self._leaf_values(lp, x)  # (B, n, r)
+        if mask is not None:
+            leaves = leaves.masked_fill(~mask.unsqueeze(-1), 0.0)
+        return leaves, lw
 
     @staticmethod
     def _leaf_values(lp: Tensor, x: Tensor) -> Tensor:
