@@ -8,7 +8,7 @@ See docs/CIRCUITS.md, "Structures" and "Adding a structure".
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -121,11 +121,13 @@ class StructureBuilder:
     def finish(self, root: int) -> Structure:
         """Check the circuit and fold its nodes into layers (grouped by height and kind)."""
         n = self.window
-        seen = self._check_tree(root)
+        self._check_tree(root)
         where: dict[int, tuple[int, int]] = {i: (0, i) for i in range(n)}  # node -> (layer, fold)
         layers = [Layer("input", n, self.rank, (), None, 0, tuple((i,) for i in range(n)))]
-        rows = _SumRows()
-        for (_, kind, arity, units), members in self._groups(seen):
+        tie: list[int] = []  # Structure.sum_tie, one entry per sum unit
+        param_rows: list[tuple[_Node, int]] = []  # (node, output unit) of each parameter row
+        first_row: dict[Hashable, int] = {}  # the first parameter row of each tie key
+        for (_, kind, arity, units), members in self._groups():
             lid = len(layers)
             for f, v in enumerate(members):
                 where[v] = (lid, f)
@@ -135,7 +137,17 @@ class StructureBuilder:
             )
             flat = [where[c] for ch in children for c in ch]  # fold-major: f * A + a
             view_start = _run_start(flat) if kind == "product" else None
-            offset = rows.add(self, members, units) if kind == "sum" else 0
+            offset = len(tie) if kind == "sum" else 0  # sums: one row per unit, fold-major
+            if kind == "sum":
+                for v in members:
+                    nd = self.nodes[v]
+                    if nd.identity and units != self.rank:
+                        raise ValueError("identity-initialised sums need r output units")
+                    key = ("node", v) if nd.tie is None else ("tie", nd.tie)
+                    if key not in first_row:  # tied sums share one node's parameter rows
+                        first_row[key] = len(param_rows)
+                        param_rows += [(nd, j) for j in range(units)]
+                    tie.extend(range(first_row[key], first_row[key] + units))
             scopes = tuple(self.nodes[v].scope for v in members)
             layers.append(Layer(kind, len(members), units, slots, view_start, offset, scopes))  # type: ignore[arg-type]
         if where[root] != (len(layers) - 1, 0) or layers[-1].num_folds != 1:
@@ -145,43 +157,38 @@ class StructureBuilder:
             window=n,
             rank=self.rank,
             layers=tuple(layers),
-            num_sum_rows=rows.count,
-            sum_tie=torch.tensor(rows.tie, dtype=torch.long),
-            num_param_rows=len(rows.unit),
-            param_unit=torch.tensor(rows.unit, dtype=torch.long),
-            param_identity=torch.tensor(rows.identity, dtype=torch.bool),
-            param_contextual=torch.tensor(rows.contextual, dtype=torch.bool),
+            num_sum_rows=len(tie),
+            sum_tie=torch.tensor(tie, dtype=torch.long),
+            num_param_rows=len(param_rows),
+            param_unit=torch.tensor([j for _, j in param_rows], dtype=torch.long),
+            param_identity=torch.tensor([nd.identity for nd, _ in param_rows], dtype=torch.bool),
+            param_contextual=torch.tensor(
+                [nd.contextual for nd, _ in param_rows], dtype=torch.bool
+            ),
         )
 
-    def _check_tree(self, root: int) -> set[int]:
-        """Check the root, the tree shape and the children's units; the nodes under ``root``."""
+    def _check_tree(self, root: int) -> None:
+        """Check the root, the tree shape and the children's units."""
         nodes = self.nodes
         if nodes[root].scope != tuple(range(self.window)):
             raise ValueError("the root must depend on every window position")
         if nodes[root].units != 1:
             raise ValueError("the root must have exactly one unit")
-        # Tree shape: every node below the root is used exactly once.
+        # Tree shape: every node but the root has one parent (children are created before
+        # their parents: a node outside the root's tree leaves one without a parent).
         uses = [0] * len(nodes)
-        stack, seen = [root], set()
-        while stack:
-            v = stack.pop()
-            if v in seen:
-                continue
-            seen.add(v)
-            for c in nodes[v].children:
+        for nd in nodes:
+            for c in nd.children:
                 uses[c] += 1
-                stack.append(c)
         if any(uses[v] != (0 if v == root else 1) for v in range(len(nodes))):
             raise ValueError("every node must have exactly one parent (tree-shaped circuit)")
-        for v in seen:
-            nd = nodes[v]
+        for nd in nodes:
             if nd.kind == "product" and any(nodes[c].units != self.rank for c in nd.children):
                 raise ValueError("product children must all have r units")
             if nd.kind == "sum" and nodes[nd.children[0]].units != self.rank:
                 raise ValueError("sum children must have r units")
-        return seen
 
-    def _groups(self, seen: set[int]) -> list[tuple[tuple[int, str, int, int], list[int]]]:
+    def _groups(self) -> list[tuple[tuple[int, str, int, int], list[int]]]:
         """The inner nodes grouped into layers: ``((height, kind, arity, units), members)`` in
         layer order (by height, products first), members ordered by their first position."""
         nodes = self.nodes
@@ -190,41 +197,10 @@ class StructureBuilder:
             if nodes[v].children:
                 height[v] = 1 + max(height[c] for c in nodes[v].children)
         groups: dict[tuple[int, str, int, int], list[int]] = {}
-        for v in sorted(seen):
-            if nodes[v].kind != "input":
-                nd = nodes[v]
-                groups.setdefault((height[v], nd.kind, len(nd.children), nd.units), []).append(v)
+        for v, nd in enumerate(nodes[self.window :], self.window):
+            groups.setdefault((height[v], nd.kind, len(nd.children), nd.units), []).append(v)
         keys = sorted(groups, key=lambda k: (k[0], k[1] != "product", k[2], k[3]))
         return [(k, sorted(groups[k], key=lambda v: nodes[v].scope[0])) for k in keys]
-
-
-@dataclass
-class _SumRows:
-    """The sum units' rows as :meth:`StructureBuilder.finish` lays them out, layer by layer."""
-
-    count: int = 0  # U so far
-    tie: list[int] = field(default_factory=list)  # Structure.sum_tie
-    unit: list[int] = field(default_factory=list)  # Structure.param_* per parameter row
-    identity: list[bool] = field(default_factory=list)
-    contextual: list[bool] = field(default_factory=list)
-    rows: dict[Hashable, int] = field(default_factory=dict)  # first row of each tie key
-
-    def add(self, b: StructureBuilder, members: list[int], units: int) -> int:
-        """Lay out one sum layer's rows; its ``sum_offset``."""
-        offset = self.count
-        for v in members:
-            nd = b.nodes[v]
-            if nd.identity and units != b.rank:
-                raise ValueError("identity-initialised sums need r output units")
-            key = ("node", v) if nd.tie is None else ("tie", nd.tie)
-            if key not in self.rows:
-                self.rows[key] = len(self.unit)
-                self.unit.extend(range(units))
-                self.identity.extend([nd.identity] * units)
-                self.contextual.extend([nd.contextual] * units)
-            self.tie.extend(range(self.rows[key], self.rows[key] + units))
-        self.count += len(members) * units
-        return offset
 
 
 def _make_slot(children: list[tuple[int, int]], layers: list[Layer]) -> Slot:
@@ -311,10 +287,9 @@ def check_kind_window_rank(kind: str, window: int, rank: int) -> None:
     """Raise ValueError for an unknown family, window < 1, rank < 1 or FF with rank != 1."""
     if kind not in STRUCTURES:
         raise ValueError(f"kind must be one of {sorted(STRUCTURES)}, got {kind!r}")
-    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-        raise ValueError(f"window must be an integer >= 1, got {window!r}")
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
-        raise ValueError(f"rank must be an integer >= 1, got {rank!r}")
+    for name, val in (("window", window), ("rank", rank)):
+        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {val!r}")
     if kind == "ff" and rank != 1:
         raise ValueError(f"rank must be 1 for kind='ff' (use kind='cp' for r > 1), got {rank}")
 
