@@ -186,7 +186,7 @@ def test_each_bad_evaluation_value_is_a_user_error(overrides: str, message: str)
     from hydra import compose, initialize_config_dir
 
     from mtpc.errors import UserError
-    from mtpc.evaluation.run import check_eval_fields
+    from mtpc.evaluation.settings import check_eval_fields
 
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
         cfg = compose("eval", overrides=overrides.split())
@@ -199,7 +199,7 @@ def test_every_sampling_proposal_passes_the_evaluation_check(proposal: str) -> N
     """The startup check and the decoder agree on which proposals sampling verifies."""
     from hydra import compose, initialize_config_dir
 
-    from mtpc.evaluation.run import check_eval_fields
+    from mtpc.evaluation.settings import check_eval_fields
 
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
         cfg = compose("eval", overrides=["greedy=false", f"proposal={proposal}"])

@@ -30,11 +30,11 @@ from mtpc.data.spec_bench import (
     select_questions,
 )
 from mtpc.errors import UserError
-from mtpc.evaluation.checks import EvalConfigError, check_eval_fields
 from mtpc.evaluation.folders import build_manifest
 from mtpc.evaluation.records import RecordsError, folder_name, identity, read_records
 from mtpc.evaluation.report import SPEC_BENCH_NOTE, spec_bench_report, title_of
 from mtpc.evaluation.run import evaluate
+from mtpc.evaluation.settings import EvalConfigError, check_eval_fields
 from tests.helpers import CONFIG_DIR, REPO, eval_cfg, make_drafts
 
 QUESTIONS = [

@@ -13,8 +13,14 @@ from omegaconf import OmegaConf
 from mtpc.benchmarking import cuda_index
 from mtpc.data.prompts import UnknownSourceError
 from mtpc.errors import DraftError
-from mtpc.evaluation.checks import EvalConfigError
-from mtpc.evaluation.settings import EvalSettings, ModelSettings, SpecBench, name_list, plain
+from mtpc.evaluation.settings import (
+    EvalConfigError,
+    EvalSettings,
+    ModelSettings,
+    SpecBench,
+    name_list,
+    plain,
+)
 from mtpc.export import CONFIG_NAME, TargetMismatchError, read_config
 from mtpc.last_draft import TRAIN_HINT, last_draft
 

@@ -52,7 +52,6 @@ from mtpc.evaluation.settings import (
     hydra_model_overrides,
     parse_eval,
 )
-from mtpc.evaluation.settings import check_eval_fields as check_eval_fields  # tests import it here
 from mtpc.export import read_config
 
 logger = logging.getLogger(__name__)
