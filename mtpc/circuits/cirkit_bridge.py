@@ -52,6 +52,8 @@ def to_cirkit(
     in_layers: dict[Any, list[Any]] = {}
     for layer in structure.layers:
         row: list[Any] = []
+        # each slot's children: slot.index counts in the concatenation of its source layers
+        kids = [[c for src in slot.sources for c in built[src]] for slot in layer.slots]
         for f in range(layer.num_folds):
             if layer.kind == "input":
                 kw = {} if probs is None else {"probs": const(probs[f])}
@@ -63,20 +65,12 @@ def to_cirkit(
                 lo = layer.sum_offset + f * R
                 kw = {} if weights is None else {"weight": const(weights[lo : lo + R])}
                 sl = SumLayer(r, R, arity=1, **kw)
-            if layer.kind != "input":
-                in_layers[sl] = [_child(built, slot, f) for slot in layer.slots]
+            for slot, children in zip(layer.slots, kids, strict=True):
+                in_layers.setdefault(sl, []).append(children[int(slot.index[f])])
             row.append(sl)
         built.append(row)
     layers = [sl for row in built for sl in row]
     return SymbolicCircuit(layers, in_layers, [built[-1][0]])
-
-
-def _child(built: list[list[Any]], slot: Any, fold: int) -> Any:
-    for src, pos, child in slot.parts:
-        hits = (pos == fold).nonzero()
-        if hits.numel():
-            return built[src][int(child[int(hits[0, 0])])]
-    raise AssertionError("fold without child")
 
 
 def _np(t: Tensor | np.ndarray) -> np.ndarray:
