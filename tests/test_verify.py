@@ -6,12 +6,13 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from mtpc.decoding.speculative import Draft, drafted_probs
 from mtpc.decoding.verify import (
+    accept_sampling,
     process_logits,
     residual,
     verify_greedy,
     verify_sampling,
-    verify_sampling_lazy,
 )
 
 
@@ -44,32 +45,30 @@ def test_sampling_reproduces_the_target_distribution(n: int) -> None:
 
 
 def test_on_demand_q_gives_the_same_verdicts_and_is_asked_only_where_needed() -> None:
-    """q_i as a callable: the same decisions as the eager vector, asked only where u_i >= p_i
-    (below that x_i is accepted whatever q_i <= 1), never past the first rejection."""
+    """q_i as a callable (``speculative.drafted_probs``): the same acceptances as the eager
+    vector, asked only where u_i >= p_i (below that x_i is accepted whatever q_i <= 1), never
+    past the first rejection."""
     V, n = 5, 6
     g = torch.Generator().manual_seed(3)
+    lengths = torch.tensor([n])
     asked_total = 0
     for trial in range(300):
         p = torch.softmax(2 * torch.randn(n + 1, V, generator=g, dtype=torch.float64), -1)
         q = torch.softmax(2 * torch.randn(n, V, generator=g, dtype=torch.float64), -1)
         draft = torch.stack([torch.multinomial(q[i], 1, generator=g)[0] for i in range(n)])
-        q_tok = q[torch.arange(n), draft]
+        p_tok, q_tok = p[torch.arange(n), draft][None], q[torch.arange(n), draft]  # (1, n), (n,)
         asked: list[int] = []
 
         def q_at(i: int, q_tok: torch.Tensor = q_tok, asked: list[int] = asked) -> float:
             asked.append(i)
             return float(q_tok[i])
 
-        eager = verify_sampling_lazy(
-            p, q_tok, draft, q.__getitem__, torch.Generator().manual_seed(trial)
-        )
-        lazy = verify_sampling_lazy(
-            p, q_at, draft, q.__getitem__, torch.Generator().manual_seed(trial)
-        )
-        assert lazy == eager
-        u = torch.rand(n, generator=torch.Generator().manual_seed(trial), dtype=torch.float64)
-        uncertain = [i for i in range(n) if u[i] >= p[i, draft[i]] and i <= eager.accepted]
-        assert asked == [i for i in uncertain if i <= eager.accepted]
+        u = torch.rand(1, n, generator=torch.Generator().manual_seed(trial), dtype=torch.float64)
+        eager = accept_sampling(p_tok, q_tok[None], u, lengths)
+        lazy_q = drafted_probs([Draft(draft[None], q_at, q.__getitem__)], [n], p_tok, u)
+        assert torch.equal(accept_sampling(p_tok, lazy_q, u, lengths), eager)
+        s = int(eager[0])
+        assert asked == [i for i in range(n) if u[0, i] >= p_tok[0, i] and i <= s]
         asked_total += len(asked)
     assert 0 < asked_total < 300 * n  # some tests needed q, many did not
 

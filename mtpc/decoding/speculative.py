@@ -381,8 +381,8 @@ def drafted_probs(drafts: Sequence[Draft], counts: Sequence[int], p: Tensor, u: 
     """q_i(x_i) ``(B, M)`` float64 of every row's drafts, as far as the acceptance tests need
     it: a row's vector as is; a row whose q_i is computed on demand (a callable) asked only
     where u_i >= p_i(x_i) (below, x_i is accepted whatever q_i <= 1), in order, up to its
-    first rejection; 1 elsewhere (accepted: ``accept_sampling`` reads p_i / 1 > u_i), as
-    ``verify.verify_sampling_lazy``. ``p`` ``(B, M)``: p_i(x_i); ``u`` ``(B, M)``."""
+    first rejection; 1 elsewhere (accepted: ``accept_sampling`` reads p_i / 1 > u_i).
+    ``p`` ``(B, M)``: p_i(x_i); ``u`` ``(B, M)``."""
     columns = [
         d.token_probs[:m].double() if isinstance(d.token_probs, Tensor) else p.new_ones(m)
         for d, m in zip(drafts, counts, strict=True)

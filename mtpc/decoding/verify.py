@@ -5,7 +5,6 @@ identically to target and draft. See docs/DECODING.md, "The cycle".
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -71,16 +70,16 @@ def _sample(probs: Tensor, generator: torch.Generator | None) -> int:
 
 
 def verify_greedy(target_argmax: Tensor, draft: Tensor) -> Verdict:
-    """Exact-match verification: ``target_argmax`` ``(n + 1,)`` after the context and after
-    each drafted prefix; ``draft`` ``(n,)``."""
+    """Exact-match verification (:func:`accept_greedy` of one row): ``target_argmax``
+    ``(n + 1,)`` after the context and after each drafted prefix; ``draft`` ``(n,)``."""
     n = draft.shape[0]
     if target_argmax.shape[0] != n + 1:
         raise ValueError(
             f"target_argmax must have n + 1 = {n + 1} entries, got {target_argmax.shape[0]}"
         )
-    mismatch = (draft != target_argmax[:n]).nonzero()
-    accepted = int(mismatch[0, 0]) if mismatch.numel() else n
-    return Verdict(accepted, int(target_argmax[accepted]))
+    lengths = torch.tensor([n], device=target_argmax.device)
+    verdicts = accept_greedy(target_argmax[None], draft[None], lengths)
+    return Verdict(int(verdicts.accepted[0]), int(verdicts.tokens[0]))
 
 
 def verify_sampling(
@@ -89,61 +88,23 @@ def verify_sampling(
     draft: Tensor,
     generator: torch.Generator | None = None,
 ) -> Verdict:
-    """Speculative-sampling verification (rejection + residual + bonus): ``target_probs``
-    ``(n + 1, V)`` p(. | context, x_<i) for i = 1..n+1, ``draft_probs`` ``(n, V)`` the q the
-    drafts ``(n,)`` were drawn from."""
+    """Speculative-sampling verification (:func:`accept_sampling` of one row, then the
+    residual or the bonus drawn from ``generator``): ``target_probs`` ``(n + 1, V)``
+    p(. | context, x_<i) for i = 1..n+1, ``draft_probs`` ``(n, V)`` the q the drafts ``(n,)``
+    were drawn from."""
     n = draft.shape[0]
-    if draft_probs.shape[0] != n:
+    if target_probs.shape[0] != n + 1 or draft_probs.shape[0] != n:
         raise ValueError(
             f"need target_probs (n+1, V) and draft_probs (n, V) for n = {n}; got "
             f"{tuple(target_probs.shape)} and {tuple(draft_probs.shape)}"
         )
     positions = torch.arange(n, device=draft.device)
-    return verify_sampling_lazy(
-        target_probs, draft_probs[positions, draft], draft, draft_probs.__getitem__, generator
-    )
-
-
-def verify_sampling_lazy(
-    target_probs: Tensor,
-    draft_token_probs: Tensor | Callable[[int], float],
-    draft: Tensor,
-    draft_dist: Callable[[int], Tensor],
-    generator: torch.Generator | None = None,
-) -> Verdict:
-    """:func:`verify_sampling` with the draft's full conditional computed on demand.
-
-    ``draft_token_probs``: q_i(x_i) at the drafts ``(n,)``, or ``i -> q_i(x_i)``, asked only
-    where the test needs it (u_i >= p_i(x_i); below, x_i is accepted whatever q_i <= 1), up to
-    the first rejection s; ``draft_dist``: ``s -> (V,)`` q_s(.), called at most once, there.
-    """
-    n = draft.shape[0]
-    shape = tuple(draft_token_probs.shape) if isinstance(draft_token_probs, Tensor) else None
-    if target_probs.shape[0] != n + 1 or shape not in (None, (n,)):
-        got = "a callable" if shape is None else shape
-        raise ValueError(
-            f"need target_probs (n+1, V) and draft_token_probs (n,) for n = {n}; got "
-            f"{tuple(target_probs.shape)} and {got}"
-        )
-    if n:
-        positions = torch.arange(n, device=draft.device)
-        p = target_probs[positions, draft].double()  # (n,)
-        u = torch.rand(n, generator=generator, dtype=torch.float64, device=p.device)
-        s = n
-        if isinstance(draft_token_probs, Tensor):
-            q = draft_token_probs.double()  # (n,)
-            ratio = torch.where(q > 0, p / q.clamp(min=1e-300), torch.ones_like(p))
-            rejected = (u >= ratio).nonzero()
-            s = int(rejected[0, 0]) if rejected.numel() else n
-        else:  # u < p <= p / q: accepted without q; else ask q_i, in order
-            for i in (u >= p).nonzero()[:, 0].tolist():
-                q_i = float(draft_token_probs(i))
-                if q_i > 0 and float(u[i]) >= float(p[i]) / q_i:
-                    s = i
-                    break
-        if s < n:
-            q_s = draft_dist(s).to(target_probs.dtype)  # (V,)
-            return Verdict(s, _sample(residual(target_probs[s], q_s), generator))
+    p, q = target_probs[positions, draft], draft_probs[positions, draft]  # (n,) each
+    u = torch.rand(n, generator=generator, dtype=torch.float64, device=p.device)
+    s = int(accept_sampling(p[None], q[None], u[None], torch.tensor([n], device=p.device))[0])
+    if s < n:
+        q_s = draft_probs[s].to(target_probs.dtype)  # (V,)
+        return Verdict(s, _sample(residual(target_probs[s], q_s), generator))
     return Verdict(n, _sample(target_probs[n], generator))
 
 
