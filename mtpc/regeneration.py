@@ -173,16 +173,6 @@ def regenerate_rows(
     return [state.result() for state in states]
 
 
-def _read_lines(path: Path) -> list[dict[str, Any]]:
-    """The complete JSON lines of ``path``; a damaged line raises RegenerateMismatchError."""
-    try:
-        return read_json_lines(path)
-    except BadJsonLine as bad:
-        raise RegenerateMismatchError(
-            f"{bad.path}:{bad.number} is not a JSON line; remove that line or the file"
-        ) from None
-
-
 @dataclass
 class Counts:
     """What one shard holds: rows written, skipped by reason, turns truncated."""
@@ -264,13 +254,15 @@ class ShardStore(AppendStore):
             self.close()
             raise
         self.open_lines(self.rows_path, self.skipped_path)
-        done = [
-            RowResult(int(r["regenerated"]["index"]), row=r) for r in _read_lines(self.rows_path)
-        ]
-        done += [
-            RowResult(int(line["index"]), reason=str(line["reason"]))
-            for line in _read_lines(self.skipped_path)
-        ]
+        try:  # the complete lines written so far
+            rows = read_json_lines(self.rows_path)
+            skips = read_json_lines(self.skipped_path)
+        except BadJsonLine as bad:
+            raise RegenerateMismatchError(
+                f"{bad.path}:{bad.number} is not a JSON line; remove that line or the file"
+            ) from None
+        done = [RowResult(int(r["regenerated"]["index"]), row=r) for r in rows]
+        done += [RowResult(int(line["index"]), reason=str(line["reason"])) for line in skips]
         for result in done:
             if result.index not in self.done:
                 self.done.add(result.index)
