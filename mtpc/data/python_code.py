@@ -302,7 +302,6 @@ def python_code_source(
         name=label if num_rows is None else f"{label}[:{num_rows}]",
         fingerprint=fingerprint,
         iter_rows=lambda: iter(build().rows),
-        num_rows=None,
         take_rows=lambda positions: [build().rows[int(p)] for p in positions],
         row_limit=None if num_rows is None else int(num_rows),
         split_mask=lambda: build().validation,

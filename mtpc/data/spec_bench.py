@@ -136,8 +136,7 @@ def select_questions(
                 f"prompts.categories={list(categories)}: no question of {path} has category "
                 f"{', '.join(map(repr, unknown))}; allowed: {', '.join(present)}"
             )
-        wanted = set(categories)
-        questions = [q for q in questions if q.category in wanted]
+        questions = [q for q in questions if q.category in categories]
     if turns is not None:
         questions = [replace(q, turns=q.turns[:turns]) for q in questions]
     return list(questions)
@@ -186,8 +185,7 @@ def build_prompt_sets(
         or longest_prompt(q, codec, max_new_tokens) <= max_prompt_length
     ]
     if len(fit) < len(questions):
-        kept = {q.id for q in fit}
-        left = [q.id for q in questions if q.id not in kept]
+        left = [q.id for q in questions if q not in fit]
         logger.warning(
             "prompts=spec_bench: %d of %d questions left out, a turn's prompt could exceed "
             "%s ids (the target's context - max_new_tokens - window, or max_prompt_length): "
