@@ -24,12 +24,6 @@ class TokenTree:
     depths: Tensor  # (T,) depth below the root (1 for the root's children)
     log_probs: Tensor  # (T,) log q(root path of the node | evidence)
 
-    @classmethod
-    def empty(cls, device: torch.device) -> TokenTree:
-        """A tree without nodes."""
-        none = torch.zeros(0, dtype=torch.long, device=device)
-        return cls(none, none, none, torch.zeros(0, device=device))
-
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
@@ -107,8 +101,9 @@ def build_tree(
             best = torch.cat(logps).topk(budget).values[-1]
             if bool(values[0] <= best):  # no descendant can enter the best `budget`
                 break
-    if not tokens:
-        return TokenTree.empty(device)
+    if not tokens:  # a tree without nodes
+        none = torch.zeros(0, dtype=torch.long, device=device)
+        return TokenTree(none, none, none, torch.zeros(0, device=device))
     all_tokens, all_parents = torch.cat(tokens), torch.cat(parents)
     all_depths, all_logp = torch.cat(depths), torch.cat(logps)
     # the best `budget` nodes; ties go to the shallower node, so the set stays prefix-closed
