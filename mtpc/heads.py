@@ -151,10 +151,11 @@ class MTPCHead(nn.Module):
         self.reset_sum_parameters()
         return self
 
-    def _check_hidden(self, e: Tensor) -> None:
+    def _check_hidden(self, e: Tensor, name: str = "e", rows: str = "B") -> None:
         if not isinstance(e, Tensor) or e.dim() != 2 or e.shape[1] != self.hidden_size:
             got = tuple(e.shape) if isinstance(e, Tensor) else type(e).__name__
-            raise ValueError(f"e must have shape (B, hidden_size={self.hidden_size}), got {got}")
+            want = f"({rows}, hidden_size={self.hidden_size})"
+            raise ValueError(f"{name} must have shape {want}, got {got}")
 
     def input_logits(
         self,
@@ -259,10 +260,7 @@ class MTPCHead(nn.Module):
         at a time (recomputed in backward with ``checkpoint``).
         """
         T, n = targets.shape[0], self.window
-        if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
-            raise ValueError(
-                f"hidden must have shape (T, hidden_size={self.hidden_size}), got {tuple(hidden.shape)}"
-            )
+        self._check_hidden(hidden, "hidden", "T")
         if targets.dim() != 2 or targets.shape != (hidden.shape[0], n):
             raise ValueError(
                 f"targets must have shape (T={hidden.shape[0]}, window={n}), got {tuple(targets.shape)}"
