@@ -229,11 +229,7 @@ def _chain_scopes(
             idx = torch.arange(len(prev))[None]
         else:  # fold f reads fold f
             idx = torch.arange(len(prev))[:, None]
-        if (
-            (idx.shape[1] == 1) != (kind == "sum")
-            or int(idx.min()) < 0
-            or int(idx.max()) >= len(prev)
-        ):
+        if (idx.shape[1] == 1) != (kind == "sum") or not 0 <= idx.min() <= idx.max() < len(prev):
             raise PaperImportError(
                 f"circuit address book entry {i}: {tuple(idx.shape)} does not fit a {kind} "
                 "layer reading the layer before it; this circuit's wiring cannot be mapped"

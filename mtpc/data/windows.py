@@ -29,9 +29,8 @@ def make_windows(
     future_ids = ids.unfold(1, window, 1)[:, 1:]  # (B, L, n)
     future_docs = docs.unfold(1, window, 1)[:, 1:]  # (B, L, n)
     future_loss = loss.unfold(1, window, 1)[:, 1:]  # (B, L, n)
-    same_doc = (future_docs == document_ids.long().unsqueeze(-1)) & (
-        document_ids.unsqueeze(-1) >= 0
-    )
+    doc = document_ids.long().unsqueeze(-1)  # (B, L, 1)
+    same_doc = (future_docs == doc) & (doc >= 0)  # (B, L, n)
     target_mask = future_loss & same_doc  # (B, L, n)
     targets = torch.where(same_doc, future_ids, torch.full_like(future_ids, pad_id))  # (B, L, n)
     return targets.contiguous(), target_mask.contiguous(), same_doc.contiguous()
