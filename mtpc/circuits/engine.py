@@ -23,8 +23,8 @@ class _LayerStep(NamedTuple):
     num_folds: int  # F
     num_units: int  # R
     arity: int  # A: children per product fold
-    view: tuple[int, bool, int] | None  # a product over consecutive folds of one layer:
-    # (source layer, narrow it?, first fold); None: read ``slots``
+    view_start: int | None  # a product over consecutive folds of one layer (its slots' one
+    # source): the first; None: read ``slots``
     lo: int  # first sum-weight row of the layer
     slots: tuple[Slot, ...]  # a sum's one input slot; a product's A
 
@@ -54,21 +54,15 @@ class Circuit:
         # flat per-layer plan for the hot loop (fewer attribute look-ups)
         self._plan: list[_LayerStep] = []
         for la in self.layers[1:]:
-            view = None
-            if la.view_start is not None:
-                src = la.slots[0].sources[0]
-                whole = la.view_start == 0 and self.layers[src].num_folds == la.num_folds * la.arity
-                view = (src, not whole, la.view_start)
-            F, R, A = la.num_folds, la.num_units, la.arity
-            self._plan.append(_LayerStep(la.kind == "sum", F, R, A, view, la.sum_offset, la.slots))
+            F, R, A, start = la.num_folds, la.num_units, la.arity, la.view_start
+            self._plan.append(_LayerStep(la.kind == "sum", F, R, A, start, la.sum_offset, la.slots))
         # prefix fast path: layer 1 multiplies consecutive inputs and nobody else reads them
         self._prefix_index: Tensor | None = None
         l1 = self.layers[1] if len(self.layers) > 1 else None
         readers = sum(1 for la in self.layers[1:] for sl in la.slots if 0 in sl.sources)
         if (
             l1 is not None
-            and l1.kind == "product"
-            and l1.view_start == 0
+            and l1.view_start == 0  # a product (sums have no view)
             and l1.num_folds * l1.arity == n
             and readers == l1.arity
         ):
@@ -216,13 +210,11 @@ class Circuit:
         B, K = outs[-1].shape[0], outs[-1].shape[-1]
         wexp = None
         fmin = torch.finfo(leaves.dtype).min
-        for is_sum, F, R, A, view, lo, slots in plan:
+        for is_sum, F, R, A, view_start, lo, slots in plan:
             if not is_sum:
                 sum_inputs.append(None)
-                if view is not None:
-                    src = outs[view[0]]
-                    if view[1]:
-                        src = src.narrow(1, view[2], F * A)
+                if view_start is not None:
+                    src = outs[slots[0].sources[0]].narrow(1, view_start, F * A)
                     y = src.unflatten(1, (F, A)).sum(2) if A > 1 else src  # (B, F, r, K)
                 else:
                     y = self._read(outs, slots[0])
@@ -418,10 +410,8 @@ class Circuit:
 
     def _read(self, outs: list[Tensor], slot: Slot) -> Tensor:
         """Gather the children of one slot: ``(B, F, R, K)``."""
-        if slot.start is not None:
-            src = outs[slot.sources[0]]
-            F = slot.index.shape[0]
-            return src if (slot.start == 0 and src.shape[1] == F) else src.narrow(1, slot.start, F)
+        if slot.start is not None:  # consecutive folds of one layer
+            return outs[slot.sources[0]].narrow(1, slot.start, slot.index.shape[0])
         src = (
             outs[slot.sources[0]]
             if len(slot.sources) == 1
