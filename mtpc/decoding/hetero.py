@@ -1,8 +1,7 @@
 """Lossless speculative decoding across heterogeneous vocabularies (Timor et al., 2025):
 ``generate_hetero`` with ``standard``, ``union``, ``tli``, ``slem`` and ``slrs`` (the paper's
 Alg. 5, 1, 4, 2, 3), verified by :mod:`mtpc.decoding.verify`'s rules. See docs/HETERO.md,
-"Algorithms".
-"""
+"Algorithms"."""
 
 from __future__ import annotations
 
@@ -184,9 +183,6 @@ class _Session:
         self.data += self.t_tok.decode_bytes(tokens)
 
 
-# --- SLEM (Alg. 2) --------------------------------------------------------------------------
-
-
 def to_target_tokens(
     t_tok: TokenizerAdapter, context: Sequence[int], draft: bytes, look_behind: int = 8
 ) -> list[int]:
@@ -214,6 +210,7 @@ def to_target_tokens(
 
 
 def _slem_cycle(sess: _Session, lookahead: int, look_behind: int) -> tuple[list[int], int]:
+    """One SLEM cycle (Alg. 2): the new target tokens and the drafts accepted."""
     rule, g = sess.rule, sess.generator
     d_ids, pending = sess.drafter_context()
     path: list[int] = []
@@ -234,10 +231,8 @@ def _slem_cycle(sess: _Session, lookahead: int, look_behind: int) -> tuple[list[
     return [*cands[: verdict.accepted], verdict.next_token], verdict.accepted
 
 
-# --- standard / union / TLI (Alg. 5, 1, 4) ---------------------------------------------------
-
-
 def _token_cycle(sess: _Session, algorithm: str, lookahead: int) -> tuple[list[int], int]:
+    """One ``standard``, ``union`` or ``tli`` cycle (Alg. 5, 1, 4), as :func:`_slem_cycle`."""
     rule, g = sess.rule, sess.generator
     mapping = vocab_mapping(sess.t_tok, sess.d_tok)
     d_ids, pending = (list(sess.ctx), b"") if algorithm == "standard" else sess.drafter_context()
@@ -298,9 +293,6 @@ def _verify(
         p = torch.nn.functional.pad(rule.probs(rows), (0, 1)).to(q.dtype)  # over T ∪ {⊥}
         verdict = verify_sampling(p, q, draft, sess.generator)
     return [*real[: verdict.accepted], verdict.next_token], verdict.accepted
-
-
-# --- SLRS (Alg. 3) ---------------------------------------------------------------------------
 
 
 @dataclass
@@ -423,6 +415,7 @@ class PathEnumerator:
 def _slrs_cycle(
     sess: _Session, table: SLRSTable, psi_method: str, max_psi_paths: int
 ) -> tuple[list[int], int]:
+    """One SLRS cycle (Alg. 3), as :func:`_slem_cycle`."""
     rule, g = sess.rule, sess.generator
     circuit = sess.circuit
     d_tb = sess.d_tok.token_bytes
@@ -463,16 +456,13 @@ def slrs_psi(
     table: SLRSTable, sess: _Session, enum: PathEnumerator, pending: bytes, vocab: int, method: str
 ) -> Tensor:
     """psi over the target vocabulary, (vocab,) float64 (mass left over is ⊥)."""
-    strings = list(table.ids)
+    strings = [pending + b for b in table.ids]
     if method == "circuit":
         assert sess.circuit is not None  # generate_hetero's psi check
-        values = sess.circuit.prefix_probs([pending + s for s in strings]).tolist()
+        values = sess.circuit.prefix_probs(strings).tolist()
     else:
-        values = enum.prefix_probs([pending + b for b in strings])
-    return table.psi({table.ids[b]: v for b, v in zip(strings, values, strict=True)}, vocab)
-
-
-# --- driver ----------------------------------------------------------------------------------
+        values = enum.prefix_probs(strings)
+    return table.psi(dict(zip(table.ids.values(), values, strict=True)), vocab)
 
 
 def generate_hetero(
@@ -529,7 +519,6 @@ def generate_hetero(
         cycle = partial(_slrs_cycle, sess, table, psi, max_psi_paths)
     else:
         cycle = partial(_token_cycle, sess, algorithm, lookahead)
-    # each cycle: (new target tokens, drafts accepted)
     res = GenerationResult(tokens=[], method="hetero", algorithm=algorithm)
     clock = Stopwatch(sess.tlm.device, profile=False)
     while len(res.tokens) < max_new_tokens:

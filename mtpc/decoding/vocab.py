@@ -1,7 +1,6 @@
 """Byte-aware tokenizer adapters (byte codecs, HF tokenizers) and the target/drafter
 vocabulary mapping, tokens compared by the bytes they decode to. See docs/HETERO.md,
-"Algorithms".
-"""
+"Algorithms"."""
 
 from __future__ import annotations
 
@@ -33,15 +32,10 @@ class InexpressibleTextError(HeteroVocabularyError):
 @cache
 def byte_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable-unicode table (``"Ġ"`` is the space byte)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
-    keep += list(range(ord("®"), ord("ÿ") + 1))
-    chars, extra = list(keep), 0
-    for b in range(256):
-        if b not in keep:
-            keep.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {b: chr(c) for b, c in zip(keep, chars, strict=True)}
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    table = {b: chr(b) for b in [*printable, *range(ord("®"), ord("ÿ") + 1)]}
+    moved = [b for b in range(256) if b not in table]  # the others, shifted past 255
+    return table | {b: chr(256 + k) for k, b in enumerate(moved)}
 
 
 def utf8_complete(data: bytes) -> int:
@@ -152,18 +146,17 @@ class HFTokenizer(TokenizerAdapter):
         self.special_names = {
             i: s for i, s in enumerate(strings) if s is not None and i in specials
         }
-        self.token_bytes = []
-        for i, s in enumerate(strings):
+
+        def to_bytes(i: int, s: str | None) -> bytes | None:
             if s is None or i in specials:
-                self.token_bytes.append(None)
-            elif "ByteFallback" in kinds and (fallback := _BYTE_FALLBACK.match(s)):
-                self.token_bytes.append(bytes((int(fallback.group(1), 16),)))
-            elif "ByteLevel" in kinds and all(c in u2b for c in s):
-                self.token_bytes.append(bytes(u2b[c] for c in s))
-            elif "Metaspace" in kinds:
-                self.token_bytes.append(s.replace("▁", " ").encode("utf-8"))
-            else:
-                self.token_bytes.append(s.encode("utf-8"))
+                return None
+            if "ByteFallback" in kinds and (fallback := _BYTE_FALLBACK.match(s)):
+                return bytes((int(fallback.group(1), 16),))
+            if "ByteLevel" in kinds and all(c in u2b for c in s):
+                return bytes(u2b[c] for c in s)
+            return (s.replace("▁", " ") if "Metaspace" in kinds else s).encode("utf-8")
+
+        self.token_bytes = [to_bytes(i, s) for i, s in enumerate(strings)]
         self.prefix_ids = [int(i) for i in self.backend.encode("", add_special_tokens=True).ids]
         eos = tokenizer.eos_token_id
         self.stop_ids = () if eos is None else (int(eos),)
