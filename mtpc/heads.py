@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from mtpc.choices import EXTRA_POSITIONS
 from mtpc.circuits import Circuit, CircuitParams, build_structure
+from mtpc.circuits.engine import check_ids
 from mtpc.circuits.params import _f32, exact_sums
 from mtpc.circuits.structure import check_kind_window_rank
 
@@ -272,13 +273,7 @@ class MTPCHead(nn.Module):
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         valid = targets if mask is None else targets[mask]
-        if valid.numel():
-            lo, hi = torch.aminmax(valid)
-            if int(lo) < 0 or int(hi) >= self.vocab_size:
-                raise ValueError(
-                    f"targets hold token ids outside [0, {self.vocab_size - 1}] where valid: "
-                    f"min {int(lo)}, max {int(hi)}"
-                )
+        check_ids(valid, self.vocab_size, "targets hold", " where valid")
 
         def chunk(h: Tensor, x: Tensor, m: Tensor | None) -> Tensor:
             leaves, sum_logw = self.leaf_log_prob(h, x, m), self.sum_log_weights(h)  # fp32

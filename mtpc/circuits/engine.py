@@ -382,8 +382,7 @@ class Circuit:
         B, r = lw.shape[0], self.rank
         sum_inputs = self._upward(leaves.unsqueeze(-1), lw, max_product=max_product)[1]
         pieces = []
-        for lid, layer in enumerate(self.layers):
-            c = sum_inputs[lid]
+        for layer, c in zip(self.layers, sum_inputs, strict=True):
             if c is not None:
                 F, R, lo = layer.num_folds, layer.num_units, layer.sum_offset
                 w = lw[:, lo : lo + F * R].view(B, F, R, r)
@@ -473,13 +472,7 @@ class Circuit:
         if x.dim() != 2 or x.shape[0] != B or (exact and x.shape[1] != n):
             want = f"(B={B}, n={n})" if exact else f"(B={B}, m<={n})"
             raise ValueError(f"{name} must have shape {want}, got {tuple(x.shape)}")
-        if x.numel():
-            lo, hi = torch.aminmax(x)
-            if int(lo) < 0 or int(hi) >= V:
-                raise ValueError(
-                    f"{name} holds token ids outside [0, {V - 1}] (vocab_size={V}): "
-                    f"min {int(lo)}, max {int(hi)}"
-                )
+        check_ids(x, V, f"{name} holds", f" (vocab_size={V})")
 
     def _check_evidence(self, ev: Tensor | None, lp: Tensor, *, name: str, max_len: int) -> int:
         if ev is None:
@@ -491,6 +484,18 @@ class Circuit:
             )
         self._check_tokens(ev, name, lp, exact=False)
         return int(ev.shape[1])
+
+
+def check_ids(ids: Tensor, vocab_size: int, who: str, where: str) -> None:
+    """ValueError ``"{who} token ids outside [0, V - 1]{where}: min .., max .."`` when ``ids``
+    holds one."""
+    if ids.numel():
+        lo, hi = torch.aminmax(ids)
+        if int(lo) < 0 or int(hi) >= vocab_size:
+            raise ValueError(
+                f"{who} token ids outside [0, {vocab_size - 1}]{where}: "
+                f"min {int(lo)}, max {int(hi)}"
+            )
 
 
 def categorical(
