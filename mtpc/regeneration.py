@@ -24,7 +24,7 @@ from mtpc.config import ConfigError
 from mtpc.data.preprocess import check_row
 from mtpc.errors import UserError
 from mtpc.evaluation.loading import load_target
-from mtpc.evaluation.settings import CHUNK_BATCHES, Settings, parse_regenerate
+from mtpc.evaluation.settings import CHUNK_BATCHES, RegenerateSettings, Settings, parse_regenerate
 from mtpc.files import BadJsonLine, read_json_lines
 from mtpc.store import AppendStore, changed, provenance, write_json
 
@@ -326,7 +326,6 @@ def regenerate(cfg: Any) -> dict[str, Any]:
     import torch
 
     from mtpc.backbones.codecs import get_codec
-    from mtpc.decoding.common import context_length
     from mtpc.model import MTPCModel
 
     job = parse_regenerate(cfg)  # the one reading of cfg: below, the settings' named fields
@@ -356,10 +355,7 @@ def regenerate(cfg: Any) -> dict[str, Any]:
     }  # fmt: skip
     with ShardStore(out, job.shard, job.num_shards).open(manifest) as store:
         resumed = len(store.done)
-        rows, tokens, seconds = regenerate_shard(
-            store, source, model, codec, settings, context_length(model),
-            progress=bool(job.progress), batch_size=job.batch_size,
-        )  # fmt: skip
+        rows, tokens, seconds = regenerate_shard(store, source, model, codec, job)
         session = {
             **provenance(str(job.device), Path(job.root_dir or ".")), "rows": rows,
             "resumed_after": resumed, "seconds": round(seconds, 3),
@@ -374,35 +370,31 @@ def regenerate(cfg: Any) -> dict[str, Any]:
 
 
 def regenerate_shard(
-    store: ShardStore,
-    source: Any,
-    model: Any,
-    codec: ByteCodec,
-    settings: Settings,
-    context: int | None,
-    progress: bool = True,
-    batch_size: int = 1,
+    store: ShardStore, source: Any, model: Any, codec: ByteCodec, job: RegenerateSettings
 ) -> tuple[int, int, float]:
     """Regenerates the rows of ``store``'s shard it holds no line of, appending each as it
-    finishes (``batch_size`` > 1: as each chunk of :data:`CHUNK_BATCHES` batches finishes);
-    returns this session's (rows decoded, new tokens, seconds)."""
+    finishes (``job.batch_size`` > 1: as each chunk of :data:`CHUNK_BATCHES` batches
+    finishes); returns this session's (rows decoded, new tokens, seconds)."""
     import torch
     from tqdm.auto import tqdm
+
+    from mtpc.decoding.common import context_length
 
     shard, num_shards = store.shard, store.num_shards
     rows_total = source.num_rows
     total = None if rows_total is None else len(shard_indices(rows_total, shard, num_shards))
     bar = tqdm(
         total=total, initial=len(store.done), unit="row", desc=f"regenerate {store.stem}",
-        dynamic_ncols=True, disable=not progress,
+        dynamic_ncols=True, disable=not job.progress,
     )  # fmt: skip
     start, rows, tokens = time.perf_counter(), 0, 0
     chunk: list[tuple[int, Any]] = []  # rows decoded together, written in source order
-    size = 1 if batch_size == 1 else CHUNK_BATCHES * batch_size
+    size = 1 if job.batch_size == 1 else CHUNK_BATCHES * job.batch_size
+    context = context_length(model)  # the target's (None: unbounded)
 
     def flush() -> None:
         nonlocal rows, tokens
-        results = regenerate_rows(model, codec, chunk, settings, context, batch_size)
+        results = regenerate_rows(model, codec, chunk, job.decoder, context, job.batch_size)
         for (_, row), result in zip(chunk, results, strict=True):
             row_id = row.get("id") if isinstance(row, Mapping) else None
             store.append(result, None if row_id is None else str(row_id))
