@@ -10,13 +10,65 @@ its own slots (:class:`Slots`). See docs/DECODING.md, "Many prompts at once".
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 Tree = tuple[Tensor, Tensor] | None
 """A pass's layout for one row: a token tree's ``(depth (T,), mask (T, T))``; None: a chain."""
+
+
+def index_of(held: Sequence[Any], rows: Sequence[Any]) -> list[int]:
+    """Where each of ``rows`` is in ``held`` (by identity)."""
+    at = {id(row): i for i, row in enumerate(held)}
+    return [at[id(row)] for row in rows]
+
+
+class Batch(NamedTuple):
+    """Rows' new positions padded into one batch (:func:`pad_rows`)."""
+
+    values: Tensor  # (B, T, ...) each row's values, zeros past them and in rows sitting out
+    real: Tensor  # (B, T) bool: the rows' own positions
+    offsets: Tensor  # (B, T) position after the row's length: a chain's 0..T-1, a tree's depth
+    inner: Tensor  # (B, T, T) bool, new sees new: a chain causal, a tree its mask, padding itself
+    counts: list[int]  # (B,) each row's new positions (0: it sits out)
+
+
+def pad_rows(
+    values: Sequence[Tensor], at: Sequence[int], b: int, trees: Sequence[Tree], device: Any
+) -> Batch:
+    """The rows' ``values`` ((T_r, ...) each) at batch rows ``at`` of a batch of ``b`` rows,
+    T the longest."""
+    width = max(x.shape[0] for x in values)
+    padded = torch.zeros(b, width, *values[0].shape[1:], dtype=values[0].dtype, device=device)
+    real = torch.zeros(b, width, dtype=torch.bool, device=device)
+    offsets = torch.arange(width, device=device).repeat(b, 1)
+    inner = torch.eye(width, dtype=torch.bool, device=device).repeat(b, 1, 1)
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+    counts = [0] * b
+    for i, x, tree in zip(at, values, trees, strict=True):
+        t = counts[i] = x.shape[0]
+        padded[i, :t], real[i, :t] = x, True
+        if tree is None:
+            inner[i, :t, :t] = causal[:t, :t]
+        else:
+            offsets[i, :t], inner[i, :t, :t] = tree
+    return Batch(padded, real, offsets, inner, counts)
+
+
+def row_outputs(
+    model: Any, hidden: Tensor, tail: Tensor, at: list[int], counts: list[int], last: bool
+) -> tuple[list[Tensor], list[Tensor]]:
+    """The rows' trunk states ``(1, T_b, d)`` and logits ``(T_b, V)`` (``last``: their last
+    position's, ``(1, V)``) from a batched pass's ``hidden``, ``tail`` ``(B, T, d)``: the rows
+    at ``at``, ``counts`` new positions each."""
+    if last:  # each row's last position (R, d): one row of logits each
+        out = model.verifier_logits(tail[at, [t - 1 for t in counts]])[:, None]  # (R, 1, V)
+    else:
+        out = model.verifier_logits(tail[at])  # (R, T, V)
+    states = [hidden[i : i + 1, :t] for i, t in zip(at, counts, strict=True)]
+    return states, [o[: 1 if last else t] for o, t in zip(out, counts, strict=True)]
 
 
 class Stream:
@@ -55,12 +107,9 @@ class Stream:
             return
         (keep,) = keeps
         caches = self.caches
-        width = len(caches.trunk) - self.base
-        if isinstance(keep, int):
-            if keep < width:
-                caches.trunk.crop(self.base + keep)
-                caches.verifier.crop(self.base + keep)
-        elif keep.numel() < width:
+        if isinstance(keep, int):  # the draft tail's cache is never past the pass's base
+            caches.crop(self.base + keep)
+        elif keep.numel() < len(caches.trunk) - self.base:
             caches.compact(self.base, keep)
 
     def draft(self, rows: Sequence[Any], states: Sequence[Tensor]) -> list[Tensor | None]:
@@ -206,20 +255,12 @@ class Padded:
         self.draft_slots = Slots(model, [self.caches.draft])
         self.rows: list[Any] = []
 
-    def _index(self, rows: Sequence[Any]) -> Tensor:
-        """The batch indices ``(R,)`` of ``rows``."""
-        at = {id(row): i for i, row in enumerate(self.rows)}
-        return torch.tensor([at[id(row)] for row in rows], device=self.model.backbone.device)
-
     def admit(
         self, rows: Sequence[Any], prompts: Sequence[Tensor]
     ) -> tuple[list[Tensor], list[Tensor]]:
         """Prefills ``prompts`` ((T_b,) each) as new rows; returns the rows' trunk states
         ``(1, T_b, d)`` and their last position's target logits ``(1, V)``."""
-        if not self.rows:
-            self.rows = list(rows)
-            return self.target(rows, prompts, [None] * len(rows), last=True)
-        batch = Padded(self.model)
+        batch = Padded(self.model)  # prefilled apart, then merged (the first: adopted)
         batch.rows = list(rows)
         out = batch.target(rows, prompts, [None] * len(rows), last=True)
         self.target_slots.merge(batch.target_slots)
@@ -233,39 +274,21 @@ class Padded:
         """One batched trunk + verifier-tail pass over every held row (``rows`` must be all of
         them, in any order); ``last``: logits at each row's last position only."""
         model, slots = self.model, self.target_slots
-        order = self._index(rows)
-        width = max(x.shape[0] for x in ids)
-        b, device = len(self.rows), model.backbone.device
-        padded = torch.zeros(b, width, dtype=torch.long, device=device)  # (B, T)
-        offsets = torch.arange(width, device=device).expand(b, width).clone()
-        inner = torch.eye(width, dtype=torch.bool, device=device).repeat(b, 1, 1)  # (B, T, T)
-        real = torch.zeros(b, width, dtype=torch.bool, device=device)
-        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-        for i, x, tree in zip(order.tolist(), ids, trees, strict=True):
-            t = x.shape[0]
-            padded[i, :t], real[i, :t] = x, True
-            if tree is None:
-                inner[i, :t, :t] = causal[:t, :t]
-            else:
-                offsets[i, :t], inner[i, :t, :t] = tree
-        positions, attend = slots.layout(offsets, inner)
-        hidden = self._embed(padded, ids, trees, order)
+        order = index_of(self.rows, rows)
+        batch = pad_rows(ids, order, len(self.rows), trees, model.backbone.device)
+        positions, attend = slots.layout(batch.offsets, batch.inner)
+        hidden = self._embed(batch.values, ids, trees, order)
         self.base = slots.valid.shape[1]
-        hidden = model.trunk(padded, self.caches.trunk, positions, attend=attend, hidden=hidden)
+        hidden = model.trunk(
+            batch.values, self.caches.trunk, positions, attend=attend, hidden=hidden
+        )
         tail = model.verifier_tail(hidden, self.caches.verifier, positions, attend=attend)
-        slots.appended(real)
-        rows_at, lengths = order.tolist(), [x.shape[0] for x in ids]
-        if last:  # each row's last position (B, d): one row of logits each
-            at = torch.tensor([t - 1 for t in lengths], device=device)
-            out = model.verifier_logits(tail[order, at])[:, None]  # (R, 1, V)
-        else:
-            out = model.verifier_logits(tail[order])  # (R, T, V)
-        states = [hidden[i : i + 1, :t] for i, t in zip(rows_at, lengths, strict=True)]
-        logits = [o[:t] for o, t in zip(out, [1] * len(ids) if last else lengths, strict=True)]
-        return states, logits  # (1, T_b, d), (T_b, V) (last: (1, V))
+        slots.appended(batch.real)
+        counts = [x.shape[0] for x in ids]
+        return row_outputs(model, hidden, tail, order, counts, last)
 
     def _embed(
-        self, padded: Tensor, ids: Sequence[Tensor], trees: Sequence[Tree], order: Tensor
+        self, padded: Tensor, ids: Sequence[Tensor], trees: Sequence[Tree], order: list[int]
     ) -> Tensor:
         """The new ids' embeddings ``(B, T, d)``; a row at a time when the embedding reads
         the row's own history (the byte Llama)."""
@@ -273,7 +296,7 @@ class Padded:
         if not model.backbone.needs_history:
             return model.embed(padded, None)
         hidden = model.embed(padded, None).clone()  # padding rows keep any embedding
-        for i, x, tree in zip(order.tolist(), ids, trees, strict=True):
+        for i, x, tree in zip(order, ids, trees, strict=True):
             past = self.target_slots.history(i)
             mask = None if tree is None else tree[1]
             hidden[i : i + 1, : x.shape[0]] = model.embed(x[None], past, mask)
@@ -284,7 +307,7 @@ class Padded:
         slots = self.target_slots
         width = slots.valid.shape[1] - self.base
         keep = torch.zeros(len(self.rows), width, dtype=torch.bool, device=slots.valid.device)
-        for i, k in zip(self._index(rows).tolist(), keeps, strict=True):
+        for i, k in zip(index_of(self.rows, rows), keeps, strict=True):
             if isinstance(k, int):
                 keep[i, :k] = True
             else:
@@ -294,35 +317,29 @@ class Padded:
     def draft(self, rows: Sequence[Any], states: Sequence[Tensor]) -> list[Tensor | None]:
         """One batched draft-tail pass over each row's kept states ``(1, K_b, d)``."""
         slots, model = self.draft_slots, self.model
-        order = self._index(rows).tolist()
         width = max((s.shape[1] for s in states), default=0)
         if not width:
             return [None] * len(rows)
-        b, device = len(self.rows), model.backbone.device
-        hidden = states[0].new_zeros(b, width, states[0].shape[2])  # (B, K, d)
-        real = torch.zeros(b, width, dtype=torch.bool, device=device)
-        for i, s in zip(order, states, strict=True):
-            hidden[i, : s.shape[1]], real[i, : s.shape[1]] = s[0], True
-        inner = torch.ones(width, width, dtype=torch.bool, device=device).tril()  # causal
-        offsets = torch.arange(width, device=device).expand(b, width)
-        positions, attend = slots.layout(offsets, inner.expand(b, -1, -1))
-        out = model.draft_tail(hidden, self.caches.draft, positions, attend=attend)  # (B, K, d)
-        slots.appended(real)
-        slots.keep(slots.valid.shape[1] - width, real)
+        order = index_of(self.rows, rows)
+        kept = [s[0] for s in states]
+        batch = pad_rows(kept, order, len(self.rows), [None] * len(rows), model.backbone.device)
+        positions, attend = slots.layout(batch.offsets, batch.inner)
+        out = model.draft_tail(batch.values, self.caches.draft, positions, attend=attend)
+        slots.appended(batch.real)
+        slots.keep(slots.valid.shape[1] - width, batch.real)
         return [out[i : i + 1, s.shape[1] - 1] if s.shape[1] else None
                 for i, s in zip(order, states, strict=True)]  # fmt: skip
 
     def release(self, rows: Sequence[Any]) -> None:
         """The rows leave the batch (their slots with them)."""
-        held = {id(row) for row in self.rows}
-        gone = {id(row) for row in rows} & held
-        if not gone:  # nothing held (or released already)
+        gone = {id(row) for row in rows}
+        stay = [i for i, row in enumerate(self.rows) if id(row) not in gone]
+        if len(stay) == len(self.rows):  # nothing held (or released already)
             return
-        stay = [row for row in self.rows if id(row) not in gone]
         if not stay:  # a fresh batch for the next admissions
             self.__init__(self.model)  # type: ignore[misc]
             return
-        index = self._index(stay)
+        index = torch.tensor(stay, device=self.model.backbone.device)
         self.target_slots.take(index)
         self.draft_slots.take(index)
-        self.rows = stay
+        self.rows = [self.rows[i] for i in stay]

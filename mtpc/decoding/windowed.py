@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mtpc.decoding.layout import Tree
+from mtpc.decoding.layout import Stream, Tree, index_of, pad_rows, row_outputs
 
 
 class Windowed:
@@ -31,60 +31,34 @@ class Windowed:
             backbone.new_rows_cache(split, n),
         ]  # trunk, verifier tail, draft tail
         self.rows: list[Any] = []
-        self.fresh: dict[int, tuple[Any, Any]] = {}  # id(row) -> (row, its one-row caches)
+        self.fresh: dict[int, tuple[Any, Stream]] = {}  # id(row) -> (row, its one-row caches)
         self.base: list[int] = []  # each row's length before the last target pass
-
-    def _index(self, rows: Sequence[Any]) -> list[int]:
-        at = {id(row): i for i, row in enumerate(self.rows)}
-        return [at[id(row)] for row in rows]
 
     def admit(
         self, rows: Sequence[Any], prompts: Sequence[Tensor]
     ) -> tuple[list[Tensor], list[Tensor]]:
-        """Prefills each prompt ``(T_b,)`` alone; returns the rows' trunk states ``(1, T_b,
-        d)`` and their last position's target logits ``(1, V)``."""
-        model = self.model
+        """Prefills each prompt ``(T_b,)`` alone (a :class:`Stream` each); returns the rows'
+        trunk states ``(1, T_b, d)`` and their last position's target logits ``(1, V)``."""
         states, logits = [], []
         for row, prompt in zip(rows, prompts, strict=True):
-            caches = model.new_caches()
-            hidden = model.trunk(prompt[None], caches.trunk)  # (1, T, d)
-            tail = model.verifier_tail(hidden, caches.verifier)
+            stream = Stream(self.model)
+            (hidden,), (last,) = stream.admit([row], [prompt])
             states.append(hidden)
-            logits.append(model.verifier_logits(tail[0, -1:]))  # (1, V)
-            self.fresh[id(row)] = (row, caches)
+            logits.append(last)
+            self.fresh[id(row)] = (row, stream)
         return states, logits
 
     def _join(self) -> None:
         """The fresh rows join the batch (their one-row caches settled and appended)."""
         backbone = self.model.backbone
-        for row, caches in self.fresh.values():
-            for native, cache in zip(self.natives, caches, strict=True):
+        for row, stream in self.fresh.values():
+            for native, cache in zip(self.natives, stream.caches, strict=True):
                 if len(native.layers):
                     backbone._settle(cache.native)
                     native.append(cache.native)
             self.rows.append(row)
             self.base.append(0)
         self.fresh = {}
-
-    def _run(
-        self, native: Any, hidden: Tensor, at: list[int], counts: list[int], trees: Sequence[Tree]
-    ) -> tuple[Tensor, list[int]]:
-        """Scatters the rows' ``hidden`` into a (B, T, d) batch and runs ``native``'s layers."""
-        b, device = len(self.rows), hidden.device
-        width = hidden.shape[1]
-        full = hidden.new_zeros(b, width, hidden.shape[2])
-        full[at] = hidden
-        rows_counts = [0] * b
-        inner = torch.eye(width, dtype=torch.bool, device=device).repeat(b, 1, 1)
-        offsets = torch.arange(width, device=device).repeat(b, 1)
-        flags = [False] * b
-        for i, count, tree in zip(at, counts, trees, strict=True):
-            rows_counts[i] = count
-            if tree is not None:
-                flags[i] = True
-                offsets[i, :count], inner[i, :count, :count] = tree
-        out = self.model.backbone.run_rows(full, native, rows_counts, inner, offsets, flags)
-        return out[at], rows_counts
 
     def target(
         self, rows: Sequence[Any], ids: Sequence[Tensor], trees: Sequence[Tree], last: bool = False
@@ -93,33 +67,27 @@ class Windowed:
         token trees; the other rows sit out. ``last``: logits at each last position only."""
         self._join()
         model, backbone = self.model, self.model.backbone
-        at = self._index(rows)
-        counts = [x.shape[0] for x in ids]
-        width = max(counts)
-        padded = torch.zeros(len(rows), width, dtype=torch.long, device=backbone.device)
-        for i, x in enumerate(ids):
-            padded[i, : x.shape[0]] = x
+        at = index_of(self.rows, rows)
+        batch = pad_rows(ids, at, len(self.rows), trees, backbone.device)
+        flags = [False] * len(self.rows)
+        for i, tree in zip(at, trees, strict=True):
+            flags[i] = tree is not None
         trunk, verifier, _ = self.natives
         for i in at:
             self.base[i] = trunk.length[i] if trunk.rows else verifier.length[i]
         with torch.no_grad():
-            hidden = model.embed(padded, None)  # (R, T, d)
+            hidden = model.embed(batch.values, None)  # (B, T, d)
             with backbone.adapter(False):
-                hidden, _ = self._run(trunk, hidden, at, counts, trees)
-                tail, _ = self._run(verifier, hidden, at, counts, trees)
-        if last:
-            ends = torch.tensor([t - 1 for t in counts], device=backbone.device)
-            out = model.verifier_logits(tail[torch.arange(len(rows)), ends])[:, None]
-        else:
-            out = model.verifier_logits(tail)  # (R, T, V)
-        states = [hidden[i : i + 1, :t] for i, t in enumerate(counts)]
-        logits = [o[: 1 if last else t] for o, t in zip(out, counts, strict=True)]
-        return states, logits
+                run = (batch.counts, batch.inner, batch.offsets, flags)
+                hidden = backbone.run_rows(hidden, trunk, *run)
+                tail = backbone.run_rows(hidden, verifier, *run)  # (B, T, d)
+        counts = [x.shape[0] for x in ids]
+        return row_outputs(model, hidden, tail, at, counts, last)
 
     def keep(self, rows: Sequence[Any], keeps: Sequence[int | Tensor]) -> None:
         """Of the last pass's positions, each row keeps a prefix or the ``(K,)`` offsets."""
         backbone = self.model.backbone
-        for i, keep in zip(self._index(rows), keeps, strict=True):
+        for i, keep in zip(index_of(self.rows, rows), keeps, strict=True):
             base = self.base[i]
             for native in self.natives[:2]:
                 if not len(native.layers):
@@ -139,23 +107,20 @@ class Windowed:
         batched = []
         for n, (row, kept) in enumerate(zip(rows, states, strict=True)):
             if id(row) in self.fresh:
-                if kept.shape[1]:
-                    draft = self.fresh[id(row)][1].draft
-                    out[n] = model.draft_tail(kept, draft)[:, -1]  # (1, d)
+                (out[n],) = self.fresh[id(row)][1].draft([row], [kept])  # (1, d)
             elif kept.shape[1]:
                 batched.append(n)
         self._join()
         if batched:
-            at = self._index([rows[n] for n in batched])
-            counts = [states[n].shape[1] for n in batched]
-            width = max(counts)
-            hidden = states[batched[0]].new_zeros(len(batched), width, states[0].shape[2])
-            for i, n in enumerate(batched):
-                hidden[i, : counts[i]] = states[n][0]
+            at = index_of(self.rows, [rows[n] for n in batched])
+            values = [states[n][0] for n in batched]
+            b = len(self.rows)
+            batch = pad_rows(values, at, b, [None] * len(at), model.backbone.device)
             with torch.no_grad(), model.backbone.adapter(model.k > 0):
-                tail, _ = self._run(self.natives[2], hidden, at, counts, [None] * len(at))
-            for i, n in enumerate(batched):
-                out[n] = tail[i : i + 1, counts[i] - 1]
+                run = (batch.counts, batch.inner, batch.offsets, [False] * b)
+                tail = model.backbone.run_rows(batch.values, self.natives[2], *run)
+            for i, n, x in zip(at, batched, values, strict=True):
+                out[n] = tail[i : i + 1, x.shape[0] - 1]
         return out
 
     def release(self, rows: Sequence[Any]) -> None:
