@@ -50,10 +50,8 @@ def remove_stale_tmp(folder: Path, what: str = "an interrupted write") -> list[P
     gone; ``what`` left them (for the log line). An entry whose name carries no pid cannot
     belong to a running writer of this project and is removed too.
     """
-    if not folder.is_dir():
-        return []
     removed = []
-    for tmp in sorted(folder.glob(".*.tmp*")):
+    for tmp in sorted(folder.glob(".*.tmp*")):  # none in a missing folder
         pid = tmp_writer_pid(tmp.name)
         if pid is not None and pid_alive(pid):
             continue
