@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from mtpc.choices import EXTRA_POSITIONS
 from mtpc.circuits import Circuit, CircuitParams, build_structure
-from mtpc.circuits.engine import check_ids
+from mtpc.circuits.engine import check_ids, leaf_values
 from mtpc.circuits.params import _f32, exact_sums
 from mtpc.circuits.structure import check_kind_window_rank
 
@@ -239,9 +239,7 @@ class MTPCHead(nn.Module):
         logits = _f32(self.input_logits(e))
         if mask is not None:
             x = torch.where(mask, x, 0)
-        B, n, r, _ = logits.shape
-        picked = logits.gather(3, x[:, :, None, None].expand(B, n, r, 1)).squeeze(3)
-        leaves = picked - logits.logsumexp(3)  # (B, n, r)
+        leaves = leaf_values(logits, x) - logits.logsumexp(3)  # (B, n, r)
         if mask is not None:
             leaves = leaves.masked_fill(~mask.unsqueeze(-1), 0.0)
         return leaves

@@ -130,7 +130,7 @@ class Circuit:
         lp, lw = self._unpack(params)
         B, n, r, _ = lp.shape
         m = self._check_evidence(prefix, lp, name="prefix", max_len=n - 1)
-        obs = self._leaf_values(lp, prefix) if prefix is not None and m else lp.new_zeros(B, 0, r)
+        obs = leaf_values(lp, prefix) if prefix is not None and m else lp.new_zeros(B, 0, r)
         return self.conditional_from_leaves(obs, lp[:, m], lw)
 
     def conditional_from_leaves(
@@ -258,7 +258,7 @@ class Circuit:
             scores = lw
             if max_product or m:
                 free = lp[:, m:].amax(-1) if max_product else lp.new_zeros(B, n - m, r)
-                leaves = torch.cat([self._leaf_values(lp, ev), free], 1)  # (B, n, r)
+                leaves = torch.cat([leaf_values(lp, ev), free], 1)  # (B, n, r)
                 scores = self._posterior(leaves, lw, max_product=max_product)
             choice = scores.argmax(-1) if max_product else categorical(scores, generator)
             units = self._walk_down(choice)  # (B, n)
@@ -287,7 +287,7 @@ class Circuit:
         n, r, U = self.window, self.rank, self.num_sum_units
         if sum_logw is not None:
             batch_size = sum_logw.shape[0]
-            self._check_shape(sum_logw, "sum_logw", (batch_size, U, r))
+            _check_shape(sum_logw, "sum_logw", (batch_size, U, r))
         elif U:
             raise ValueError(f"sum_logw must have shape (B, U={U}, r={r}), got None")
         ev = None
@@ -425,21 +425,13 @@ class Circuit:
         ``name`` in errors) is False; and the sum log-weights."""
         lp, lw = self._unpack(params)
         if mask is not None:
-            self._check_shape(mask, name, (lp.shape[0], self.window))
+            _check_shape(mask, name, (lp.shape[0], self.window))
             x = torch.where(mask, x, 0) if x.shape == mask.shape else x
         self._check_tokens(x, "x", lp, exact=True)
-        leaves = self._leaf_values(lp, x)  # (B, n, r)
+        leaves = leaf_values(lp, x)  # (B, n, r)
         if mask is not None:
             leaves = leaves.masked_fill(~mask.unsqueeze(-1), 0.0)
         return leaves, lw
-
-    @staticmethod
-    def _leaf_values(lp: Tensor, x: Tensor) -> Tensor:
-        """log phi at tokens: ``lp (B, n, r, V)``, ``x (B, m)`` -> ``(B, m, r)``."""
-        B, m = x.shape
-        r = lp.shape[2]
-        idx = x[:, :, None, None].expand(B, m, r, 1)
-        return lp[:, :m].gather(3, idx).squeeze(3)
 
     def _unpack(self, params: CircuitParams) -> tuple[Tensor, Tensor | None]:
         if not isinstance(params, CircuitParams):
@@ -460,11 +452,6 @@ class Circuit:
             )
         return lp, _f32(lw)
 
-    @staticmethod
-    def _check_shape(t: Tensor, name: str, shape: tuple[int, ...]) -> None:
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
-
     def _check_tokens(self, x: Tensor, name: str, lp: Tensor, *, exact: bool) -> None:
         B, n, _, V = lp.shape
         if not isinstance(x, Tensor) or x.dtype.is_floating_point or x.dtype == torch.bool:
@@ -484,6 +471,17 @@ class Circuit:
             )
         self._check_tokens(ev, name, lp, exact=False)
         return int(ev.shape[1])
+
+
+def leaf_values(lp: Tensor, x: Tensor) -> Tensor:
+    """log phi at tokens: ``lp (B, n, r, V)``, ``x (B, m)`` -> ``(B, m, r)``."""
+    idx = x[:, :, None, None].expand(*x.shape, lp.shape[2], 1)  # (B, m, r, 1)
+    return lp[:, : x.shape[1]].gather(3, idx).squeeze(3)
+
+
+def _check_shape(t: Tensor, name: str, shape: tuple[int, ...]) -> None:
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
 
 
 def check_ids(ids: Tensor, vocab_size: int, who: str, where: str) -> None:
