@@ -78,11 +78,8 @@ def pool_turns(turns: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         if all(key in t for t in turns):
             out[key] = [x for t in turns for x in t[key]]
     if all("expected_by_position" in t for t in turns):
-        width = max(len(t["expected_by_position"]) for t in turns)
-        out["expected_by_position"] = [
-            sum(t["expected_by_position"][i] for t in turns if i < len(t["expected_by_position"]))
-            for i in range(width)
-        ]
+        by_turn = itertools.zip_longest(*(t["expected_by_position"] for t in turns), fillvalue=0.0)
+        out["expected_by_position"] = [sum(position) for position in by_turn]
     return out
 
 

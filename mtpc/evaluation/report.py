@@ -150,8 +150,9 @@ def _row(name: str, per_set: dict[int, dict[str, Any]], **extra: Any) -> dict[st
     return {"name": name, **extra, **aggregate(sets), "prompts": prompts, "per_set": sets}
 
 
-def _ratios(a: dict[int, dict[str, Any]], b: dict[int, dict[str, Any]], key: str) -> list[float]:
-    return [a[k][key] / b[k]["tok_s"] for k in a if k in b and b[k]["tok_s"] > 0]
+def _ratios(a: dict[int, dict[str, Any]], b: dict[int, dict[str, Any]]) -> list[float]:
+    """Per set that both have: ``a``'s tok/s over ``b``'s (sets where ``b`` has none left out)."""
+    return [a[k]["tok_s"] / b[k]["tok_s"] for k in a if k in b and b[k]["tok_s"] > 0]
 
 
 def ratio(x: float, y: float) -> float:
@@ -221,11 +222,10 @@ def build_report(
     """Rows (AR, then each draft's chain and tree rows in manifest order; mean ± std over
     sets) and per-source rows (the cycles of every set pooled) of one evaluation folder."""
     groups = prompt_groups(resolve_checks(records))
-    peaks: dict[Any, float] = {}
+    peaks: defaultdict[Any, float] = defaultdict(float)  # per draft path (AR: None)
     for r in records:
         if r.get("type") == "pass" and r.get("peak_memory_mb") is not None:
-            key = r.get("draft_path")
-            peaks[key] = max(peaks.get(key, 0.0), float(r["peak_memory_mb"]))
+            peaks[r["draft_path"]] = max(peaks[r["draft_path"]], float(r["peak_memory_mb"]))
     settings = manifest["settings"]
     ar_recs = groups[(None, "ar")]
     ar = _by_set(ar_recs, 1)
@@ -246,7 +246,7 @@ def build_report(
         )  # fmt: skip
         mx = _by_set(groups[(d["path"], "max_throughput")], d["window"])
         maxima = [m["tok_s"] for m in mx.values()] if pass_name == "speculative" else []
-        for key, values in (("speedup_ar", _ratios(sd, ar, "tok_s")), ("max_tok_s", maxima)):
+        for key, values in (("speedup_ar", _ratios(sd, ar)), ("max_tok_s", maxima)):
             if values:
                 row[key], row[f"{key}_std"] = mean_std(values)
         rows.append(row)
@@ -379,13 +379,9 @@ def _baseline_speedups(rows: list[dict[str, Any]]) -> None:
     base = [r for r in rows if r.get("baseline")]
     if len(base) != 1:
         return
-
-    def by_set(row: Mapping[str, Any]) -> dict[int, dict[str, Any]]:
-        return {m.get("set", i): m for i, m in enumerate(row["per_set"])}
-
-    ref = by_set(base[0])
+    ref = {m["set"]: m for m in base[0]["per_set"]}
     for row in rows:
-        ratios = _ratios(by_set(row), ref, "tok_s")
+        ratios = _ratios({m["set"]: m for m in row["per_set"]}, ref)
         row["speedup_baseline"], row["speedup_baseline_std"] = mean_std(ratios)
 
 
@@ -585,9 +581,7 @@ def write_plots(rows: Sequence[dict[str, Any]], out_dir: Path) -> dict[str, str]
         acc = r.get("acceptance")
         if acc and r.get("kind") != "ar":
             ax.plot(range(1, len(acc) + 1), acc, marker="o", label=r["name"])
-    ax.set_xlabel("window position")
-    ax.set_ylabel("acceptance rate")
-    ax.set_ylim(0, 1.05)
+    ax.set(xlabel="window position", ylabel="acceptance rate", ylim=(0, 1.05))
     ax.legend(fontsize=7)
     figures["acceptance"] = fig
     files: dict[str, str] = {}

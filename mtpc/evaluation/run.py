@@ -75,16 +75,6 @@ def pass_kwargs(pass_name: str, d: EvalDecoding) -> dict[str, Any]:
     return {**chain, "max_throughput": True} if pass_name == "max_throughput" else chain
 
 
-def _progress(enabled: bool, total: int, done: int, desc: str) -> Any:
-    """A tqdm bar over the prompts of a pass (stderr, on a terminal only), or nothing."""
-    from tqdm.auto import tqdm
-
-    return tqdm(
-        total=total, initial=done, desc=desc, unit="prompt", leave=False,
-        dynamic_ncols=True, disable=None if enabled else True,
-    )  # fmt: skip
-
-
 def warmup_prompts(
     model: Any, prompt_sets: Sequence[Sequence[Any]], max_new_tokens: int, window_prompt: bool
 ) -> list[list[int]]:
@@ -232,12 +222,6 @@ class Lane:
             for (k, i, p), s, f, wait in zip(items, seeds, fields, pending, strict=True)
         ]  # fmt: skip
 
-    def chunks(self, todo: Sequence[tuple[int, int, Any]]) -> list[list[tuple[int, int, Any]]]:
-        """``todo`` in the groups decoded together (``batch_size`` 1: one prompt each; B:
-        ``CHUNK_BATCHES`` * B, so that finished rows' places are refilled)."""
-        size = 1 if self.batch_size == 1 else CHUNK_BATCHES * self.batch_size
-        return [list(todo[j : j + size]) for j in range(0, len(todo), size)]
-
     def close(self, store: RecordStore, peak_mb: float | None) -> None:
         """The ``pass`` record: every prompt of this lane is recorded."""
         record = {"type": "pass", "draft_path": self.path, "pass": self.pass_name}
@@ -260,6 +244,8 @@ def run_lanes(
     its place), each missing AR reference left to the report (``check_pending``). The ``pass``
     records close the lanes at the end, with the peak memory of the run (interleaved: every
     lane's model is loaded at once)."""
+    from tqdm.auto import tqdm
+
     device, interleave = str(s.run.device), bool(s.run.interleave)
     todo = {lane: store.pending(prompt_sets, lane.path, lane.pass_name) for lane in lanes}
     busy = [lane for lane in lanes if todo[lane]]
@@ -276,10 +262,17 @@ def run_lanes(
     total = sum(len(p) for p in prompt_sets) * len(lanes)
     desc = "interleaved" if interleave else f"{lanes[0].name} [{lanes[0].pass_name}]"
     done = total - sum(len(t) for t in todo.values())
-    bar = _progress(bool(s.run.progress), total, done, desc)
+    bar = tqdm(  # on a terminal only (stderr)
+        total=total, initial=done, desc=desc, unit="prompt", leave=False,
+        dynamic_ncols=True, disable=None if s.run.progress else True,
+    )  # fmt: skip
     every = [(k, i, p) for k, prompts in enumerate(prompt_sets) for i, p in enumerate(prompts)]
-    try:  # prompt by prompt (batch_size B: chunk by chunk of the prompts decoded together)
-        for position, chunk in enumerate(lanes[0].chunks(every if interleave else todo[lanes[0]])):
+    order = every if interleave else todo[lanes[0]]
+    # decoded together: batch_size 1: one prompt; B: CHUNK_BATCHES * B (finished rows refilled)
+    size = 1 if lanes[0].batch_size == 1 else CHUNK_BATCHES * lanes[0].batch_size
+    try:
+        for position, start in enumerate(range(0, len(order), size)):
+            chunk = order[start : start + size]
             for slot, lane in enumerate(interleaved_order(lanes, position)):
                 mine = [(k, i, p) for k, i, p in chunk if (k, i) in missing[lane]]
                 if not mine:
