@@ -1,7 +1,6 @@
 """Checkpoint callbacks: atomic writes (temp file + ``os.replace``, so a kill mid-write keeps
 the previous ``last.ckpt``), RNG states and the run's record. See docs/TRAINING.md, "Runs,
-outputs, resume".
-"""
+outputs, resume"."""
 
 from __future__ import annotations
 

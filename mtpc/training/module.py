@@ -15,8 +15,7 @@ from mtpc.heads import MTPCHead
 from mtpc.model import MTPCModel
 from mtpc.training.loss import LossOutput, composite_nll, distillation_kl, expected_accepted
 
-OptimizerFactory = Callable[..., torch.optim.Optimizer]
-SchedulerFactory = Callable[..., Any]
+TOP1_POSITIONS = 512  # positions per validation batch for the top-1 metric
 
 
 class NonFiniteLossError(RuntimeError):
@@ -27,8 +26,7 @@ class MTPCLightningModule(L.LightningModule):
     """Lightning wrapper around an :class:`MTPCModel` and the MTPC losses.
 
     ``optimizer`` and ``scheduler`` are partials taking the trainable parameters and the
-    optimizer (None: Adam at 3e-4, no scheduler); ``top1_positions``: positions per validation
-    batch used for the top-1 metric.
+    optimizer (None: Adam at 3e-4, no scheduler).
     """
 
     def __init__(
@@ -38,9 +36,8 @@ class MTPCLightningModule(L.LightningModule):
         gamma: float | None = None,
         normalise_discount: bool = False,
         chunk_size: int = 1024,
-        optimizer: OptimizerFactory | None = None,
-        scheduler: SchedulerFactory | None = None,
-        top1_positions: int = 512,
+        optimizer: Callable[..., torch.optim.Optimizer] | None = None,
+        scheduler: Callable[..., Any] | None = None,
     ) -> None:
         super().__init__()
         self.model = model
@@ -50,7 +47,6 @@ class MTPCLightningModule(L.LightningModule):
         self.chunk_size = chunk_size
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
-        self.top1_positions = top1_positions
         self.strict_loading = False  # checkpoints hold only the trainable weights
         upcast_trainable(model)
 
@@ -82,7 +78,7 @@ class MTPCLightningModule(L.LightningModule):
             result = composite_nll(prefix, mask, self.gamma, self.normalise_discount)
         else:
             teacher = self._teacher_log_probs(out.verifier_logits)
-            draft = self._draft_conditionals(flat, targets).reshape(B, L, n, -1)
+            draft = self._conditionals(flat, targets).reshape(B, L, n, -1)
             result = distillation_kl(teacher, draft, mask, self.gamma, self.normalise_discount)
         return result, prefix, features
 
@@ -94,23 +90,20 @@ class MTPCLightningModule(L.LightningModule):
         padded = torch.nn.functional.pad(log_p, (0, 0, 0, n - 1))  # (B, L+n-1, V)
         return padded.unfold(1, n, 1).permute(0, 1, 3, 2)  # (B, L, n, V)
 
-    def _draft_conditionals(self, features: Tensor, targets: Tensor) -> Tensor:
-        """log q(. | x_{t+1..t+j-1}) for every row and j, a chunk at a time; (R, n, V) for
-        ``features`` (R, d) and ``targets`` (R, n)."""
-        step = self.chunk_size
-        chunks = range(0, len(features), step)
-        rows = [self._conditionals(features[i : i + step], targets[i : i + step]) for i in chunks]
-        return torch.cat(rows)
-
     def _conditionals(self, features: Tensor, targets: Tensor) -> Tensor:
-        """log q(. | the first j targets) for j = 0..n-1; (C, n, V) for ``features`` (C, d) and
-        ``targets`` (C, n)."""
-        params = self.head(features)
-        circuit = self.head.circuit
-        n = self.head.window
-        with exact_sums(targets.device):  # the circuit in float32 under bf16-mixed
-            per_position = [circuit.conditional_log_prob(params, targets[:, :j]) for j in range(n)]
-        return torch.stack(per_position, dim=1)
+        """log q(. | the first j targets) for j = 0..n-1, ``chunk_size`` rows at a time;
+        (R, n, V) for ``features`` (R, d) and ``targets`` (R, n)."""
+        circuit, n, step = self.head.circuit, self.head.window, self.chunk_size
+        rows = []
+        for i in range(0, len(features), step):
+            params = self.head(features[i : i + step])
+            chunk = targets[i : i + step]  # (C, n)
+            with exact_sums(targets.device):  # the circuit in float32 under bf16-mixed
+                per_position = [
+                    circuit.conditional_log_prob(params, chunk[:, :j]) for j in range(n)
+                ]
+            rows.append(torch.stack(per_position, dim=1))  # (C, n, V)
+        return torch.cat(rows)
 
     # -- steps -------------------------------------------------------------------------
     def training_step(self, batch: Mapping[str, Tensor], batch_idx: int) -> Tensor:
@@ -146,7 +139,7 @@ class MTPCLightningModule(L.LightningModule):
         """Per-position top-1 agreement of the draft's conditionals with the data; (n,)."""
         n = self.head.window
         mask = batch["target_mask"].reshape(-1, n)
-        rows = mask.any(dim=1).nonzero().squeeze(1)[: self.top1_positions]
+        rows = mask.any(dim=1).nonzero().squeeze(1)[:TOP1_POSITIONS]
         if rows.numel() == 0:
             return features.new_zeros(n)
         flat = features.reshape(-1, features.shape[-1])[rows]

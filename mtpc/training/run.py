@@ -4,6 +4,7 @@ and write ``metrics.json``. See docs/TRAINING.md."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -37,7 +38,6 @@ from mtpc.training.resume import (
     snapshot_hydra,
 )
 from mtpc.training.settings import (
-    CallbackSettings,
     CircuitSettings,
     RunSettings,
     TrainerSettings,
@@ -78,17 +78,12 @@ GIB = 1024**3
 
 def available_memory(accelerator: str | None) -> tuple[str, int | None]:
     """The name and free bytes (None: unknown) of the device ``trainer.accelerator`` names."""
-    accelerator = str(accelerator or "cpu")
-    if accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available():
-        free, _ = torch.cuda.mem_get_info()
-        return "cuda", int(free)
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return "cpu", int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    if str(accelerator or "cpu") in ("gpu", "cuda", "auto") and torch.cuda.is_available():
+        return "cuda", int(torch.cuda.mem_get_info()[0])
+    with contextlib.suppress(OSError), open("/proc/meminfo", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return "cpu", int(line.split()[1]) * 1024
     return "cpu", None
 
 
@@ -120,7 +115,7 @@ def load_initial_weights(model: MTPCModel, init_from: str | Path) -> None:
     """Loads a previous stage's head (and LoRA weights whose shapes match) from an exported
     draft folder or a Lightning checkpoint of this trainer; ConfigError when the path does
     not exist or holds another circuit."""
-    from mtpc.export import ADAPTER_NAME, HEAD_NAME, check_head_state, read_config, read_tensors
+    from mtpc.export import ADAPTER_NAME, read_config, read_head, read_tensors
 
     path = Path(init_from)
     if path.is_dir():
@@ -133,11 +128,10 @@ def load_initial_weights(model: MTPCModel, init_from: str | Path) -> None:
                 f"init_from={path} holds a {got} draft but the config asks for {wanted}; "
                 "use the same circuit.kind / circuit.window / circuit.rank as stage 1"
             )
-        head_state = read_tensors(path / HEAD_NAME)
-        check_head_state(config, head_state, model.head)
+        head_state = read_head(path, config, model.head, "cpu")
         adapter = path / ADAPTER_NAME
         use_adapter = adapter.exists() and model.backbone.lora is not None
-        lora = read_tensors(adapter) if use_adapter else None
+        lora = read_tensors(adapter) if use_adapter else {}
     elif path.is_file():
         try:
             state = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
@@ -155,8 +149,8 @@ def load_initial_weights(model: MTPCModel, init_from: str | Path) -> None:
             "(outputs/train/<run>/draft) or a Lightning checkpoint (.ckpt)"
         )
     model.head.load_state_dict(head_state)
-    if lora is not None and model.backbone.lora is not None:
-        own = model.backbone.lora.state_dict()  # names and shapes that match: k=1 from k=2, say
+    if model.backbone.lora is not None:
+        own = model.lora_state_dict()  # names and shapes that match: k=1 from k=2, say
         usable = {k: v for k, v in lora.items() if k in own and own[k].shape == v.shape}
         model.backbone.lora.load_state_dict(usable, strict=False)
     log.info("initialised the draft from %s", path)
@@ -178,27 +172,6 @@ def _world_size(trainer: TrainerSettings) -> int:
     if trainer.accelerator == "gpu" and torch.cuda.is_available():
         return torch.cuda.device_count() * nodes
     return 1
-
-
-def _callbacks(
-    callbacks: CallbackSettings, checkpoint_dir: Path, record: L.Callback
-) -> list[L.Callback]:
-    last = ModelCheckpoint(
-        dirpath=checkpoint_dir,
-        save_last=True,
-        save_top_k=0,
-        every_n_train_steps=callbacks.checkpoint_every_n_steps,
-        save_on_train_epoch_end=True,
-    )
-    best = ModelCheckpoint(
-        dirpath=checkpoint_dir,
-        filename="best-{step}",
-        monitor=callbacks.monitor,
-        mode="min",
-        save_top_k=callbacks.save_top_k,
-        auto_insert_metric_name=False,
-    )
-    return [last, best, RNGStateCallback(), record]
 
 
 def _run_dir(run: RunSettings) -> Path:
@@ -307,9 +280,24 @@ def _train_locked(
     init_metrics, new_lr = _check_resume(settings, run_dir, comparable, resume)
     snapshot_hydra(run_dir)
     # the trainer first: Lightning's refusals (devices, precision, accelerator) in seconds
+    policy = settings.callbacks
+    last = ModelCheckpoint(
+        dirpath=checkpoint_dir,
+        save_last=True,
+        save_top_k=0,
+        every_n_train_steps=policy.checkpoint_every_n_steps,
+        save_on_train_epoch_end=True,
+    )
+    best = ModelCheckpoint(
+        dirpath=checkpoint_dir,
+        filename="best-{step}",
+        monitor=policy.monitor,
+        mode="min",
+        save_top_k=policy.save_top_k,
+        auto_insert_metric_name=False,
+    )
     record = RunRecordCallback(comparable, init_metrics, new_lr)
-    callbacks = _callbacks(settings.callbacks, checkpoint_dir, record)
-    trainer = build_trainer(settings, run_dir, callbacks)
+    trainer = build_trainer(settings, run_dir, [last, best, RNGStateCallback(), record])
     L.seed_everything(settings.run.seed, workers=True)
     sections, loss = settings.sections, settings.loss
     datamodule = instantiate(sections.data)
@@ -326,7 +314,20 @@ def _train_locked(
         scheduler=instantiate(sections.scheduler) if sections.scheduler else None,
     )
     ckpt_path = None if resume is None else str(resume[0])
-    metrics = _fit(settings, trainer, module, datamodule, ckpt_path, init_metrics)
+    if ckpt_path is None and settings.run.validate_before_training and not fast:
+        initial = trainer.validate(module, datamodule=datamodule, verbose=False)
+        if initial:  # into init_metrics, which the run record callback holds
+            init_metrics.update({f"init/{k}": v for k, v in _scalars(initial[0]).items()})
+    elif ckpt_path is not None:
+        log.info("resuming from %s", ckpt_path)
+    metrics = dict(init_metrics)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    metrics.update(_scalars(trainer.callback_metrics))
+    if not fast and trainer.limit_val_batches != 0:  # the final draft, whatever the schedule
+        final = trainer.validate(module, datamodule=datamodule, verbose=False)
+        if final:
+            metrics.update(_scalars(final[0]))
+    metrics["train/steps"] = float(trainer.global_step)
     if trainer.global_step == 0 and not fast:
         raise UserError(
             f"the run in {run_dir} took no optimizer step (trainer.max_steps="
@@ -373,34 +374,6 @@ def _check_resume(
     lr = settings.sections.lr
     new_lr = float(lr) if any(c.startswith("optimizer.lr:") for c in changes) else None
     return dict(state.get("mtpc_init_metrics") or {}), new_lr
-
-
-def _fit(
-    settings: TrainSettings,
-    trainer: L.Trainer,
-    module: MTPCLightningModule,
-    datamodule: Any,
-    ckpt_path: str | None,
-    init_metrics: dict[str, float],
-) -> dict[str, float]:
-    """Measures the untrained draft (a fresh run: into ``init_metrics``, which the run record
-    callback holds), fits and measures the final draft; returns all these metrics."""
-    fast = settings.trainer.fast_dev_run
-    if ckpt_path is None and settings.run.validate_before_training and not fast:
-        initial = trainer.validate(module, datamodule=datamodule, verbose=False)
-        if initial:
-            init_metrics.update({f"init/{k}": v for k, v in _scalars(initial[0]).items()})
-    elif ckpt_path is not None:
-        log.info("resuming from %s", ckpt_path)
-    metrics = dict(init_metrics)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    metrics.update(_scalars(trainer.callback_metrics))
-    if not fast and trainer.limit_val_batches != 0:  # the final draft, whatever the schedule
-        final = trainer.validate(module, datamodule=datamodule, verbose=False)
-        if final:
-            metrics.update(_scalars(final[0]))
-    metrics["train/steps"] = float(trainer.global_step)
-    return metrics
 
 
 def unsharded_copy(settings: TrainSettings, module: MTPCLightningModule) -> MTPCModel:

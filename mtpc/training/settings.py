@@ -33,7 +33,6 @@ from mtpc.config import (
 )
 
 ModelArgs = ModelSettings  # the target to load (``model.*``)
-CIRCUIT_FIELDS = ("kind", "window", "rank")
 
 
 def resolved_config(cfg: DictConfig) -> dict[str, Any]:
@@ -61,7 +60,7 @@ class HeadOptions:
 
 
 def _options(circuit: Mapping[str, Any]) -> dict[str, Any]:
-    return {str(k): v for k, v in circuit.items() if k not in CIRCUIT_FIELDS}
+    return {str(k): v for k, v in circuit.items() if k not in ("kind", "window", "rank")}
 
 
 @dataclasses.dataclass(frozen=True)
