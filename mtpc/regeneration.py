@@ -365,7 +365,7 @@ def regenerate(cfg: Any) -> dict[str, Any]:
             "compile": settings.compile,
         }  # fmt: skip
         full = store.write_manifest(sessions=[*store.manifest["sessions"], session])
-    print_summary(out / f"{store.stem}.jsonl", store.counts, settings, rows, seconds)
+    print_summary(store, settings, rows, seconds)
     return full
 
 
@@ -417,13 +417,12 @@ def regenerate_shard(
     return rows, tokens, time.perf_counter() - start
 
 
-def print_summary(
-    rows_file: Path, c: Counts, settings: Settings, rows: int, seconds: float
-) -> None:
+def print_summary(store: ShardStore, settings: Settings, rows: int, seconds: float) -> None:
     """The shard's counts and this session's throughput, on stdout."""
+    c = store.counts
     by_reason = ", ".join(f"{k}: {v}" for k, v in sorted(c.skipped.items()))
     print(
-        f"{rows_file}: {c.written} rows written, {sum(c.skipped.values())} skipped"
+        f"{store.rows_path}: {c.written} rows written, {sum(c.skipped.values())} skipped"
         + (f" ({by_reason})" if c.skipped else "")
         + f", {c.truncated_rows} truncated (a turn hit max_new_tokens={settings.max_new_tokens}); "
         f"this session {rows} rows in {seconds:.1f} s"
