@@ -6,7 +6,6 @@ share their row's parameters. See docs/CIRCUITS.md, "Queries".
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
@@ -148,8 +147,7 @@ class Circuit:
         # (log 1). One upward pass over r columns (not V) gives log g; then one r x V
         # log-sum-exp.
         B, m, r = leaves.shape
-        unit = torch.full((r, r), -math.inf, dtype=next_logp.dtype, device=next_logp.device)
-        unit.fill_diagonal_(0.0)  # (r, r): log e_j, column j
+        unit = torch.eye(r, dtype=next_logp.dtype, device=next_logp.device).log()  # (r, r): log e_j
         if sum_logw is not None and (plan := self._prefix_plan(m + 1)) is not None:
             # only the folds above positions 0..m (every other one is log 1)
             inputs = {(0, p): leaves[:, p].unsqueeze(-1).to(next_logp.dtype) for p in range(m)}
@@ -323,10 +321,8 @@ class Circuit:
                 for f, scope in enumerate(la.scopes):
                     if scope[0] >= span:  # scopes are sorted: no prefix position here
                         continue
-                    kids = tuple(
-                        k
-                        for k in self._kids[(lid, f)]
-                        if (k[1] if k[0] == 0 else self.layers[k[0]].scopes[k[1]][0]) < span
+                    kids = tuple(  # the children whose scope starts in the prefix (inputs too)
+                        k for k in self._kids[(lid, f)] if self.layers[k[0]].scopes[k[1]][0] < span
                     )
                     lo = la.sum_offset + f * la.num_units
                     steps.append(_Step(la.kind == "sum", (lid, f), kids, lo, la.num_units))
@@ -411,11 +407,8 @@ class Circuit:
         """Gather the children of one slot: ``(B, F, R, K)``."""
         if slot.start is not None:  # consecutive folds of one layer
             return outs[slot.sources[0]].narrow(1, slot.start, slot.index.shape[0])
-        src = (
-            outs[slot.sources[0]]
-            if len(slot.sources) == 1
-            else torch.cat([outs[s] for s in slot.sources], 1)
-        )
+        srcs = [outs[s] for s in slot.sources]
+        src = srcs[0] if len(srcs) == 1 else torch.cat(srcs, 1)
         return src.index_select(1, self._on(slot.index, src.device))
 
     def _leaves(

@@ -231,7 +231,7 @@ def build_ff(b: StructureBuilder) -> int:
 
 def build_cp(b: StructureBuilder) -> int:
     """CP: r fully factorised components (one product of r units) under one sum."""
-    return b.sum(b.product(*(b.leaf(i) for i in range(b.window))), 1)
+    return b.sum(build_ff(b), 1)
 
 
 def build_hmm(

@@ -77,10 +77,9 @@ def build_tree(
     count = 0
     independent = circuit.num_sum_units == 0  # ff: the positions are independent
     for d in range(1, depth + 1):
-        if independent:  # q(x_d | prefix) is the marginal of position d, the same for every row
-            cond = circuit.conditional_log_prob(params, prefixes[:1])  # (1, V)
-        else:
-            cond = circuit.conditional_log_prob(params.expand(prefixes.shape[0]), prefixes)
+        # ff: q(x_d | prefix) is the marginal of position d, the same for every row
+        rows = 1 if independent else prefixes.shape[0]
+        cond = circuit.conditional_log_prob(params.expand(rows), prefixes[:rows])  # (rows, V)
         joint = (level_logp[:, None] + cond.clamp(max=0.0)).flatten()  # (P * V,)
         top = joint.topk(min(budget, joint.numel()))
         ok = top.values > cut
