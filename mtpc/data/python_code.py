@@ -198,15 +198,15 @@ def _build(
     folder: Path,
     files: Sequence[str],
     kinds: Sequence[str],
-    num_rows: int | None,
+    limit: int | None,
     validation_fraction: float,
     label: str,
 ) -> _Built:
-    """Parses ``files`` (under ``folder``) into rows and their split (``python_code_source``)."""
+    """Parses ``files`` (under ``folder``) into rows and their split (``python_code_source``);
+    ``limit``: the rows kept (None: all)."""
     report = FileReport(str(folder), python_version(), sorted(EXCLUDED_DIRS))
     rows: list[Row] = []
     validation: list[bool] = []
-    limit = None if num_rows is None else int(num_rows)
     n_val = 0
     if limit is not None and validation_fraction > 0:
         n_val = min(max(1, round(validation_fraction * limit)), limit - 1)
@@ -273,7 +273,8 @@ def python_code_source(
         raise DataError(
             f"data.validation_fraction={validation_fraction}; allowed: a number in [0, 1)"
         )
-    if num_rows is not None and int(num_rows) < 1:
+    limit = None if num_rows is None else int(num_rows)
+    if limit is not None and limit < 1:
         raise DataError(f"data.num_rows={num_rows}; allowed: null (every row) or a positive count")
     is_stdlib = root is None
     folder = Path(sysconfig.get_paths()["stdlib"] if root is None else root).expanduser()
@@ -297,13 +298,13 @@ def python_code_source(
         f"kinds={','.join(kinds)}:val{validation_fraction:g}:n{num_rows}:"
         f"{content.hexdigest()[:32]}"
     )
-    build = cache(lambda: _build(folder, files, kinds, num_rows, validation_fraction, label))
+    build = cache(lambda: _build(folder, files, kinds, limit, validation_fraction, label))
     return RowSource(
         name=label if num_rows is None else f"{label}[:{num_rows}]",
         fingerprint=fingerprint,
         iter_rows=lambda: iter(build().rows),
         take_rows=lambda positions: [build().rows[int(p)] for p in positions],
-        row_limit=None if num_rows is None else int(num_rows),
+        row_limit=limit,
         split_mask=lambda: build().validation,
         report=lambda: asdict(build().report),
     )
