@@ -33,16 +33,15 @@ def hetero_decoders(
     target_tokenizer: Any,
     drafter: Any,
     drafter_tokenizer: Any,
-    algorithm: str = "slem",
-    lookahead: int = 5,
-    greedy: bool = True,
-    max_new_tokens: int = 128,
+    greedy: bool,
+    max_new_tokens: int,
     stop_ids: Sequence[int] | None = None,
     **options: Any,
 ) -> dict[str, Decoder]:
     """The AR and the heterogeneous speculative decoder of one prompt, by pass
-    (``HETERO_PASSES``); arguments as :func:`evaluate_hetero`'s (``target`` may also be a
-    ``Backbone``: the AR pass keeps its attention path)."""
+    (``HETERO_PASSES``); arguments as :func:`evaluate_hetero`'s, ``options`` with its
+    ``algorithm`` and ``lookahead`` (``target`` may also be a ``Backbone``: the AR pass keeps
+    its attention path)."""
     t_tok, d_tok = as_tokenizer(target_tokenizer), as_tokenizer(drafter_tokenizer)
     stops = list(t_tok.stop_ids if stop_ids is None else stop_ids)
     sample_kw = {k: options[k] for k in ("temperature", "top_k", "top_p") if k in options}
@@ -57,8 +56,8 @@ def hetero_decoders(
 
     def run_sd(p: list[int], seed: int) -> GenerationResult:
         return generate_hetero(
-            hf, t_tok, drafter, d_tok, p, algorithm=algorithm, lookahead=lookahead,
-            greedy=greedy, seed=seed, max_new_tokens=max_new_tokens, stop_ids=stops, **options,
+            hf, t_tok, drafter, d_tok, p, greedy=greedy, seed=seed,
+            max_new_tokens=max_new_tokens, stop_ids=stops, **options,
         )  # fmt: skip
 
     return dict(zip(HETERO_PASSES, (run_ar, run_sd), strict=True))
@@ -133,8 +132,8 @@ def evaluate_hetero(
     if not ids:
         raise ValueError("prompts is empty")
     decoders = hetero_decoders(
-        target, target_tokenizer, drafter, drafter_tokenizer, algorithm, lookahead, greedy,
-        max_new_tokens, stop_ids, **options,
+        target, target_tokenizer, drafter, drafter_tokenizer, greedy, max_new_tokens, stop_ids,
+        algorithm=algorithm, lookahead=lookahead, **options,
     )  # fmt: skip
     sink = MemoryRecords()
     prompt_set = [HeteroPrompt(str(i), p) for i, p in enumerate(ids)]
@@ -173,8 +172,8 @@ def decode_hetero(s: EvalSettings, store: RecordStore, prompt_sets: list[list[An
         options |= {k: getattr(d, k) for k in ("temperature", "top_k", "top_p")}
     algorithm = str(drafter.algorithm)
     decoders = hetero_decoders(
-        backbone, codec, model, tokenizer, algorithm=algorithm, lookahead=int(drafter.lookahead),
-        greedy=bool(d.greedy), max_new_tokens=int(d.max_new_tokens),
+        backbone, codec, model, tokenizer, bool(d.greedy), int(d.max_new_tokens),
+        algorithm=algorithm, lookahead=int(drafter.lookahead),
         **{k: v for k, v in options.items() if v is not None},
     )  # fmt: skip
     key = hetero_draft_path({"model": drafter_model})

@@ -143,8 +143,7 @@ def load_for_eval(path: Path, model: ModelSettings, device: str) -> Any:
     from mtpc.backbones import BACKBONES
     from mtpc.model import MTPCModel
 
-    recorded = check_target_name(path, model.name)
-    if recorded == model.name and model.name in BACKBONES:
+    if check_target_name(path, model.name) in BACKBONES:  # then it is model.name
         return MTPCModel.from_pretrained(path, target=load_target(model, device))
     return MTPCModel.from_pretrained(path, device=device)  # an HF target rebuilt from its path
 
