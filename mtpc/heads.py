@@ -124,9 +124,8 @@ class MTPCHead(nn.Module):
             self.sum_proj.zero_()
         self.sum_bias.zero_()
         s = self.structure
-        rows = s.param_identity.nonzero().flatten()
-        if rows.numel():
-            self.sum_bias[rows, s.param_unit[rows]] = self.identity_logit
+        rows = s.param_identity.nonzero().flatten()  # (P_id,), maybe empty
+        self.sum_bias[rows, s.param_unit[rows]] = self.identity_logit
 
     @torch.no_grad()
     def from_pretrained_unembeddings(

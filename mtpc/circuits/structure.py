@@ -192,10 +192,9 @@ class StructureBuilder:
         """The inner nodes grouped into layers: ``((height, kind, arity, units), members)`` in
         layer order (by height, products first), members ordered by their first position."""
         nodes = self.nodes
-        height = [0] * len(nodes)
-        for v in range(len(nodes)):  # children are always created before parents
-            if nodes[v].children:
-                height[v] = 1 + max(height[c] for c in nodes[v].children)
+        height: list[int] = []  # inputs 0; children are always created before parents
+        for nd in nodes:
+            height.append(1 + max((height[c] for c in nd.children), default=-1))
         groups: dict[tuple[int, str, int, int], list[int]] = {}
         for v, nd in enumerate(nodes[self.window :], self.window):
             groups.setdefault((height[v], nd.kind, len(nd.children), nd.units), []).append(v)
@@ -219,9 +218,8 @@ def _make_slot(children: list[tuple[int, int]], layers: list[Layer]) -> Slot:
 def _run_start(children: list[tuple[int, int]]) -> int | None:
     """The first fold when ``children`` (layer, fold) are consecutive folds of one layer."""
     folds = [f for _, f in children]
-    if len({lid for lid, _ in children}) != 1:
-        return None
-    return folds[0] if folds == list(range(folds[0], folds[0] + len(folds))) else None
+    run = folds == list(range(folds[0], folds[0] + len(folds)))
+    return folds[0] if run and len({lid for lid, _ in children}) == 1 else None
 
 
 def build_ff(b: StructureBuilder) -> int:
