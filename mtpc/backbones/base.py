@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import Any
@@ -107,17 +108,6 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """0 where ``allowed`` (bool, any shape), the dtype's minimum elsewhere."""
     mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-
-
-def check_tree_mask(tree_mask: torch.Tensor, length: int) -> None:
-    """Raises ValueError unless ``tree_mask`` is a (T, T) bool mask with a True diagonal."""
-    if tree_mask.dtype != torch.bool or tuple(tree_mask.shape) != (length, length):
-        raise ValueError(
-            f"tree_mask must be a ({length}, {length}) bool tensor, got "
-            f"{tuple(tree_mask.shape)} {tree_mask.dtype}"
-        )
-    if not bool(tree_mask.diagonal().all()):
-        raise ValueError("tree_mask must let every node attend itself (a True diagonal)")
 
 
 class LayerCache:
@@ -369,7 +359,13 @@ class Backbone(nn.Module, ABC):
                 raise ValueError("tree_mask (token-tree verification) needs a cache")
             if not self.supports_tree_mask:
                 raise ValueError(f"{type(self).__name__} does not support tree_mask")
-            check_tree_mask(tree_mask, t)
+            if tree_mask.dtype != torch.bool or tuple(tree_mask.shape) != (t, t):
+                raise ValueError(
+                    f"tree_mask must be a ({t}, {t}) bool tensor, got "
+                    f"{tuple(tree_mask.shape)} {tree_mask.dtype}"
+                )
+            if not bool(tree_mask.diagonal().all()):
+                raise ValueError("tree_mask must let every node attend itself (a True diagonal)")
         past = 0 if cache is None else cache.length
         if documents is not None and cache is not None:
             raise ValueError("documents (packed-row attention) is for cache-free training runs")
@@ -410,9 +406,21 @@ class Backbone(nn.Module, ABC):
         logits = out.logits if hasattr(out, "logits") else out[0]
         return logits[..., : self.vocab_size]
 
-    def weights_fingerprint(self) -> str:
-        """A cheap sha256 of the frozen weights (names, shapes, dtypes, strided samples)."""
-        return weights_fingerprint(self.hf_model)
+    def weights_fingerprint(self, samples: int = 4096) -> str:
+        """A cheap sha256 of the frozen weights: names, shapes, dtypes and up to ``samples``
+        strided values of every tensor; LoRA weights are left out, so attaching an adapter
+        keeps the target's identity."""
+        h = hashlib.sha256()
+        for name, t in sorted(self.hf_model.state_dict().items()):
+            if "lora_" in name:
+                continue
+            name = name.replace(".base_layer.", ".")
+            flat = t.detach().reshape(-1)
+            step = max(1, flat.numel() // samples)
+            sample = flat[::step][:samples].to("cpu", torch.float32).contiguous()
+            h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
+            h.update(sample.numpy().tobytes())
+        return h.hexdigest()
 
 
 def hf_source(hf_model: nn.Module, model: str | None = None) -> dict[str, Any]:
@@ -423,21 +431,3 @@ def hf_source(hf_model: nn.Module, model: str | None = None) -> dict[str, Any]:
         "path": getattr(config, "_name_or_path", None) or None,
         "revision": getattr(config, "_commit_hash", None),
     }
-
-
-def weights_fingerprint(model: nn.Module, samples: int = 4096) -> str:
-    """Hashes names, shapes, dtypes and up to ``samples`` strided values of every tensor;
-    LoRA weights are left out, so attaching an adapter keeps the target's identity."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        if "lora_" in name:
-            continue
-        name = name.replace(".base_layer.", ".")
-        flat = t.detach().reshape(-1)
-        step = max(1, flat.numel() // samples)
-        sample = flat[::step][:samples].to("cpu", torch.float32).contiguous()
-        h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
-        h.update(sample.numpy().tobytes())
-    return h.hexdigest()

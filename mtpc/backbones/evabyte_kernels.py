@@ -4,8 +4,8 @@ checkpoints"; "The kernels on a CPU", "What compat does to the remote kernels").
 Which path runs (:func:`resolve_attention_impl`: EvaByte's triton kernels, triton's CPU
 interpreter, or its pure-torch EVA), the remote kernels' interface check
 (:data:`KERNEL_INTERFACE`), the blocks they pick per GPU capability and the gate on the EVA
-window / chunk sizes (:func:`kernel_blocks`, :func:`check_kernel_blocks`), the short-row
-backward and the interpreter's host shim (:func:`prepare_eva_kernels`, called by
+window / chunk sizes (:func:`check_kernel_blocks`), the short-row backward and the
+interpreter's host shim (:func:`prepare_eva_kernels`, called by
 :func:`mtpc.backbones.remote_code.load_remote_causal_lm`).
 """
 
@@ -42,16 +42,6 @@ class AttentionImplError(UserError, ValueError):
     """``model.attention_impl`` names a path that cannot run here (one line, the allowed values)."""
 
 
-def triton_interpreter() -> bool:
-    """Whether triton's CPU interpreter is switched on (``TRITON_INTERPRET``, read by triton
-    itself; ``False`` without triton). Kernels decorated while it is on run on CPU tensors."""
-    if not triton_available():
-        return False
-    from triton import knobs  # triton >= 3.4 (pyproject pins >= 3.7.1)
-
-    return bool(knobs.runtime.interpret)
-
-
 def resolve_attention_impl(
     requested: str, device: str | torch.device, dtype: torch.dtype | str | None = None
 ) -> str:
@@ -74,7 +64,9 @@ def resolve_attention_impl(
             "['auto', 'torch']"
         )
     if requested == "triton" and not on_gpu:
-        if not triton_interpreter():
+        from triton import knobs  # triton >= 3.4 (pyproject pins >= 3.7.1)
+
+        if not knobs.runtime.interpret:  # TRITON_INTERPRET, read by triton itself
             raise AttentionImplError(
                 f"model.attention_impl is 'triton' but device is {str(device)!r}; triton kernels "
                 "need a CUDA device (or TRITON_INTERPRET=1 for triton's CPU interpreter, float32); "
@@ -204,15 +196,6 @@ def _kernel_modules(package: str) -> dict[str, ModuleType]:
     return found
 
 
-def kernel_blocks(
-    agg_kernel: ModuleType, dtype: torch.dtype, head_dim: int, capability: tuple[int, int]
-) -> dict[str, tuple[int, int]]:
-    """``{mode: (BLOCK_M, BLOCK_N)}`` as the remote ``_get_config`` picks them on a GPU of
-    ``capability`` (every mode of :data:`KERNEL_MODES`)."""
-    with _kernels_see_gpu(capability, cpu_tensors=False):
-        return {m: tuple(agg_kernel._get_config(dtype, head_dim, m)[:2]) for m in KERNEL_MODES}
-
-
 def check_kernel_blocks(
     window: int,
     chunk: int,
@@ -310,19 +293,20 @@ def prepare_eva_kernels(
     elif torch.cuda.is_available():
         capability = tuple(torch.cuda.get_device_capability(torch.device(run_device)))  # type: ignore[assignment]
     head_dim = int(config.hidden_size) // int(config.num_attention_heads)
-    blocks = {}
-    if capability is not None:
-        blocks = kernel_blocks(modules["eva_agg_kernel"], dtype, head_dim, capability)
+    blocks: dict[str, tuple[int, int]] = {}
+    if capability is not None:  # {mode: (BLOCK_M, BLOCK_N)} as _get_config picks them there
+        with _kernels_see_gpu(capability, cpu_tensors=False):
+            get_config = modules["eva_agg_kernel"]._get_config
+            blocks = {m: tuple(get_config(dtype, head_dim, m)[:2]) for m in KERNEL_MODES}
         check_kernel_blocks(
             int(config.window_size), int(config.chunk_size), blocks, capability, dtype, head_dim
         )
     wrapped: dict[int, Callable[..., Any]] = {}
     for short, functions in KERNEL_INTERFACE.items():
-        module = modules[short]
         for name in functions:
             if name == "_get_config":
                 continue
-            current = getattr(module, name)
+            current = getattr(modules[short], name)
             original = getattr(current, "__mtpc_original__", current)
             new = _empty_rfa_backward(original) if name == "triton_eva_agg_bwd" else original
             if interpreter:
