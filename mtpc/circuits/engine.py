@@ -198,13 +198,9 @@ class Circuit:
         """Bottom-up pass over ``leaves`` ``(B, n, r, K)`` (or layer 1's output ``first``): the
         root ``(B, 1, K)`` and per layer its sum inputs ``(B, F, r, K)`` (or None)."""
         r = self.rank
-        outs: list[Tensor] = [leaves]
-        sum_inputs: list[Tensor | None] = [None]
-        plan = self._plan
-        if first is not None:
-            outs.append(first)
-            sum_inputs.append(None)
-            plan = plan[1:]
+        outs = [leaves] if first is None else [leaves, first]
+        sum_inputs: list[Tensor | None] = [None] * len(outs)
+        plan = self._plan[len(outs) - 1 :]
         B, K = outs[-1].shape[0], outs[-1].shape[-1]
         wexp = None
         fmin = torch.finfo(leaves.dtype).min
