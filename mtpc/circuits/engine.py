@@ -295,15 +295,13 @@ class Circuit:
         if sum_logw is None:  # no sum unit: one unit per position
             device = torch.device("cpu") if ev is None else ev.device
             return torch.zeros(batch_size, n, dtype=torch.long, device=device)
-        lw = _f32(sum_logw)
-        scores = lw  # the prior
-        if ev is not None and ev.shape[1]:
-            plan = self._prefix_plan(ev.shape[1])
-            if plan is not None:  # a short prefix: only its ancestors change
-                scores = self._prefix_posterior(plan, ev, lw)
-            else:
-                leaves = torch.cat([ev, ev.new_zeros(batch_size, n - ev.shape[1], r)], 1)
-                scores = self._posterior(leaves, lw, max_product=False)
+        lw = scores = _f32(sum_logw)  # the prior
+        m = 0 if ev is None else ev.shape[1]
+        if ev is not None and m and (plan := self._prefix_plan(m)) is not None:
+            scores = self._prefix_posterior(plan, ev, lw)  # a short prefix: only its ancestors
+        elif ev is not None and m:
+            leaves = torch.cat([ev, ev.new_zeros(batch_size, n - m, r)], 1)  # (B, n, r)
+            scores = self._posterior(leaves, lw, max_product=False)
         choice = scores.argmax(-1) if most_probable else categorical(scores, generator, uniforms)
         return self._walk_down(choice)  # (B, n)
 

@@ -7,6 +7,7 @@ See docs/CIRCUITS.md, "Structures" and "Adding a structure".
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Literal
@@ -176,10 +177,7 @@ class StructureBuilder:
             raise ValueError("the root must have exactly one unit")
         # Tree shape: every node but the root has one parent (children are created before
         # their parents: a node outside the root's tree leaves one without a parent).
-        uses = [0] * len(nodes)
-        for nd in nodes:
-            for c in nd.children:
-                uses[c] += 1
+        uses = Counter(c for nd in nodes for c in nd.children)
         if any(uses[v] != (0 if v == root else 1) for v in range(len(nodes))):
             raise ValueError("every node must have exactly one parent (tree-shaped circuit)")
         for nd in nodes:
