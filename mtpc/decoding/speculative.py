@@ -136,13 +136,29 @@ def draft_step(
     logp = state.leaf_logp(positions, units)[0]  # (m, V)
     u = None if uniforms is None else uniforms.tokens[: n - pre]  # (m,)
     tokens = categorical(logp, generator, u)  # with z, an ancestral sample
-    probs = logp.exp()  # (m, V): q_i(. | z), independent of the earlier drafts given z
     window = tokens[None] if evidence is None else torch.cat([evidence, tokens[None]], 1)
+    return drawn_draft(state, window, pre, rows, logp.exp(), mode, sampling)
+
+
+def drawn_draft(
+    state: HeadState,
+    window: Tensor,
+    pre: int,
+    rows: Tensor | None,
+    probs: Tensor,
+    mode: str,
+    sampling: bool,
+) -> Draft:
+    """A drawn ``window`` ``(1, n)`` with what verifying it needs when ``sampling``: ``mode``'s
+    proposal, from ``probs`` ``(m, V)`` q_i(. | z) (independent of the earlier drafts given
+    z) or the circuit's marginal; ``rows`` ``(1, pre, r, V)``: the evidence's leaves, if read.
+    """
     if not sampling:
         return Draft(window)
-    if mode == "sample" and circuit.rank > 1:  # r = 1: q(. | z) is the marginal
+    if mode == "sample" and state.circuit.rank > 1:  # r = 1: q(. | z) is the marginal
         return MarginalProposal(state, window, pre, rows).draft()
-    if mode == "zsample1" and circuit.rank > 1:
+    tokens = window[0, pre:]  # (m,)
+    if mode == "zsample1" and state.circuit.rank > 1:
         # x_1 against the marginal q(. | evidence) (lazily), the later drafts against q(. | z):
         # exact, as (z, x_1) is an ancestral draw (docs/DECODING.md, "The draft step")
         first = FirstMarginal(MarginalProposal(state, window, pre, rows), probs, tokens)
@@ -171,85 +187,61 @@ class FirstMarginal:
         return self._first
 
 
-def zmap_rows(states: Sequence[HeadState], evidence: Sequence[Tensor | None]) -> list[Tensor]:
-    """The greedy latent-path draft (``zmap``, :func:`draft_step`) of B rows in one pass over
-    the head (W's rows read once for all rows); ``evidence``: each row's pending token
-    ``(1, 1)``, all None or none. Returns each row's window ``(1, n)``."""
-    head, circuit = states[0].head, states[0].circuit
-    n, r = circuit.window, circuit.rank
-    pre = 0 if evidence[0] is None else 1
-    e = torch.cat([s.features for s in states])  # (B, d)
-    w = head.unembedding  # (n, r, V, d)
-    if pre == n:  # nothing to draft (n = 1 with a pending token)
-        return [ev for ev in evidence if ev is not None]
-    logits = head.input_logits(e, list(range(pre, n)))  # (B, m, r, V); W's rows: a view
-    if r == 1:  # one unit per position: the only path
-        tokens = logits[:, :, 0].float().argmax(-1)  # (B, m)
-    else:
-        leaves = None
-        if pre:  # each unit's logit at the pending token, no normaliser (as draft_step)
-            pending = torch.cat([ev[0] for ev in evidence if ev is not None])  # (B,)
-            rows = w[0][:, pending].transpose(0, 1)  # (B, r, d)
-            leaves = torch.einsum("bd,brd->br", e.to(w.dtype), rows).float()[:, None]
-        path = circuit.latent_path(head.sum_log_weights(e), leaves, most_probable=True)
-        units = path[:, pre:, None, None].expand(-1, -1, 1, logits.shape[-1])
-        tokens = logits.gather(2, units)[:, :, 0].float().argmax(-1)  # (B, m)
-    return [
-        tokens[b : b + 1] if ev is None else torch.cat([ev, tokens[b : b + 1]], 1)
-        for b, ev in enumerate(evidence)
-    ]
-
-
-def drawn_rows(
+def rows_at_once(
     states: Sequence[HeadState],
     evidence: Sequence[Tensor | None],
-    latent: Tensor | None,
-    tokens: Tensor,
     mode: str,
     sampling: bool,
+    latent: Tensor | None = None,
+    tokens: Tensor | None = None,
 ) -> list[Draft]:
-    """:func:`draft_step`'s drawn drafts (``zsample``, ``zsample1``, ``sample``) of B rows in
-    one pass over the head, as :func:`zmap_rows`: every unit's (tempered) leaves at the
-    drafted positions for all rows, the rows' latent paths in one call, each row's tokens by
-    inverse CDF. ``evidence``: each row's pending token ``(1, 1)``, all None or none, fewer
-    than n; ``latent`` ``(B, U)``, ``tokens`` ``(B, n)``: the rows' uniforms. Returns each
-    row's draft; a lazy proposal (the marginals) stays the row's own."""
+    """:func:`draft_step` of B rows in one pass over the head: every unit's leaves at the
+    drafted positions for all rows (W's rows read once), the rows' latent paths in one call,
+    each row's tokens on its path: ``zmap``'s argmaxes (``tokens`` None), or a drawn draft's
+    (``zsample``, ``zsample1``, ``sample``) by inverse CDF with the rows' uniforms ``latent``
+    ``(B, U)`` and ``tokens`` ``(B, n)``. ``evidence``: each row's pending token ``(1, 1)``,
+    all None or none. A lazy proposal (the marginals) stays the row's own."""
     head, circuit, first = states[0].head, states[0].circuit, states[0]
     n, r = circuit.window, circuit.rank
     pre = 0 if evidence[0] is None else 1
+    if pre == n:  # nothing to draft (n = 1 with a pending token)
+        return [Draft(ev) for ev in evidence if ev is not None]
     e = torch.cat([s.features for s in states])  # (B, d)
-    start = 0 if pre and r > 1 else pre  # r > 1: every unit at the pending token's too
-    logits = head.input_logits(e, list(range(start, n)))  # (B, n - start, r, V)
-    leaves = evidence_rows = None  # (B, k, r, V): W's rows read once for all rows
-    if pre and r > 1:  # every unit at the pending token's position (as draft_step)
+    every = pre > 0 and r > 1 and tokens is not None  # drawn: every unit at the pending token too
+    logits = head.input_logits(e, list(range(0 if every else pre, n)))  # (B, n - start, r, V)
+    leaves = evidence_rows = None
+    if every:  # (as draft_step)
         evidence_rows = first.tempered(torch.log_softmax(logits[:, :1].float(), -1))
         pending = torch.cat([ev for ev in evidence if ev is not None])  # (B, 1)
         leaves = evidence_rows[:, 0].gather(2, pending[:, None, :].expand(-1, r, 1))[:, None, :, 0]
         logits = logits[:, 1:]  # (B, m, r, V)
-    if r == 1:
-        units = torch.zeros_like(tokens[:, pre:], dtype=torch.long)  # (B, m): the only path
-    else:
+    elif pre and r > 1:  # zmap: each unit's logit at the pending token, no normaliser
+        w = head.unembedding  # (n, r, V, d)
+        pending = torch.cat([ev[0] for ev in evidence if ev is not None])  # (B,)
+        rows = w[0][:, pending].transpose(0, 1)  # (B, r, d)
+        leaves = torch.einsum("bd,brd->br", e.to(w.dtype), rows).float()[:, None]
+    units = logits.new_zeros(len(states), n - pre, dtype=torch.long)  # r = 1: the only path
+    if r > 1:
         sum_logw = head.sum_log_weights(e)  # (B, U, r)
-        units = circuit.latent_path(sum_logw, leaves, uniforms=latent)[:, pre:]  # (B, m)
+        path = circuit.latent_path(sum_logw, leaves, most_probable=tokens is None, uniforms=latent)
+        units = path[:, pre:]  # (B, m)
     index = units[:, :, None, None].expand(-1, -1, 1, logits.shape[-1])
-    logp = first.tempered(torch.log_softmax(logits.gather(2, index)[:, :, 0].float(), -1))
-    drawn = categorical(logp, u=tokens[:, : n - pre])  # (B, m): with z, ancestral samples
-    probs = logp.exp()  # (B, m, V)
+    on_path = logits.gather(2, index)[:, :, 0].float()  # (B, m, V)
+    probs = None
+    if tokens is None:  # zmap: the argmax needs no normaliser
+        drafted = on_path.argmax(-1)  # (B, m)
+    else:
+        logp = first.tempered(torch.log_softmax(on_path, -1))
+        drafted = categorical(logp, u=tokens[:, : n - pre])  # (B, m): with z, ancestral samples
+        probs = logp.exp()  # (B, m, V)
     out = []
     for b, (state, ev) in enumerate(zip(states, evidence, strict=True)):
-        window = drawn[b : b + 1] if ev is None else torch.cat([ev, drawn[b : b + 1]], 1)
+        window = drafted[b : b + 1] if ev is None else torch.cat([ev, drafted[b : b + 1]], 1)
         rows = None if evidence_rows is None else evidence_rows[b : b + 1]  # (1, 1, r, V)
-        if not sampling:
+        if probs is None:
             out.append(Draft(window))
-        elif mode == "sample" and r > 1:
-            out.append(MarginalProposal(state, window, pre, rows).draft())
-        elif mode == "zsample1" and r > 1:
-            marginal = MarginalProposal(state, window, pre, rows)
-            proposal = FirstMarginal(marginal, probs[b], drawn[b])
-            out.append(Draft(window, proposal.token_prob, proposal.dist))
         else:
-            q = probs[b].gather(1, drawn[b, :, None])[:, 0]  # (m,)
-            out.append(Draft(window, q, probs[b].__getitem__))
+            out.append(drawn_draft(state, window, pre, rows, probs[b], mode, sampling))
     return out
 
 
@@ -277,19 +269,11 @@ class Chain:
         spans: Sequence[int],
         draws: Draws,
     ) -> list[Proposal]:
-        """Every row's window: ``zmap`` rows at once (:func:`zmap_rows`) where they are at
-        least r (it reads all r units' rows of W, a row alone its path's one), else each; a
-        drawn draft's uniforms for all rows in one tensor op."""
-        batched = self.rule == DraftRule.ZMAP and self.drafter is None and len(rows) > 1
-        out: list[Proposal | None] = [None] * len(rows)
-        least = max(2, rows[0].head.circuit.rank) if rows else 2
-        for pre in (0, 1) if batched else ():
-            group = [i for i, ev in enumerate(evidence) if (ev is not None) == bool(pre)]
-            if len(group) >= least:
-                windows = zmap_rows([rows[i].head for i in group], [evidence[i] for i in group])
-                for i, window in zip(group, windows, strict=True):
-                    out[i] = Proposal(window[:, : spans[i]], pre, Draft(window))
+        """Every row's window: ``zmap`` and drawn rows at once (:func:`rows_at_once`) where
+        they are at least r (it reads all r units' rows of W, a row alone its path's one), else
+        each; a drawn draft's uniforms for all rows in one tensor op."""
         uniforms: list[DraftUniforms | None] = [None] * len(rows)
+        latent = tokens = None
         if self.rule in DRAWN and self.drafter is None and rows:
             circuit = rows[0].head.circuit
             latent = draws.take(LATENT, circuit.num_sum_units) if circuit.num_sum_units else None
@@ -298,20 +282,22 @@ class Chain:
                 DraftUniforms(None if latent is None else latent[b : b + 1], tokens[b])
                 for b in range(len(rows))
             ]
-            for pre in (0, 1) if len(rows) > 1 and circuit.window > 1 else ():
-                group = [i for i, ev in enumerate(evidence) if (ev is not None) == bool(pre)]
-                if len(group) >= least:
-                    pick = torch.tensor(group, device=tokens.device)
-                    drafts = drawn_rows(
-                        [rows[i].head for i in group],
-                        [evidence[i] for i in group],
-                        None if latent is None else latent[pick],
-                        tokens[pick],
-                        self.rule,
-                        self.sampled,
-                    )
-                    for i, draft in zip(group, drafts, strict=True):
-                        out[i] = Proposal(draft.window[:, : spans[i]], pre, draft)
+        batched = self.rule == DraftRule.ZMAP or (tokens is not None and tokens.shape[1] > 1)
+        out: list[Proposal | None] = [None] * len(rows)
+        for pre in (0, 1) if batched and self.drafter is None and len(rows) > 1 else ():
+            group = [i for i, ev in enumerate(evidence) if (ev is not None) == bool(pre)]
+            if len(group) < max(2, rows[0].head.circuit.rank):
+                continue
+            drafts = rows_at_once(
+                [rows[i].head for i in group],
+                [evidence[i] for i in group],
+                self.rule,
+                self.sampled,
+                None if latent is None else latent[group],
+                None if tokens is None else tokens[group],
+            )
+            for i, draft in zip(group, drafts, strict=True):
+                out[i] = Proposal(draft.window[:, : spans[i]], pre, draft)
         return [
             p if p is not None else self.draft(row, ev, span, u)
             for p, row, ev, span, u in zip(out, rows, evidence, spans, uniforms, strict=True)
@@ -363,7 +349,10 @@ class Chain:
             u = draws.take(ACCEPT, padded.shape[1])  # (B, M)
             q = drafted_probs([p.drafts for p in proposals], counts, p_drafts, u)
             s = accept_sampling(p_drafts, q, u, lengths)
-            q_s = residual_proposals([p.drafts for p in proposals], s.tolist(), counts, p)
+            q_s = p.new_zeros(len(rows), p.shape[2])  # (B, V): q_s(.) where s < m_b, else unread
+            for b, (proposal, k, m) in enumerate(zip(proposals, s.tolist(), counts, strict=True)):
+                if k < m:
+                    q_s[b] = proposal.drafts.proposal(k)
             tokens = correction_or_bonus(p, s, lengths, q_s, draws.at(EMIT, s))
         return [
             Outcome(d[:k], token, drafted=m, keep=proposal.pre + k, after=k)
@@ -402,15 +391,3 @@ def drafted_probs(drafts: Sequence[Draft], counts: Sequence[int], p: Tensor, u: 
                     if q_i > 0 and u_host[j][i] >= p_host[j][i] / q_i:
                         break
     return q
-
-
-def residual_proposals(
-    drafts: Sequence[Draft], accepted: Sequence[int], counts: Sequence[int], p: Tensor
-) -> Tensor:
-    """q_s(.) ``(B, V)`` of the rows that rejected draft s (zeros elsewhere: unread)."""
-    out = p.new_zeros(p.shape[0], p.shape[2])
-    for b, (d, s, m) in enumerate(zip(drafts, accepted, counts, strict=True)):
-        if s < m:
-            assert d.proposal is not None
-            out[b] = d.proposal(s)
-    return out
