@@ -173,35 +173,28 @@ def _chain_without_tree_attention(model: Any, request: Request) -> Request:
 def _decode(
     model: Any, prompts: list[Tensor], requests: list[Request], drafter: Any, size: int
 ) -> list[GenerationResult]:
-    """Runs the requests' decoder on ``model`` in eval mode (restoring training mode)."""
+    """Runs the requests' decoder on ``model`` in eval mode (restoring training mode): the
+    autoregressive ``step`` or a proposer (a chain or a token tree) in ``loop.decode``, or
+    with ``compile`` in ``static.decode_static``."""
+    from mtpc.decoding import autoregressive
+    from mtpc.decoding.loop import decode
+    from mtpc.decoding.speculative import Chain
+    from mtpc.decoding.tree import Tree
+
     was_training = model.training
     if was_training:
         model.eval()
     request = requests[0]
     try:
-        from mtpc.decoding.loop import decode
-
-        if request.method == "autoregressive":
-            from mtpc.decoding.autoregressive import prefill, step
-
-            if request.compile:
-                from mtpc.decoding.static import decode_static
-
-                return decode_static(model, prompts, requests, size, prefill, step)
-            return decode(model, prompts, requests, None, size, prefill, step)
-        if request.tree_budget:
-            from mtpc.decoding.tree import Tree
-
-            proposer: Any = Tree(request)
-        else:
-            from mtpc.decoding.speculative import Chain
-
-            proposer = Chain(request, drafter)
+        step = autoregressive.step if request.method == "autoregressive" else None
+        proposer: Any = None
+        if step is None:
+            proposer = Tree(request) if request.tree_budget else Chain(request, drafter)
         if request.compile:
             from mtpc.decoding.static import decode_static
 
-            return decode_static(model, prompts, requests, size, proposer=proposer)
-        return decode(model, prompts, requests, proposer, size)
+            return decode_static(model, prompts, requests, size, step=step, proposer=proposer)
+        return decode(model, prompts, requests, proposer, size, step=step)
     finally:
         if was_training:
             model.train()

@@ -224,7 +224,7 @@ class Run:
         return HeadState(self.model, hidden, temperature, lap, features)
 
 
-def new_row(run: Run, index: int, request: Request, prompt: Tensor, method: str) -> Row:
+def new_row(index: int, request: Request, prompt: Tensor, method: str) -> Row:
     """A row before its prefill, its stream keyed by its own request's seed."""
     res = GenerationResult(tokens=[], method=method)
     return Row(index, None, prompt.new_zeros(0), row_key(request.seed), res, prompt.shape[0])
@@ -254,7 +254,7 @@ def decode(
     layout: Layout | None = None,
 ) -> list[GenerationResult]:
     """Decodes many prompts, one trunk pass per cycle for all rows (self-speculative; with
-    the autoregressive ``admit`` and ``step``, no proposer: one token per pass).
+    the autoregressive ``step``, no proposer: one token per pass).
 
     ``prompts``: ``(T_b,)`` ids on the device; ``requests``: checked (``check_request``),
     differing in the seed only; ``size``: rows at once (1: each prompt in the model's own
@@ -317,19 +317,23 @@ def schedule(
 
 
 def prefill(run: Run, layout: Layout, new: Sequence[tuple[int, Request, Tensor]]) -> list[Row]:
-    """Every prompt token of the new rows: keeps p(x_{T+1}) and the head at e_T."""
-    rows = [new_row(run, i, request, prompt, "speculative") for i, request, prompt in new]
+    """Every prompt token of the new rows: keeps p(x_{T+1}) and (speculative) the head at e_T."""
+    method = "autoregressive" if run.proposer is None else "speculative"
+    rows = [new_row(i, request, prompt, method) for i, request, prompt in new]
     hidden, kept = layout.admit(rows, [prompt for _, _, prompt in new])  # (1, T_b, d), (1, V)
-    last = layout.draft(rows, hidden)
-    seconds = run.clock.split()
-    for row, logits, state in zip(rows, kept, last, strict=True):
-        assert state is not None
+    for row, logits in zip(rows, kept, strict=True):
         row.kept_logits = logits
-        row.state = run.head_state(state, timed=False)
-        run.proposer.begin(row.state)  # timed as the prefill, not in the cycles' sections
-        row.state.lap = run.clock.lap
-        row.res.policy = run.request.policy
-        vars(row.res).update(run.proposer.labels)
+    seconds = 0.0
+    if run.proposer is not None:
+        last = layout.draft(rows, hidden)
+        seconds = run.clock.split()
+        for row, state in zip(rows, last, strict=True):
+            assert state is not None
+            row.state = run.head_state(state, timed=False)
+            run.proposer.begin(row.state)  # timed as the prefill, not in the cycles' sections
+            row.state.lap = run.clock.lap
+            row.res.policy = run.request.policy
+            vars(row.res).update(run.proposer.labels)
     seconds += run.clock.split()
     for row in rows:  # each row's share of the admission (batch 1: all of it)
         row.res.prefill_seconds = seconds / len(rows)
@@ -381,11 +385,16 @@ def cycle(run: Run, layout: Layout, rows: Sequence[Row]) -> list[Row]:
         row.state = run.head_state(last, features=features[i : i + 1] if len(moved) > 1 else None)
         run.proposer.begin(row.state)
     clock.lap("model")
-    seconds = clock.split()
-    run.clock.total += seconds
-    for row in rows:  # each row's share of the batch's cycle (batch 1: all of it)
-        row.res.cycle_seconds.append(seconds / len(rows))
+    end_cycle(run, rows)
     return done
+
+
+def end_cycle(run: Run, rows: Sequence[Row]) -> None:
+    """Splits the clock: each row's share of the batch's cycle (batch 1: all of it)."""
+    seconds = run.clock.split()
+    run.clock.total += seconds
+    for row in rows:
+        row.res.cycle_seconds.append(seconds / len(rows))
 
 
 def settle(run: Run, row: Row, pre: int, outcome: Outcome) -> bool | None:
@@ -416,25 +425,21 @@ def verify_pass(
     """ONE trunk + verifier-tail pass over the rows' non-empty proposals; per row, the trunk's
     states ``(1, T, d)`` and the target's logits ``(T + 1 - pre, V)``: at the first drafted
     position (the kept ones when nothing is pending), then after each drafted position."""
-    model = run.model
+    # an empty tree and nothing pending: no states, the target's kept choice only
+    d = run.model.backbone.hidden_size
+    hidden = [row.kept_logits.new_zeros(1, 0, d) for row in rows]
+    targets = [row.kept_logits.new_zeros(0, row.kept_logits.shape[-1]) for row in rows]
     busy = [i for i, p in enumerate(proposals) if p.ids.numel()]
-    passed: dict[int, tuple[Tensor, Tensor]] = {}
     if busy:
         ids, trees = [proposals[i].ids[0] for i in busy], [proposals[i].tree for i in busy]
         states, logits = layout.target([rows[i] for i in busy], ids, trees)
-        passed = dict(zip(busy, zip(states, logits, strict=True), strict=True))
-        for i in busy:
+        for i, h, out in zip(busy, states, logits, strict=True):
+            hidden[i], targets[i] = h, out
             rows[i].res.trunk_passes += 1
-    hidden, targets = [], []
-    for i, row in enumerate(rows):
-        if i in passed:
-            h, out = passed[i]
-        else:  # an empty tree and nothing pending: the target's kept choice only
-            h = row.kept_logits.new_zeros(1, 0, model.backbone.hidden_size)
-            out = row.kept_logits.new_zeros(0, row.kept_logits.shape[-1])
-        hidden.append(h)
-        targets.append(out if row.pending is not None else torch.cat([row.kept_logits, out]))
-    return hidden, targets
+    return hidden, [
+        out if row.pending is not None else torch.cat([row.kept_logits, out])
+        for row, out in zip(rows, targets, strict=True)
+    ]
 
 
 def resume(
