@@ -77,16 +77,6 @@ class Tree:
         """theta_t's whole table, as soon as the state exists (``build_tree`` reads it)."""
         state.params()
 
-    def _draft(self, row: Row, evidence: Tensor | None, span: int) -> Proposal:
-        """The ``budget`` most probable draft prefixes under q(. | evidence), the root
-        included no deeper than ``span``."""
-        state, pre = row.head, 0 if evidence is None else 1
-        tree = build_tree(
-            state.circuit, state.params(), evidence, self.budget, self.floor, span - pre
-        )
-        ids, mask, depth = verify_layout(tree, row.pending)
-        return Proposal(ids[None], pre, tree, (depth, mask))
-
     def draft_rows(
         self,
         rows: Sequence[Row],
@@ -94,8 +84,17 @@ class Tree:
         spans: Sequence[int],
         draws: Draws,
     ) -> list[Proposal]:
-        """Each row's tree (deterministic: no draws)."""
-        return [self._draft(*a) for a in zip(rows, evidence, spans, strict=True)]
+        """Each row's ``budget`` most probable draft prefixes under q(. | evidence), the root
+        included no deeper than its span (deterministic: no draws)."""
+        out = []
+        for row, ev, span in zip(rows, evidence, spans, strict=True):
+            pre = 0 if ev is None else 1
+            tree = build_tree(
+                row.head.circuit, row.head.params(), ev, self.budget, self.floor, span - pre
+            )
+            ids, mask, depth = verify_layout(tree, row.pending)
+            out.append(Proposal(ids[None], pre, tree, (depth, mask)))
+        return out
 
     def verify_rows(
         self,
@@ -105,31 +104,26 @@ class Tree:
         targets: Sequence[Tensor],
         draws: Draws,
     ) -> list[Outcome]:
-        """:meth:`verify` of each row (a tree's walk is its own), the uniforms of all rows in
-        one tensor op."""
-        u = None
+        """:func:`walk` of each row with its uniforms (``(n + 1,)``, all rows' in one tensor
+        op); keeps the root and the accepted path; records the tree's nodes and expected
+        acceptance."""
+        us: Sequence[Tensor | None] = [None] * len(rows)
         if not run.rule.greedy:  # (max_throughput too: a leaf's token is the target's)
-            u = draws.take(EMIT, rows[0].head.circuit.window + 1)  # (B, n + 1)
-        return [
-            self.verify(run, row, proposal, target, None if u is None else u[b])
-            for b, (row, proposal, target) in enumerate(zip(rows, proposals, targets, strict=True))
-        ]
-
-    def verify(
-        self, run: Run, row: Row, proposal: Proposal, target: Tensor, u: Tensor | None
-    ) -> Outcome:
-        """:func:`walk` with the row's uniforms ``u`` ``(n + 1,)``; keeps the root and the
-        accepted path; records the tree's nodes and expected acceptance."""
-        tree: TokenTree = proposal.drafts
-        rule, max_throughput = run.rule, run.request.max_throughput
-        path, accepted, token = walk(tree, target, rule, u, max_throughput)
-        row.res.nodes.append(len(tree))
-        row.res.expected.append(tree.expected_by_depth(row.head.circuit.window - proposal.pre))
-        keep = ([0] if proposal.pre else []) + [proposal.pre + i for i in path]
-        return Outcome(
-            accepted,
-            token,
-            drafted=int(tree.depths.max()) if len(tree) else 0,
-            keep=torch.tensor(keep, dtype=torch.long, device=proposal.ids.device),
-            after=1 + path[-1] if path else 0,
-        )
+            us = list(draws.take(EMIT, rows[0].head.circuit.window + 1))  # (n + 1,) each
+        out = []
+        for row, proposal, target, u in zip(rows, proposals, targets, us, strict=True):
+            tree: TokenTree = proposal.drafts
+            path, accepted, token = walk(tree, target, run.rule, u, run.request.max_throughput)
+            row.res.nodes.append(len(tree))
+            row.res.expected.append(tree.expected_by_depth(row.head.circuit.window - proposal.pre))
+            keep = ([0] if proposal.pre else []) + [proposal.pre + i for i in path]
+            out.append(
+                Outcome(
+                    accepted,
+                    token,
+                    drafted=int(tree.depths.max()) if len(tree) else 0,
+                    keep=torch.tensor(keep, dtype=torch.long, device=proposal.ids.device),
+                    after=1 + path[-1] if path else 0,
+                )
+            )
+        return out
