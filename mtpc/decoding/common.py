@@ -5,6 +5,7 @@ autoregressive output), the stop rule and the cycle stopwatch. See docs/DECODING
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -91,10 +92,8 @@ def default_stop_ids(model: Any) -> tuple[int, ...]:
     backbone = model.backbone
     codec = getattr(backbone, "codec", None)
     if codec is not None:
-        try:
+        with contextlib.suppress(ValueError, KeyError):
             return tuple(get_codec(codec).stop_ids)
-        except (ValueError, KeyError):
-            pass
     generation = getattr(getattr(backbone, "hf_model", None), "generation_config", None)
     eos = getattr(generation, "eos_token_id", None)
     if eos is None:
@@ -242,7 +241,6 @@ class Stopwatch:
     returns its wall time (always synchronised)."""
 
     def __init__(self, device: torch.device, profile: bool) -> None:
-        self.cuda = device.type == "cuda"
         self.device = device
         self.profile = profile
         self.sections: dict[str, float] = dict.fromkeys(SECTIONS, 0.0)
@@ -250,7 +248,7 @@ class Stopwatch:
         self._start = self._last = self.now()
 
     def now(self) -> float:
-        if self.cuda:
+        if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
