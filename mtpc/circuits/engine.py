@@ -57,14 +57,9 @@ class Circuit:
             self._plan.append(_LayerStep(la.kind == "sum", F, R, A, start, la.sum_offset, la.slots))
         # prefix fast path: layer 1 multiplies consecutive inputs and nobody else reads them
         self._prefix_index: Tensor | None = None
-        l1 = self.layers[1] if len(self.layers) > 1 else None
+        l1 = self.layers[min(1, len(self.layers) - 1)]  # view_start: None but for products
         readers = sum(1 for la in self.layers[1:] for sl in la.slots if 0 in sl.sources)
-        if (
-            l1 is not None
-            and l1.view_start == 0  # a product (sums have no view)
-            and l1.num_folds * l1.arity == n
-            and readers == l1.arity
-        ):
+        if l1.view_start == 0 and l1.num_folds * l1.arity == n and readers == l1.arity:
             starts = torch.arange(l1.num_folds) * l1.arity  # (F,) first inputs; the index: (F, n)
             self._prefix_index = (torch.arange(n)[None] - starts[:, None] + 1).clamp(0, l1.arity)
         # top-down walk: per sum layer, root first, the weight row of unit 0 of each position's
