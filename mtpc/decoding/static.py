@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mtpc.decoding.layout import index_of
 from mtpc.decoding.static_step import StaticEngine
 
 BUCKET = 256
@@ -103,12 +104,8 @@ class StaticLayout:
         self.engine = engine
         self.widest = widest  # a token tree's pass: its fixed T (its budget + 1)
         self.places: list[Any] = [None] * engine.batch  # the row in each place, or None
-        self._shapes: dict[int, tuple[Tensor, Tensor]] = {}  # T -> (offsets, causal inner)
-        self._eyes: dict[int, Tensor] = {}  # T -> (T, T) identity: padding sees itself
+        self._shapes: dict[int, tuple[Tensor, Tensor, Tensor]] = {}  # T -> _shape's
         self.base = engine.lengths.clone()  # (B,) the lengths before the last pass
-
-    def _place(self, row: Any) -> int:
-        return next(i for i, held in enumerate(self.places) if held is row)
 
     def admit(
         self, rows: Sequence[Any], prompts: Sequence[Tensor]
@@ -119,31 +116,24 @@ class StaticLayout:
         free = [i for i, held in enumerate(self.places) if held is None]
         if len(rows) > len(free):
             raise ValueError(f"{len(rows)} new rows but {len(free)} free places")
-        places = free[: len(rows)]
-        for i, row in zip(places, rows, strict=True):
+        at, chunk = free[: len(rows)], engine.chunk
+        for i, row in zip(at, rows, strict=True):
             self.places[i] = row
-        device, b, chunk = engine.device, engine.batch, engine.chunk
-        engine.reset_rows(torch.tensor(places, device=device))
-        longest = max(p.shape[0] for p in prompts)
-        offsets = torch.arange(chunk, device=device).expand(b, chunk)
-        causal = torch.ones(chunk, chunk, dtype=torch.bool, device=device).tril()
-        eye = torch.eye(chunk, dtype=torch.bool, device=device)
+        places = torch.tensor(at, device=engine.device)
+        engine.reset_rows(places)
+        flat = torch.nn.utils.rnn.pad_sequence(list(prompts), True)  # (R, L)
+        count = torch.tensor([p.shape[0] for p in prompts], device=engine.device)  # (R,)
         states: list[list[Tensor]] = [[] for _ in rows]
         logits: list[Tensor | None] = [None] * len(rows)
-        for start in range(0, longest, chunk):
-            ids = torch.zeros(b, chunk, dtype=torch.long, device=device)  # (B, C)
-            real = torch.zeros(b, chunk, dtype=torch.bool, device=device)
-            for i, prompt in zip(places, prompts, strict=True):
-                part = prompt[start : start + chunk]
-                ids[i, : part.shape[0]], real[i, : part.shape[0]] = part, True
-            inner = (causal & real[:, None, :]) | eye  # (B, C, C)
-            trunk, out = engine.run(ids, real, offsets, inner)
-            for j, (i, prompt) in enumerate(zip(places, prompts, strict=True)):
-                count = min(chunk, prompt.shape[0] - start)
-                if count > 0:
-                    states[j].append(trunk[i : i + 1, :count].clone())
-                if count > 0 and start + count == prompt.shape[0]:
-                    logits[j] = out[i, count - 1 : count].clone()  # (1, V)
+        for start in range(0, flat.shape[1], chunk):
+            part = flat[:, start : start + chunk]
+            trunk, out = engine.run(*self._pass(places, part, count - start, chunk))
+            for j, (i, prompt) in enumerate(zip(at, prompts, strict=True)):
+                n = min(chunk, prompt.shape[0] - start)
+                if n > 0:
+                    states[j].append(trunk[i : i + 1, :n].clone())
+                if n > 0 and start + n == prompt.shape[0]:
+                    logits[j] = out[i, n - 1 : n].clone()  # (1, V)
         return [torch.cat(s, 1) for s in states], logits  # type: ignore[return-value]
 
     def target(
@@ -160,24 +150,17 @@ class StaticLayout:
         width = self.widest if tree else 1 if max(widths) == 1 else engine.window
         if max(widths) > width:
             raise ValueError(f"a pass of {max(widths)} ids in a static layout of {width}")
-        device, b = engine.device, engine.batch
         places = self._places(rows)  # (R,)
-        offsets, inner = self._shape(width)
-        new = torch.zeros(b, width, dtype=torch.long, device=device)  # (B, T)
-        real = torch.zeros(b, width, dtype=torch.bool, device=device)
-        if width == 1:
+        if width == 1:  # the latency path: no padding, every row's one id real
+            offsets, inner, _ = self._shape(1)
+            new = torch.zeros(engine.batch, 1, dtype=torch.long, device=engine.device)
+            real = torch.zeros(engine.batch, 1, dtype=torch.bool, device=engine.device)
             new[places] = torch.cat(list(ids))[:, None]
             real[places] = True
         else:
-            new[places, : max(widths)] = torch.nn.utils.rnn.pad_sequence(list(ids), True)
-            count = torch.tensor(widths, device=device)
-            real[places] = offsets[0][None] < count[:, None]
-            if tree:  # each row's depths and ancestor mask (a chain row's: causal)
-                offsets, inner = offsets.clone(), inner.clone()
-                for i, t, layout in zip(places.tolist(), widths, trees, strict=True):
-                    if layout is not None:
-                        offsets[i, :t], inner[i, :t, :t] = layout
-            inner = (inner & real[:, None, :]) | self._eye(width)
+            flat = torch.nn.utils.rnn.pad_sequence(list(ids), True)  # (R, T_max)
+            count = torch.tensor(widths, device=engine.device)
+            new, real, offsets, inner = self._pass(places, flat, count, width, trees)
         self.base = engine.lengths.clone()  # (B,) before the pass: what keep cuts back to
         trunk, out = engine.run(new, real, offsets, inner)
         trunk, out = trunk[places], out[places]  # (R, T, d), (R, T, V): copies
@@ -188,22 +171,40 @@ class StaticLayout:
 
     def _places(self, rows: Sequence[Any]) -> Tensor:
         """The rows' places ``(R,)``."""
-        return torch.tensor([self._place(row) for row in rows], device=self.engine.device)
+        return torch.tensor(index_of(self.places, rows), device=self.engine.device)
 
-    def _shape(self, width: int) -> tuple[Tensor, Tensor]:
-        """A pass of ``width`` ids per row: offsets ``(B, T)`` and causal ``inner`` ``(B, T, T)``."""
+    def _shape(self, width: int) -> tuple[Tensor, Tensor, Tensor]:
+        """A pass of ``width`` ids per row: offsets ``(B, T)``, causal ``inner`` ``(B, T, T)``
+        and the ``(T, T)`` identity (padding sees itself), built once per width."""
         if width not in self._shapes:
             b, device = self.engine.batch, self.engine.device
             offsets = torch.arange(width, device=device).repeat(b, 1)
             causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-            self._shapes[width] = (offsets, causal.repeat(b, 1, 1))
+            eye = torch.eye(width, dtype=torch.bool, device=device)
+            self._shapes[width] = (offsets, causal.repeat(b, 1, 1), eye)
         return self._shapes[width]
 
-    def _eye(self, width: int) -> Tensor:
-        """The ``(T, T)`` identity of a pass of ``width`` ids, built once per width."""
-        if width not in self._eyes:
-            self._eyes[width] = torch.eye(width, dtype=torch.bool, device=self.engine.device)
-        return self._eyes[width]
+    def _pass(
+        self, places: Tensor, values: Tensor, count: Tensor, width: int, trees: Sequence[Any] = ()
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """One pass of fixed T = ``width``: the rows' ``values`` ``(R, <= T, ...)`` at their
+        places of a zero ``(B, T, ...)`` batch, ``real`` ``(B, T)`` (each row's first ``count``
+        ``(R,)``), ``offsets`` ``(B, T)`` and ``inner`` ``(B, T, T)`` (causal, or ``trees``'
+        depths and ancestor masks)."""
+        engine = self.engine
+        offsets, inner, eye = self._shape(width)
+        shape = (engine.batch, width, *values.shape[2:])
+        batch = torch.zeros(shape, dtype=values.dtype, device=engine.device)
+        batch[places, : values.shape[1]] = values
+        real = torch.zeros(engine.batch, width, dtype=torch.bool, device=engine.device)
+        real[places] = offsets[0][None] < count[:, None]
+        if any(t is not None for t in trees):  # a chain row's: causal
+            offsets, inner = offsets.clone(), inner.clone()
+            for i, layout in zip(places.tolist(), trees, strict=True):
+                if layout is not None:
+                    t = layout[0].shape[0]
+                    offsets[i, :t], inner[i, :t, :t] = layout
+        return batch, real, offsets, (inner & real[:, None, :]) | eye
 
     def keep(self, rows: Sequence[Any], keeps: Sequence[int | Tensor]) -> None:
         """Each row keeps the first ``keeps[i]`` positions of the last pass (a chain's
@@ -217,8 +218,8 @@ class StaticLayout:
         engine = self.engine
         places = self._places(rows)  # (R,)
         counts = [k if isinstance(k, int) else k.shape[0] for k in keeps]
-        paths = [k for k in keeps if not isinstance(k, int)]
-        if paths:  # (R, K): each row's kept offsets (a prefix: 0..k-1), then j itself
+        if not all(isinstance(k, int) for k in keeps):
+            # (R, K): each row's kept offsets (a prefix: 0..k-1), then j itself
             device = engine.device
             kept = [torch.arange(k, device=device) if isinstance(k, int) else k for k in keeps]
             index = torch.nn.utils.rnn.pad_sequence(kept, True, padding_value=-1)  # (R, K)
@@ -243,20 +244,13 @@ class StaticLayout:
         if not longest:
             return [None] * len(rows)
         width = engine.window + 1 if longest <= engine.window + 1 else engine.chunk
-        device, b = engine.device, engine.batch
         places = self._places(rows)
-        offsets, causal = self._shape(width)
         flat = torch.nn.utils.rnn.pad_sequence([s[0] for s in states], True)  # (R, K, d)
-        count = torch.tensor(widths, device=device)  # (R,)
+        count = torch.tensor(widths, device=engine.device)  # (R,)
         last: list[Tensor | None] = [None] * len(rows)
         for start in range(0, longest, width):  # one pass in a cycle; a prompt's chunks
             part = flat[:, start : start + width]  # (R, <= T, d)
-            hidden = flat.new_zeros(b, width, flat.shape[2])  # (B, T, d)
-            hidden[places, : part.shape[1]] = part
-            real = torch.zeros(b, width, dtype=torch.bool, device=device)
-            real[places] = offsets[0][None] < (count - start)[:, None]
-            inner = (causal & real[:, None, :]) | self._eye(width)
-            out = engine.run_draft(hidden, real, offsets, inner)  # (B, T, d)
+            out = engine.run_draft(*self._pass(places, part, count - start, width))  # (B, T, d)
             ends = out[places, (count - 1 - start).clamp(0, width - 1)]  # (R, d): copies
             for j, k in enumerate(widths):  # the rows whose last state is in this pass
                 if start < k <= start + width:

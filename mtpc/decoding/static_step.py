@@ -85,12 +85,9 @@ class StaticEngine:
         head = getattr(model, "head", None)
         self.window = int(head.circuit.window) if head is not None else 1  # a chain's verify T
         device = backbone.device
-        self._heads = int(
-            getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        )
-        self._dim = int(
-            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        )
+        heads = config.num_attention_heads
+        self._heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        self._dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
         # the scratch: one slot per padding position of a pass (a prefill chunk, a window,
         # ``widest``: a token tree's pass)
         self.slots = capacity + max(chunk, self.window + 1, widest)
@@ -99,8 +96,7 @@ class StaticEngine:
         self.draft_cache: SlotCache | None = None
         self.draft_valid = torch.zeros(0, dtype=torch.bool, device=device)
         self.draft_lengths = torch.zeros(0, dtype=torch.long, device=device)
-        self.compiled: Callable[..., tuple[Tensor, Tensor]] | None = None
-        self.compiled_draft: Callable[..., Tensor] | None = None
+        self.compiled: dict[str, Callable[..., Any]] = {}  # step's name -> its compiled graph
         self.failed: str | None = None  # why the compiled step fell back to eager
         self.ran_compiled = False
         # the byte Llama's embedding reads each id's last ``maxlen`` ids: the ids by slot
@@ -249,10 +245,7 @@ class StaticEngine:
         self, ids: Tensor, real: Tensor, offsets: Tensor, inner: Tensor
     ) -> tuple[Tensor, Tensor]:
         """:meth:`step`, compiled (eager after a compile failure, with a warning)."""
-        if self.failed is None and self.compiled is None:
-            self.compiled = compile_step(self.step, self.backend, self.device)
-        state = (self.valid, self.lengths)
-        return self._call(self.compiled, self.step, (ids, real, offsets, inner), state)
+        return self._call(self.step, (ids, real, offsets, inner), (self.valid, self.lengths))
 
     def run_draft(self, hidden: Tensor, real: Tensor, offsets: Tensor, inner: Tensor) -> Tensor:
         """:meth:`draft_step` with the adapter on, compiled (eager after a failure)."""
@@ -261,23 +254,21 @@ class StaticEngine:
             self.draft_cache, self.draft_valid, self.draft_lengths = self._buffers(
                 model.split, model.backbone.num_layers
             )
-        if self.failed is None and self.compiled_draft is None:
-            self.compiled_draft = compile_step(self.draft_step, self.backend, self.device)
         state = (self.draft_valid, self.draft_lengths)
         with self.model.backbone.adapter(True):
-            out: Tensor = self._call(
-                self.compiled_draft, self.draft_step, (hidden, real, offsets, inner), state
-            )
+            out: Tensor = self._call(self.draft_step, (hidden, real, offsets, inner), state)
         return out
 
     def _call(
-        self, compiled: Callable[..., Any] | None, eager: Callable[..., Any],
-        args: tuple[Tensor, ...], state: tuple[Tensor, Tensor],
-    ) -> Any:  # fmt: skip
-        """``compiled(*args)``, or ``eager(*args)`` after a failure (``state``: the valid
-        and lengths it updates, restored before the eager retry)."""
-        if self.failed is not None or compiled is None:
+        self, eager: Callable[..., Any], args: tuple[Tensor, ...], state: tuple[Tensor, Tensor]
+    ) -> Any:
+        """``eager(*args)`` compiled (:func:`compile_step`, once per step), or eagerly after a
+        failure (``state``: the valid and lengths it updates, restored before the retry)."""
+        if self.failed is not None:
             return eager(*args)
+        if eager.__name__ not in self.compiled:
+            self.compiled[eager.__name__] = compile_step(eager, self.backend, self.device)
+        compiled = self.compiled[eager.__name__]
         saved = tuple(t.clone() for t in state)  # (a failure restores them)
         try:
             if self.device.type == "cuda":
