@@ -7,10 +7,8 @@ runs take the model's own prefill path. See docs/BACKBONES.md, "EvaByte: one pas
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -26,15 +24,31 @@ TREE_ROOM = 256  # window-buffer slots beyond W for a pass's new positions (as m
 _NO_SLOTS = torch.zeros(0, dtype=torch.long)  # keep nothing past base (a crop, a settle)
 
 
-class EvaWindowCache:
-    """EVA decoding state of layers ``layers`` (the remote ``EvaStaticCacheForTriton`` layout).
+class _EvaLayers:
+    """Per global layer ``l`` (``None`` outside ``layers``): the window buffers
+    ``past_window_k/v[l]`` and the chunk RFAs ``rfa_k/v[l]``, of an EVA window ``window``."""
 
-    Per global layer ``l`` (``None`` outside ``layers``): ``past_window_k/v[l]`` (B, h, W +
-    room, hd) the current window's rotated keys/values, ``past_window_pos[l]`` how many are
-    kept, ``rfa_k/v[l]`` (B, h, C, hd) the earlier windows' chunk RFAs (``None`` before the
-    first is full). ``committed`` positions are kept; ``length - committed`` more were written
-    by the last pass and await ``_select`` (keep by index).
-    """
+    def __init__(self, layers: range, window: int) -> None:
+        n = layers.stop
+        self.layers = layers
+        self.window = window
+        self.past_window_k: list[Any] = [None] * n
+        self.past_window_v: list[Any] = [None] * n
+        self.rfa_k: list[Any] = [None] * n
+        self.rfa_v: list[Any] = [None] * n
+
+    def width(self) -> int:
+        """RFA chunk columns held (the same in every layer)."""
+        rfa = self.rfa_k[self.layers.start]
+        return 0 if rfa is None else int(rfa.shape[-2])
+
+
+class EvaWindowCache(_EvaLayers):
+    """EVA decoding state of layers ``layers`` (the remote ``EvaStaticCacheForTriton`` layout):
+    window buffers (B, h, W + room, hd) of the current window's rotated keys/values, of which
+    ``past_window_pos[l]`` are kept, and the earlier windows' chunk RFAs (B, h, C, hd) (``None``
+    before the first is full). ``committed`` positions are kept; ``length - committed`` more
+    were written by the last pass and await ``_select`` (keep by index)."""
 
     def __init__(
         self,
@@ -46,18 +60,12 @@ class EvaWindowCache:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        n = layers.stop
+        super().__init__(layers, window)
         shape = (batch, heads, window + TREE_ROOM, head_dim)
-        self.layers = layers
-        self.window = window
-        self.past_window_k: list[Any] = [None] * n
-        self.past_window_v: list[Any] = [None] * n
         for i in layers:
             self.past_window_k[i] = torch.zeros(shape, dtype=dtype, device=device)
             self.past_window_v[i] = torch.zeros(shape, dtype=dtype, device=device)
-        self.past_window_pos: list[Any] = [0] * n
-        self.rfa_k: list[Any] = [None] * n
-        self.rfa_v: list[Any] = [None] * n
+        self.past_window_pos: list[Any] = [0] * layers.stop
         self.committed = 0
         self.length = 0
 
@@ -73,9 +81,8 @@ class EvaWindowCache:
         return self.rfa_k[layer_idx], self.rfa_v[layer_idx]
 
     def chunks(self) -> int:
-        """Number of RFA chunks (the same in every layer)."""
-        rfa = self.rfa_k[self.layers.start]
-        return 0 if rfa is None else int(rfa.shape[-2])
+        """Number of RFA chunks."""
+        return self.width()
 
 
 def multibyte_mask(
@@ -126,21 +133,42 @@ def multibyte_attention(
     ``attention_mask`` (B, 1, T, C + pos + T) bool over ``[RFAs | window | new]``.
     """
     assert use_cache and multibyte_decoding and attention_mask is not None
-    b, t, _ = hidden_states.shape
-    h, hd = attn.num_heads, attn.head_dim
+    t = hidden_states.shape[1]
     q, k, v = _rotated_qkv(attn, hidden_states, cos, sin)  # (B, h, T, hd) each
     layer, cache = attn.layer_idx, past_key_value
     pos = cache.past_window_pos[layer]
     cache.past_window_k[layer][:, :, pos : pos + t] = k
     cache.past_window_v[layer][:, :, pos : pos + t] = v
-    keys = cache.past_window_k[layer][:, :, : pos + t]  # (B, h, pos + T, hd)
-    values = cache.past_window_v[layer][:, :, : pos + t]
-    rfa_k, rfa_v = cache.get_chunk_rfas(layer)
-    if rfa_k is not None:
-        keys, values = torch.cat([rfa_k, keys], dim=-2), torch.cat([rfa_v, values], dim=-2)
-    out = _eva_attend(attn, q, keys, values, attention_mask)  # (B, h, T, hd)
-    out = attn.o_proj(out.transpose(1, 2).reshape(b, t, h * hd))
-    return out, None, past_key_value
+    return _window_attend(attn, q, cache, pos + t, attention_mask, sdpa=False), None, cache
+
+
+def _window_attend(
+    attn: Any, q: torch.Tensor, cache: Any, span: int, mask: torch.Tensor, sdpa: bool
+) -> torch.Tensor:
+    """:func:`_attend` over ``[RFAs | the first span window slots]`` of ``cache``'s layer."""
+    layer = attn.layer_idx
+    keys = cache.past_window_k[layer][:, :, :span]  # (B, h, span, hd)
+    values = cache.past_window_v[layer][:, :, :span]
+    keys = _cat(cache.rfa_k[layer], keys, -2)  # (B, h, C + span, hd)
+    values = _cat(cache.rfa_v[layer], values, -2)
+    return _attend(attn, q, keys, values, mask, sdpa)
+
+
+def _attend(
+    attn: Any, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+    sdpa: bool,
+) -> torch.Tensor:  # fmt: skip
+    """``q`` (B, h, T, hd) over ``keys``/``values`` (B, h, S, hd) where the bool ``mask``
+    (B, 1, T, S) allows, through ``o_proj`` -> (B, T, d): the remote triton path's math
+    (``sdpa``: its ``_multibyte_decoding_forward``) or eva_pt_ref's (:func:`_eva_attend`)."""
+    if sdpa:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, is_causal=False, dropout_p=0.0,
+            scale=attn.head_dim_scaling,
+        )  # fmt: skip
+    else:
+        out = _eva_attend(attn, q, keys, values, mask)
+    return attn.o_proj(out.transpose(1, 2).flatten(2))  # (B, T, d)
 
 
 def _eva_attend(
@@ -148,37 +176,32 @@ def _eva_attend(
 ) -> torch.Tensor:
     """eva_pt_ref's softmax attention of ``q`` (B, h, T, hd) over ``keys``/``values`` (B, h,
     S, hd) where the bool ``mask`` (B, 1, T, S) allows -> (B, h, T, hd)."""
-    scores = torch.matmul(q, keys.transpose(-2, -1))  # (B, h, T, S)
-    if getattr(attn.config, "mixedp_attn", False):
-        scores = scores.float()
+    scores = _fp32_if_mixed(attn, torch.matmul(q, keys.transpose(-2, -1)))  # (B, h, T, S)
     scores = (scores * attn.head_dim_scaling).masked_fill(~mask, MASK_MIN)
     return torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), values)  # (B, h, T, hd)
 
 
-class EvaRowsCache:
+def _fp32_if_mixed(attn: Any, x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float32 where the config asks ``mixedp_attn`` (eva_pt_ref's softmax inputs)."""
+    return x.float() if getattr(attn.config, "mixedp_attn", False) else x
+
+
+class EvaRowsCache(_EvaLayers):
     """EVA decoding state of B rows at their own lengths (batched decoding,
     :class:`mtpc.decoding.windowed.Windowed`; docs/BACKBONES.md, "EvaByte: many rows").
 
-    Per global layer ``layer`` in ``layers``: ``past_window_k/v[layer]`` (B, h, W + room, hd), row
-    ``r``'s current window in its own slots ``[0, committed[r] - start[r])`` (``start``: its
-    window start); ``rfa_k/v[layer]`` (B, h, C, hd) row ``r``'s chunk RFAs in ``[0, chunks[r])``
+    Window buffers (B, h, W + room, hd): row ``r``'s current window in its own slots ``[0,
+    committed[r] - start(r))``; chunk RFAs (B, h, C, hd): row ``r``'s in ``[0, chunks[r])``
     (zeros after, masked; ``None``: no row has any). ``length[r] - committed[r]`` positions
     were written by the row's last pass and await ``EvaByteBackbone.rows_select``. A pass
     reads a row's own slots only (:meth:`EvaByteBackbone.run_rows` builds the mask)."""
 
     def __init__(self, layers: range, window: int) -> None:
-        n = layers.stop
-        self.layers = layers
-        self.window = window
-        self.past_window_k: list[Any] = [None] * n
-        self.past_window_v: list[Any] = [None] * n
-        self.rfa_k: list[Any] = [None] * n
-        self.rfa_v: list[Any] = [None] * n
+        super().__init__(layers, window)
         self.committed: list[int] = []
         self.length: list[int] = []
         self.chunks: list[int] = []
         self.writes: torch.Tensor | None = None  # (B, T) window slots of a pass's new keys
-        self.mask: torch.Tensor | None = None  # (B, 1, T, C + span) of a pass
         self.span = 0  # window slots a pass reads
 
     @property
@@ -189,18 +212,13 @@ class EvaRowsCache:
         """Row ``row``'s window start (its positions before it are compressed)."""
         return self.committed[row] - self.committed[row] % self.window
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return max(self.length, default=0)
-
     def row(self, r: int) -> EvaWindowCache:
         """Row ``r`` as a one-row :class:`EvaWindowCache` whose window buffers are views of
         this cache's (writes land here); its RFAs are copies (:meth:`store` writes them back)."""
         one = EvaWindowCache.__new__(EvaWindowCache)
-        n, c = self.layers.stop, self.chunks[r]
-        one.layers, one.window = self.layers, self.window
-        one.past_window_k, one.past_window_v = [None] * n, [None] * n
-        one.rfa_k, one.rfa_v = [None] * n, [None] * n
-        one.past_window_pos = [0] * n
+        _EvaLayers.__init__(one, self.layers, self.window)
+        one.past_window_pos = [0] * self.layers.stop
+        c = self.chunks[r]
         for layer in self.layers:
             one.past_window_k[layer] = self.past_window_k[layer][r : r + 1]
             one.past_window_v[layer] = self.past_window_v[layer][r : r + 1]
@@ -221,11 +239,6 @@ class EvaRowsCache:
                 self.rfa_v[layer][r, :, :c] = one.rfa_v[layer][0]
         self.chunks[r], self.committed[r], self.length[r] = c, one.committed, one.length
 
-    def width(self) -> int:
-        """Chunk columns held (the widest row's, or more)."""
-        rfa = self.rfa_k[self.layers.start]
-        return 0 if rfa is None else int(rfa.shape[-2])
-
     def pad_chunks(self, width: int) -> None:
         """Zero RFA columns (masked) up to ``width``."""
         extra = width - self.width()
@@ -234,11 +247,8 @@ class EvaRowsCache:
         for layer in self.layers:
             k = self.past_window_k[layer]
             b, h, _, hd = k.shape
-            zeros = k.new_zeros(b, h, extra, hd)
             for rfa in (self.rfa_k, self.rfa_v):
-                rfa[layer] = (
-                    zeros.clone() if rfa[layer] is None else torch.cat([rfa[layer], zeros], 2)
-                )
+                rfa[layer] = _cat(rfa[layer], k.new_zeros(b, h, extra, hd), 2)
 
     def take(self, rows: torch.Tensor) -> None:
         """Keeps the rows ``rows`` (B',) in that order."""
@@ -249,13 +259,13 @@ class EvaRowsCache:
         width = max(self.chunks, default=0)
         for layer in self.layers:
             index = rows.to(self.past_window_k[layer].device)
-            self.past_window_k[layer] = self.past_window_k[layer].index_select(0, index)
-            self.past_window_v[layer] = self.past_window_v[layer].index_select(0, index)
-            if self.rfa_k[layer] is not None:
-                self.rfa_k[layer] = self.rfa_k[layer].index_select(0, index)[:, :, :width]
-                self.rfa_v[layer] = self.rfa_v[layer].index_select(0, index)[:, :, :width]
-                if not width:
-                    self.rfa_k[layer] = self.rfa_v[layer] = None
+            for buffers in (self.past_window_k, self.past_window_v):
+                buffers[layer] = buffers[layer].index_select(0, index)
+            for rfas in (self.rfa_k, self.rfa_v):
+                if rfas[layer] is not None:
+                    rfas[layer] = (
+                        rfas[layer].index_select(0, index)[:, :, :width] if width else None
+                    )
 
     def append(self, one: EvaWindowCache) -> None:
         """Appends the settled one-row cache ``one`` as a new last row."""
@@ -264,32 +274,23 @@ class EvaRowsCache:
             self.pad_chunks(c)
         width = max(self.width(), c)
         for layer in self.layers:
-            add = {}
-            for name in ("rfa_k", "rfa_v"):
-                rfa = getattr(one, name)[layer]
-                if width:
-                    k = one.past_window_k[layer]
-                    pad = k.new_zeros(1, k.shape[1], width - c, k.shape[3])
-                    add[name] = pad if rfa is None else torch.cat([rfa, pad], 2)
-            if not self.rows:
-                self.past_window_k[layer], self.past_window_v[layer] = (
-                    one.past_window_k[layer],
-                    one.past_window_v[layer],
-                )
-                self.rfa_k[layer], self.rfa_v[layer] = add.get("rfa_k"), add.get("rfa_v")
-                continue
-            self.past_window_k[layer] = torch.cat(
-                [self.past_window_k[layer], one.past_window_k[layer]]
-            )
-            self.past_window_v[layer] = torch.cat(
-                [self.past_window_v[layer], one.past_window_v[layer]]
-            )
-            if width:
-                self.rfa_k[layer] = torch.cat([self.rfa_k[layer], add["rfa_k"]])
-                self.rfa_v[layer] = torch.cat([self.rfa_v[layer], add["rfa_v"]])
+            k = one.past_window_k[layer]  # (1, h, W + room, hd)
+            pad = k.new_zeros(1, k.shape[1], width - c, k.shape[3])  # masked RFA columns
+            for mine, theirs in (
+                (self.past_window_k, one.past_window_k[layer]),
+                (self.past_window_v, one.past_window_v[layer]),
+                (self.rfa_k, _cat(one.rfa_k[layer], pad, 2) if width else None),
+                (self.rfa_v, _cat(one.rfa_v[layer], pad.clone(), 2) if width else None),
+            ):
+                mine[layer] = theirs if not self.rows else _cat(mine[layer], theirs, 0)
         self.committed.append(one.committed)
         self.length.append(one.length)
         self.chunks.append(c)
+
+
+def _cat(first: torch.Tensor | None, then: Any, dim: int) -> Any:
+    """``first`` and ``then`` joined along ``dim`` (``then`` alone where ``first`` is None)."""
+    return then if first is None else torch.cat([first, then], dim)
 
 
 def compress_window(
@@ -308,18 +309,14 @@ def chunk_rfas(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The RFAs (B, h, n, hd) of n chunks of keys/values ``rf_k``, ``rf_v`` (B, h, n, c, hd),
     each chunk on its own (:func:`compress_window`'s math, any n)."""
-    k = rf_k
-    mixed = getattr(attn.config, "mixedp_attn", False)
-    mu_logits = torch.sum(attn.adaptive_mu_k.to(k.dtype) * rf_k, dim=-1, keepdim=True)
-    if mixed:
-        mu_logits = mu_logits.float()
-    rfa_k = torch.sum(torch.softmax(mu_logits, dim=-2).to(k.dtype) * rf_k, dim=-2)
-    proj = torch.sum(attn.adaptive_phi.to(k.dtype) * rf_k, dim=-1, keepdim=True)
+    dtype = rf_k.dtype
+    mu_logits = torch.sum(attn.adaptive_mu_k.to(dtype) * rf_k, dim=-1, keepdim=True)
+    mu = torch.softmax(_fp32_if_mixed(attn, mu_logits), dim=-2).to(dtype)
+    rfa_k = torch.sum(mu * rf_k, dim=-2)
+    proj = torch.sum(attn.adaptive_phi.to(dtype) * rf_k, dim=-1, keepdim=True)
     norm = torch.sum(rf_k**2, dim=-1, keepdim=True) * 0.5
-    if mixed:
-        proj, norm = proj.float(), norm.float()
-    log_phi = attn.head_dim_scaling * (proj - norm)
-    rfa_v = torch.sum(torch.softmax(log_phi, dim=-2).to(k.dtype) * rf_v, dim=-2)
+    log_phi = attn.head_dim_scaling * (_fp32_if_mixed(attn, proj) - _fp32_if_mixed(attn, norm))
+    rfa_v = torch.sum(torch.softmax(log_phi, dim=-2).to(dtype) * rf_v, dim=-2)
     return rfa_k, rfa_v
 
 
@@ -336,9 +333,8 @@ def rows_attention(
 ) -> tuple[torch.Tensor, None, Any]:
     """:func:`multibyte_attention` over B rows at their own lengths (:class:`EvaRowsCache`):
     row r's new keys/values go to its window slots ``past_key_value.writes[r]``; ``attention_mask``
-    (B, 1, T, C + span) bool over ``[RFAs | window slots]``, each row's own. ``sdpa``: the
-    remote triton path's math (``_multibyte_decoding_forward``), else eva_pt_ref's.
-    ``layer_kw``: the rest of the layer's call (``position_ids``, ``use_cache``, ...)."""
+    (B, 1, T, C + span) bool over ``[RFAs | window slots]``, each row's own; ``sdpa``: as
+    :func:`_attend`. ``layer_kw``: the rest of the layer's call (``position_ids``, ...)."""
     assert layer_kw.get("multibyte_decoding") and layer_kw.get("use_cache")
     b, t, _ = hidden_states.shape
     h, hd = attn.num_heads, attn.head_dim
@@ -348,29 +344,7 @@ def rows_attention(
     index = cache.writes[:, None, :, None].expand(b, h, t, hd)  # (B, h, T, hd)
     cache.past_window_k[layer].scatter_(2, index, k)
     cache.past_window_v[layer].scatter_(2, index, v)
-    keys = cache.past_window_k[layer][:, :, : cache.span]  # (B, h, span, hd)
-    values = cache.past_window_v[layer][:, :, : cache.span]
-    if cache.rfa_k[layer] is not None:
-        keys = torch.cat([cache.rfa_k[layer], keys], dim=-2)
-        values = torch.cat([cache.rfa_v[layer], values], dim=-2)
-    out = _attend(attn, q, keys, values, attention_mask, sdpa)  # (B, h, T, hd)
-    out = attn.o_proj(out.transpose(1, 2).reshape(b, t, h * hd))
-    return out, None, past_key_value
-
-
-def _attend(
-    attn: Any, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-    sdpa: bool,
-) -> torch.Tensor:  # fmt: skip
-    """``q`` (B, h, T, hd) over ``keys``/``values`` (B, h, S, hd) where the bool ``mask``
-    (B, 1, T, S) allows -> (B, h, T, hd): the remote triton path's math (``sdpa``: its
-    ``_multibyte_decoding_forward``) or eva_pt_ref's (:func:`_eva_attend`)."""
-    if sdpa:
-        return torch.nn.functional.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, is_causal=False, dropout_p=0.0,
-            scale=attn.head_dim_scaling,
-        )  # fmt: skip
-    return _eva_attend(attn, q, keys, values, mask)
+    return _window_attend(attn, q, cache, cache.span, attention_mask, sdpa), None, cache
 
 
 def static_attention(
@@ -388,13 +362,10 @@ def static_attention(
     writes the new keys/values at ``cache.slots``, recomputes the RFAs of the chunks the pass
     touches (``cache.chunk_read`` -> ``cache.chunk_write``) from the buffer, then attends over
     every slot where ``mask`` (B, 1, T, S) allows. Fixed shapes, no host sync -> (B, T, d)."""
-    b, t, _ = hidden.shape
-    h, hd, c = attn.num_heads, attn.head_dim, attn.chunk_size
+    b, h, hd, c = hidden.shape[0], attn.num_heads, attn.head_dim, attn.chunk_size
     q, k, v = _rotated_qkv(attn, hidden, cos, sin)  # (B, h, T, hd) each
-    keys, values = (
-        cache.keys[attn.layer_idx - cache.first],
-        cache.values[attn.layer_idx - cache.first],
-    )
+    i = attn.layer_idx - cache.first
+    keys, values = cache.keys[i], cache.values[i]  # (B, h, S, hd)
     rows = cache.rows[:, None]  # (B, 1)
     keys[rows, :, cache.slots] = k.transpose(1, 2).to(keys.dtype)  # (B, T, h, hd): in place
     values[rows, :, cache.slots] = v.transpose(1, 2).to(values.dtype)
@@ -405,8 +376,7 @@ def static_attention(
     rfa_k, rfa_v = chunk_rfas(attn, rf_k, rf_v)  # (B, h, n, hd)
     keys[rows, :, cache.chunk_write] = rfa_k.transpose(1, 2).to(keys.dtype)  # (B, n, h, hd)
     values[rows, :, cache.chunk_write] = rfa_v.transpose(1, 2).to(values.dtype)
-    out = _attend(attn, q, keys, values, mask, sdpa)  # (B, h, T, hd)
-    return attn.o_proj(out.transpose(1, 2).reshape(b, t, h * hd))  # (B, T, d)
+    return _attend(attn, q, keys, values, mask, sdpa)  # (B, T, d)
 
 
 class EvaByteBackbone(Backbone):
@@ -417,11 +387,7 @@ class EvaByteBackbone(Backbone):
     """Rows at their own lengths by :meth:`run_rows` (``mtpc.decoding.windowed.Windowed``),
     not by ``attend`` / ``native_take``: each row has its own EVA window and RFAs."""
 
-    def __init__(
-        self, hf_model: nn.Module, source: dict[str, Any] | None = None, cache_batch_size: int = 1
-    ) -> None:
-        """``cache_batch_size``: rows of the decoding caches; a cache-free run sizes its
-        throwaway cache from its own batch."""
+    def __init__(self, hf_model: nn.Module, source: dict[str, Any] | None = None) -> None:
         config: Any = hf_model.config
         super().__init__(hf_model, "evabyte", "evabyte", source or hf_source(hf_model, "evabyte"))
         self.remote = sys.modules[type(self.inner).__module__]
@@ -430,7 +396,6 @@ class EvaByteBackbone(Backbone):
         self.attention_path = kernels_path(kernels) if self.use_triton else "torch (eva_pt_ref.py)"
         """The EVA attention path the layers run (reported by scripts/check_gpu.py)."""
         self.num_pred_heads = int(getattr(config, "num_pred_heads", 1) or 1)
-        self.cache_batch_size = cache_batch_size
         self.window_size = int(config.window_size)
 
     def _lm_head(self) -> torch.Tensor:
@@ -468,7 +433,7 @@ class EvaByteBackbone(Backbone):
     def new_native_cache(self, start: int, end: int) -> EvaWindowCache:
         heads = int(self.config.num_attention_heads)
         return EvaWindowCache(
-            range(start, end), self.cache_batch_size, heads, self.window_size,
+            range(start, end), 1, heads, self.window_size,  # B = 1 (many rows: new_rows_cache)
             self.hidden_size // heads, self.dtype, self.device,
         )  # fmt: skip
 
@@ -523,10 +488,8 @@ class EvaByteBackbone(Backbone):
             native.past_window_pos[layer] = count
             if count == w:
                 rfa_k, rfa_v = self._compress(layer, k[:, :, :w].clone(), v[:, :, :w].clone())
-                if native.rfa_k[layer] is not None:
-                    rfa_k = torch.cat([native.rfa_k[layer], rfa_k], dim=-2)
-                    rfa_v = torch.cat([native.rfa_v[layer], rfa_v], dim=-2)
-                native.rfa_k[layer], native.rfa_v[layer] = rfa_k, rfa_v
+                native.rfa_k[layer] = _cat(native.rfa_k[layer], rfa_k, -2)
+                native.rfa_v[layer] = _cat(native.rfa_v[layer], rfa_v, -2)
                 native.past_window_pos[layer] = 0
         native.committed = native.length = start + count
 
@@ -593,34 +556,26 @@ class EvaByteBackbone(Backbone):
         b, w = hidden.shape[0], self.window_size
         out = torch.zeros_like(hidden)
         done = [0] * b
-        for r in range(b):
-            if counts[r]:
-                self._settle_row(native, r)
         while any(done[r] < counts[r] for r in range(b)):
             takes = []
             for r in range(b):
                 rest = counts[r] - done[r]
-                if rest and done[r]:
-                    self._settle_row(native, r)  # the row's earlier piece filled its window
-                length = native.length[r]
-                take = rest if trees[r] else min(rest, w - length % w)
-                if (
-                    trees[r]
-                    and rest
-                    and length + int(offsets[r, :rest].max()) >= native.start(r) + w
-                ):
+                if rest:  # the last pass's positions (before a piece: an earlier piece's)
+                    self._settle_row(native, r)
+                length, end = native.length[r], native.start(r) + w  # end: of the row's window
+                if trees[r] and rest and length + int(offsets[r, :rest].max()) >= end:
                     raise ValueError(
                         f"a token tree of row {r} reaches past its EVA window ending at "
-                        f"{native.start(r) + w}; trim it to depth one_pass_span"
+                        f"{end}; trim it to depth one_pass_span"
                     )
-                takes.append(take)
+                takes.append(rest if trees[r] else self.one_pass_span(length, rest))
             piece, positions, mask = self._rows_piece(
                 hidden, native, takes, done, inner, offsets, trees
             )
-            with self._rows_attention(layers.start, layers.stop):
-                result = self._layers(
-                    piece, layers.start, layers.stop, positions, native, mask, multibyte=True
-                )
+            rows = functools.partial(rows_attention, sdpa=self.use_triton)
+            result = self._layers(
+                piece, layers.start, layers.stop, positions, native, mask, attention=rows
+            )
             for r in range(b):
                 if takes[r]:
                     out[r, done[r] : done[r] + takes[r]] = result[r, : takes[r]]
@@ -680,18 +635,6 @@ class EvaByteBackbone(Backbone):
         native.writes, native.span = writes[:, None] + j[None, :], span
         return piece, positions, mask
 
-    @contextlib.contextmanager
-    def _rows_attention(self, start: int, end: int) -> Iterator[None]:
-        """Both paths: the layers' attention runs :func:`rows_attention` inside the block."""
-        attns: list[Any] = [layer.self_attn for layer in self.layers[start:end]]
-        for attn in attns:
-            attn.forward = functools.partial(rows_attention, attn, sdpa=self.use_triton)
-        try:
-            yield
-        finally:
-            for attn in attns:
-                del attn.forward
-
     # --- the static engine (mtpc.decoding.static_eva) ---------------------------------------
     def run_static(
         self, hidden: torch.Tensor, layers: range, positions: torch.Tensor, native: Any,
@@ -727,21 +670,6 @@ class EvaByteBackbone(Backbone):
         return cos[:length], sin[:length]
 
     # --- layers --------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _multibyte_attention(self, start: int, end: int) -> Iterator[None]:
-        """Torch path: the layers' attention runs :func:`multibyte_attention` inside the block."""
-        if self.use_triton:
-            yield
-            return
-        attns: list[Any] = [layer.self_attn for layer in self.layers[start:end]]
-        for attn in attns:
-            attn.forward = functools.partial(multibyte_attention, attn)
-        try:
-            yield
-        finally:
-            for attn in attns:
-                del attn.forward
-
     def _pass(
         self,
         hidden: torch.Tensor,
@@ -760,8 +688,8 @@ class EvaByteBackbone(Backbone):
                 f"{self.window_size + TREE_ROOM - pos}"
             )
         mask = multibyte_mask(native, b, tree_mask, hidden.device)
-        with self._multibyte_attention(start, end):
-            hidden = self._layers(hidden, start, end, positions, native, mask, multibyte=True)
+        ours = None if self.use_triton else multibyte_attention
+        hidden = self._layers(hidden, start, end, positions, native, mask, attention=ours)
         native.length += t
         return hidden
 
@@ -778,22 +706,32 @@ class EvaByteBackbone(Backbone):
         positions: torch.Tensor,
         cache: Any,
         masks: Any,
-        multibyte: bool,
+        attention: Any = None,
     ) -> torch.Tensor:
-        """Layers ``start..end-1`` called as the remote model calls them -> (B, T, d)."""
+        """Layers ``start..end-1`` called as the remote model calls them -> (B, T, d): a
+        multibyte pass on our caches, the model's own prefill on a remote one. Their attention
+        runs ``attention`` (called with the attention module first) where given."""
         cos, sin = self._rotary(hidden, positions)
-        for layer in self.layers[start:end]:
-            hidden = layer(
-                hidden,
-                attention_mask=masks,
-                position_ids=positions,
-                past_key_value=cache,
-                output_attentions=False,
-                use_cache=True,
-                cos=cos,
-                sin=sin,
-                multibyte_decoding=multibyte,
-            )[0]  # (B, T, d)
+        layers = self.layers[start:end]
+        attns: list[Any] = [] if attention is None else [layer.self_attn for layer in layers]
+        for attn in attns:
+            attn.forward = functools.partial(attention, attn)
+        try:
+            for layer in layers:
+                hidden = layer(
+                    hidden,
+                    attention_mask=masks,
+                    position_ids=positions,
+                    past_key_value=cache,
+                    output_attentions=False,
+                    use_cache=True,
+                    cos=cos,
+                    sin=sin,
+                    multibyte_decoding=isinstance(cache, _EvaLayers),
+                )[0]  # (B, T, d)
+        finally:
+            for attn in attns:
+                del attn.forward
         return hidden
 
     def _run(
@@ -848,7 +786,7 @@ class EvaByteBackbone(Backbone):
             masks = self.inner._prepare_eva_generation_attn_mask(None, dummy, True, remote)
         if start > 0:  # layer 0 is where EVA counts tokens; a tail cache never sees it
             remote._seen_tokens += t
-        return self._layers(hidden, start, end, positions, remote, masks, multibyte=False)
+        return self._layers(hidden, start, end, positions, remote, masks)
 
     def _prefill_remote(
         self,
