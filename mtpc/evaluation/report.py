@@ -187,6 +187,8 @@ def _exact(records: Sequence[Mapping[str, Any]], per_turn: bool = False) -> str 
 def resolve_checks(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     """``records`` with the greedy check of the ``check_pending`` ones (``interleave=true``)
     done against AR's record of the same prompt; null while AR's is missing."""
+    if not any(r.get("check_pending") for r in records):
+        return list(records)
     ar = ar_turn_hashes(records)
     out: list[Mapping[str, Any]] = []
     for r in records:
