@@ -9,11 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from mtpc.evaluation.drafting import asked, chain_rule
-from mtpc.evaluation.loading import (
-    check_target_name,
-    spec_bench_path,
-    spec_bench_questions,
-)
+from mtpc.evaluation.loading import check_target_name, spec_bench_path, spec_bench_questions
 from mtpc.evaluation.records import (
     FORMAT_VERSION,
     MANIFEST,
@@ -87,12 +83,12 @@ def build_manifest(
     else:  # the prompts are the file's (its content, not its path, is the key)
         bench = s.prompts.spec_bench
         manifest["data"] = {
-            "prompts": "spec_bench", "file": spec_bench_path(bench, s.output.root_dir).name,
+            "prompts": "spec_bench", "file": spec_bench_path(bench.path, s.output.root_dir).name,
             "sha256": spec[1], "categories": name_list(bench.categories),
             "per_category": bench.per_category, "turns": bench.turns,
             "questions": len(spec[0]),
         }  # fmt: skip
-        manifest["prompt_file"] = str(spec_bench_path(bench, s.output.root_dir))
+        manifest["prompt_file"] = str(spec_bench_path(bench.path, s.output.root_dir))
     return manifest
 
 

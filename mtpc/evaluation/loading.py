@@ -13,14 +13,7 @@ from omegaconf import OmegaConf
 from mtpc.benchmarking import cuda_index
 from mtpc.data.prompts import UnknownSourceError
 from mtpc.errors import DraftError
-from mtpc.evaluation.settings import (
-    EvalConfigError,
-    EvalSettings,
-    ModelSettings,
-    SpecBench,
-    name_list,
-    plain,
-)
+from mtpc.evaluation.settings import EvalConfigError, EvalSettings, ModelSettings, name_list, plain
 from mtpc.export import CONFIG_NAME, TargetMismatchError, read_config
 from mtpc.last_draft import TRAIN_HINT, last_draft
 
@@ -148,9 +141,9 @@ def load_for_eval(path: Path, model: ModelSettings, device: str) -> Any:
     return MTPCModel.from_pretrained(path, device=device)  # an HF target rebuilt from its path
 
 
-def spec_bench_path(spec: SpecBench, root: Path) -> Path:
-    """``prompts.path`` (relative to the project ``root``, as ``draft=`` is)."""
-    path = Path(str(spec.path)).expanduser()
+def spec_bench_path(given: str, root: Path) -> Path:
+    """``prompts.path`` (``given``), relative to the project ``root`` as ``draft=`` is."""
+    path = Path(given).expanduser()
     return path if path.is_absolute() else root / path
 
 
@@ -166,7 +159,7 @@ def spec_bench_questions(s: EvalSettings) -> tuple[list[Any], str] | None:
         return None
     from mtpc.data.spec_bench import read_questions, select_questions
 
-    path = spec_bench_path(spec, s.output.root_dir)
+    path = spec_bench_path(spec.path, s.output.root_dir)
     questions, sha256 = read_questions(path)
     return select_questions(questions, path, name_list(spec.categories), spec.turns), sha256
 
@@ -193,7 +186,7 @@ def load_prompts(s: EvalSettings, codec: str, max_prompt_length: int | None) -> 
                 max_prompt_length=max_prompt_length,
                 per_category=p.spec_bench.per_category,
                 num_prompts=None if p.num_prompts is None else int(p.num_prompts),
-                path=spec_bench_path(p.spec_bench, s.output.root_dir),
+                path=spec_bench_path(p.spec_bench.path, s.output.root_dir),
             )
         )  # fmt: skip
     module = instantiate(s.data, codec=codec) if s.data is not None else None
