@@ -181,13 +181,14 @@ class MTPCHead(nn.Module):
                 f"positions={None if positions is None else tuple(pos.shape)}, "
                 f"units={tuple(unit.shape)}"
             )
-        if self.rank == 1:  # ff: the rows of the positions (a view when consecutive)
-            return self.input_logits(e, pos)[:, :, 0]
-        W = self.unembedding
+        W, B, k = self.unembedding, e.shape[0], pos.shape[0]
         x = e.to(W.dtype)
         pairs = list(zip(pos.tolist(), unit.tolist(), strict=True))
         if not pairs:
-            return x.new_zeros(e.shape[0], 0, self.vocab_size)
+            return x.new_zeros(B, 0, self.vocab_size)
+        if self.rank == 1:  # ff: the rows of the positions (a view when consecutive)
+            w = _rows(W[:, 0], [p for p, _ in pairs])  # (k, V, d)
+            return F.linear(x, w.reshape(-1, self.hidden_size)).view(B, k, self.vocab_size)
         # one (V, d) row of W at a time, read in place (indexing W would first copy the rows)
         return torch.stack([F.linear(x, W[p, u]) for p, u in pairs], 1)  # (B, k, V)
 

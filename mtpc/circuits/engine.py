@@ -467,8 +467,7 @@ def _check_shape(t: Tensor, name: str, shape: tuple[int, ...]) -> None:
 
 
 def check_ids(ids: Tensor, vocab_size: int, who: str, where: str) -> None:
-    """ValueError ``"{who} token ids outside [0, V - 1]{where}: min .., max .."`` when ``ids``
-    holds one."""
+    """ValueError ``"{who} token ids outside [0, V - 1]{where}: min .., max .."`` for one."""
     if ids.numel():
         lo, hi = torch.aminmax(ids)
         if int(lo) < 0 or int(hi) >= vocab_size:
