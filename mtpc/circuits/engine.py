@@ -50,7 +50,6 @@ class Circuit:
         # prefix mask: column k keeps positions 0..k
         self._tri = torch.ones(n, n, dtype=torch.bool).tril().T.unsqueeze(1)  # (n, 1, n)
         self._device_cache: dict[tuple[int, torch.device], Tensor] = {}
-        # flat per-layer plan for the hot loop (fewer attribute look-ups)
         self._plan: list[_LayerStep] = []
         for la in self.layers[1:]:
             F, R, A, start = la.num_folds, la.num_units, la.arity, la.view_start
