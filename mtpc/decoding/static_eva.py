@@ -69,24 +69,16 @@ class EvaStaticEngine(StaticEngine):
 
     def _buffers(self, first: int, end: int) -> tuple[Any, Tensor, Tensor]:
         backbone = self.model.backbone
-        device, dtype = backbone.device, backbone.dtype
-        config = backbone.config
-        w, c = int(config.window_size), int(config.chunk_size)
+        w, c = int(backbone.config.window_size), int(backbone.config.chunk_size)
         widest = max(self.chunk, self.window + 1)  # a prefill chunk, a draft pass
         ring = w + widest
         rfas = -(-self.capacity // c) + 1
         self.slots = rfas + ring + widest
-        shape = (self.batch, self._heads, self.slots, self._dim)
-        keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(first, end)]
-        values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(first, end)]
-        lengths = torch.zeros(self.batch, dtype=torch.long, device=device)  # (B,)
-        valid = torch.zeros(self.batch, 0, dtype=torch.bool, device=device)
+        cache, valid, lengths = super()._buffers(first, end)
         if not hasattr(self, "rotary"):  # positions up to the capacity and a padded pass
             self.rotary = Rotary(*backbone.rotary_table(self.capacity + 2 * widest))
-        if device.type == "cuda":  # CUDA graphs read the buffers in place
-            for t in (*keys, *values, lengths):
-                torch._dynamo.mark_static_address(t)
-        return EvaSlots(keys, values, first, rfas, ring, c, w, self.rotary), valid, lengths
+        slots = EvaSlots(cache.keys, cache.values, first, rfas, ring, c, w, self.rotary)
+        return slots, valid[:, :0], lengths
 
     def rewind(self, lengths: Tensor) -> None:
         """Every row keeps its first ``lengths`` ``(B,)`` positions: the ring slots past them
