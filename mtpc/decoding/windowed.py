@@ -25,13 +25,10 @@ class Windowed:
     def __init__(self, model: Any) -> None:
         self.model = model
         backbone, split, n = model.backbone, model.split, model.backbone.num_layers
-        self.natives = [
-            backbone.new_rows_cache(0, split),
-            backbone.new_rows_cache(split, n),
-            backbone.new_rows_cache(split, n),
-        ]  # trunk, verifier tail, draft tail
+        spans = ((0, split), (split, n), (split, n))  # trunk, verifier tail, draft tail
+        self.natives = [backbone.new_rows_cache(*span) for span in spans]
         self.rows: list[Any] = []
-        self.fresh: dict[int, tuple[Any, Stream]] = {}  # id(row) -> (row, its one-row caches)
+        self.fresh: dict[int, tuple[Any, Stream]] = {}  # id(row) -> (row, its own Stream)
         self.base: list[int] = []  # each row's length before the last target pass
 
     def admit(
