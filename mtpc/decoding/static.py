@@ -96,9 +96,7 @@ def drop_engines(model: Any) -> None:
 
 class StaticLayout:
     """The rows of one decoding call in a :class:`StaticEngine`'s places (one per batch row):
-    the loop's layout (``admit``, ``target``, ``keep``, ``draft``, ``release``) for
-    autoregressive decoding, the speculative chain and token trees (``widest``: a tree
-    pass's fixed T)."""
+    the loop's layout for autoregressive decoding, the speculative chain and token trees."""
 
     def __init__(self, engine: StaticEngine, widest: int = 0) -> None:
         self.engine = engine
