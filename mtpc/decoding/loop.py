@@ -249,7 +249,6 @@ def decode(
     requests: Sequence[Request],
     proposer: Proposer | None,
     size: int = 1,
-    admit: Admit | None = None,
     step: Step | None = None,
     layout: Layout | None = None,
 ) -> list[GenerationResult]:
@@ -263,12 +262,12 @@ def decode(
     """
     if size == 1:
         return [schedule(new_run(model, r, proposer), [p], [r], layout or Stream(model), 1,
-                         admit, step)[0]
+                         step)[0]
                 for p, r in zip(prompts, requests, strict=True)]  # fmt: skip
     run = new_run(model, requests[0], proposer)
     if layout is None:  # EvaByte: rows in their own EVA windows (windowed.Windowed)
         layout = Windowed(model) if hasattr(model.backbone, "run_rows") else Padded(model)
-    return schedule(run, prompts, requests, layout, size, admit, step)
+    return schedule(run, prompts, requests, layout, size, step)
 
 
 def new_run(model: Any, request: Request, proposer: Any) -> Run:
@@ -278,7 +277,6 @@ def new_run(model: Any, request: Request, proposer: Any) -> Run:
     return Run(model, request, proposer, TargetRule.of(request, device), clock)
 
 
-Admit = Callable[[Run, "Layout", Sequence[tuple[int, Request, Tensor]]], list[Row]]
 Step = Callable[[Run, "Layout", Sequence[Row]], list[Row]]
 
 
@@ -288,21 +286,20 @@ def schedule(
     requests: Sequence[Request],
     layout: Layout,
     size: int,
-    admit: Admit | None = None,
     step: Step | None = None,
 ) -> list[GenerationResult]:
     """Cycles the rows until every prompt is done, ``size`` at most at once; a finished
-    row's place goes to the next prompt (continuous batching). ``admit`` prefills new rows
-    (default :func:`prefill`); ``step`` cycles the rows, returning those done (:func:`cycle`).
+    row's place goes to the next prompt (continuous batching). :func:`prefill` admits new rows;
+    ``step`` cycles the rows, returning those done (default :func:`cycle`).
     """
-    admit, step = admit or prefill, step or cycle
+    step = step or cycle
     results: list[GenerationResult | None] = [None] * len(prompts)
     waiting = list(range(len(prompts)))
     rows: list[Row] = []
     while waiting or rows:
         if waiting and len(rows) < size:
             take, waiting = waiting[: size - len(rows)], waiting[size - len(rows) :]
-            rows += admit(run, layout, [(i, requests[i], prompts[i]) for i in take])
+            rows += prefill(run, layout, [(i, requests[i], prompts[i]) for i in take])
         done = step(run, layout, rows)
         for row in done:
             results[row.index] = row.res

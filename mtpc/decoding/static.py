@@ -266,14 +266,13 @@ def decode_static(
     prompts: Sequence[Tensor],
     requests: Sequence[Any],
     size: int,
-    admit: Callable[..., Any] | None = None,
     step: Callable[..., Any] | None = None,
     proposer: Any = None,
 ) -> list[Any]:
     """``loop.decode`` of checked requests (``compile`` set: its backend) in a
     :class:`StaticEngine` of ``size`` rows, its capacity the longest prompt plus
     ``max_new_tokens`` (plus a verify pass: a chain's window + 1, a token tree's budget + 1),
-    rounded up to :data:`BUCKET`; autoregressive (``admit``, ``step``) or speculative
+    rounded up to :data:`BUCKET`; autoregressive (``step``) or speculative
     (``proposer``: a chain, or a token tree: the Llama family's engine only). Each result's
     ``engine`` says what ran (``compiled``, or ``static`` after a fallback)."""
     from mtpc.decoding.loop import decode
@@ -290,7 +289,7 @@ def decode_static(
         longest += max(model.head.circuit.window + 1, widest)
     engine = engine_for(model, size, capacity_for(longest), str(request.compile), widest)
     layout = StaticLayout(engine, widest)
-    results = decode(model, prompts, requests, proposer, size, admit, step, layout)
+    results = decode(model, prompts, requests, proposer, size, step, layout)
     for res in results:
         res.engine = engine.engine
     return results
