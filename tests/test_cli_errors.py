@@ -186,12 +186,12 @@ def test_each_bad_evaluation_value_is_a_user_error(overrides: str, message: str)
     from hydra import compose, initialize_config_dir
 
     from mtpc.errors import UserError
-    from mtpc.evaluation.settings import check_eval_fields
+    from mtpc.evaluation.settings import parse_eval
 
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
         cfg = compose("eval", overrides=overrides.split())
     with pytest.raises(UserError, match=message):
-        check_eval_fields(cfg)  # evaluate() calls it before any draft or prompt is loaded
+        parse_eval(cfg)  # evaluate() calls it before any draft or prompt is loaded
 
 
 @pytest.mark.parametrize("proposal", ["path", "first_marginal", "marginal"])
@@ -199,11 +199,11 @@ def test_every_sampling_proposal_passes_the_evaluation_check(proposal: str) -> N
     """The startup check and the decoder agree on which proposals sampling verifies."""
     from hydra import compose, initialize_config_dir
 
-    from mtpc.evaluation.settings import check_eval_fields
+    from mtpc.evaluation.settings import parse_eval
 
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
         cfg = compose("eval", overrides=["greedy=false", f"proposal={proposal}"])
-    check_eval_fields(cfg)
+    parse_eval(cfg)
 
 
 def test_the_old_draft_mode_is_an_unknown_key() -> None:

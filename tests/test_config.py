@@ -10,7 +10,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig, OmegaConf
 
 from mtpc.config import ConfigError
-from mtpc.evaluation.settings import validate_eval_config
+from mtpc.evaluation.settings import parse_eval
 from mtpc.training.settings import validate_train_config
 from tests.helpers import require_extra
 
@@ -38,7 +38,7 @@ def test_defaults_compose_and_validate() -> None:
     cfg = _compose("train")
     validate_train_config(cfg)
     assert cfg.model.name == "tiny"
-    validate_eval_config(_compose("eval"))
+    parse_eval(_compose("eval"))
 
 
 @pytest.mark.parametrize(("group", "option"), _group_options())
@@ -56,7 +56,7 @@ def test_every_config_file_composes(group: str, option: str) -> None:
 @pytest.mark.parametrize("drafter", ["hetero"])
 def test_eval_drafter_configs_compose(drafter: str) -> None:
     cfg = _compose("eval", [f"drafter={drafter}"])
-    validate_eval_config(cfg)
+    parse_eval(cfg)
     assert cfg.drafter.algorithm in ("slem", "tli", "slrs", "union", "standard")
 
 
@@ -65,7 +65,7 @@ def test_eval_prompts_configs_compose(prompts: str, tmp_path: Path) -> None:
     questions = tmp_path / "question.jsonl"
     questions.write_text('{"question_id": 1, "category": "writing", "turns": ["Hi."]}\n')
     cfg = _compose("eval", [f"prompts={prompts}", f"prompts.path={questions}"])
-    validate_eval_config(cfg)
+    parse_eval(cfg)
     assert cfg.prompts.name == prompts
 
 
@@ -161,4 +161,4 @@ def test_bad_train_values_name_the_field(overrides: list[str], field: str, allow
 def test_bad_eval_values_name_the_field(overrides: list[str], field: str) -> None:
     cfg = _compose("eval", overrides)
     with pytest.raises(ConfigError, match=field):
-        validate_eval_config(cfg)
+        parse_eval(cfg)

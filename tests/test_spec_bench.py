@@ -34,7 +34,7 @@ from mtpc.evaluation.folders import build_manifest
 from mtpc.evaluation.records import RecordsError, folder_name, identity, read_records
 from mtpc.evaluation.report import SPEC_BENCH_NOTE, spec_bench_report, title_of
 from mtpc.evaluation.run import evaluate
-from mtpc.evaluation.settings import EvalConfigError, check_eval_fields
+from mtpc.evaluation.settings import EvalConfigError, parse_eval
 from tests.helpers import CONFIG_DIR, REPO, eval_cfg, make_drafts
 
 QUESTIONS = [
@@ -148,7 +148,7 @@ def test_one_category_given_as_a_word_selects_that_category(tmp_path: Path) -> N
 def test_bad_prompts_settings_are_refused(tmp_path: Path, over: dict, message: str) -> None:
     path = write_questions(tmp_path / "q.jsonl")
     with pytest.raises(EvalConfigError, match=message):
-        check_eval_fields(spec_cfg(tmp_path, path, **over))
+        parse_eval(spec_cfg(tmp_path, path, **over))
 
 
 def test_the_config_group_takes_every_question_and_keeps_the_default_prompts() -> None:
@@ -160,13 +160,12 @@ def test_the_config_group_takes_every_question_and_keeps_the_default_prompts() -
     assert spec.num_prompts is None and spec.english_only is False
     assert default.get("prompts") is None and default.num_prompts == 8 and default.english_only
     from mtpc.config import ConfigError
-    from mtpc.evaluation.settings import validate_eval_config
 
-    validate_eval_config(spec)  # num_prompts=null: every question
+    parse_eval(spec)  # num_prompts=null: every question
     with open_dict(default):
         default.num_prompts = None
     with pytest.raises(ConfigError, match="num_prompts"):  # only Spec-Bench takes null
-        validate_eval_config(default)
+        parse_eval(default)
 
 
 def test_prompt_sets_filter_limit_and_leave_out_what_cannot_fit(tmp_path: Path) -> None:

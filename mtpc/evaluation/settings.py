@@ -312,7 +312,7 @@ class EvalSettings:
 
 
 # ``evaluate``'s door: the config read and checked once, before anything loads
-parse_eval = check_eval_fields = validate_eval_config = EvalSettings.from_cfg
+parse_eval = EvalSettings.from_cfg
 
 
 def explicit_model_fields(overrides: list[str], cfg: Any) -> dict[str, Any]:
