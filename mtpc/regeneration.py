@@ -3,11 +3,14 @@
 The job of ``scripts/regenerate.py``: output folder (per-shard rows, skip log, manifest, lock),
 resume, sharding and refusals are described in docs/DATA.md, "Self-distillation". Every turn
 draws from its own seed (:func:`turn_seed`), so a resumed or re-sharded row equals an
-uninterrupted one. The folder is an append-only store (``mtpc.store.AppendStore``).
+uninterrupted one. The folder is an append-only store (``mtpc.store.AppendStore``). Its settings
+are one schema, :class:`RegenerateSettings`, read and checked once at the door
+(:func:`parse_regenerate`); each default equals ``configs/regenerate.yaml``'s.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -20,13 +23,147 @@ from typing import Any
 
 from mtpc.backbones import check_batch_size
 from mtpc.backbones.codecs import ByteCodec
-from mtpc.config import ConfigError
+from mtpc.choices import SAMPLING_POLICIES
+from mtpc.config import (
+    ConfigError,
+    DataChecks,
+    ModelSettings,
+    checked_as,
+    choice,
+    flag,
+    given,
+    integer,
+    number,
+    read,
+    rule,
+    section,
+    setting,
+)
 from mtpc.data.preprocess import check_row
+from mtpc.decoding.settings import CONFIG, check_drafting, check_settings
 from mtpc.errors import UserError
 from mtpc.evaluation.loading import load_target
-from mtpc.evaluation.settings import CHUNK_BATCHES, RegenerateSettings, Settings, parse_regenerate
+from mtpc.evaluation.settings import (
+    BATCH_SIZE,
+    CHUNK_BATCHES,
+    check_batch,
+    refusing,
+)
 from mtpc.files import BadJsonLine, read_json_lines
 from mtpc.store import AppendStore, changed, provenance, write_json
+
+# ------------------------------------------------------------------------ the schema ----
+DRAFT_FOLDER = rule(
+    lambda v: isinstance(v, str) and (Path(v).expanduser() / "config.json").is_file(),
+    "an exported draft folder (with config.json, e.g. outputs/train/<run>/draft) or null "
+    "(autoregressive)",
+    null=True,
+)
+
+
+def _absolute(path: Any) -> str | None:
+    return str(Path(path).expanduser().resolve()) if path else None
+
+
+def _method(draft: Any) -> str:
+    return "speculative" if draft else "autoregressive"
+
+
+def _float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How every assistant turn of a regeneration is decoded (part of the manifest's identity;
+    fields: configs/regenerate.yaml). ``method`` speculative needs ``draft``."""
+
+    method: str = setting("autoregressive", key="draft", convert=_method)  # draft=: speculative
+    draft: str | None = setting(None, DRAFT_FOLDER, convert=_absolute)
+    greedy: bool = setting(True, flag())
+    temperature: float = setting(1.0, number(0.0, low_open=True, null=False), convert=float)
+    top_k: int | None = setting(None, integer(1, null=True))
+    top_p: float | None = setting(
+        None, number(0.0, 1.0, low_open=True, high_open=False), convert=_float
+    )
+    max_new_tokens: int = setting(1024, integer(1))
+    seed: int = setting(0, integer(0))
+    policy: str = setting("condition", choice(*SAMPLING_POLICIES))
+    drafting: str | None = None
+    proposal: str | None = None
+    compile: Any = False  # the engine (autoregressive and chains): not the rows' law
+
+    def output_law(self) -> dict[str, Any]:
+        """The settings that decide what is written (not how fast): the manifest's identity.
+
+        The decoder (autoregressive or speculative, the draft, its policy and mode) is left
+        out: it is lossless, so it changes the speed, not the rows' law. Greedy output is
+        the same byte for byte; sampled output the same in distribution (not per seed), so a
+        sampled folder records the decoder too.
+        """
+        keys: tuple[str, ...] = ("greedy", "max_new_tokens", "seed")
+        if not self.greedy:  # the sampling parameters, then the decoder
+            keys += ("temperature", "top_k", "top_p")
+            keys += ("method", "draft", "policy", "drafting", "proposal")
+        return {k: getattr(self, k) for k in keys}
+
+
+REGENERATE_DATA = ("source", "path", "num_rows", "seed", "streaming", "revision", "hf_name")
+"""The ``data.*`` fields a regeneration reads (its manifest's ``data``, with the source's
+fingerprint and name)."""
+
+
+@dataclass(frozen=True)
+class RegenerateSettings:
+    """Everything a regeneration reads from its config, read and checked once (a bad field:
+    ``ConfigError``). ``data``: the fields of :data:`REGENERATE_DATA` (None where missing);
+    ``output_dir`` empty: ``outputs/regenerate/<model>-<data source>-<greedy | t<T>>-seed<seed>``;
+    ``root_dir`` None: the working directory; ``batch_size`` is not part of the manifest (the
+    rows do not depend on it)."""
+
+    decoder: Settings = section(Settings)
+    model: ModelSettings = section(ModelSettings, "model")
+    data: Mapping[str, Any] = setting(
+        {}, checked_as(DataChecks), convert=lambda d: {k: (d or {}).get(k) for k in REGENERATE_DATA}
+    )
+    shard: int = setting(0, integer(0))
+    num_shards: int = setting(1, integer(1))
+    output_dir: str = setting("", or_default=True)  # "" or null: the folder above
+    root_dir: str | None = setting(None, key="paths.root_dir")
+    device: str = setting("cpu", rule(lambda v: isinstance(v, str), "cpu, cuda[:i]"))
+    num_threads: int | None = setting(1, integer(1, null=True))
+    progress: bool = True
+    batch_size: int = setting(1, BATCH_SIZE)
+
+    def __post_init__(self) -> None:
+        if self.shard >= self.num_shards:
+            raise ConfigError(
+                f"shard={self.shard} is not allowed with num_shards={self.num_shards}; "
+                f"allowed: an integer in 0..{self.num_shards - 1}"
+            )
+        d = self.decoder
+        with refusing(ConfigError):  # as mtpc.generate checks them, in the config's spelling
+            check_drafting(d.greedy, d.drafting, d.proposal, spell=CONFIG)
+            check_settings(CONFIG, method=d.method, compile=d.compile)  # the engine
+        check_batch(self.batch_size, str(self.model.name), ConfigError)
+
+    @classmethod
+    def from_cfg(cls, cfg: Any) -> RegenerateSettings:
+        """Every field a regeneration uses, checked."""
+        s = read(cls, cfg)
+        if s.output_dir:
+            return s
+        d, written = s.decoder, given(cfg, ("temperature",))["temperature"]
+        mode = "greedy" if d.greedy else f"t{written or d.temperature}"  # as the config writes it
+        source = "path" if s.data.get("path") else s.data.get("source") or "synthetic"
+        name = f"{s.model.name}-{source}-{mode}-seed{d.seed}"
+        folder = Path(s.root_dir or ".") / "outputs" / "regenerate" / name
+        return dataclasses.replace(s, output_dir=str(folder))
+
+
+# ``regenerate``'s door: the config read and checked once, before anything loads
+parse_regenerate = RegenerateSettings.from_cfg
+
 
 FORMAT_VERSION = 1
 #: Manifest fields that must agree between a folder's shards and on resume.

@@ -247,8 +247,7 @@ def measure_regeneration(
     from mtpc.backbones.codecs import get_codec
     from mtpc.data.sources import load_source
     from mtpc.decoding.common import context_length
-    from mtpc.evaluation.settings import Settings
-    from mtpc.regeneration import regenerate_rows
+    from mtpc.regeneration import Settings, regenerate_rows
 
     source = load_source("synthetic", None, num_rows=args.prompts, seed=0)
     rows = list(enumerate(source))

@@ -22,11 +22,9 @@ from mtpc.evaluation.settings import (
     EvalRun,
     EvalSettings,
     ModelSettings,
-    RegenerateSettings,
-    Settings,
     parse_eval,
-    parse_regenerate,
 )
+from mtpc.regeneration import RegenerateSettings, Settings, parse_regenerate
 from tests.helpers import eval_cfg
 
 ROOT = Path(__file__).resolve().parents[1]

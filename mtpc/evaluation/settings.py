@@ -1,13 +1,13 @@
-"""The schemas of an evaluation (``eval.py``) and of a regeneration (``scripts/regenerate.py``):
-every setting declared once with its default and its rule (``mtpc.config``), read and checked
-once, at the door (:func:`parse_eval`, :func:`parse_regenerate`), before anything loads; a bad
-value is refused in one line naming the field and the allowed values. Each default equals
-``configs/eval.yaml``'s (``configs/regenerate.yaml``'s), where each field is described."""
+"""The schema of an evaluation (``eval.py``): every setting declared once with its default and
+its rule (``mtpc.config``), read and checked once, at the door (:func:`parse_eval`), before
+anything loads; a bad value is refused in one line naming the field and the allowed values.
+Each default equals ``configs/eval.yaml``'s, where each field is described. The batch rules
+(:data:`BATCH_SIZE`, :func:`check_batch`, :data:`CHUNK_BATCHES`) and :func:`refusing` are
+shared with regeneration's schema (``mtpc.regeneration``)."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +15,6 @@ from typing import Any, ClassVar
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from mtpc.choices import SAMPLING_POLICIES
 from mtpc.config import (
     ConfigError,
     DataChecks,
@@ -23,13 +22,10 @@ from mtpc.config import (
     checked_as,
     choice,
     computed,
-    flag,
     given,
     integer,
     names,
-    number,
     read,
-    rule,
     section,
     setting,
 )
@@ -61,7 +57,7 @@ def name_list(value: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _refusing(error: type[Exception]) -> Iterator[None]:
+def refusing(error: type[Exception]) -> Iterator[None]:
     """Turns a decoding check's SettingsError into ``error``, the same one line."""
     try:
         yield
@@ -69,7 +65,7 @@ def _refusing(error: type[Exception]) -> Iterator[None]:
         raise error(str(err)) from None
 
 
-def _check_batch(batch_size: int, model: str, error: type[Exception]) -> None:
+def check_batch(batch_size: int, model: str, error: type[Exception]) -> None:
     """``batch_size`` > 1 needs a target whose backbone class batches (asked before loading)."""
     from mtpc.backbones import backbone_class, check_batch_size
 
@@ -120,7 +116,7 @@ class EvalDecoding:
     def __post_init__(self) -> None:
         from mtpc.evaluation.drafting import check_eval_drafting, tree_budgets
 
-        with _refusing(EvalConfigError):
+        with refusing(EvalConfigError):
             check_eval_drafting(self.drafting, self.tree_budget)  # before: drafting=tree
             fields = {f: v for f in DECODING_FIELDS if (v := getattr(self, f)) is not None}
             asked = {"draft": self.drafting, "proposal": self.proposal}
@@ -255,7 +251,7 @@ class Drafter:
             for name in ("algorithm", "lookahead", "look_behind", "max_psi_paths", "psi")
             if (value := self.fields.get(name)) is not None or name == "algorithm"
         }
-        with _refusing(EvalConfigError):
+        with refusing(EvalConfigError):
             check_settings(Spelling(lambda f: f"drafter.{f}", config=True), greedy=greedy, **hetero)
         model = str(self.model)
         fixtures = ", ".join(FIXTURE_PREFIX + f for f in FIXTURES)
@@ -288,7 +284,7 @@ class EvalSettings:
     def __post_init__(self) -> None:
         """The rules across sections: the batch against the target and the drafter."""
         batch_size = self.run.batch_size
-        _check_batch(batch_size, str(self.model.name), EvalConfigError)
+        check_batch(batch_size, str(self.model.name), EvalConfigError)
         if self.drafter is None:
             return
         if batch_size > 1:
@@ -331,116 +327,3 @@ def hydra_model_overrides(cfg: Any) -> dict[str, Any] | None:
     if not HydraConfig.initialized():
         return None
     return explicit_model_fields(list(HydraConfig.get().overrides.task), cfg)
-
-
-# ---------------------------------------------------------------------- regeneration ----
-DRAFT_FOLDER = rule(
-    lambda v: isinstance(v, str) and (Path(v).expanduser() / "config.json").is_file(),
-    "an exported draft folder (with config.json, e.g. outputs/train/<run>/draft) or null "
-    "(autoregressive)",
-    null=True,
-)
-
-
-def _absolute(path: Any) -> str | None:
-    return str(Path(path).expanduser().resolve()) if path else None
-
-
-def _method(draft: Any) -> str:
-    return "speculative" if draft else "autoregressive"
-
-
-def _float(value: Any) -> float | None:
-    return None if value is None else float(value)
-
-
-@dataclass(frozen=True)
-class Settings:
-    """How every assistant turn of a regeneration is decoded (part of the manifest's identity;
-    fields: configs/regenerate.yaml). ``method`` speculative needs ``draft``."""
-
-    method: str = setting("autoregressive", key="draft", convert=_method)  # draft=: speculative
-    draft: str | None = setting(None, DRAFT_FOLDER, convert=_absolute)
-    greedy: bool = setting(True, flag())
-    temperature: float = setting(1.0, number(0.0, low_open=True, null=False), convert=float)
-    top_k: int | None = setting(None, integer(1, null=True))
-    top_p: float | None = setting(
-        None, number(0.0, 1.0, low_open=True, high_open=False), convert=_float
-    )
-    max_new_tokens: int = setting(1024, integer(1))
-    seed: int = setting(0, integer(0))
-    policy: str = setting("condition", choice(*SAMPLING_POLICIES))
-    drafting: str | None = None
-    proposal: str | None = None
-    compile: Any = False  # the engine (autoregressive and chains): not the rows' law
-
-    def output_law(self) -> dict[str, Any]:
-        """The settings that decide what is written (not how fast): the manifest's identity.
-
-        The decoder (autoregressive or speculative, the draft, its policy and mode) is left
-        out: it is lossless, so it changes the speed, not the rows' law. Greedy output is
-        the same byte for byte; sampled output the same in distribution (not per seed), so a
-        sampled folder records the decoder too.
-        """
-        keys: tuple[str, ...] = ("greedy", "max_new_tokens", "seed")
-        if not self.greedy:  # the sampling parameters, then the decoder
-            keys += ("temperature", "top_k", "top_p")
-            keys += ("method", "draft", "policy", "drafting", "proposal")
-        return {k: getattr(self, k) for k in keys}
-
-
-REGENERATE_DATA = ("source", "path", "num_rows", "seed", "streaming", "revision", "hf_name")
-"""The ``data.*`` fields a regeneration reads (its manifest's ``data``, with the source's
-fingerprint and name)."""
-
-
-@dataclass(frozen=True)
-class RegenerateSettings:
-    """Everything a regeneration reads from its config, read and checked once (a bad field:
-    ``ConfigError``). ``data``: the fields of :data:`REGENERATE_DATA` (None where missing);
-    ``output_dir`` empty: ``outputs/regenerate/<model>-<data source>-<greedy | t<T>>-seed<seed>``;
-    ``root_dir`` None: the working directory; ``batch_size`` is not part of the manifest (the
-    rows do not depend on it)."""
-
-    decoder: Settings = section(Settings)
-    model: ModelSettings = section(ModelSettings, "model")
-    data: Mapping[str, Any] = setting(
-        {}, checked_as(DataChecks), convert=lambda d: {k: (d or {}).get(k) for k in REGENERATE_DATA}
-    )
-    shard: int = setting(0, integer(0))
-    num_shards: int = setting(1, integer(1))
-    output_dir: str = setting("", or_default=True)  # "" or null: the folder above
-    root_dir: str | None = setting(None, key="paths.root_dir")
-    device: str = setting("cpu", rule(lambda v: isinstance(v, str), "cpu, cuda[:i]"))
-    num_threads: int | None = setting(1, integer(1, null=True))
-    progress: bool = True
-    batch_size: int = setting(1, BATCH_SIZE)
-
-    def __post_init__(self) -> None:
-        if self.shard >= self.num_shards:
-            raise ConfigError(
-                f"shard={self.shard} is not allowed with num_shards={self.num_shards}; "
-                f"allowed: an integer in 0..{self.num_shards - 1}"
-            )
-        d = self.decoder
-        with _refusing(ConfigError):  # as mtpc.generate checks them, in the config's spelling
-            check_drafting(d.greedy, d.drafting, d.proposal, spell=CONFIG)
-            check_settings(CONFIG, method=d.method, compile=d.compile)  # the engine
-        _check_batch(self.batch_size, str(self.model.name), ConfigError)
-
-    @classmethod
-    def from_cfg(cls, cfg: Any) -> RegenerateSettings:
-        """Every field a regeneration uses, checked."""
-        s = read(cls, cfg)
-        if s.output_dir:
-            return s
-        d, written = s.decoder, given(cfg, ("temperature",))["temperature"]
-        mode = "greedy" if d.greedy else f"t{written or d.temperature}"  # as the config writes it
-        source = "path" if s.data.get("path") else s.data.get("source") or "synthetic"
-        name = f"{s.model.name}-{source}-{mode}-seed{d.seed}"
-        folder = Path(s.root_dir or ".") / "outputs" / "regenerate" / name
-        return dataclasses.replace(s, output_dir=str(folder))
-
-
-# ``regenerate``'s door: the config read and checked once, before anything loads
-parse_regenerate = RegenerateSettings.from_cfg
