@@ -422,10 +422,13 @@ def verify_pass(
     """ONE trunk + verifier-tail pass over the rows' non-empty proposals; per row, the trunk's
     states ``(1, T, d)`` and the target's logits ``(T + 1 - pre, V)``: at the first drafted
     position (the kept ones when nothing is pending), then after each drafted position."""
-    # an empty tree and nothing pending: no states, the target's kept choice only
-    d = run.model.backbone.hidden_size
-    hidden = [row.kept_logits.new_zeros(1, 0, d) for row in rows]
-    targets = [row.kept_logits.new_zeros(0, row.kept_logits.shape[-1]) for row in rows]
+    if not rows:
+        return [], []
+    # an empty tree and nothing pending: no states, the target's kept choice only (two empty
+    # tensors shared by the idle rows, not two per row in every cycle)
+    kept = rows[0].kept_logits  # (1, V)
+    hidden = [kept.new_zeros(1, 0, run.model.backbone.hidden_size)] * len(rows)
+    targets = [kept.new_zeros(0, kept.shape[-1])] * len(rows)
     busy = [i for i, p in enumerate(proposals) if p.ids.numel()]
     if busy:
         ids, trees = [proposals[i].ids[0] for i in busy], [proposals[i].tree for i in busy]
