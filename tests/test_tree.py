@@ -217,3 +217,31 @@ def test_bad_tree_arguments_name_the_field(kwargs: dict, message: str) -> None: 
     model = make_model("cp", 2, 2)
     with pytest.raises(ValueError, match=message):
         mtpc.generate(model, [1, 2], 4, **kwargs)
+
+
+@pytest.mark.parametrize("policy", ["condition", "recompute", "drop"])
+def test_rows_whose_tree_is_empty_keep_their_caches(
+    policy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A floor that prunes every node leaves a row with no pass in a cycle (nothing pending
+    after the prefill or a recompute): its caches stay as they were (no keep of another pass),
+    so the output is still AR's, alone and with other rows, and such cycles did happen."""
+    from mtpc.decoding import loop
+
+    idle, verify_pass = [], loop.verify_pass
+
+    def spy(run, layout, rows, proposals):  # type: ignore[no-untyped-def]
+        idle.append(sum(not p.ids.numel() for p in proposals))
+        return verify_pass(run, layout, rows, proposals)
+
+    monkeypatch.setattr(loop, "verify_pass", spy)
+    model = make_model("btree", 4, 3)
+    prompts = [[5, 6, 7], [1, 2, 3, 4, 9], [8]]
+    kw = {"policy": policy, "stop_ids": ()}
+    for size in (1, 3):
+        ar = mtpc.generate(model, prompts, 20, batch_size=size, method="autoregressive", **kw)
+        tree = mtpc.generate(
+            model, prompts, 20, batch_size=size, tree_budget=4, tree_floor=0.9999, **kw
+        )
+        assert [r.tokens for r in tree] == [r.tokens for r in ar]
+    assert sum(idle) >= 3

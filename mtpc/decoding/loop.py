@@ -356,7 +356,7 @@ def cycle(run: Run, layout: Layout, rows: Sequence[Row]) -> list[Row]:
     clock.lap("verify")
     done: list[Row] = []
     going: list[Row] = []
-    kept, keeps, tokens, dropped = [], [], [], []
+    kept, passed, keeps, tokens, dropped = [], [], [], [], []
     for row, proposal, outcome, states, target in zip(
         rows, proposals, outcomes, hidden, targets, strict=True
     ):
@@ -365,13 +365,16 @@ def cycle(run: Run, layout: Layout, rows: Sequence[Row]) -> list[Row]:
             done.append(row)
             continue
         going.append(row)
-        keeps.append(outcome.keep)
+        if proposal.ids.numel():  # an idle row (empty tree, nothing pending) had no pass
+            passed.append(row)
+            keeps.append(outcome.keep)
         kept.append(
             states[:, : outcome.keep] if isinstance(outcome.keep, int) else states[:, outcome.keep]
         )
         tokens.append(outcome.token)
         dropped.append(target[outcome.after : outcome.after + 1] if drop else None)
-    layout.keep(going, keeps)
+    if passed:  # the pass's positions each row keeps (no pass: nothing to cut)
+        layout.keep(passed, keeps)
     clock.lap("cache")
     kept = resume(run, layout, going, kept, tokens, dropped)
     lasts = layout.draft(going, kept)  # (1, d) each, None: no new state
