@@ -151,6 +151,48 @@ def test_other_policies_equal_the_eager_path(folder: Path, policy: str) -> None:
     same_rows(eager, compiled)
 
 
+@pytest.mark.parametrize(("kind", "lora", "size"), [("btree", 1, 8), ("cp", 0, 1)])
+def test_token_trees_equal_the_eager_evabyte_path(
+    folder: Path, kind: str, lora: int, size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Token trees of 8 nodes (a draft started from the target's unembeddings, so paths are
+    accepted), greedy and sampled: every row equals the eager EvaByte trees (``Stream`` at
+    B = 1, ``Windowed`` above) field for field, and accepted paths off the pass's prefix were
+    compacted in the ring. The compaction's RFA refresh matters: without it (the tree pass's
+    summaries of its nodes in pass order left in the RFA slots) the tokens change."""
+    from mtpc.backbones import load_backbone
+    from mtpc.decoding import static_eva
+
+    backbone = load_backbone(
+        "evabyte", path=str(folder), dtype="float32", device="cpu", attention_impl="torch"
+    )
+    model = MTPCModel.from_backbone(backbone, kind, 4, 2, lora_layers=lora)
+    torch.manual_seed(1)
+    unembedding = backbone.hf_model.get_output_embeddings().weight.detach()[: backbone.vocab_size]
+    model.head.from_pretrained_unembeddings(unembedding.float(), noise_std=0.3)
+    with torch.no_grad():
+        for p in model.head.parameters():
+            if p is not model.head.unembedding:
+                p.normal_(0, 0.3)
+        for p in model.backbone.lora.parameters() if lora else ():
+            p.normal_(0, 0.05)
+    original, moved = static_eva.EvaStaticEngine.compact, []
+
+    def compact(self: Any, places: Any, base: Any, keep: Any) -> None:
+        moved.append(int((keep != torch.arange(keep.shape[1])).any(1).sum()))
+        original(self, places, base, keep)
+
+    monkeypatch.setattr(static_eva.EvaStaticEngine, "compact", compact)
+    items, kw = prompts(8, seed=1), {"tree_budget": 8, "batch_size": size}
+    for greedy in (True, False):
+        eager, compiled = both(model, items, 40, "eager", greedy=greedy, **kw)
+        same_rows(eager, compiled)
+    assert sum(moved) >= 2
+    monkeypatch.setattr(static_eva, "refresh_rfas", lambda *args: None)
+    eager, stale = both(model, items, 40, "eager", **kw)
+    assert [r.tokens for r in stale] != [r.tokens for r in eager]
+
+
 def test_no_recompilation_for_new_prompt_lengths(folder: Path) -> None:
     """After a warm-up (B = 1 and B = 5), five prompts of other lengths (1 to 4 prefill
     chunks, windows crossed at other offsets) decode their chains with the graphs compiled

@@ -3,13 +3,12 @@ pass of a fixed T (the budget + 1) under each row's ancestor mask and depths, an
 compaction of the accepted path's keys and values to the pass's first slots
 (``StaticEngine.compact``). Compiled trees equal the eager trees field for field, the graphs
 do not recompile for new prompt lengths, a rejected node's slot is never read after ``keep``
-(and a compaction that leaves the path in place is caught), and EvaByte's trees are refused
-in one line before any decoding.
+(and a compaction that leaves the path in place is caught). EvaByte's trees on its engine:
+tests/test_evabyte_static.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 
 import pytest
@@ -17,12 +16,10 @@ import torch
 from torch._dynamo.utils import counters
 
 import mtpc
-from mtpc.decoding import static
-from mtpc.decoding.settings import c_compiler, check_settings
+from mtpc.decoding.settings import c_compiler
 from mtpc.decoding.static import StaticEngine, StaticLayout
-from mtpc.decoding.tree import Tree
 from mtpc.model import MTPCModel
-from tests.fakes import fake_evabyte, make_model
+from tests.fakes import make_model
 from tests.test_static_decode import (
     CHAIN_MODES,
     chain_prompts,
@@ -182,22 +179,3 @@ def test_inductor_trees_equal_eager() -> None:
             compiled = compiled_trees(model, prompts, 24, "inductor", 2, **kw)
         same_rows(eager, compiled)
     assert graphs() == 4 and counters["inductor"] and not counters["graph_break"]
-
-
-def test_evabyte_trees_are_refused_before_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
-    """EvaByte's engine runs chains: a token tree on it is refused in one line, before any
-    engine or decoding."""
-
-    def refuse(*args, **kwargs):  # type: ignore[no-untyped-def]
-        raise AssertionError("decoding started before the refusal")
-
-    monkeypatch.setattr(static, "engine_for", refuse)
-    monkeypatch.setattr("mtpc.decoding.loop.decode", refuse)
-    model = MTPCModel.target_only(fake_evabyte(2))
-    request = dataclasses.replace(check_settings(tree_budget=4), compile="eager")
-    message = (
-        r"^compile='eager' runs token trees on the Llama family's engine, not on "
-        r"EvaByteBackbone \(EvaByte\); allowed: tree_budget=0 \(its chain\)$"
-    )
-    with pytest.raises(ValueError, match=message):
-        static.decode_static(model, [torch.tensor([5, 6, 7])], [request], 1, proposer=Tree(request))

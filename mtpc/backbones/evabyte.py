@@ -347,6 +347,22 @@ def rows_attention(
     return _window_attend(attn, q, cache, cache.span, attention_mask, sdpa), None, cache
 
 
+def refresh_rfas(
+    attn: Any, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, read: torch.Tensor,
+    write: torch.Tensor,
+) -> None:  # fmt: skip
+    """Recomputes in place, in one layer's buffers ``keys``, ``values`` (B, h, S, hd), the
+    RFAs of n chunks of the rows ``rows`` (R, 1): from the slots ``read`` (R, n c) of their
+    positions into the slots ``write`` (R, n)."""
+    r, n = write.shape
+    h, hd, c = keys.shape[1], keys.shape[3], attn.chunk_size
+    rf_k = keys[rows, :, read].transpose(1, 2).reshape(r, h, n, c, hd)  # (R, h, n, c, hd)
+    rf_v = values[rows, :, read].transpose(1, 2).reshape(r, h, n, c, hd)
+    rfa_k, rfa_v = chunk_rfas(attn, rf_k, rf_v)  # (R, h, n, hd)
+    keys[rows, :, write] = rfa_k.transpose(1, 2).to(keys.dtype)  # (R, n, h, hd)
+    values[rows, :, write] = rfa_v.transpose(1, 2).to(values.dtype)
+
+
 def static_attention(
     attn: Any,
     hidden: torch.Tensor,
@@ -362,20 +378,13 @@ def static_attention(
     writes the new keys/values at ``cache.slots``, recomputes the RFAs of the chunks the pass
     touches (``cache.chunk_read`` -> ``cache.chunk_write``) from the buffer, then attends over
     every slot where ``mask`` (B, 1, T, S) allows. Fixed shapes, no host sync -> (B, T, d)."""
-    b, h, hd, c = hidden.shape[0], attn.num_heads, attn.head_dim, attn.chunk_size
     q, k, v = _rotated_qkv(attn, hidden, cos, sin)  # (B, h, T, hd) each
     i = attn.layer_idx - cache.first
     keys, values = cache.keys[i], cache.values[i]  # (B, h, S, hd)
     rows = cache.rows[:, None]  # (B, 1)
     keys[rows, :, cache.slots] = k.transpose(1, 2).to(keys.dtype)  # (B, T, h, hd): in place
     values[rows, :, cache.slots] = v.transpose(1, 2).to(values.dtype)
-    n = cache.chunk_write.shape[1]  # chunks the pass touches
-    read = cache.chunk_read[:, None, :, None].expand(b, h, n * c, hd)
-    rf_k = keys.gather(2, read).view(b, h, n, c, hd)  # (B, h, n, c, hd)
-    rf_v = values.gather(2, read).view(b, h, n, c, hd)
-    rfa_k, rfa_v = chunk_rfas(attn, rf_k, rf_v)  # (B, h, n, hd)
-    keys[rows, :, cache.chunk_write] = rfa_k.transpose(1, 2).to(keys.dtype)  # (B, n, h, hd)
-    values[rows, :, cache.chunk_write] = rfa_v.transpose(1, 2).to(values.dtype)
+    refresh_rfas(attn, keys, values, rows, cache.chunk_read, cache.chunk_write)
     return _attend(attn, q, keys, values, mask, sdpa)  # (B, T, d)
 
 

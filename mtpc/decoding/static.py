@@ -273,17 +273,12 @@ def decode_static(
     :class:`StaticEngine` of ``size`` rows, its capacity the longest prompt plus
     ``max_new_tokens`` (plus a verify pass: a chain's window + 1, a token tree's budget + 1),
     rounded up to :data:`BUCKET`; autoregressive (``step``) or speculative
-    (``proposer``: a chain, or a token tree: the Llama family's engine only). Each result's
+    (``proposer``: a chain, or a token tree). Each result's
     ``engine`` says what ran (``compiled``, or ``static`` after a fallback)."""
     from mtpc.decoding.loop import decode
 
     request = requests[0]
     widest = request.tree_budget + 1 if request.tree_budget and proposer is not None else 0
-    if widest and engine_class(model) is not StaticEngine:
-        raise ValueError(
-            f"compile={request.compile!r} runs token trees on the Llama family's engine, not "
-            f"on {type(model.backbone).__name__} (EvaByte); allowed: tree_budget=0 (its chain)"
-        )
     longest = max(p.shape[0] for p in prompts) + request.max_new_tokens
     if proposer is not None:  # a verify pass writes up to a window (a tree) past the tokens
         longest += max(model.head.circuit.window + 1, widest)

@@ -9,7 +9,8 @@ Per layer ONE key and one value buffer ``(B, h, S, hd)``, ``S = F + R + X``:
   takes the RFAs of chunks past the capacity, which no query sees);
 - slots ``[F, F + R)``: the window ring, position p's key in slot ``F + p mod R`` (``R = W +
   X``, W the EVA window: a pass's new keys land on positions at least W + 1 before its
-  first, which none of its queries nor any later one sees);
+  first, which none of its queries nor any later one sees; a token tree's nodes in pass
+  order until :meth:`EvaStaticEngine.compact`);
 - slots ``[F + R, S)``: the scratch, the padding ids' keys (``X``: the widest pass).
 
 A query at position p (its window starting at ``s = p - p mod W``) sees RFA q iff chunk q
@@ -29,6 +30,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from mtpc.backbones.evabyte import refresh_rfas
 from mtpc.decoding.static_step import StaticEngine
 
 
@@ -69,8 +71,11 @@ class EvaStaticEngine(StaticEngine):
 
     def _buffers(self, first: int, end: int) -> tuple[Any, Tensor, Tensor]:
         backbone = self.model.backbone
-        w, c = int(backbone.config.window_size), int(backbone.config.chunk_size)
-        widest = max(self.chunk, self.window + 1)  # a prefill chunk, a draft pass
+        w, c, widest = (
+            int(backbone.config.window_size),
+            int(backbone.config.chunk_size),
+            self.widest,
+        )
         ring = w + widest
         rfas = -(-self.capacity // c) + 1
         self.slots = rfas + ring + widest
@@ -96,8 +101,8 @@ class EvaStaticEngine(StaticEngine):
         device = real.device
         f, ring, c, w = cache.rfas, cache.ring, cache.chunk, cache.window
         span = torch.arange(t, device=device)  # (T,)
-        positions = lengths[:, None] + offsets  # (B, T)
-        slots = torch.where(real, positions % ring, ring + span)  # (B, T) past the RFAs
+        positions = lengths[:, None] + offsets  # (B, T): a tree node's, its depth's
+        slots = torch.where(real, (lengths[:, None] + span) % ring, ring + span)  # past the RFAs
         top = lengths + real.sum(1)  # (B,) the rows' lengths after the pass
         ring_at = torch.arange(ring, device=device)  # (R,)
         held = top[:, None] - 1 - (top[:, None] - 1 - ring_at) % ring  # (B, R) slot's position
@@ -119,6 +124,27 @@ class EvaStaticEngine(StaticEngine):
         cache.slots = f + slots
         limit = cache.rotary.cos.shape[0] - 1
         return positions.clamp(max=limit), seen
+
+    def compact(self, places: Tensor, base: Tensor, keep: Tensor) -> None:
+        """:meth:`StaticEngine.compact` in the window ring (offset j of a pass is in slot ``F +
+        (base + j) mod R``), then the RFAs of the chunks the kept positions touch recomputed
+        from it (the tree pass summarised its nodes in pass order: a chunk the accepted path
+        completes is read by no later pass)."""
+        cache, rows = self.cache, places[:, None]  # (R, 1)
+        f, ring, c = cache.rfas, cache.ring, cache.chunk
+        count = keep.shape[1]
+        src = f + (base[:, None] + keep) % ring  # (R, K)
+        dst = f + (base[:, None] + torch.arange(count, device=keep.device)) % ring
+        for buffer in (*cache.keys, *cache.values):  # (B, h, S, hd) each
+            buffer[rows, :, dst] = buffer[rows, :, src]  # (R, K, h, hd): gathered first
+        n = -(-(count - 1) // c) + 1  # chunks K positions from base can touch
+        chunks = base[:, None] // c + torch.arange(n, device=keep.device)  # (R, n)
+        at = chunks[:, :, None] * c + torch.arange(c, device=keep.device)  # (R, n, c)
+        read, write = f + (at % ring).flatten(1), chunks.clamp(max=f - 1)
+        layers = self.model.backbone.layers
+        for i, (keys, values) in enumerate(zip(cache.keys, cache.values, strict=True)):
+            attn = layers[cache.first + i].self_attn
+            refresh_rfas(attn, keys, values, rows, read, write)
 
     @staticmethod
     def _append(cache: Any, valid: Tensor, lengths: Tensor, real: Tensor) -> None:

@@ -88,9 +88,10 @@ class StaticEngine:
         heads = config.num_attention_heads
         self._heads = int(getattr(config, "num_key_value_heads", None) or heads)
         self._dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-        # the scratch: one slot per padding position of a pass (a prefill chunk, a window,
-        # ``widest``: a token tree's pass)
-        self.slots = capacity + max(chunk, self.window + 1, widest)
+        # the scratch: one slot per padding position of the widest pass (a prefill chunk, a
+        # window, ``widest``: a token tree's pass)
+        self.widest = max(chunk, self.window + 1, widest)
+        self.slots = capacity + self.widest
         self.cache, self.valid, self.lengths = self._buffers(0, backbone.num_layers)
         self.slot_index = torch.arange(self.slots, device=device)  # (S,)
         self.draft_cache: SlotCache | None = None
