@@ -47,7 +47,7 @@ median over the repeats.
 default ``$MTPC_EVABYTE_CODE``) measures a tiny random
 checkpoint of EvaByte's real remote code instead (``scripts/bench_batch.py``'s: EVA window
 16, chunks of 4, float32, the torch EVA path): its eager path is ``Stream`` at B = 1 and
-``windowed.Windowed`` above, its compiled one ``static_eva.EvaStaticEngine``.
+``static_eva.EvaStaticEngine`` uncompiled above, its compiled one the same engine compiled.
 """
 
 from __future__ import annotations
@@ -92,14 +92,17 @@ def profiled_ops(fn: Callable[[], object]) -> int:
     return sum(aten(e) and not aten(e.cpu_parent) for e in prof.events())
 
 
-def eager_layout(model: Any, size: int) -> Any:
-    """The eager path's layout of ``size`` rows (as ``loop.decode`` picks it)."""
+def eager_layout(model: Any, size: int, capacity: int, widest: int = 0) -> Any:
+    """The eager path's layout of ``size`` rows (as ``mtpc.generate`` picks it: EvaByte's
+    batches on its engine of ``capacity`` slots, uncompiled)."""
     from mtpc.decoding.layout import Padded, Stream
-    from mtpc.decoding.windowed import Windowed
+    from mtpc.decoding.static import StaticEngine, StaticLayout, engine_class, engine_for
 
     if size == 1:
         return Stream(model)
-    return Windowed(model) if hasattr(model.backbone, "run_rows") else Padded(model)
+    if engine_class(model) is StaticEngine:
+        return Padded(model)
+    return StaticLayout(engine_for(model, size, capacity, None, widest), widest)
 
 
 def step_cost(
@@ -140,7 +143,7 @@ def measure_steps(model: Any, prompts: list[list[int]], size: int, args: argpars
     batch = [torch.tensor(p, device=device) for p in (prompts * size)[:size]]
     rows = [object() for _ in batch]
     longest = max(len(p) for p in batch) + args.steps + 2
-    eager = eager_layout(model, size)
+    eager = eager_layout(model, size, capacity_for(longest))
     eager.admit(rows, batch)
     engine = engine_for(model, size, capacity_for(longest), args.backend)
     compiled = StaticLayout(engine)
@@ -254,7 +257,13 @@ def measure_cycles(
 ) -> dict[str, Any]:
     """One cycle's model work alone, eager and compiled, with ``size`` rows held: a chain's
     (``budget`` 0), or a token tree's of ``budget`` nodes and a pending root."""
-    from mtpc.decoding.static import StaticLayout, capacity_for, engine_for
+    from mtpc.decoding.static import (
+        StaticEngine,
+        StaticLayout,
+        capacity_for,
+        engine_class,
+        engine_for,
+    )
 
     device, window = model.backbone.device, model.head.circuit.window
     batch = [torch.tensor(p, device=device) for p in (prompts * size)[:size]]
@@ -262,14 +271,14 @@ def measure_cycles(
     # the calls' capacity (the same compiled graphs); as many cycles as their tokens allow
     width = budget + 1 if budget else window
     longest = max(len(p) for p in batch) + args.max_new_tokens + max(window + 1, width)
-    eager = eager_layout(model, size)
     widest = budget + 1 if budget else 0
+    eager = eager_layout(model, size, capacity_for(longest), widest)
     engine = engine_for(model, size, capacity_for(longest), args.backend, widest)
     compiled = StaticLayout(engine, widest)
     tree, keep = None, max(1, window // 2)
     # half of the pass kept; EvaByte keeps it whole (all accepted): half of a pass that crossed
     # a window's end would cut into the compressed window (the loop's drafts never cross it)
-    if hasattr(model.backbone, "run_rows"):
+    if engine_class(model) is not StaticEngine:  # EvaByte
         keep = window
     if budget:  # the root and the heap's rightmost path, at most the window
         tree, keep = heap_tree(width, window - 1, device)

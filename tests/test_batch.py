@@ -244,7 +244,7 @@ def test_bad_batches_fail_before_decoding() -> None:
 
 @pytest.mark.parametrize("kw", [{}, {"greedy": False, "tree_budget": 5}], ids=["greedy", "tree"])
 def test_evabyte_batches_rows_in_their_own_windows_each_equal_to_alone(kw: dict) -> None:
-    """EvaByte (``layout`` ``windowed.Windowed``, window 8: rows cross window boundaries at
+    """EvaByte (the uncompiled static engine, window 8: rows cross window boundaries at
     their own steps): a batch of 3 (prompts replaced) and a list (None: all at once) equal
     each prompt alone. The real remote code: tests/test_evabyte_batch.py."""
     hf = fake_evabyte(2, window_size=8, chunk_size=4)

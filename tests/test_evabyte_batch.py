@@ -6,14 +6,14 @@ of it (``scripts/check_remote_code.py``) has an EVA window of 16 and chunks of 4
 prompts of 1..40 bytes cross window boundaries (and compress their windows into chunk RFAs)
 at their own steps. Rows end at stop ids and give their places to waiting prompts
 (continuous batching). Every field of every row of a batch of 1, 3 or 8 equals the prompt
-decoded alone: greedy, sampled (each row its own seed), chains and token trees. A row that
-read another row's window or RFAs, or its own stale slots, changes (:func:`test_a_row_reads_
-only_its_own_window_and_rfas`). The triton path (triton's CPU interpreter) is a slow test.
+decoded alone: greedy, sampled (each row its own seed), chains and token trees. The rows run
+on the static engine, uncompiled (``mtpc.decoding.static_eva``; that no row reads another's
+window or RFAs, or its own stale slots: tests/test_evabyte_static.py). The triton path
+(triton's CPU interpreter) is a slow test.
 """
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 import random
 from pathlib import Path
@@ -118,52 +118,31 @@ def test_other_policies_and_autoregressive_batches_equal_alone(model: MTPCModel,
     assert batched(model, items, 30, 3, **kw) == alone(model, items, 30, **kw)
 
 
-def test_a_row_reads_only_its_own_window_and_rfas(model: MTPCModel) -> None:
-    """Rows at 5, 37 and 23 positions (0, 8 and 4 chunk RFAs): one pass of rows 0 and 2 gives
-    the same output bit for bit when row 1's window and RFAs are NaN, and when every row's
-    slots past its kept positions and its padded RFA columns hold garbage."""
-    from mtpc.decoding.windowed import Windowed
+def test_batches_run_on_the_uncompiled_static_engine(
+    model: MTPCModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without ``compile=``, a batch's passes go to the static engine's layout, whose step is
+    never handed to torch.compile; B = 1 stays in the model's own caches."""
+    from mtpc.decoding import static, static_step
 
-    layout = Windowed(model)
-    rows = [object(), object(), object()]
-    lengths = (5, 37, 23)
-    ids = [torch.randint(3, 300, (n,)) for n in lengths]
-    layout.admit(rows, ids)
-    layout.draft(rows, [torch.zeros(1, 0, model.backbone.hidden_size)] * 3)  # the rows join
-    trunk = layout.natives[0]
-    assert trunk.chunks == [0, 8, 4] and trunk.committed == list(lengths)
-    new = [torch.randint(3, 300, (3,)), torch.randint(3, 300, (2,))]
+    passes = []
+    original = static.StaticLayout.target
 
-    def one_pass(poison: Any) -> list[torch.Tensor]:
-        clone = Windowed(model)
-        clone.rows, clone.base = list(rows), [0, 0, 0]
-        clone.natives = [copy.deepcopy(native) for native in layout.natives]
-        for native in clone.natives[:2]:  # trunk and verifier tail: what a target pass reads
-            poison(native)
-        states, logits = clone.target([rows[0], rows[2]], new, [None, None])
-        return [*states, *logits]
+    def target(self: Any, *args: Any, **kw: Any) -> Any:
+        passes.append(self.engine.backend)
+        return original(self, *args, **kw)
 
-    def nothing(native: Any) -> None:
-        return None
+    def never(*args: Any) -> Any:
+        raise AssertionError("the uncompiled engine's step went to torch.compile")
 
-    def other_row(native: Any) -> None:
-        for layer in native.layers:
-            for t in (native.past_window_k, native.past_window_v, native.rfa_k, native.rfa_v):
-                t[layer][1] = float("nan")
-
-    def stale_slots(native: Any) -> None:
-        for layer in native.layers:
-            for r in range(native.rows):
-                kept = native.committed[r] - native.start(r)
-                native.past_window_k[layer][r, :, kept:] = 1e4
-                native.past_window_v[layer][r, :, kept:] = -1e4
-                native.rfa_k[layer][r, :, native.chunks[r] :] = 1e4
-                native.rfa_v[layer][r, :, native.chunks[r] :] = -1e4
-
-    clean = one_pass(nothing)
-    for poison in (other_row, stale_slots):
-        got = one_pass(poison)
-        assert all(torch.equal(a, b) for a, b in zip(got, clean, strict=True)), poison.__name__
+    monkeypatch.setattr(static.StaticLayout, "target", target)
+    monkeypatch.setattr(static_step, "compile_step", never)
+    out = mtpc.generate(model, prompts(4), 12, batch_size=3, seed=[0, 1, 2, 3])
+    assert passes and set(passes) == {None}
+    assert {r.engine for r in out} == {"eager"}
+    passes.clear()
+    mtpc.generate(model, prompts(4)[0], 12)
+    assert not passes
 
 
 @pytest.mark.slow

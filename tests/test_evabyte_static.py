@@ -122,7 +122,7 @@ def test_compiled_rows_equal_the_eager_evabyte_path(
 ) -> None:
     """9 prompts (at B = 8 a finished row's place goes to the 9th), 40 new bytes, stop ids:
     greedy and sampled (each row its own seed), every field of every row equals the eager
-    EvaByte path (``Stream`` at B = 1, ``Windowed`` above); the step is one graph per pass
+    EvaByte path (``Stream`` at B = 1, the uncompiled engine above); the step is one graph per pass
     width (autoregressive: the decode step, the prefill chunk; a chain: the verify pass of
     n = 4, of 1 (a window's last position: ``one_pass_span``), the prefill chunk; with a LoRA
     tail also its pass of n + 1 and its chunk) and nothing breaks it."""
@@ -157,7 +157,7 @@ def test_token_trees_equal_the_eager_evabyte_path(
 ) -> None:
     """Token trees of 8 nodes (a draft started from the target's unembeddings, so paths are
     accepted), greedy and sampled: every row equals the eager EvaByte trees (``Stream`` at
-    B = 1, ``Windowed`` above) field for field, and accepted paths off the pass's prefix were
+    B = 1, the uncompiled engine above) field for field, and accepted paths off the pass's prefix were
     compacted in the ring. The compaction's RFA refresh matters: without it (the tree pass's
     summaries of its nodes in pass order left in the RFA slots) the tokens change."""
     from mtpc.backbones import load_backbone
@@ -184,13 +184,16 @@ def test_token_trees_equal_the_eager_evabyte_path(
 
     monkeypatch.setattr(static_eva.EvaStaticEngine, "compact", compact)
     items, kw = prompts(8, seed=1), {"tree_budget": 8, "batch_size": size}
-    for greedy in (True, False):
+    tokens = {}
+    for greedy in (False, True):
         eager, compiled = both(model, items, 40, "eager", greedy=greedy, **kw)
         same_rows(eager, compiled)
-    assert sum(moved) >= 2
+        tokens[greedy] = [r.tokens for r in eager]
+    assert sum(moved) >= 2 and tokens[True] != tokens[False]
     monkeypatch.setattr(static_eva, "refresh_rfas", lambda *args: None)
-    eager, stale = both(model, items, 40, "eager", **kw)
-    assert [r.tokens for r in stale] != [r.tokens for r in eager]
+    seeds = list(range(len(items)))
+    stale = mtpc.generate(model, items, 40, compile="eager", seed=seeds, stop_ids=STOPS, **kw)
+    assert [r.tokens for r in stale] != tokens[True]
 
 
 def test_no_recompilation_for_new_prompt_lengths(folder: Path) -> None:

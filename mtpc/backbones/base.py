@@ -192,8 +192,8 @@ class Backbone(nn.Module, ABC):
     """``run_layers(..., tree_mask=...)``: T new nodes attend their ancestors in one pass."""
     supports_batch = False
     """``run_layers(..., attend=...)``, ``native_take/pad/merge``: rows at their own lengths
-    (``layout.Padded``); a backbone with ``run_rows`` (EvaByte) batches its own way instead
-    (``windowed.Windowed``)."""
+    (``layout.Padded``); EvaByte batches on the static engine instead
+    (``mtpc.decoding.static_eva``)."""
 
     def __init__(self, hf_model: nn.Module, name: str, codec: str, source: dict[str, Any]) -> None:
         super().__init__()

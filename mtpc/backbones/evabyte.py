@@ -24,26 +24,7 @@ TREE_ROOM = 256  # window-buffer slots beyond W for a pass's new positions (as m
 _NO_SLOTS = torch.zeros(0, dtype=torch.long)  # keep nothing past base (a crop, a settle)
 
 
-class _EvaLayers:
-    """Per global layer ``l`` (``None`` outside ``layers``): the window buffers
-    ``past_window_k/v[l]`` and the chunk RFAs ``rfa_k/v[l]``, of an EVA window ``window``."""
-
-    def __init__(self, layers: range, window: int) -> None:
-        n = layers.stop
-        self.layers = layers
-        self.window = window
-        self.past_window_k: list[Any] = [None] * n
-        self.past_window_v: list[Any] = [None] * n
-        self.rfa_k: list[Any] = [None] * n
-        self.rfa_v: list[Any] = [None] * n
-
-    def width(self) -> int:
-        """RFA chunk columns held (the same in every layer)."""
-        rfa = self.rfa_k[self.layers.start]
-        return 0 if rfa is None else int(rfa.shape[-2])
-
-
-class EvaWindowCache(_EvaLayers):
+class EvaWindowCache:
     """EVA decoding state of layers ``layers`` (the remote ``EvaStaticCacheForTriton`` layout):
     window buffers (B, h, W + room, hd) of the current window's rotated keys/values, of which
     ``past_window_pos[l]`` are kept, and the earlier windows' chunk RFAs (B, h, C, hd) (``None``
@@ -60,7 +41,12 @@ class EvaWindowCache(_EvaLayers):
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        super().__init__(layers, window)
+        n = layers.stop
+        self.layers, self.window = layers, window
+        self.past_window_k: list[Any] = [None] * n  # per global layer (None outside layers)
+        self.past_window_v: list[Any] = [None] * n
+        self.rfa_k: list[Any] = [None] * n
+        self.rfa_v: list[Any] = [None] * n
         shape = (batch, heads, window + TREE_ROOM, head_dim)
         for i in layers:
             self.past_window_k[i] = torch.zeros(shape, dtype=dtype, device=device)
@@ -81,8 +67,9 @@ class EvaWindowCache(_EvaLayers):
         return self.rfa_k[layer_idx], self.rfa_v[layer_idx]
 
     def chunks(self) -> int:
-        """Number of RFA chunks."""
-        return self.width()
+        """Number of RFA chunks (the same in every layer)."""
+        rfa = self.rfa_k[self.layers.start]
+        return 0 if rfa is None else int(rfa.shape[-2])
 
 
 def multibyte_mask(
@@ -139,19 +126,9 @@ def multibyte_attention(
     pos = cache.past_window_pos[layer]
     cache.past_window_k[layer][:, :, pos : pos + t] = k
     cache.past_window_v[layer][:, :, pos : pos + t] = v
-    return _window_attend(attn, q, cache, pos + t, attention_mask, sdpa=False), None, cache
-
-
-def _window_attend(
-    attn: Any, q: torch.Tensor, cache: Any, span: int, mask: torch.Tensor, sdpa: bool
-) -> torch.Tensor:
-    """:func:`_attend` over ``[RFAs | the first span window slots]`` of ``cache``'s layer."""
-    layer = attn.layer_idx
-    keys = cache.past_window_k[layer][:, :, :span]  # (B, h, span, hd)
-    values = cache.past_window_v[layer][:, :, :span]
-    keys = _cat(cache.rfa_k[layer], keys, -2)  # (B, h, C + span, hd)
-    values = _cat(cache.rfa_v[layer], values, -2)
-    return _attend(attn, q, keys, values, mask, sdpa)
+    keys = _cat(cache.rfa_k[layer], cache.past_window_k[layer][:, :, : pos + t], -2)
+    values = _cat(cache.rfa_v[layer], cache.past_window_v[layer][:, :, : pos + t], -2)
+    return _attend(attn, q, keys, values, attention_mask, sdpa=False), None, cache  # C + pos + T
 
 
 def _attend(
@@ -186,108 +163,6 @@ def _fp32_if_mixed(attn: Any, x: torch.Tensor) -> torch.Tensor:
     return x.float() if getattr(attn.config, "mixedp_attn", False) else x
 
 
-class EvaRowsCache(_EvaLayers):
-    """EVA decoding state of B rows at their own lengths (batched decoding,
-    :class:`mtpc.decoding.windowed.Windowed`; docs/BACKBONES.md, "EvaByte: many rows").
-
-    Window buffers (B, h, W + room, hd): row ``r``'s current window in its own slots ``[0,
-    committed[r] - start(r))``; chunk RFAs (B, h, C, hd): row ``r``'s in ``[0, chunks[r])``
-    (zeros after, masked; ``None``: no row has any). ``length[r] - committed[r]`` positions
-    were written by the row's last pass and await ``EvaByteBackbone.rows_select``. A pass
-    reads a row's own slots only (:meth:`EvaByteBackbone.run_rows` builds the mask)."""
-
-    def __init__(self, layers: range, window: int) -> None:
-        super().__init__(layers, window)
-        self.committed: list[int] = []
-        self.length: list[int] = []
-        self.chunks: list[int] = []
-        self.writes: torch.Tensor | None = None  # (B, T) window slots of a pass's new keys
-        self.span = 0  # window slots a pass reads
-
-    @property
-    def rows(self) -> int:
-        return len(self.committed)
-
-    def start(self, row: int) -> int:
-        """Row ``row``'s window start (its positions before it are compressed)."""
-        return self.committed[row] - self.committed[row] % self.window
-
-    def row(self, r: int) -> EvaWindowCache:
-        """Row ``r`` as a one-row :class:`EvaWindowCache` whose window buffers are views of
-        this cache's (writes land here); its RFAs are copies (:meth:`store` writes them back)."""
-        one = EvaWindowCache.__new__(EvaWindowCache)
-        _EvaLayers.__init__(one, self.layers, self.window)
-        one.past_window_pos = [0] * self.layers.stop
-        c = self.chunks[r]
-        for layer in self.layers:
-            one.past_window_k[layer] = self.past_window_k[layer][r : r + 1]
-            one.past_window_v[layer] = self.past_window_v[layer][r : r + 1]
-            one.past_window_pos[layer] = self.committed[r] - self.start(r)
-            if c:
-                one.rfa_k[layer] = self.rfa_k[layer][r : r + 1, :, :c]
-                one.rfa_v[layer] = self.rfa_v[layer][r : r + 1, :, :c]
-        one.committed, one.length = self.committed[r], self.length[r]
-        return one
-
-    def store(self, r: int, one: EvaWindowCache) -> None:
-        """Writes row ``r``'s RFAs and counts back from :meth:`row`'s view ``one``."""
-        c = one.chunks()
-        if c > self.chunks[r]:
-            self.pad_chunks(c)
-            for layer in self.layers:
-                self.rfa_k[layer][r, :, :c] = one.rfa_k[layer][0]
-                self.rfa_v[layer][r, :, :c] = one.rfa_v[layer][0]
-        self.chunks[r], self.committed[r], self.length[r] = c, one.committed, one.length
-
-    def pad_chunks(self, width: int) -> None:
-        """Zero RFA columns (masked) up to ``width``."""
-        extra = width - self.width()
-        if extra <= 0:
-            return
-        for layer in self.layers:
-            k = self.past_window_k[layer]
-            b, h, _, hd = k.shape
-            for rfa in (self.rfa_k, self.rfa_v):
-                rfa[layer] = _cat(rfa[layer], k.new_zeros(b, h, extra, hd), 2)
-
-    def take(self, rows: torch.Tensor) -> None:
-        """Keeps the rows ``rows`` (B',) in that order."""
-        at = rows.tolist()
-        self.committed = [self.committed[i] for i in at]
-        self.length = [self.length[i] for i in at]
-        self.chunks = [self.chunks[i] for i in at]
-        width = max(self.chunks, default=0)
-        for layer in self.layers:
-            index = rows.to(self.past_window_k[layer].device)
-            for buffers in (self.past_window_k, self.past_window_v):
-                buffers[layer] = buffers[layer].index_select(0, index)
-            for rfas in (self.rfa_k, self.rfa_v):
-                if rfas[layer] is not None:
-                    rfas[layer] = (
-                        rfas[layer].index_select(0, index)[:, :, :width] if width else None
-                    )
-
-    def append(self, one: EvaWindowCache) -> None:
-        """Appends the settled one-row cache ``one`` as a new last row."""
-        c = one.chunks()
-        if self.rows:
-            self.pad_chunks(c)
-        width = max(self.width(), c)
-        for layer in self.layers:
-            k = one.past_window_k[layer]  # (1, h, W + room, hd)
-            pad = k.new_zeros(1, k.shape[1], width - c, k.shape[3])  # masked RFA columns
-            for mine, theirs in (
-                (self.past_window_k, one.past_window_k[layer]),
-                (self.past_window_v, one.past_window_v[layer]),
-                (self.rfa_k, _cat(one.rfa_k[layer], pad, 2) if width else None),
-                (self.rfa_v, _cat(one.rfa_v[layer], pad.clone(), 2) if width else None),
-            ):
-                mine[layer] = theirs if not self.rows else _cat(mine[layer], theirs, 0)
-        self.committed.append(one.committed)
-        self.length.append(one.length)
-        self.chunks.append(c)
-
-
 def _cat(first: torch.Tensor | None, then: Any, dim: int) -> Any:
     """``first`` and ``then`` joined along ``dim`` (``then`` alone where ``first`` is None)."""
     return then if first is None else torch.cat([first, then], dim)
@@ -318,33 +193,6 @@ def chunk_rfas(
     log_phi = attn.head_dim_scaling * (_fp32_if_mixed(attn, proj) - _fp32_if_mixed(attn, norm))
     rfa_v = torch.sum(torch.softmax(log_phi, dim=-2).to(dtype) * rf_v, dim=-2)
     return rfa_k, rfa_v
-
-
-def rows_attention(
-    attn: Any,
-    hidden_states: torch.Tensor,
-    *,
-    attention_mask: torch.Tensor,
-    past_key_value: EvaRowsCache,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    sdpa: bool = False,
-    **layer_kw: Any,
-) -> tuple[torch.Tensor, None, Any]:
-    """:func:`multibyte_attention` over B rows at their own lengths (:class:`EvaRowsCache`):
-    row r's new keys/values go to its window slots ``past_key_value.writes[r]``; ``attention_mask``
-    (B, 1, T, C + span) bool over ``[RFAs | window slots]``, each row's own; ``sdpa``: as
-    :func:`_attend`. ``layer_kw``: the rest of the layer's call (``position_ids``, ...)."""
-    assert layer_kw.get("multibyte_decoding") and layer_kw.get("use_cache")
-    b, t, _ = hidden_states.shape
-    h, hd = attn.num_heads, attn.head_dim
-    q, k, v = _rotated_qkv(attn, hidden_states, cos, sin)  # (B, h, T, hd) each
-    layer, cache = attn.layer_idx, past_key_value
-    assert cache.writes is not None
-    index = cache.writes[:, None, :, None].expand(b, h, t, hd)  # (B, h, T, hd)
-    cache.past_window_k[layer].scatter_(2, index, k)
-    cache.past_window_v[layer].scatter_(2, index, v)
-    return _window_attend(attn, q, cache, cache.span, attention_mask, sdpa), None, cache
 
 
 def refresh_rfas(
@@ -393,8 +241,8 @@ class EvaByteBackbone(Backbone):
 
     supports_tree_mask = True
     supports_batch = True
-    """Rows at their own lengths by :meth:`run_rows` (``mtpc.decoding.windowed.Windowed``),
-    not by ``attend`` / ``native_take``: each row has its own EVA window and RFAs."""
+    """Batches run on the static engine (``mtpc.decoding.static_eva``; without ``compile=``
+    uncompiled), not by ``attend`` / ``native_take``: each row has its own EVA window."""
 
     def __init__(self, hf_model: nn.Module, source: dict[str, Any] | None = None) -> None:
         config: Any = hf_model.config
@@ -442,7 +290,7 @@ class EvaByteBackbone(Backbone):
     def new_native_cache(self, start: int, end: int) -> EvaWindowCache:
         heads = int(self.config.num_attention_heads)
         return EvaWindowCache(
-            range(start, end), 1, heads, self.window_size,  # B = 1 (many rows: new_rows_cache)
+            range(start, end), 1, heads, self.window_size,  # B = 1 (many rows: the static engine)
             self.hidden_size // heads, self.dtype, self.device,
         )  # fmt: skip
 
@@ -518,131 +366,6 @@ class EvaByteBackbone(Backbone):
 
     def native_crop(self, native: EvaWindowCache, remove: int) -> None:
         self.native_compact(native, native.length - remove, _NO_SLOTS)
-
-    # --- many rows (mtpc.decoding.windowed.Windowed) ----------------------------------------
-    def new_rows_cache(self, start: int, end: int) -> EvaRowsCache:
-        """An empty :class:`EvaRowsCache` for layers ``start..end-1`` (rows come by
-        :meth:`EvaRowsCache.append` of a one-row cache prefilled alone)."""
-        return EvaRowsCache(range(start, end), self.window_size)
-
-    def rows_select(
-        self, native: EvaRowsCache, row: int, base: int, keep: torch.Tensor | None = None
-    ) -> None:
-        """Row ``row`` keeps positions ``[0, base)`` and ``base + keep`` (``None``: none after
-        ``base``), as :meth:`native_compact` does to one row's cache."""
-        one = native.row(row)
-        keep = _NO_SLOTS if keep is None else keep
-        self.native_compact(one, base, keep)
-        native.store(row, one)
-
-    def _settle_row(self, native: EvaRowsCache, row: int) -> None:
-        """Keeps every position row ``row``'s last pass wrote (:meth:`_settle`); short of a
-        full window nothing moves and nothing is compressed: only the count changes."""
-        length = native.length[row]
-        if length > native.committed[row]:
-            if length - native.start(row) < self.window_size:
-                native.committed[row] = length
-            else:
-                self.rows_select(native, row, length)
-
-    def run_rows(
-        self,
-        hidden: torch.Tensor,
-        native: EvaRowsCache,
-        counts: list[int],
-        inner: torch.Tensor,
-        offsets: torch.Tensor,
-        trees: list[bool],
-    ) -> torch.Tensor:
-        """Layers ``native.layers`` on B rows at their own lengths: row r's first ``counts[r]``
-        of ``hidden`` (B, T, d) are its new positions (0: the row sits out), a token tree
-        (``trees[r]``: ``offsets[r]`` (T,) depths, ``inner[r]`` (T, T) its mask) or a chain
-        (cut at the row's own window boundaries). Each pass: one multibyte pass of every row
-        over its own RFAs and window slots (:func:`rows_attention`). -> (B, T, d)."""
-        layers = native.layers
-        if not len(layers):
-            return hidden
-        b, w = hidden.shape[0], self.window_size
-        out = torch.zeros_like(hidden)
-        done = [0] * b
-        while any(done[r] < counts[r] for r in range(b)):
-            takes = []
-            for r in range(b):
-                rest = counts[r] - done[r]
-                if rest:  # the last pass's positions (before a piece: an earlier piece's)
-                    self._settle_row(native, r)
-                length, end = native.length[r], native.start(r) + w  # end: of the row's window
-                if trees[r] and rest and length + int(offsets[r, :rest].max()) >= end:
-                    raise ValueError(
-                        f"a token tree of row {r} reaches past its EVA window ending at "
-                        f"{end}; trim it to depth one_pass_span"
-                    )
-                takes.append(rest if trees[r] else self.one_pass_span(length, rest))
-            piece, positions, mask = self._rows_piece(
-                hidden, native, takes, done, inner, offsets, trees
-            )
-            rows = functools.partial(rows_attention, sdpa=self.use_triton)
-            result = self._layers(
-                piece, layers.start, layers.stop, positions, native, mask, attention=rows
-            )
-            for r in range(b):
-                if takes[r]:
-                    out[r, done[r] : done[r] + takes[r]] = result[r, : takes[r]]
-                    native.length[r] += takes[r]
-                    done[r] += takes[r]
-        return out
-
-    def _rows_piece(
-        self,
-        hidden: torch.Tensor,
-        native: EvaRowsCache,
-        takes: list[int],
-        done: list[int],
-        inner: torch.Tensor,
-        offsets: torch.Tensor,
-        trees: list[bool],
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One pass of :meth:`run_rows`: row r's next ``takes[r]`` positions after its
-        ``done[r]``, padded to the widest: their hidden states (B, W, d), positions (B, W) and
-        the mask (B, 1, W, C + span) over ``[RFAs | window slots]``; sets the rows' write slots
-        (``native.writes``, ``native.span``)."""
-        b, t, d = hidden.shape
-        device, w = hidden.device, self.window_size
-        width = max(takes)
-        j = torch.arange(width, device=device)
-        take_t = torch.tensor(takes, device=device)
-        done_t = torch.tensor(done, device=device)
-        real = j[None, :] < take_t[:, None]  # (B, width)
-        src = (done_t[:, None] + j[None, :]).clamp(max=t - 1)  # (B, width)
-        piece = hidden.gather(1, src[..., None].expand(b, width, d))
-        tree_rows = torch.tensor(trees, device=device)[:, None]
-        off = torch.where(tree_rows, offsets.gather(1, src), j[None, :])
-        lengths = torch.tensor(native.length, device=device)
-        positions = lengths[:, None] + torch.where(real, off, 0)  # (B, width)
-        rows_at = torch.arange(b, device=device)[:, None, None]
-        sub = inner[rows_at, src[:, :, None], src[:, None, :]]  # (B, width, width)
-        chain = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-        sub = torch.where(tree_rows[:, :, None], sub, chain)
-        sub = (sub & real[:, :, None] & real[:, None, :]) | torch.eye(
-            width, dtype=torch.bool, device=device
-        )
-        slots = [native.length[r] - native.start(r) for r in range(b)]  # first writes
-        span = max(slots) + width
-        if span > w + TREE_ROOM:
-            raise ValueError(
-                f"{width} new positions in an EVA window; allowed: at most "
-                f"{w + TREE_ROOM - max(slots)}"
-            )
-        writes = torch.tensor(slots, device=device)
-        cols = torch.arange(span, device=device)
-        rel = cols[None, :] - writes[:, None]  # (B, span)
-        new = sub.gather(2, rel.clamp(0, width - 1)[:, None, :].expand(b, width, span))
-        seen = (rel < 0)[:, None, :] | (new & ((rel >= 0) & (rel < width))[:, None, :])
-        chunks = torch.tensor(native.chunks, device=device)
-        rfa = torch.arange(native.width(), device=device)[None, :] < chunks[:, None]
-        mask = torch.cat([rfa[:, None, :].expand(b, width, -1), seen], 2)[:, None]
-        native.writes, native.span = writes[:, None] + j[None, :], span
-        return piece, positions, mask
 
     # --- the static engine (mtpc.decoding.static_eva) ---------------------------------------
     def run_static(
@@ -736,7 +459,7 @@ class EvaByteBackbone(Backbone):
                     use_cache=True,
                     cos=cos,
                     sin=sin,
-                    multibyte_decoding=isinstance(cache, _EvaLayers),
+                    multibyte_decoding=isinstance(cache, EvaWindowCache),
                 )[0]  # (B, T, d)
         finally:
             for attn in attns:

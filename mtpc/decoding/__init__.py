@@ -175,7 +175,7 @@ def _decode(
 ) -> list[GenerationResult]:
     """Runs the requests' decoder on ``model`` in eval mode (restoring training mode): the
     autoregressive ``step`` or a proposer (a chain or a token tree) in ``loop.decode``, or
-    with ``compile`` in ``static.decode_static``."""
+    with ``compile`` (and EvaByte's batches, uncompiled) in ``static.decode_static``."""
     from mtpc.decoding import autoregressive
     from mtpc.decoding.loop import decode
     from mtpc.decoding.speculative import Chain
@@ -190,9 +190,9 @@ def _decode(
         proposer: Any = None
         if step is None:
             proposer = Tree(request) if request.tree_budget else Chain(request, drafter)
-        if request.compile:
-            from mtpc.decoding.static import decode_static
+        from mtpc.decoding.static import StaticEngine, decode_static, engine_class
 
+        if request.compile or (size > 1 and engine_class(model) is not StaticEngine):
             return decode_static(model, prompts, requests, size, step=step, proposer=proposer)
         return decode(model, prompts, requests, proposer, size, step=step)
     finally:

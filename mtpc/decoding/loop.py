@@ -19,13 +19,12 @@ from mtpc.circuits.params import CircuitParams
 from mtpc.decoding.common import GenerationResult, Request, Stopwatch, TargetRule, cut_at_stop
 from mtpc.decoding.draws import ACCEPT, DRAFT, EMIT, LATENT, Draws, row_key
 from mtpc.decoding.layout import Padded, Stream, Tree
-from mtpc.decoding.windowed import Windowed
 
 
 class Layout(Protocol):
     """Where the rows' caches live: ``layout.Stream`` (one row), ``layout.Padded`` (a padded
-    batch with per-row slots), ``windowed.Windowed`` (EvaByte's rows, each in its own EVA
-    window), ``static.StaticLayout`` (``compile=``'s fixed-capacity caches)."""
+    batch with per-row slots), ``static.StaticLayout`` (fixed-capacity caches: ``compile=``,
+    and EvaByte's batches, each row in its own EVA window)."""
 
     def admit(
         self, rows: Sequence[Any], prompts: Sequence[Tensor]
@@ -258,16 +257,14 @@ def decode(
     ``prompts``: ``(T_b,)`` ids on the device; ``requests``: checked (``check_request``),
     differing in the seed only; ``size``: rows at once (1: each prompt in the model's own
     caches; more: one padded batch); ``layout``: where the rows' caches live instead (the
-    static engine's, for every prompt). One result per prompt, in order.
+    static engine's, for every prompt: ``compile=``, EvaByte's batches). One result per prompt, in order.
     """
     if size == 1:
         return [schedule(new_run(model, r, proposer), [p], [r], layout or Stream(model), 1,
                          step)[0]
                 for p, r in zip(prompts, requests, strict=True)]  # fmt: skip
     run = new_run(model, requests[0], proposer)
-    if layout is None:  # EvaByte: rows in their own EVA windows (windowed.Windowed)
-        layout = Windowed(model) if hasattr(model.backbone, "run_rows") else Padded(model)
-    return schedule(run, prompts, requests, layout, size, step)
+    return schedule(run, prompts, requests, layout or Padded(model), size, step)
 
 
 def new_run(model: Any, request: Request, proposer: Any) -> Run:

@@ -63,7 +63,7 @@ outside would keep every model alive through its engines)."""
 
 
 def engine_for(
-    model: Any, batch: int, capacity: int, backend: str, widest: int = 0
+    model: Any, batch: int, capacity: int, backend: str | None, widest: int = 0
 ) -> StaticEngine:
     """An engine of ``batch`` rows of ``capacity`` slots for ``model`` (``widest``: a token
     tree's pass, its scratch): the last calls' one when its shape matches (its graph is
@@ -82,7 +82,9 @@ def engine_for(
 def engine_class(model: Any) -> type[StaticEngine]:
     """The engine of ``model``'s backbone: EvaByte's windows and RFAs
     (``static_eva.EvaStaticEngine``), else the Llama family's slot caches."""
-    if hasattr(model.backbone, "run_rows"):  # EvaByte (as loop.decode picks its layout)
+    from mtpc.backbones.evabyte import EvaByteBackbone
+
+    if isinstance(model.backbone, EvaByteBackbone):
         from mtpc.decoding.static_eva import EvaStaticEngine
 
         return EvaStaticEngine
@@ -261,6 +263,27 @@ class StaticLayout:
         self.places = [None if id(held) in gone else held for held in self.places]
 
 
+def static_layout(
+    model: Any,
+    prompts: Sequence[Tensor],
+    request: Any,
+    size: int,
+    proposer: Any = None,
+    backend: str | None = None,
+) -> StaticLayout:
+    """A :class:`StaticLayout` over an engine of ``size`` rows for ``prompts`` decoded as
+    ``request`` asks (autoregressive, or ``proposer``'s chain or token tree): its capacity the
+    longest prompt plus ``max_new_tokens`` (plus a verify pass: a chain's window + 1, a token
+    tree's budget + 1), rounded up to :data:`BUCKET`; ``backend``: its step's torch.compile
+    backend (None: run eagerly, EvaByte's batches without ``compile``)."""
+    widest = request.tree_budget + 1 if request.tree_budget and proposer is not None else 0
+    longest = max(p.shape[0] for p in prompts) + request.max_new_tokens
+    if proposer is not None:  # a verify pass writes up to a window (a tree) past the tokens
+        longest += max(model.head.circuit.window + 1, widest)
+    engine = engine_for(model, size, capacity_for(longest), backend, widest)
+    return StaticLayout(engine, widest)
+
+
 def decode_static(
     model: Any,
     prompts: Sequence[Tensor],
@@ -269,22 +292,17 @@ def decode_static(
     step: Callable[..., Any] | None = None,
     proposer: Any = None,
 ) -> list[Any]:
-    """``loop.decode`` of checked requests (``compile`` set: its backend) in a
-    :class:`StaticEngine` of ``size`` rows, its capacity the longest prompt plus
-    ``max_new_tokens`` (plus a verify pass: a chain's window + 1, a token tree's budget + 1),
-    rounded up to :data:`BUCKET`; autoregressive (``step``) or speculative
-    (``proposer``: a chain, or a token tree). Each result's
-    ``engine`` says what ran (``compiled``, or ``static`` after a fallback)."""
+    """``loop.decode`` of checked requests in a :func:`static_layout`, compiled with the
+    requests' ``compile`` backend (False: uncompiled, EvaByte's batches); autoregressive
+    (``step``) or speculative (``proposer``). A compiled call's results say what ran in
+    ``engine`` (``compiled``, or ``static`` after a fallback)."""
     from mtpc.decoding.loop import decode
 
-    request = requests[0]
-    widest = request.tree_budget + 1 if request.tree_budget and proposer is not None else 0
-    longest = max(p.shape[0] for p in prompts) + request.max_new_tokens
-    if proposer is not None:  # a verify pass writes up to a window (a tree) past the tokens
-        longest += max(model.head.circuit.window + 1, widest)
-    engine = engine_for(model, size, capacity_for(longest), str(request.compile), widest)
-    layout = StaticLayout(engine, widest)
+    backend = requests[0].compile
+    layout = static_layout(
+        model, prompts, requests[0], size, proposer, str(backend) if backend else None
+    )
     results = decode(model, prompts, requests, proposer, size, step, layout)
-    for res in results:
-        res.engine = engine.engine
+    for res in results if backend else ():
+        res.engine = layout.engine.engine
     return results

@@ -130,7 +130,8 @@ class EvaStaticEngine(StaticEngine):
         (base + j) mod R``), then the RFAs of the chunks the kept positions touch recomputed
         from it (the tree pass summarised its nodes in pass order: a chunk the accepted path
         completes is read by no later pass)."""
-        cache, rows = self.cache, places[:, None]  # (R, 1)
+        cache: Any = self.cache
+        rows = places[:, None]  # (R, 1)
         f, ring, c = cache.rfas, cache.ring, cache.chunk
         count = keep.shape[1]
         src = f + (base[:, None] + keep) % ring  # (R, K)

@@ -74,7 +74,7 @@ class StaticEngine:
         model: Any,
         batch: int,
         capacity: int,
-        backend: str = "inductor",
+        backend: str | None = "inductor",
         chunk: int = PREFILL_CHUNK,
         widest: int = 0,
     ) -> None:
@@ -265,7 +265,7 @@ class StaticEngine:
     ) -> Any:
         """``eager(*args)`` compiled (:func:`compile_step`, once per step), or eagerly after a
         failure (``state``: the valid and lengths it updates, restored before the retry)."""
-        if self.failed is not None:
+        if self.failed is not None or self.backend is None:  # None: never compiled
             return eager(*args)
         if eager.__name__ not in self.compiled:
             self.compiled[eager.__name__] = compile_step(eager, self.backend, self.device)
