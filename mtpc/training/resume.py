@@ -9,16 +9,20 @@ import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mtpc.draft_fields import FREE_TO_CHANGE, flat_matters
 from mtpc.errors import UserError
 
+if TYPE_CHECKING:
+    from mtpc.training.settings import TrainerSettings, TrainSettings
+
 log = logging.getLogger(__name__)
 
 CONFIG_KEY = "mtpc_config"  # the settings that wrote a checkpoint (RunRecordCallback)
+Resume = tuple[Path, dict[str, Any]]  # a checkpoint's path and contents
 
 
 class RunFolderBusyError(UserError):
@@ -50,7 +54,7 @@ def _read_checkpoint(path: Path) -> dict[str, Any]:
     return checkpoint
 
 
-def find_resume_checkpoint(checkpoint_dir: Path) -> tuple[Path, dict[str, Any]] | None:
+def find_resume_checkpoint(checkpoint_dir: Path) -> Resume | None:
     """The checkpoint to resume from and its contents, or None when the folder has none:
     ``last.ckpt``, else the readable one with the highest global step (a warning; every rank
     chooses the same). :class:`CheckpointUnreadableError` when none can be read."""
@@ -101,42 +105,63 @@ def config_changes(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list
     return changes
 
 
-def check_resume_config(
-    checkpoint_path: Path,
-    saved: Mapping[str, Any] | None,
-    current: Mapping[str, Any],
-    run_name: str,
-    allow: bool,
-) -> list[str]:
-    """Refuses to resume a checkpoint written with other settings (``saved``; None: written
-    before configs were stored), naming the fields and the ways out, unless ``allow`` (then a
-    warning). Returns the changes."""
+def check_resume(
+    settings: TrainSettings, run_dir: Path, current: Mapping[str, Any], resume: Resume | None
+) -> tuple[dict[str, float], float | None]:
+    """Refuses to resume a checkpoint written with other settings (naming the fields and the
+    ways out; with ``allow_resume_changes`` a warning; a checkpoint that records none is not
+    checked) or with no steps left. Returns the untrained draft's metrics the checkpoint kept
+    (empty for a fresh run) and the new learning rate when ``optimizer.lr`` changed (else None)."""
+    if resume is None:
+        return {}, None
+    path, state = resume
+    saved, run = state.get(CONFIG_KEY), settings.run
+    changes = [] if saved is None else config_changes(saved, current)
     if saved is None:
-        log.warning(
-            "%s records no config; cannot check the settings of the resumed run", checkpoint_path
-        )
-        return []
-    changes = config_changes(saved, current)
-    if not changes:
-        return []
-    if allow:
+        log.warning("%s records no config; cannot check the settings of the resumed run", path)
+    elif changes and run.allow_resume_changes:
         log.warning(
             "resuming %s with changed settings (allow_resume_changes=true): %s",
-            checkpoint_path,
+            path,
             "; ".join(changes),
         )
-        return changes
-    changed = [c for c in changes if ": (unset) ->" not in c] or changes  # edits before new fields
-    suffix = "-".join(
-        f"{c.split(':')[0].rsplit('.', 1)[-1]}{c.rsplit('-> ', 1)[-1].strip(chr(39))}"
-        for c in changed[:2]
-    )
-    raise ResumeConfigError(
-        f"the run folder's checkpoint {checkpoint_path} was written with other settings: "
-        f"{'; '.join(changes)}. Rerun with the same settings to resume, start a separate run "
-        f"with run_name={run_name}-{suffix}, or pass allow_resume_changes=true to resume "
-        "with the new settings"
-    )
+    elif changes:
+        restore_hydra(run_dir)  # Hydra wrote this command's .hydra/ over the owner's
+        # the run_name suffix names edits before new fields
+        changed = [c for c in changes if ": (unset) ->" not in c] or changes
+        suffix = "-".join(
+            f"{c.split(':')[0].rsplit('.', 1)[-1]}{c.rsplit('-> ', 1)[-1].strip(chr(39))}"
+            for c in changed[:2]
+        )
+        raise ResumeConfigError(
+            f"the run folder's checkpoint {path} was written with other settings: "
+            f"{'; '.join(changes)}. Rerun with the same settings to resume, start a separate "
+            f"run with run_name={run.run_name}-{suffix}, or pass allow_resume_changes=true to "
+            "resume with the new settings"
+        )
+    check_steps_left(state, settings.trainer, run_dir)
+    lr = settings.sections.lr
+    new_lr = float(lr) if any(c.startswith("optimizer.lr:") for c in changes) else None
+    return dict(state.get("mtpc_init_metrics") or {}), new_lr
+
+
+def check_steps_left(state: Mapping[str, Any], trainer: TrainerSettings, run_dir: Path) -> None:
+    """Refuses a resume that asks for more steps than its epoch budget lets Lightning take (a
+    run that ended at ``trainer.max_epochs`` would silently re-export the same draft)."""
+    max_steps, max_epochs = trainer.max_steps, trainer.max_epochs
+    step = int(state.get("global_step", 0))
+    if max_steps in (None, -1) or max_epochs in (None, -1) or step >= int(max_steps):
+        return
+    loops = state.get("loops") or {}
+    progress = loops.get("fit_loop", {}).get("epoch_progress", {}).get("current", {})
+    # an epoch-end checkpoint is written after the epoch counts as processed, before completed
+    epochs = max(int(progress.get("completed", 0)), int(progress.get("processed", 0)))
+    if epochs >= int(max_epochs):
+        raise UserError(
+            f"the run in {run_dir} ended at trainer.max_epochs={max_epochs} (step {step}), so "
+            f"trainer.max_steps={max_steps} cannot take it further: add trainer.max_epochs=-1 "
+            "(then trainer.max_steps alone ends it) to continue it"
+        )
 
 
 def snapshot_hydra(run_dir: Path) -> None:

@@ -28,9 +28,8 @@ from mtpc.model import MTPCModel
 from mtpc.training.callbacks import AtomicCheckpointIO, RNGStateCallback, RunRecordCallback
 from mtpc.training.module import MTPCLightningModule
 from mtpc.training.resume import (
-    CONFIG_KEY,
     RunFolderBusyError,
-    check_resume_config,
+    check_resume,
     comparable_config,
     find_resume_checkpoint,
     is_global_zero,
@@ -249,25 +248,6 @@ def build_trainer(settings: TrainSettings, run_dir: Path, callbacks: list[L.Call
         raise ConfigError(f"trainer settings refused by Lightning: {message}") from None
 
 
-def check_steps_left(state: Mapping[str, Any], trainer: TrainerSettings, run_dir: Path) -> None:
-    """Refuses a resume that asks for more steps than its epoch budget lets Lightning take (a
-    run that ended at ``trainer.max_epochs`` would silently re-export the same draft)."""
-    max_steps, max_epochs = trainer.max_steps, trainer.max_epochs
-    step = int(state.get("global_step", 0))
-    if max_steps in (None, -1) or max_epochs in (None, -1) or step >= int(max_steps):
-        return
-    loops = state.get("loops") or {}
-    progress = loops.get("fit_loop", {}).get("epoch_progress", {}).get("current", {})
-    # an epoch-end checkpoint is written after the epoch counts as processed, before completed
-    epochs = max(int(progress.get("completed", 0)), int(progress.get("processed", 0)))
-    if epochs >= int(max_epochs):
-        raise UserError(
-            f"the run in {run_dir} ended at trainer.max_epochs={max_epochs} (step {step}), so "
-            f"trainer.max_steps={max_steps} cannot take it further: add trainer.max_epochs=-1 "
-            "(then trainer.max_steps alone ends it) to continue it"
-        )
-
-
 def _train_locked(
     settings: TrainSettings, run_dir: Path, exported: Callable[[Path], None]
 ) -> dict[str, float]:
@@ -277,7 +257,7 @@ def _train_locked(
     fast = settings.trainer.fast_dev_run
     comparable = comparable_config(settings.resolved)
     resume = None if fast else find_resume_checkpoint(checkpoint_dir)
-    init_metrics, new_lr = _check_resume(settings, run_dir, comparable, resume)
+    init_metrics, new_lr = check_resume(settings, run_dir, comparable, resume)
     snapshot_hydra(run_dir)
     # the trainer first: Lightning's refusals (devices, precision, accelerator) in seconds
     policy = settings.callbacks
@@ -348,32 +328,6 @@ def _train_locked(
             exported(Path(draft_dir))  # outputs/last_draft.txt names it
             log.info("exported the draft to %s", draft_dir)
     return metrics
-
-
-def _check_resume(
-    settings: TrainSettings,
-    run_dir: Path,
-    comparable: dict[str, Any],
-    resume: tuple[Path, dict[str, Any]] | None,
-) -> tuple[dict[str, float], float | None]:
-    """Refuses a resume with other settings or no steps left. Returns the untrained draft's
-    metrics the checkpoint kept (empty for a fresh run) and the new learning rate when
-    ``optimizer.lr`` changed (else None)."""
-    if resume is None:
-        return {}, None
-    path, state = resume
-    run = settings.run
-    try:
-        changes = check_resume_config(
-            path, state.get(CONFIG_KEY), comparable, str(run.run_name), run.allow_resume_changes
-        )
-    except Exception:
-        restore_hydra(run_dir)
-        raise
-    check_steps_left(state, settings.trainer, run_dir)
-    lr = settings.sections.lr
-    new_lr = float(lr) if any(c.startswith("optimizer.lr:") for c in changes) else None
-    return dict(state.get("mtpc_init_metrics") or {}), new_lr
 
 
 def unsharded_copy(settings: TrainSettings, module: MTPCLightningModule) -> MTPCModel:
