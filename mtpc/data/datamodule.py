@@ -263,11 +263,14 @@ class MTPCDataModule(L.LightningDataModule):
         self.window = window
         self.batch_size = batch_size
         self.val_batch_size = val_batch_size or batch_size
-        self.seed = seed
-        self.num_workers = num_workers
-        self.shuffle = shuffle
-        self.drop_last = drop_last
-        self.pin_memory = pin_memory
+        self._train_sampler = partial(
+            ResumableDistributedSampler, shuffle=shuffle, seed=seed, drop_last=drop_last
+        )  # of the train split's dataset, world size and rank
+        # both loaders' workers and collation; one document per row: batches cut to their
+        # longest row (:func:`collate_trimmed`)
+        self.loader_options: dict[str, Any] = {"num_workers": num_workers, "pin_memory": pin_memory}
+        if not pack_documents:
+            self.loader_options["collate_fn"] = collate_trimmed
         self.num_replicas = num_replicas
         self.rank = rank
         self.pack_documents = pack_documents
@@ -344,16 +347,12 @@ class MTPCDataModule(L.LightningDataModule):
     def train_dataloader(self) -> ResumableDataLoader:
         self.setup()
         dataset = self.datasets["train"]
-        world, rank = self._world()
-        sampler = ResumableDistributedSampler(
-            dataset, world, rank, shuffle=self.shuffle, seed=self.seed, drop_last=self.drop_last
-        )
         return ResumableDataLoader(
             dataset,
             batch_size=self.batch_size,
-            sampler=sampler,
-            persistent_workers=self.num_workers > 0,
-            **self._loader_options(),
+            sampler=self._train_sampler(dataset, *self._world()),
+            persistent_workers=self.loader_options["num_workers"] > 0,
+            **self.loader_options,
         )
 
     def val_dataloader(self) -> DataLoader:
@@ -364,14 +363,8 @@ class MTPCDataModule(L.LightningDataModule):
         if world > 1:
             sampler = DistributedSampler(dataset, world, rank, shuffle=False)
         return DataLoader(
-            dataset, batch_size=self.val_batch_size, sampler=sampler, **self._loader_options()
+            dataset, batch_size=self.val_batch_size, sampler=sampler, **self.loader_options
         )
-
-    def _loader_options(self) -> dict[str, Any]:
-        """Both loaders' workers and collation; one document per row: batches cut to their
-        longest row (:func:`collate_trimmed`)."""
-        collate = {} if self.pack_documents else {"collate_fn": collate_trimmed}
-        return {"num_workers": self.num_workers, "pin_memory": self.pin_memory, **collate}
 
     # -- evaluation prompts -----------------------------------------------------------
 

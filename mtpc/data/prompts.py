@@ -61,13 +61,11 @@ def stopword_ratio(text: str) -> float:
     return sum(w in ENGLISH_STOPWORDS for w in words) / len(words) if words else 0.0
 
 
-def is_english(
-    prompt: str, reference: str = "", min_ascii_letters: float = 0.95, min_stopwords: float = 0.03
-) -> bool:
+def is_english(prompt: str, reference: str = "") -> bool:
     """The English heuristic of the module docstring on a prompt and its reference."""
-    if min(ascii_letter_ratio(prompt), ascii_letter_ratio(reference)) < min_ascii_letters:
+    if min(ascii_letter_ratio(prompt), ascii_letter_ratio(reference)) < 0.95:
         return False
-    return len(_WORD.findall(prompt)) < 10 or stopword_ratio(prompt) >= min_stopwords
+    return len(_WORD.findall(prompt)) < 10 or stopword_ratio(prompt) >= 0.03
 
 
 def split_at_last_user(

@@ -37,7 +37,6 @@ def load_source(
     streaming: bool = False,
     revision: str | None = None,
     hf_name: str = TULU3_DATASET,
-    hf_split: str = "train",
     validation_fraction: float = 0.05,
 ) -> RowSource:
     """Opens a row source (the arguments: docs/DATA.md).
@@ -64,14 +63,14 @@ def load_source(
     import datasets  # a hub dataset of the Tülu 3 schema
 
     try:
-        ds = datasets.load_dataset(hf_name, split=hf_split, revision=revision, streaming=streaming)
+        ds = datasets.load_dataset(hf_name, split="train", revision=revision, streaming=streaming)
     except Exception as err:  # offline, gated, renamed: say what to do instead
         raise RuntimeError(
-            f"could not load {hf_name!r} (split {hf_split!r}) from the Hugging Face hub: {err}. "
+            f"could not load {hf_name!r} (split 'train') from the Hugging Face hub: {err}. "
             "Without network, download it elsewhere and pass data.path=<jsonl | parquet | "
             "arrow dir | save_to_disk dir>"
         ) from err
-    label = f"{hf_name}[{hf_split}]@{revision or 'main'}"
+    label = f"{hf_name}[train]@{revision or 'main'}"
     if streaming:  # keyed by name@revision (pin a commit), else by its Arrow fingerprint
         stream = ds if num_rows is None else ds.take(num_rows)
         return RowSource(label, f"hub-stream:{label}:n{num_rows}", lambda: iter(stream), num_rows)
@@ -141,14 +140,13 @@ def concat_sources(sources: Sequence[RowSource]) -> RowSource:
         raise DataError("data.path is an empty list; allowed: a path or a list of paths")
     if len(sources) == 1:
         return sources[0]
-    parts = list(sources)
-    sizes = [src.num_rows for src in parts]
+    sizes = [src.num_rows for src in sources]
     total = None if any(n is None for n in sizes) else sum(n for n in sizes if n is not None)
-    fingerprint = hashlib.sha256("\n".join(s.fingerprint for s in parts).encode()).hexdigest()
+    fingerprint = hashlib.sha256("\n".join(s.fingerprint for s in sources).encode()).hexdigest()
     return RowSource(
-        "+".join(src.name for src in parts),
+        "+".join(src.name for src in sources),
         f"concat:{fingerprint[:16]}",
-        lambda: chain.from_iterable(src.iter_rows() for src in parts),
+        lambda: chain.from_iterable(src.iter_rows() for src in sources),
         total,
     )
 
@@ -198,22 +196,14 @@ def _iter_json(path: Path) -> Iterator[Row]:
             yield item
         return
     with path.open("rb") as f:
-        position = 0
-        for raw in f:
-            if not raw.strip():
-                continue
+        for position, raw in enumerate(raw for raw in f if raw.strip()):
             row_id = f"{path.name}:{position}"
-            position += 1
             try:
-                text = raw.decode("utf-8")
+                item = json.loads(raw.decode("utf-8"))
             except UnicodeDecodeError:
-                yield {ERROR_KEY: "undecodable_text", "id": row_id}
-                continue
-            try:
-                item = json.loads(text)
+                item = {ERROR_KEY: "undecodable_text", "id": row_id}
             except json.JSONDecodeError:
-                yield {ERROR_KEY: "invalid_json", "id": row_id}
-                continue
+                item = {ERROR_KEY: "invalid_json", "id": row_id}
             yield item if isinstance(item, dict) else {ERROR_KEY: "no_messages", "id": row_id}
 
 
