@@ -96,32 +96,6 @@ def warmup_prompts(
     return [*prompts, ids[:length]]
 
 
-def decode_prompts(
-    model: Any,
-    prompts: Sequence[Any],
-    codec: Any,
-    seeds: Sequence[int],
-    kwargs: Mapping[str, Any],
-    per_cycle: bool,
-    references: Sequence[Sequence[str] | None],
-    batch_size: int = 1,
-) -> list[dict[str, Any]]:
-    """Decodes prompts, every turn of a multi-turn one (each later turn after the model's own
-    answer, cut at its first stop id); returns each record's measurements, the turns pooled
-    (docs/EVALUATION.md, "Records"). The prompts' k-th turns are decoded together,
-    ``batch_size`` at once. ``per_cycle``: keep the per-cycle lists (drafting passes);
-    ``references``: per prompt, AR's ``tokens_sha1`` per turn (the greedy check), or None."""
-    convs = [_Conversation(p) for p in prompts]
-    for turn in range(max(len(c.later) for c in convs) + 1):
-        going = [c for c in convs if turn <= len(c.later)]
-        ids = [c.next_prompt(codec, turn) for c in going]
-        seed = [seeds[convs.index(c)] for c in going]
-        out = generate(model, ids, seed=seed, batch_size=min(batch_size, len(ids)), **kwargs)
-        for c, result in zip(going, out, strict=True):
-            c.results.append(result)
-    return [c.record(per_cycle, ref) for c, ref in zip(convs, references, strict=True)]
-
-
 class _Conversation:
     """One prompt on its way through its turns."""
 
@@ -203,17 +177,25 @@ class Lane:
     def decode(
         self, items: Sequence[tuple[int, int, Any]], references: Sequence[Sequence[str] | None]
     ) -> list[dict[str, Any]]:
-        """The records of prompts ``items`` (set k, index i in it, the prompt), decoded
+        """The records of prompts ``items`` (set k, index i in it, the prompt), every turn of a
+        multi-turn one (each later turn after the model's own answer, cut at its first stop id),
+        the turns pooled (docs/EVALUATION.md, "Records"); the k-th turns are decoded together,
         ``batch_size`` at once. A greedy drafting record whose reference (AR's ``tokens_sha1``
         per turn) is None, AR being later on this prompt, is marked ``check_pending``: the
         report checks it (``mtpc.evaluation.report.resolve_checks``)."""
         seeds = [self.seed + i + getattr(p, "seed_offset", 0) for _, i, p in items]
         pending = [self.check and ref is None for ref in references]
         checked = [None if not self.check or ref is None else ref for ref in references]
-        fields = decode_prompts(
-            self.model, [p for _, _, p in items], self.codec, seeds, self.kwargs,
-            self.drafting, checked, self.batch_size,
-        )  # fmt: skip
+        convs = [_Conversation(p) for _, _, p in items]
+        for turn in range(max(len(c.later) for c in convs) + 1):
+            going = [c for c in convs if turn <= len(c.later)]
+            ids = [c.next_prompt(self.codec, turn) for c in going]
+            seed = [seeds[convs.index(c)] for c in going]
+            size = min(self.batch_size, len(ids))
+            out = generate(self.model, ids, seed=seed, batch_size=size, **self.kwargs)
+            for c, result in zip(going, out, strict=True):
+                c.results.append(result)
+        fields = [c.record(self.drafting, ref) for c, ref in zip(convs, checked, strict=True)]
         return [
             {"type": "prompt", "draft": self.name, "draft_path": self.path,
              "pass": self.pass_name, "set": k, "index": i, "prompt_id": p.id,
