@@ -1,11 +1,9 @@
-"""Sequence-level self-distillation: the target rewrites the assistant turns of training rows.
-
-The job of ``scripts/regenerate.py``: output folder (per-shard rows, skip log, manifest, lock),
-resume, sharding and refusals are described in docs/DATA.md, "Self-distillation". Every turn
-draws from its own seed (:func:`turn_seed`), so a resumed or re-sharded row equals an
-uninterrupted one. The folder is an append-only store (``mtpc.store.AppendStore``). Its settings
-are one schema, :class:`RegenerateSettings`, read and checked once at the door
-(:func:`parse_regenerate`); each default equals ``configs/regenerate.yaml``'s.
+"""Sequence-level self-distillation (``scripts/regenerate.py``): the target rewrites the
+assistant turns of training rows into an append-only folder (``mtpc.store.AppendStore``; its
+files, resume, sharding and refusals: docs/DATA.md, "Self-distillation"). Each turn draws from
+its own seed (:func:`turn_seed`), so a resumed or re-sharded row equals an uninterrupted one.
+Settings: :class:`RegenerateSettings`, checked once at the door (:func:`parse_regenerate`),
+each default as in ``configs/regenerate.yaml``.
 """
 
 from __future__ import annotations
@@ -95,12 +93,8 @@ class Settings:
 
     def output_law(self) -> dict[str, Any]:
         """The settings that decide what is written (not how fast): the manifest's identity.
-
-        The decoder (autoregressive or speculative, the draft, its policy and mode) is left
-        out: it is lossless, so it changes the speed, not the rows' law. Greedy output is
-        the same byte for byte; sampled output the same in distribution (not per seed), so a
-        sampled folder records the decoder too.
-        """
+        The decoder (method, draft, policy, mode) is lossless: greedy rows are the same bytes
+        without it; sampled rows only the same in distribution (not per seed), so they keep it."""
         keys: tuple[str, ...] = ("greedy", "max_new_tokens", "seed")
         if not self.greedy:  # the sampling parameters, then the decoder
             keys += ("temperature", "top_k", "top_p")
@@ -456,10 +450,8 @@ def open_source(data: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
 
 
 def regenerate(cfg: Any) -> dict[str, Any]:
-    """The whole job of ``scripts/regenerate.py``; returns the shard's manifest.
-
-    Raises ConfigError (before anything loads) or RegenerateMismatchError.
-    """
+    """The whole job of ``scripts/regenerate.py``; returns the shard's manifest. Raises
+    ConfigError (before anything loads) or RegenerateMismatchError."""
     import torch
 
     from mtpc.backbones.codecs import get_codec

@@ -1,9 +1,8 @@
 """On-disk cache of tokenised documents, splits and packing plans (docs/DATA.md, "Caching").
 
-A folder per key under ``<cache_dir>/data/``, its files named where ``_build_cache`` writes
-them; ``meta.json`` records every other file's size and hash. The folder is written under a
-temporary name and renamed into place: a crash never leaves a half-written cache and
-concurrent ranks never read one.
+A folder per key under ``<cache_dir>/data/`` (files: ``_build_cache``; ``meta.json`` holds the
+others' sizes and hashes), written under a temporary name and renamed into place: a crash never
+leaves a half-written cache and concurrent ranks never read one.
 """
 
 from __future__ import annotations
@@ -185,8 +184,7 @@ def prepare(
 def _build_cache(
     tmp: Path, folder: Path, parts: dict[str, Any], source: RowSource
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Writes ``prepare``'s files (for the key ``parts``) into ``tmp``; returns its summary and
-    meta."""
+    """Writes ``prepare``'s files (key ``parts``) into ``tmp``; returns the summary and meta."""
     start = time.perf_counter()
     codec, max_bytes = parts["codec"], parts["max_bytes"]
     with (
@@ -254,11 +252,9 @@ def _build_cache(
 
 
 def load_prepared(folder: str | os.PathLike[str], verify: bool = True) -> PreparedData:
-    """Reads a cache folder written by ``prepare`` (the big arrays memory mapped).
-
-    ``verify=False`` (dataloader workers reopening a verified folder) checks sizes only.
-    Raises ``CacheCorruptError`` when a file is missing, unreadable or differs from meta.json.
-    """
+    """Reads a cache folder written by ``prepare`` (the big arrays memory mapped); raises
+    ``CacheCorruptError`` when a file is missing, unreadable or differs from meta.json.
+    ``verify=False`` (dataloader workers reopening a verified folder) checks sizes only."""
     folder = Path(folder)
     try:
         meta = json.loads((folder / "meta.json").read_text())

@@ -33,9 +33,7 @@ logger = logging.getLogger(__name__)
 
 class PackedDataset(Dataset[dict[str, Tensor]]):
     """The packed sequences of one split; item k is packed sequence k as a dict of tensors.
-
-    Picklable without copying the corpus (workers reopen the memory-mapped cache).
-    """
+    Picklable without copying the corpus (workers reopen the memory-mapped cache)."""
 
     def __init__(
         self,
@@ -91,12 +89,9 @@ class PackedDataset(Dataset[dict[str, Tensor]]):
 
 
 class ResumableDistributedSampler(DistributedSampler):
-    """A ``DistributedSampler`` that can start mid-epoch.
-
-    Every rank draws the epoch's seeded permutation (seed + epoch), padded by wrap-around
-    (or cut, with ``drop_last``) to a multiple of W = ``num_replicas``; rank r takes
-    positions r, r + W, ... of what follows the first ``start`` (global) positions.
-    """
+    """A ``DistributedSampler`` that can start mid-epoch: every rank draws the epoch's seeded
+    permutation (seed + epoch), padded by wrap-around (or cut, with ``drop_last``) to a multiple
+    of W = ``num_replicas``; rank r takes positions r, r + W, ... after the first ``start``."""
 
     start = 0  # global positions of this epoch's permutation already consumed
 
@@ -122,11 +117,8 @@ class ResumableDistributedSampler(DistributedSampler):
 
 
 def collate_trimmed(items: list[dict[str, Tensor]]) -> dict[str, Tensor]:
-    """Default collation, then the padding columns after the batch's longest row cut off.
-
-    For one document per row (``pack_documents=False``): padding is always a suffix of a row,
-    so every (B, L, ...) tensor keeps its first ``length`` columns.
-    """
+    """Default collation, then the padding columns after the batch's longest row cut off (one
+    document per row: padding is a suffix of each row, so (B, L, ...) tensors keep a prefix)."""
     batch = default_collate(items)
     full = batch["input_ids"].shape[1]
     length = int(batch["attention_mask"].sum(dim=1).max())
@@ -139,14 +131,11 @@ def collate_trimmed(items: list[dict[str, Tensor]]) -> dict[str, Tensor]:
 
 
 class ResumableDataLoader(DataLoader):
-    """A ``DataLoader`` over a ``ResumableDistributedSampler`` that remembers its position.
-
-    ``state_dict()`` is ``{epoch, batches}`` plus the settings checked on load (Lightning
-    keeps it under ``loops.fit_loop.state_dict.combined_loader``); after
-    ``load_state_dict`` the next ``iter()`` continues with batch ``batches`` of ``epoch``.
-    Exact for the same batch and world size; another world size resumes at the same global
-    position.
-    """
+    """A ``DataLoader`` over a ``ResumableDistributedSampler`` that remembers its position:
+    ``state_dict()`` is ``{epoch, batches}`` plus the settings checked on load (Lightning keeps
+    it under ``loops.fit_loop.state_dict.combined_loader``); after ``load_state_dict`` the next
+    ``iter()`` continues with batch ``batches`` of ``epoch``. Exact for the same batch and world
+    size; another world size resumes at the same global position."""
 
     sampler: ResumableDistributedSampler
     _epoch = 0  # the epoch whose batches are counted (a new sampler's: 0)

@@ -17,10 +17,8 @@ import numpy as np
 
 @dataclass(frozen=True)
 class PackPlan:
-    """Which pieces (segments) of which documents make up each packed sequence.
-
-    Sequence k holds segments ``seq_offsets[k]:seq_offsets[k+1]``, in placement order.
-    """
+    """Which pieces (segments) of which documents make up each packed sequence: sequence k
+    holds segments ``seq_offsets[k]:seq_offsets[k+1]``, in placement order."""
 
     seq_len: int  # L
     seq_offsets: np.ndarray  # (S+1,) int64
@@ -47,13 +45,10 @@ class PackPlan:
 
 
 def plan_packing(doc_lengths: np.ndarray, seq_len: int, pack: bool = True) -> PackPlan:
-    """Plans (D,) documents of ``doc_lengths`` (split order) into sequences of ``seq_len``.
-
-    Every id of every document lands in exactly one segment. ``pack=False`` puts each
-    document (or piece) in a sequence of its own, for a target whose attention cannot keep
-    packed documents apart (EvaByte; docs/TRAINING.md). ``seq_len`` >= 1 and every length >= 1
-    (the data module's and the cache's).
-    """
+    """Plans (D,) documents of ``doc_lengths`` (split order, each >= 1) into sequences of
+    ``seq_len`` >= 1: every id in exactly one segment. ``pack=False`` puts each document (or
+    piece) in a sequence of its own, for a target whose attention cannot keep packed documents
+    apart (EvaByte; docs/TRAINING.md)."""
     lengths = np.asarray(doc_lengths, dtype=np.int64)
     # pieces (doc, start, length): full seq_len chunks of long documents, each filling a
     # sequence, and the remainders, which are packed
@@ -102,14 +97,11 @@ def build_sequence(
     doc_sources: np.ndarray,
     pad_id: int,
 ) -> dict[str, np.ndarray]:
-    """Materialises packed sequence ``index`` of ``plan``.
-
-    ``ids`` / ``assistant`` (T,) are the corpus store; ``doc_offsets`` / ``doc_sources`` (D,)
-    are each split document's start in it and source id. Returns ``input_ids``,
-    ``position_ids``, ``document_ids`` (segments 0, 1, ... of the sequence), ``source_ids``
-    and ``loss_mask``, each (L,); padding is ``pad_id``, position 0, document and source
-    -1, loss False.
-    """
+    """Materialises packed sequence ``index`` of ``plan``: ``ids`` / ``assistant`` (T,) are the
+    corpus store, ``doc_offsets`` / ``doc_sources`` (D,) each split document's start in it and
+    source id. Returns ``input_ids``, ``position_ids``, ``document_ids`` (segments 0, 1, ... of
+    the sequence), ``source_ids`` and ``loss_mask``, each (L,); padding is ``pad_id``,
+    position 0, document and source -1, loss False."""
     length = plan.seq_len
     out = {
         "input_ids": np.full(length, pad_id, dtype=np.int64),

@@ -128,12 +128,10 @@ def tokenize_rows(
     ids_file: BinaryIO | None = None,
     mask_file: BinaryIO | None = None,
 ) -> tuple[TokenizedDocs, DropStats]:
-    """Validates rows and renders them with ``codec``'s chat template, in source order.
-
-    Rows over ``max_bytes`` ids are dropped as ``too_long``.
-    With ``ids_file`` and ``mask_file`` (both or neither), ids and mask are streamed there as
-    raw uint16 / uint8 and the returned arrays are empty (flat memory for Tülu's 939k rows).
-    """
+    """Validates rows and renders them with ``codec``'s chat template, in source order (over
+    ``max_bytes`` ids: ``too_long``). With ``ids_file`` and ``mask_file`` (both or neither), ids
+    and mask are streamed there as raw uint16 / uint8 and the returned arrays are empty (flat
+    memory for Tülu's 939k rows)."""
     if codec.vocab_size > np.iinfo(np.uint16).max:
         raise ValueError(
             f"codec {codec.name} has {codec.vocab_size} ids; uint16 storage needs < 65536"
@@ -196,12 +194,10 @@ def _render(row: Any, codec: ByteCodec, max_bytes: int) -> tuple[ChatEncoding | 
 def split_indices(
     num_docs: int, seed: int = 0, validation_fraction: float = DEFAULT_VALIDATION_FRACTION
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Shuffles ``range(num_docs)`` with ``seed`` and cuts it into (train, validation).
-
-    Validation gets ``round(validation_fraction * num_docs)`` documents (at least one when the
-    fraction is > 0 and there are 2+ documents); both keep the shuffled order. ``ValueError``
-    for a ``validation_fraction`` outside [0, 1).
-    """
+    """Shuffles ``range(num_docs)`` with ``seed`` and cuts it into (train, validation): validation
+    gets ``round(validation_fraction * num_docs)`` documents (at least one when the fraction is > 0
+    and there are 2+ documents); both keep the shuffled order. ``ValueError`` for a
+    ``validation_fraction`` outside [0, 1)."""
     if not 0.0 <= validation_fraction < 1.0:
         raise ValueError(f"validation_fraction must be in [0, 1), got {validation_fraction}")
     perm = np.random.default_rng(seed).permutation(num_docs).astype(np.int64)

@@ -260,12 +260,10 @@ def python_code_source(
     validation_fraction: float = 0.05,
     kinds: Sequence[str] = KINDS,
 ) -> RowSource:
-    """Rows cut from the ``.py`` files under ``root`` (None: the standard library).
-
-    The files are hashed up front (the fingerprint) and parsed into rows on first use, once:
-    a cache hit never parses. ``DataError`` for an unknown kind, a fraction outside [0, 1),
-    ``num_rows`` < 1 or a root without ``.py`` files; ``MissingFileError`` for a non-folder.
-    """
+    """Rows cut from the ``.py`` files under ``root`` (None: the standard library). The files are
+    hashed up front (the fingerprint) and parsed into rows on first use, once: a cache hit never
+    parses. ``DataError`` for an unknown kind, a fraction outside [0, 1), ``num_rows`` < 1 or a root
+    without ``.py`` files; ``MissingFileError`` for a non-folder."""
     unknown = [k for k in kinds if k not in KINDS]
     if unknown or not kinds:
         raise DataError(f"python_code kinds={list(kinds)}; allowed: a non-empty subset of {KINDS}")

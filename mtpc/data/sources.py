@@ -39,12 +39,10 @@ def load_source(
     hf_name: str = TULU3_DATASET,
     validation_fraction: float = 0.05,
 ) -> RowSource:
-    """Opens a row source (the arguments: docs/DATA.md).
-
-    ``seed`` is the synthetic generator's, ``validation_fraction`` python_code's share of
-    held-out files. ``DataError`` for an unknown ``source``, ``local`` without ``path`` or an
-    unknown format; ``MissingFileError`` for a ``path`` that does not exist.
-    """
+    """Opens a row source (the arguments: docs/DATA.md). ``seed`` is the synthetic generator's,
+    ``validation_fraction`` python_code's share of held-out files. ``DataError`` for an unknown
+    ``source``, ``local`` without ``path`` or an unknown format; ``MissingFileError`` for a ``path``
+    that does not exist."""
     if source not in SOURCES:
         raise DataError(f"data source is {source!r}; allowed: {SOURCES}")
     if source == "python_code":
@@ -93,10 +91,8 @@ def synthetic_source(num_rows: int | None = None, seed: int = 0) -> RowSource:
 
 
 def local_source(path: str | os.PathLike[str]) -> RowSource:
-    """A local dataset of the Tülu 3 schema (docs/DATA.md, "Accepted input").
-
-    ``MissingFileError`` when ``path`` does not exist, ``DataError`` for an unknown format.
-    """
+    """A local dataset of the Tülu 3 schema (docs/DATA.md, "Accepted input");
+    ``MissingFileError`` when ``path`` does not exist, ``DataError`` for an unknown format."""
     p = Path(path).expanduser()
     if not p.exists():
         raise MissingFileError(

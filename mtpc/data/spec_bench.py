@@ -61,10 +61,8 @@ def _fail(path: Path, line: int, what: str) -> SpecBenchError:
 
 
 def read_questions(path: str | Path) -> tuple[list[Question], str]:
-    """Every question of a Spec-Bench ``question.jsonl``, checked, and the file's sha256.
-
-    ``SpecBenchError`` for a missing or empty file, or a bad line (naming the file and line).
-    """
+    """Every question of a Spec-Bench ``question.jsonl``, checked, and the file's sha256;
+    ``SpecBenchError`` for a missing or empty file, or a bad line (naming the file and line)."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise SpecBenchError(
@@ -124,10 +122,8 @@ def select_questions(
     categories: Sequence[str] | None = None,
     turns: int | None = None,
 ) -> list[Question]:
-    """The questions of ``categories`` (None: all) in file order, cut to ``turns`` turns.
-
-    ``SpecBenchError`` for a category no question has (listing those the file has).
-    """
+    """The questions of ``categories`` (None: all) in file order, cut to ``turns`` turns;
+    ``SpecBenchError`` for a category no question has (listing those the file has)."""
     if categories is not None:
         present = list(dict.fromkeys(q.category for q in questions))
         unknown = [c for c in categories if c not in present]
@@ -152,11 +148,9 @@ def conversation(question: Question, answers: Sequence[str]) -> list[dict[str, s
 
 
 def longest_prompt(question: Question, codec: ByteCodec, max_new_tokens: int) -> int:
-    """An upper bound on the ids of any turn's prompt.
-
-    Earlier answers count ``max_new_tokens`` ids of at most 3 bytes each (U+FFFD for an
-    invalid byte; valid UTF-8 never grows, special ids are dropped).
-    """
+    """An upper bound on the ids of any turn's prompt: earlier answers count ``max_new_tokens``
+    ids of at most 3 bytes each (U+FFFD for an invalid byte; valid UTF-8 never grows, special
+    ids are dropped)."""
     worst = "\ufffd" * max_new_tokens
     last = len(question.turns) - 1
     return len(codec.generation_prompt(conversation(question, [worst] * last)))
@@ -172,12 +166,10 @@ def build_prompt_sets(
     num_prompts: int | None = None,
     path: str | Path = "prompts.path",
 ) -> list[list[SpecBenchPrompt]]:
-    """``num_sets`` runs over the same questions (Spec-Bench repeats its runs), in file order.
-
-    A question whose last turn's prompt could exceed ``max_prompt_length`` is left out with
-    a warning; then ``per_category`` and ``num_prompts`` keep the first questions.
-    ``SpecBenchError`` when ``num_prompts`` exceeds the questions that fit, or none fits.
-    """
+    """``num_sets`` runs over the same questions (Spec-Bench repeats its runs), in file order. A
+    question whose last turn's prompt could exceed ``max_prompt_length`` is left out with a warning;
+    then ``per_category`` and ``num_prompts`` keep the first questions. ``SpecBenchError`` when
+    ``num_prompts`` exceeds the questions that fit, or none fits."""
     fit = [
         q
         for q in questions

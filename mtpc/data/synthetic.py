@@ -240,12 +240,10 @@ def load_synthetic(
     seed: int = 0,
     validation_fraction: float = DEFAULT_VALIDATION_FRACTION,
 ) -> datasets.DatasetDict:
-    """The synthetic dataset with ``train`` and ``validation`` splits (by ``is_validation``).
-
-    Generated into ``cache_dir`` (``default_cache_dir()`` when None) as JSON lines on first
-    use, read back afterwards. ``ValueError`` for a negative ``num_rows`` or a
-    ``validation_fraction`` outside [0, 1).
-    """
+    """The synthetic dataset with ``train`` and ``validation`` splits (by ``is_validation``),
+    generated into ``cache_dir`` (``default_cache_dir()`` when None) as JSON lines on first use,
+    read back afterwards. ``ValueError`` for a negative ``num_rows`` or a ``validation_fraction``
+    outside [0, 1)."""
     if not 0.0 <= validation_fraction < 1.0:  # a negative num_rows: generate_rows refuses it
         raise ValueError(f"validation_fraction must be in [0, 1), got {validation_fraction}")
     key = f"synthetic-v{GENERATOR_VERSION}-n{num_rows}-seed{seed}-val{validation_fraction:g}"
