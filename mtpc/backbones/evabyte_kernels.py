@@ -1,13 +1,6 @@
-"""EvaByte's attention path and its triton kernels (fix 8 of docs/BACKBONES.md, "Loading real
-checkpoints"; "The kernels on a CPU", "What compat does to the remote kernels").
-
-Which path runs (:func:`resolve_attention_impl`: EvaByte's triton kernels, triton's CPU
-interpreter, or its pure-torch EVA), the remote kernels' interface check
-(:data:`KERNEL_INTERFACE`), the blocks they pick per GPU capability and the gate on the EVA
-window / chunk sizes (:func:`check_kernel_blocks`), the short-row backward and the
-interpreter's host shim (:func:`prepare_eva_kernels`, called by
-:func:`mtpc.backbones.remote_code.load_remote_causal_lm`).
-"""
+"""EvaByte's attention path (:func:`resolve_attention_impl`: triton kernels, triton's CPU
+interpreter or pure-torch EVA) and what compat does to its triton kernels
+(:func:`prepare_eva_kernels`): fix 8 of docs/BACKBONES.md, "Loading real checkpoints"."""
 
 from __future__ import annotations
 
@@ -152,9 +145,9 @@ def kernel_capability() -> tuple[int, int]:
 
 @contextlib.contextmanager
 def _kernels_see_gpu(capability: tuple[int, int] | None, cpu_tensors: bool) -> Iterator[None]:
-    """Inside the block, ``torch.cuda.get_device_capability()`` returns ``capability`` (unless
-    ``None``) and, with ``cpu_tensors``, every tensor is ``is_cuda``: what the host wrappers
-    assert and look up, for triton's interpreter. Restored on leaving the block."""
+    """Inside the block (or a call it decorates), ``torch.cuda.get_device_capability()``
+    returns ``capability`` (unless ``None``) and, with ``cpu_tensors``, every tensor is
+    ``is_cuda``: what the host wrappers assert and look up, for triton's interpreter."""
     with contextlib.ExitStack() as patches:
         if capability is not None:
             lookup = mock.patch.object(torch.cuda, "get_device_capability", return_value=capability)
@@ -253,19 +246,6 @@ def _empty_rfa_backward(original: Callable[..., Any]) -> Callable[..., Any]:
     return backward
 
 
-def _on_interpreter(
-    original: Callable[..., Any], capability: tuple[int, int]
-) -> Callable[..., Any]:
-    """A host wrapper run with :func:`_kernels_see_gpu` for the duration of the call."""
-
-    @functools.wraps(original)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        with _kernels_see_gpu(capability, cpu_tensors=True):
-            return original(*args, **kwargs)
-
-    return call
-
-
 def prepare_eva_kernels(
     model_module: ModuleType, config: Any, dtype: torch.dtype, run_device: str | torch.device
 ) -> dict[str, Any]:
@@ -309,9 +289,8 @@ def prepare_eva_kernels(
             current = getattr(modules[short], name)
             original = getattr(current, "__mtpc_original__", current)
             new = _empty_rfa_backward(original) if name == "triton_eva_agg_bwd" else original
-            if interpreter:
-                assert capability is not None
-                new = _on_interpreter(new, capability)
+            if interpreter:  # the host wrapper runs as on a GPU for the duration of a call
+                new = _kernels_see_gpu(capability, cpu_tensors=True)(new)
             if new is not original:
                 setattr(new, "__mtpc_original__", original)  # noqa: B010
             wrapped[id(current)] = wrapped[id(original)] = new
