@@ -124,9 +124,6 @@ class _StubOnOptionalImport(importlib.abc.Loader):
         self.loader = loader
         self.reasons = reasons  # optional package -> why it is missing
 
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self.loader.create_module(spec)
-
     def exec_module(self, module: ModuleType) -> None:
         try:
             self.loader.exec_module(module)
@@ -280,9 +277,11 @@ def patch_remote_module(module: ModuleType) -> None:
 
 # ------------------------------------------------------ 5. non-persistent buffers ----
 @contextlib.contextmanager
-def _parameters_on_meta() -> Iterator[None]:
-    """Inside the block, new parameters live on the meta device; buffers are real."""
+def _skeleton_build(dtype: torch.dtype) -> Iterator[None]:
+    """Inside the block, ``dtype`` is the default dtype and new parameters live on the meta
+    device; buffers are real."""
     register = nn.Module.register_parameter
+    previous = torch.get_default_dtype()
 
     def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         register(module, name, param)
@@ -292,19 +291,11 @@ def _parameters_on_meta() -> Iterator[None]:
             module._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
 
     nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign,assignment]
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register  # type: ignore[method-assign]
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         yield
     finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
         torch.set_default_dtype(previous)
 
 
@@ -327,7 +318,7 @@ def restore_non_persistent_buffers(model: nn.Module, dtype: torch.dtype) -> list
     """
     config = copy.deepcopy(model.config)
     build_dtype = dtype if dtype.is_floating_point else torch.float32
-    with _default_dtype(build_dtype), _parameters_on_meta(), torch.device("cpu"):
+    with _skeleton_build(build_dtype), torch.device("cpu"):
         skeleton = type(model)(config)
     fresh = non_persistent_buffers(skeleton)
     replaced = []
