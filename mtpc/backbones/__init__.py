@@ -126,13 +126,6 @@ def tiny_backbone(
     return LlamaBackbone(hf_model, "tiny", codec="tiny", source=source, extra_mtp=mtp_unembeddings)
 
 
-def _is_bundled_tiny(hf_model: nn.Module) -> bool:
-    from mtpc.backbones.tiny import TINY_TARGET_DIR
-
-    name = getattr(getattr(hf_model, "config", None), "_name_or_path", "") or ""
-    return bool(name) and Path(name).resolve() == Path(TINY_TARGET_DIR).resolve()
-
-
 def backbone_from_hf(target: Any, mtp_unembeddings: torch.Tensor | None = None) -> Backbone:
     """Wraps a loaded HF causal LM (or a ``TinyTarget``) in the matching backbone: EvaByte by
     ``model_type``, the byte Llama by ``expand_input_ids``, else the Llama family (ValueError
@@ -141,7 +134,7 @@ def backbone_from_hf(target: Any, mtp_unembeddings: torch.Tensor | None = None) 
         return target
     plain = not isinstance(target, nn.Module)
     if plain and hasattr(target, "model") and hasattr(target, "mtp_unembeddings"):
-        return tiny_backbone(target.model, target.mtp_unembeddings, None)  # a TinyTarget
+        return tiny_backbone(target.model, target.mtp_unembeddings)  # a TinyTarget
     if plain or not hasattr(target, "config"):
         raise ValueError(f"target is a {type(target).__name__}; expected a Hugging Face causal LM")
     config = target.config
@@ -160,8 +153,10 @@ def backbone_from_hf(target: Any, mtp_unembeddings: torch.Tensor | None = None) 
             f"target is a {type(target).__name__} without model.layers/model.norm/lm_head; "
             "supported: LlamaForCausalLM-compatible models, EvaByte, the byte-level Llama"
         )
-    if _is_bundled_tiny(target):
-        return tiny_backbone(target, mtp_unembeddings, None)
     from mtpc.backbones.llama import LlamaBackbone
+    from mtpc.backbones.tiny import TINY_TARGET_DIR
 
+    name = getattr(config, "_name_or_path", "") or ""
+    if name and Path(name).resolve() == TINY_TARGET_DIR.resolve():  # the bundled tiny target
+        return tiny_backbone(target, mtp_unembeddings)
     return LlamaBackbone(target, extra_mtp=mtp_unembeddings)
