@@ -122,15 +122,23 @@ def test_batches_run_on_the_uncompiled_static_engine(
     model: MTPCModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Without ``compile=``, a batch's passes go to the static engine's layout, whose step is
-    never handed to torch.compile; B = 1 stays in the model's own caches."""
+    never handed to torch.compile; its prompts are prefilled alone (no pass of the engine's
+    prefill chunk: B rows per chunk for one new row) and adopted; B = 1 stays in the model's
+    own caches."""
     from mtpc.decoding import static, static_step
 
-    passes = []
-    original = static.StaticLayout.target
+    passes, widths = [], []
+    original, run = static.StaticLayout.target, static_step.StaticEngine.run
 
     def target(self: Any, *args: Any, **kw: Any) -> Any:
         passes.append(self.engine.backend)
         return original(self, *args, **kw)
+
+    def engine_run(self: Any, ids: torch.Tensor, *args: Any) -> Any:
+        widths.append(ids.shape[1])
+        return run(self, ids, *args)
+
+    monkeypatch.setattr(static_step.StaticEngine, "run", engine_run)
 
     def never(*args: Any) -> Any:
         raise AssertionError("the uncompiled engine's step went to torch.compile")
@@ -139,6 +147,7 @@ def test_batches_run_on_the_uncompiled_static_engine(
     monkeypatch.setattr(static_step, "compile_step", never)
     out = mtpc.generate(model, prompts(4), 12, batch_size=3, seed=[0, 1, 2, 3])
     assert passes and set(passes) == {None}
+    assert widths and static_step.PREFILL_CHUNK not in widths
     assert {r.engine for r in out} == {"eager"}
     passes.clear()
     mtpc.generate(model, prompts(4)[0], 12)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mtpc.decoding.layout import index_of
+from mtpc.decoding.layout import Stream, index_of
 from mtpc.decoding.static_step import StaticEngine
 
 BUCKET = 256
@@ -106,6 +106,9 @@ class StaticLayout:
         self.places: list[Any] = [None] * engine.batch  # the row in each place, or None
         self._shapes: dict[int, tuple[Tensor, Tensor, Tensor]] = {}  # T -> _shape's
         self.base = engine.lengths.clone()  # (B,) the lengths before the last pass
+        # id(row) -> (its place, its layout.Stream): an uncompiled engine's new row, prefilled
+        # alone and adopted at its first pass (EvaStaticEngine.adopt)
+        self.fresh: dict[int, tuple[int, Stream]] = {}
 
     def admit(
         self, rows: Sequence[Any], prompts: Sequence[Tensor]
@@ -121,6 +124,8 @@ class StaticLayout:
             self.places[i] = row
         places = torch.tensor(at, device=engine.device)
         engine.reset_rows(places)
+        if engine.backend is None:  # uncompiled: each prompt alone, not B rows per chunk pass
+            return self._admit_alone(at, rows, prompts)
         flat = torch.nn.utils.rnn.pad_sequence(list(prompts), True)  # (R, L)
         count = torch.tensor([p.shape[0] for p in prompts], device=engine.device)  # (R,)
         states: list[list[Tensor]] = [[] for _ in rows]
@@ -145,6 +150,7 @@ class StaticLayout:
         :attr:`widest`), padded to the pass's fixed T (1; the window; a tree pass:
         :attr:`widest`): the rows' trunk states ``(1, T_b, d)`` and logits ``(T_b, V)``."""
         engine = self.engine
+        self._join()
         widths = [x.shape[0] for x in ids]
         tree = any(t is not None for t in trees)
         width = self.widest if tree else 1 if max(widths) == 1 else engine.window
@@ -236,6 +242,8 @@ class StaticLayout:
         cycle, the prefill chunk over a prompt)."""
         if not states:
             return []
+        if any(id(row) in self.fresh for row in rows):
+            return self._draft_fresh(rows, states)
         engine, model = self.engine, self.engine.model
         if not model.k:  # no draft tail: the draft reads the trunk's (= verifier's) last state
             return [s[:, -1] if s.shape[1] else None for s in states]
@@ -257,8 +265,45 @@ class StaticLayout:
                     last[j] = ends[j : j + 1]  # (1, d)
         return last
 
+    def _admit_alone(
+        self, at: list[int], rows: Sequence[Any], prompts: Sequence[Tensor]
+    ) -> tuple[list[Tensor], list[Tensor]]:
+        """:meth:`admit` of an uncompiled engine: each prompt prefilled alone in a
+        ``layout.Stream`` (its prefill as decoding it alone runs it), adopted at its first
+        pass (:meth:`_join`)."""
+        states, logits = [], []
+        for place, row, prompt in zip(at, rows, prompts, strict=True):
+            stream = Stream(self.engine.model)
+            (state,), (last,) = stream.admit([row], [prompt])
+            self.fresh[id(row)] = (place, stream)
+            states.append(state)
+            logits.append(last)
+        return states, logits
+
+    def _draft_fresh(self, rows: Sequence[Any], states: Sequence[Tensor]) -> list[Tensor | None]:
+        """:meth:`draft` with fresh rows among ``rows``: theirs alone in their streams (then
+        adopted), the others' on the engine."""
+        fresh = [n for n, row in enumerate(rows) if id(row) in self.fresh]
+        out: list[Tensor | None] = [None] * len(rows)
+        for n in fresh:
+            (out[n],) = self.fresh[id(rows[n])][1].draft([rows[n]], [states[n]])
+        self._join()
+        rest = [n for n in range(len(rows)) if n not in fresh]
+        lasts = self.draft([rows[n] for n in rest], [states[n] for n in rest])
+        for n, last in zip(rest, lasts, strict=True):
+            out[n] = last
+        return out
+
+    def _join(self) -> None:
+        """The fresh rows' streams go into the engine (:meth:`EvaStaticEngine.adopt`)."""
+        for place, stream in self.fresh.values():
+            self.engine.adopt(place, stream.caches)  # type: ignore[attr-defined]
+        self.fresh = {}
+
     def release(self, rows: Sequence[Any]) -> None:
         """The rows leave their places (a new prompt's admission empties them)."""
+        for row in rows:
+            self.fresh.pop(id(row), None)
         gone = {id(row) for row in rows}
         self.places = [None if id(held) in gone else held for held in self.places]
 

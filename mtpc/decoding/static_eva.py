@@ -147,6 +147,44 @@ class EvaStaticEngine(StaticEngine):
             attn = layers[cache.first + i].self_attn
             refresh_rfas(attn, keys, values, rows, read, write)
 
+    def adopt(self, place: int, caches: Any) -> None:
+        """Row ``place`` takes a one-row ``layout.Stream``'s caches (its prompt prefilled
+        alone: an uncompiled engine's admission, which would otherwise run B rows per prefill
+        chunk): trunk and verifier into the target buffers, the draft tail's into cache D,
+        each window's positions into the ring and its RFAs into their slots; the RFAs of the
+        current window's chunks are computed as a pass computes them."""
+        backbone = self.model.backbone
+        targets: list[tuple[Any, Tensor, tuple[Any, ...]]] = [
+            (self.cache, self.lengths, (caches.trunk, caches.verifier))
+        ]
+        if self.model.k:
+            self._draft_buffers()
+            targets.append((self.draft_cache, self.draft_lengths, (caches.draft,)))
+        rows = torch.tensor([[place]], device=self.device)  # (1, 1)
+        for cache, lengths, parts in targets:
+            length = 0
+            for native in (part.native for part in parts if part.native is not None):
+                backbone._settle(native)
+                length, start = native.length, native.window_start
+                f, ring, c = cache.rfas, cache.ring, cache.chunk
+                window = f + (start + torch.arange(length - start, device=self.device)) % ring
+                n = -(-(length - start) // c)  # the current window's chunks (the last: partial)
+                at = (start + torch.arange(n * c, device=self.device)) % ring
+                chunks = (start // c + torch.arange(n, device=self.device)).clamp(max=f - 1)
+                for layer in native.layers:
+                    i = layer - cache.first
+                    for mine, ring_kv, rfa in (
+                        (cache.keys[i], native.past_window_k[layer], native.rfa_k[layer]),
+                        (cache.values[i], native.past_window_v[layer], native.rfa_v[layer]),
+                    ):
+                        mine[place][:, window] = ring_kv[0, :, : length - start].to(mine.dtype)
+                        if rfa is not None:
+                            mine[place][:, : rfa.shape[2]] = rfa[0].to(mine.dtype)
+                    attn = backbone.layers[layer].self_attn
+                    refresh_rfas(attn, cache.keys[i], cache.values[i], rows, f + at[None],
+                                 chunks[None])  # fmt: skip
+            lengths[place] = length
+
     @staticmethod
     def _append(cache: Any, valid: Tensor, lengths: Tensor, real: Tensor) -> None:
         lengths.add_(real.sum(1))

@@ -250,15 +250,19 @@ class StaticEngine:
 
     def run_draft(self, hidden: Tensor, real: Tensor, offsets: Tensor, inner: Tensor) -> Tensor:
         """:meth:`draft_step` with the adapter on, compiled (eager after a failure)."""
+        self._draft_buffers()
+        state = (self.draft_valid, self.draft_lengths)
+        with self.model.backbone.adapter(True):
+            out: Tensor = self._call(self.draft_step, (hidden, real, offsets, inner), state)
+        return out
+
+    def _draft_buffers(self) -> None:
+        """Cache D's buffers, allocated on first use."""
         if self.draft_cache is None:
             model = self.model
             self.draft_cache, self.draft_valid, self.draft_lengths = self._buffers(
                 model.split, model.backbone.num_layers
             )
-        state = (self.draft_valid, self.draft_lengths)
-        with self.model.backbone.adapter(True):
-            out: Tensor = self._call(self.draft_step, (hidden, real, offsets, inner), state)
-        return out
 
     def _call(
         self, eager: Callable[..., Any], args: tuple[Tensor, ...], state: tuple[Tensor, Tensor]
