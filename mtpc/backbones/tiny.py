@@ -205,14 +205,6 @@ def load_tiny_target(
     return TinyTarget(model=model, mtp_unembeddings=mtp, metadata=metadata, path=folder)
 
 
-def mtp_log_probs(hidden: torch.Tensor, mtp_unembeddings: torch.Tensor) -> torch.Tensor:
-    """Log-probabilities (..., K, V) of the MTP heads (K * V, d) on normed ``hidden`` (..., d);
-    ``[..., k, :]`` is the distribution of the byte k + 1 positions ahead."""
-    vocab = mtp_unembeddings.shape[0] // NUM_MTP_HEADS
-    logits = hidden @ mtp_unembeddings.T  # (..., K * V)
-    return logits.unflatten(-1, (-1, vocab)).log_softmax(-1)  # (..., K, V)
-
-
 def encode_chats(
     rows: Sequence[Mapping[str, Any]], codec: ByteCodec | None = None
 ) -> list[tuple[list[int], list[bool]]]:
@@ -260,7 +252,8 @@ def validation_metrics(
         add("loss", nll, valid[:, 1:])
         add("assistant_loss", nll, assistant[:, 1:])
         if mtp_unembeddings is not None:
-            mtp = mtp_log_probs(hidden.float(), mtp_unembeddings.float().to(device))  # (B, T, K, V)
+            logits = hidden.float() @ mtp_unembeddings.float().to(device).T  # (B, T, K * V)
+            mtp = logits.unflatten(-1, (NUM_MTP_HEADS, -1)).log_softmax(-1)  # (B, T, K, V)
             for k in range(1, mtp.shape[2]):
                 nll_k = -mtp[:, : -1 - k, k].gather(-1, ids[:, 1 + k :, None])[..., 0]  # (B, T-1-k)
                 add(f"mtp_loss_{k}", nll_k, valid[:, 1 + k :])
