@@ -27,38 +27,28 @@ from mtpc.model import MTPCModel
 Decoder = Callable[[list[int], int], GenerationResult]
 """Decodes one prompt's target ids with a seed."""
 
+AR_KEYWORDS = ("greedy", "max_new_tokens", "stop_ids", "temperature", "top_k", "top_p")
+
 
 def hetero_decoders(
-    target: Any,
-    target_tokenizer: Any,
-    drafter: Any,
-    drafter_tokenizer: Any,
-    greedy: bool,
-    max_new_tokens: int,
-    stop_ids: Sequence[int] | None = None,
-    **options: Any,
+    target: Any, target_tokenizer: Any, drafter: Any, drafter_tokenizer: Any, **options: Any
 ) -> dict[str, Decoder]:
     """The AR and the heterogeneous speculative decoder of one prompt, by pass
-    (``HETERO_PASSES``); arguments as :func:`evaluate_hetero`'s, ``options`` with its
-    ``algorithm`` and ``lookahead`` (``target`` may also be a ``Backbone``: the AR pass keeps
-    its attention path)."""
+    (``HETERO_PASSES``); ``options``: :func:`mtpc.generate_hetero`'s keywords, of which AR
+    takes ``greedy``, ``max_new_tokens``, ``stop_ids`` (None: the target's) and the sampling
+    ones (``target`` may also be a ``Backbone``: the AR pass keeps its attention path)."""
     t_tok, d_tok = as_tokenizer(target_tokenizer), as_tokenizer(drafter_tokenizer)
-    stops = list(t_tok.stop_ids if stop_ids is None else stop_ids)
-    sample_kw = {k: options[k] for k in ("temperature", "top_k", "top_p") if k in options}
+    stops = options.get("stop_ids")
+    options["stop_ids"] = list(t_tok.stop_ids if stops is None else stops)
+    ar_kw = {k: options[k] for k in AR_KEYWORDS if k in options}
     alone = MTPCModel.target_only(target)  # the one AR decoder: mtpc.generate's
     hf = target.hf_model if isinstance(target, Backbone) else target
 
     def run_ar(p: list[int], seed: int) -> GenerationResult:
-        return generate(
-            alone, p, max_new_tokens, method="autoregressive", greedy=greedy, seed=seed,
-            stop_ids=stops, **sample_kw,
-        )  # fmt: skip
+        return generate(alone, p, method="autoregressive", seed=seed, **ar_kw)
 
     def run_sd(p: list[int], seed: int) -> GenerationResult:
-        return generate_hetero(
-            hf, t_tok, drafter, d_tok, p, greedy=greedy, seed=seed,
-            max_new_tokens=max_new_tokens, stop_ids=stops, **options,
-        )  # fmt: skip
+        return generate_hetero(hf, t_tok, drafter, d_tok, p, seed=seed, **options)
 
     return dict(zip(HETERO_PASSES, (run_ar, run_sd), strict=True))
 
@@ -132,8 +122,9 @@ def evaluate_hetero(
     if not ids:
         raise ValueError("prompts is empty")
     decoders = hetero_decoders(
-        target, target_tokenizer, drafter, drafter_tokenizer, greedy, max_new_tokens, stop_ids,
-        algorithm=algorithm, lookahead=lookahead, **options,
+        target, target_tokenizer, drafter, drafter_tokenizer, greedy=greedy,
+        max_new_tokens=max_new_tokens, stop_ids=stop_ids, algorithm=algorithm,
+        lookahead=lookahead, **options,
     )  # fmt: skip
     sink = MemoryRecords()
     prompt_set = [HeteroPrompt(str(i), p) for i, p in enumerate(ids)]
@@ -172,8 +163,8 @@ def decode_hetero(s: EvalSettings, store: RecordStore, prompt_sets: list[list[An
         options |= {k: getattr(d, k) for k in ("temperature", "top_k", "top_p")}
     algorithm = str(drafter.algorithm)
     decoders = hetero_decoders(
-        backbone, codec, model, tokenizer, bool(d.greedy), int(d.max_new_tokens),
-        algorithm=algorithm, lookahead=int(drafter.lookahead),
+        backbone, codec, model, tokenizer, greedy=bool(d.greedy),
+        max_new_tokens=int(d.max_new_tokens), algorithm=algorithm, lookahead=int(drafter.lookahead),
         **{k: v for k, v in options.items() if v is not None},
     )  # fmt: skip
     key = hetero_draft_path({"model": drafter_model})
