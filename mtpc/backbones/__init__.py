@@ -1,8 +1,6 @@
-"""HF backbones behind one split-at-k interface, byte codecs and chat templates.
-
-``load_backbone`` is the Hydra builder (``model=tiny|evabyte|llama3_byte``);
-``backbone_from_hf`` wraps an already loaded model. See docs/BACKBONES.md.
-"""
+"""HF backbones behind one split-at-k interface, byte codecs and chat templates. ``load_backbone``
+is the Hydra builder (``model=tiny|evabyte|llama3_byte``); ``backbone_from_hf`` wraps an already
+loaded model. See docs/BACKBONES.md."""
 
 from __future__ import annotations
 
@@ -89,13 +87,11 @@ def load_backbone(
     run_device: str | None = None,
     **_: Any,
 ) -> Backbone:
-    """Loads a target by registry name (flat arguments for Hydra ``model=`` configs).
-
-    ``path``: checkpoint or hub id (``None``: the bundled assets / the hub id).
-    ``attention_impl`` (EvaByte only) is chosen for ``run_device`` (default ``device``), where
-    a model loaded elsewhere will run. Other ``model.*`` fields are ignored. Raises ValueError
-    before loading anything (name, dtype, attention path), TargetLoadError after.
-    """
+    """Loads a target by registry name (flat arguments for Hydra ``model=`` configs). ``path``:
+    checkpoint or hub id (``None``: the bundled assets / the hub id). ``attention_impl`` (EvaByte
+    only) is chosen for ``run_device`` (default ``device``), where a model loaded elsewhere will
+    run. Other ``model.*`` fields are ignored. Raises ValueError before loading anything (name,
+    dtype, attention path), TargetLoadError after."""
     if name not in BACKBONES:
         raise ValueError(f"model.name is {name!r}; allowed: {list(BACKBONES)}")
     torch_dtype = resolve_dtype(dtype, device)

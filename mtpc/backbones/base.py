@@ -24,10 +24,8 @@ DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_N
 
 def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
     """The torch dtype of ``dtype`` (a :data:`DTYPES` name or a dtype), checked for ``device``.
-
-    Raises ValueError (before any weights are loaded): unknown dtype or device, fp16 on CPU,
-    bf16 where the device cannot run it, CUDA without a GPU.
-    """
+    Raises ValueError (before any weights are loaded): unknown dtype or device, fp16 on CPU, bf16
+    where the device cannot run it, CUDA without a GPU."""
     name = str(dtype).removeprefix("torch.")
     if name not in DTYPES:
         shown = dtype if isinstance(dtype, torch.dtype) else repr(dtype)
@@ -83,11 +81,9 @@ def causal_mask(
 
 
 def document_mask(documents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Additive causal mask (B, 1, T, T) inside each document of packed rows.
-
-    ``documents`` (B, T): document index per position; padding (negative) attends only to
-    padding, so no row of the mask is empty.
-    """
+    """Additive causal mask (B, 1, T, T) inside each document of packed rows. ``documents`` (B, T):
+    document index per position; padding (negative) attends only to padding, so no row of the mask
+    is empty."""
     t = documents.shape[1]
     causal = torch.ones(t, t, dtype=torch.bool, device=documents.device).tril()  # (T, T)
     same = documents[:, :, None] == documents[:, None, :]  # (B, T, T)
@@ -154,10 +150,8 @@ class LayerCache:
 
     def compact(self, base: int, keep: torch.Tensor) -> None:
         """Keeps positions ``[0, base)`` and then ``base + keep``, in that order; drops the rest.
-
         ``keep`` (K,): strictly increasing offsets into what was appended after ``base`` (an
-        accepted path of a token tree); ValueError otherwise or when ``base`` is out of range.
-        """
+        accepted path of a token tree); ValueError otherwise or when ``base`` is out of range."""
         if not 0 <= base <= self.length:
             raise ValueError(f"compact base is {base}; allowed: 0 <= base <= {self.length}")
         keep = keep.to(torch.long).reshape(-1)
@@ -343,16 +337,14 @@ class Backbone(nn.Module, ABC):
         tree_mask: torch.Tensor | None = None,
         attend: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Runs layers ``start..end-1`` on ``hidden`` (B, T, d) -> (B, T, d).
-
-        ``positions`` (B, T) or (T,), default ``cache.length + arange(T)``. A ``cache`` is
-        appended to, without autograd (inference); ``None`` is a training run. ``adapter``:
-        LoRA on (draft tail) or off. Only without a cache: ``documents`` (B, T) document index
-        of packed rows (negative on padding), attention kept inside each where supported.
-        Only with a cache: ``tree_mask`` (T, T) bool, new position i attends new position j
-        where True (cached ones always; ``None``: the causal chain; ``supports_tree_mask``);
-        ``attend`` (B, T, P + T) bool, per row (``supports_batch``).
-        """
+        """Runs layers ``start..end-1`` on ``hidden`` (B, T, d) -> (B, T, d). ``positions`` (B, T)
+        or (T,), default ``cache.length + arange(T)``. A ``cache`` is appended to, without autograd
+        (inference); ``None`` is a training run. ``adapter``: LoRA on (draft tail) or off. Only
+        without a cache: ``documents`` (B, T) document index of packed rows (negative on padding),
+        attention kept inside each where supported. Only with a cache: ``tree_mask`` (T, T) bool,
+        new position i attends new position j where True (cached ones always; ``None``: the causal
+        chain; ``supports_tree_mask``); ``attend`` (B, T, P + T) bool, per row
+        (``supports_batch``)."""
         b, t, _ = hidden.shape
         if tree_mask is not None:
             if cache is None:
@@ -386,17 +378,13 @@ class Backbone(nn.Module, ABC):
                 )
         if cache is not None:
             cache.length += t
-            self._guard_cache(cache)
+            # the component's last layer holds every position fed to it, or the layers dropped
+            # the cache (a renamed keyword) and tokens are wrong
+            got = None if cache.native is None else self.native_length(cache.native, end - 1)
+            if got is not None and got != cache.length:
+                message = cache_guard_message(self, self.cache_kw, cache.length, got)
+                raise CacheInterfaceError(message)
         return hidden
-
-    def _guard_cache(self, cache: LayerCache) -> None:
-        """CacheInterfaceError unless the component's last layer holds every position fed to
-        it: otherwise the layers dropped the cache (a renamed keyword) and tokens are wrong."""
-        if cache.native is None:
-            return
-        got = self.native_length(cache.native, cache.end - 1)
-        if got is not None and got != cache.length:
-            raise CacheInterfaceError(cache_guard_message(self, self.cache_kw, cache.length, got))
 
     @torch.no_grad()
     def reference_logits(self, ids: torch.Tensor) -> torch.Tensor:
@@ -427,7 +415,7 @@ def hf_source(hf_model: nn.Module, model: str | None = None) -> dict[str, Any]:
     """The identity of an HF model: its name, name_or_path and commit hash, when known."""
     config: Any = getattr(hf_model, "config", None)
     return {
-        "model": model or getattr(hf_model, "_mtpc_model_name", None) or "hf",
+        "model": model or "hf",
         "path": getattr(config, "_name_or_path", None) or None,
         "revision": getattr(config, "_commit_hash", None),
     }

@@ -1,14 +1,12 @@
-"""Hub remote code (EvaByte, tokenkit's byte Llama) under the pinned transformers 5.x.
-
-The remote code was written for transformers 4.4x; every generic workaround lives here,
-numbered by the failure it fixes (docs/BACKBONES.md, "Loading real checkpoints"): 1 optional
-kernel imports, 2 the 4.4x ``rope_scaling`` view, 3 the "default" RoPE initialiser, 4 config
-keys the class lacks, 5 non-persistent buffers left empty, 6 removed transformers modules, 7
-the decoder layers' cache keyword ("Following transformers"). Fix 8, EvaByte's attention path
-and triton kernels ("The kernels on a CPU"), is :mod:`mtpc.backbones.evabyte_kernels`;
-:func:`mtpc.backbones.remote_code.load_remote_causal_lm`, the only loader of remote code,
-applies them all.
-"""
+"""Hub remote code (EvaByte, tokenkit's byte Llama) under the pinned transformers 5.x. The remote
+code was written for transformers 4.4x; every generic workaround lives here, numbered by the failure
+it fixes (docs/BACKBONES.md, "Loading real checkpoints"): 1 optional kernel imports, 2 the 4.4x
+``rope_scaling`` view, 3 the "default" RoPE initialiser, 4 config keys the class lacks, 5
+non-persistent buffers left empty, 6 removed transformers modules, 7 the decoder layers' cache
+keyword ("Following transformers"). Fix 8, EvaByte's attention path and triton kernels ("The kernels
+on a CPU"), is :mod:`mtpc.backbones.evabyte_kernels`;
+:func:`mtpc.backbones.remote_code.load_remote_causal_lm`, the only loader of remote code, applies
+them all."""
 
 from __future__ import annotations
 
@@ -66,10 +64,8 @@ def transformers_version() -> str:
 
 def cache_keyword(layer_cls: type, default: str | None = None) -> str:
     """The keyword ``layer_cls.forward`` takes its KV cache by (first of :data:`CACHE_KEYWORDS`).
-
-    ``default`` is returned when the signature names none; without one, CacheInterfaceError
-    (a ``**kwargs`` catch-all is not trusted: a cache passed there may be dropped).
-    """
+    ``default`` is returned when the signature names none; without one, CacheInterfaceError (a
+    ``**kwargs`` catch-all is not trusted: a cache passed there may be dropped)."""
     params = inspect.signature(layer_cls.forward).parameters  # type: ignore[attr-defined]
     found = next((name for name in CACHE_KEYWORDS if name in params), default)
     if found is not None:
@@ -160,12 +156,10 @@ class _RemoteModuleFinder(importlib.abc.MetaPathFinder):
 def remote_imports(
     optional: frozenset[str] = frozenset(), blocked: frozenset[str] = frozenset()
 ) -> Iterator[None]:
-    """Imports of remote code inside the block tolerate missing ``optional`` packages.
-
-    A remote module failing on one becomes a placeholder whose functions raise when called.
-    ``blocked`` packages are unimportable inside the block, so remote ``try: import ...``
-    fallbacks take their pure-torch path.
-    """
+    """Imports of remote code inside the block tolerate missing ``optional`` packages. A remote
+    module failing on one becomes a placeholder whose functions raise when called. ``blocked``
+    packages are unimportable inside the block, so remote ``try: import ...`` fallbacks take their
+    pure-torch path."""
     saved = {
         name: module
         for name, module in sys.modules.items()
@@ -310,12 +304,10 @@ def non_persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def restore_non_persistent_buffers(model: nn.Module, dtype: torch.dtype) -> list[str]:
-    """Recomputes ``model``'s non-persistent buffers with its own ``__init__`` (in place);
-    returns the names replaced.
-
-    The skeleton is built with ``dtype`` as default dtype (as ``from_pretrained`` does); the
-    plain tensor attributes of the buffers' modules (``original_inv_freq``) are copied too.
-    """
+    """Recomputes ``model``'s non-persistent buffers with its own ``__init__`` (in place); returns
+    the names replaced. The skeleton is built with ``dtype`` as default dtype (as
+    ``from_pretrained`` does); the plain tensor attributes of the buffers' modules
+    (``original_inv_freq``) are copied too."""
     config = copy.deepcopy(model.config)
     build_dtype = dtype if dtype.is_floating_point else torch.float32
     with _skeleton_build(build_dtype), torch.device("cpu"):

@@ -38,12 +38,10 @@ class AttentionImplError(UserError, ValueError):
 def resolve_attention_impl(
     requested: str, device: str | torch.device, dtype: torch.dtype | str | None = None
 ) -> str:
-    """EvaByte's attention path for ``device``: ``"triton"`` (kernels) or ``"torch"``.
-
-    ``auto`` never picks triton's CPU interpreter; ``triton`` on a CPU needs it, in float32
-    (``dtype``; ``None``: not checked). Raises AttentionImplError where the path cannot run
-    (docs/BACKBONES.md, "The kernels on a CPU").
-    """
+    """EvaByte's attention path for ``device``: ``"triton"`` (kernels) or ``"torch"``. ``auto``
+    never picks triton's CPU interpreter; ``triton`` on a CPU needs it, in float32 (``dtype``;
+    ``None``: not checked). Raises AttentionImplError where the path cannot run (docs/BACKBONES.md,
+    "The kernels on a CPU")."""
     if requested not in ATTENTION_IMPLS:
         raise AttentionImplError(
             f"model.attention_impl is {requested!r}; allowed: {list(ATTENTION_IMPLS)}"
@@ -198,11 +196,9 @@ def check_kernel_blocks(
     head_dim: int,
 ) -> None:
     """Refuses (KernelBlockError) an EVA window / chunk size the kernels' blocks compute wrongly.
-
-    Each aggregation program handles rows (or keys) of one window only (``offs_w = start_m *
-    BLOCK_M // WINDOW_SIZE``): a ``BLOCK_M`` that does not divide the window gives wrong
-    attention and nothing asserts it (docs/BACKBONES.md, "The kernels on a CPU").
-    """
+    Each aggregation program handles rows (or keys) of one window only (``offs_w = start_m * BLOCK_M
+    // WINDOW_SIZE``): a ``BLOCK_M`` that does not divide the window gives wrong attention and
+    nothing asserts it (docs/BACKBONES.md, "The kernels on a CPU")."""
     problems = []
     per_window = window // chunk if chunk else 0
     for mode, (block_m, block_n) in blocks.items():
@@ -250,12 +246,10 @@ def prepare_eva_kernels(
     model_module: ModuleType, config: Any, dtype: torch.dtype, run_device: str | torch.device
 ) -> dict[str, Any]:
     """Readies EvaByte's remote kernels for a triton-path model (in place, idempotent): the
-    interface check, the block gate, the short-row backward and, on a CPU, the interpreter's
-    host shim (docs/BACKBONES.md, "What compat does to the remote kernels").
-
-    Returns ``{"interpreter": bool, "capability": (major, minor) | None, "blocks": {mode: (M,
-    N)}}``, also stored as the model module's ``__mtpc_kernels__``.
-    """
+    interface check, the block gate, the short-row backward and, on a CPU, the interpreter's host
+    shim (docs/BACKBONES.md, "What compat does to the remote kernels"). Returns ``{"interpreter":
+    bool, "capability": (major, minor) | None, "blocks": {mode: (M, N)}}``, also stored as the model
+    module's ``__mtpc_kernels__``."""
     package = model_module.__name__.rpartition(".")[0]
     modules = _kernel_modules(package)
     interpreter = torch.device(run_device).type != "cuda"

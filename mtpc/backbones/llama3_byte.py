@@ -26,11 +26,9 @@ def expand_input_ids(
     last_n: int | None = None,
 ) -> torch.Tensor:
     """Expanded ids of every position of ``ids`` (B, S) -> (B, S) (zeros before ``S - last_n``).
-
-    ``expand_dict = (table, singles)``: ``table`` maps a tuple of shifted ids (id + 1, most
-    recent first) to an expanded id + 1; ``singles`` are shifted ids that map on their own.
-    The longest suffix of the history (up to ``maxlen`` ids) found in ``table`` wins.
-    """
+    ``expand_dict = (table, singles)``: ``table`` maps a tuple of shifted ids (id + 1, most recent
+    first) to an expanded id + 1; ``singles`` are shifted ids that map on their own. The longest
+    suffix of the history (up to ``maxlen`` ids) found in ``table`` wins."""
     table, singles = expand_dict
     out = torch.zeros_like(ids)
     rows = ids.tolist()
@@ -50,12 +48,10 @@ def expand_input_ids(
 
 
 class ExpansionLookup:
-    """tokenkit's expansion rule (:func:`expand_input_ids`), vectorised over positions.
-
-    The table's keys form a trie: node ``u``'s child by shifted id ``x`` is the sorted edge key
+    """tokenkit's expansion rule (:func:`expand_input_ids`), vectorised over positions. The
+    table's keys form a trie: node ``u``'s child by shifted id ``x`` is the sorted edge key
     ``u * K + x`` (K = the largest id in a key + 1). Every position walks it with its history,
-    one depth per ``searchsorted`` step, keeping the deepest node that is a key.
-    """
+    one depth per ``searchsorted`` step, keeping the deepest node that is a key."""
 
     def __init__(self, expand_dict: tuple[Mapping[tuple[int, ...], int], set[int]], maxlen: int):
         if maxlen < 1:

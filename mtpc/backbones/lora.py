@@ -1,8 +1,6 @@
-"""LoRA on the draft tail: peft on layers ``L-k..L-1``, one copy of the base weights.
-
-The adapter is on only while the draft tail runs, so the wrapped HF model keeps computing the
-target; LoRA parameters keep peft's names. See docs/BACKBONES.md, "The split".
-"""
+"""LoRA on the draft tail: peft on layers ``L-k..L-1``, one copy of the base weights. The adapter is
+on only while the draft tail runs, so the wrapped HF model keeps computing the target; LoRA
+parameters keep peft's names. See docs/BACKBONES.md, "The split"."""
 
 from __future__ import annotations
 

@@ -51,11 +51,9 @@ def load_remote_causal_lm(
     run_device: str | None = None,
 ) -> nn.Module:
     """Loads a ``trust_remote_code`` causal LM with fixes 1-6 and 8, on ``device``, in eval mode.
-
     ``name`` (``evabyte`` | ``llama3_byte``) picks the config defaults, optional packages and
-    EvaByte's attention path, chosen for ``run_device`` (default ``device``). Raises
-    TargetLoadError (a missing package, no remote model class) or AttentionImplError.
-    """
+    EvaByte's attention path, chosen for ``run_device`` (default ``device``). Raises TargetLoadError
+    (a missing package, no remote model class) or AttentionImplError."""
     from transformers import AutoConfig
     from transformers.dynamic_module_utils import get_class_from_dynamic_module
 

@@ -1,14 +1,12 @@
 """The bundled tiny targets: EvaByte-like byte LMs in ``assets/tiny_target`` (``model=tiny``,
 synthetic chat) and ``assets/tiny_code`` (Python code, bf16), trained by
-``scripts/pretrain_tiny_target.py``: a ``LlamaForCausalLM`` with EvaByte's 320-id layout and
-chat template, plus 8 fully factorised MTP unembeddings. ``generation_config`` stops at
-``[11, 2]`` (``<|eot_id|>``, ``<eos>``).
-
-Asset folder: ``config.json``, ``generation_config.json``, ``model.safetensors`` (fp32 or
-bf16: loading casts), ``mtp_heads.safetensors`` (``mtp_unembeddings`` (8 * 320, d): rows
-k*320..(k+1)*320-1 predict byte t+1+k from the normed hidden state at t; block 0 equals
-``lm_head.weight``) and ``metadata.json`` (training settings, metrics, sha256 of the others).
-"""
+``scripts/pretrain_tiny_target.py``: a ``LlamaForCausalLM`` with EvaByte's 320-id layout and chat
+template, plus 8 fully factorised MTP unembeddings. ``generation_config`` stops at ``[11, 2]``
+(``<|eot_id|>``, ``<eos>``). Asset folder: ``config.json``, ``generation_config.json``,
+``model.safetensors`` (fp32 or bf16: loading casts), ``mtp_heads.safetensors``
+(``mtp_unembeddings`` (8 * 320, d): rows k*320..(k+1)*320-1 predict byte t+1+k from the normed
+hidden state at t; block 0 equals ``lm_head.weight``) and ``metadata.json`` (training settings,
+metrics, sha256 of the others)."""
 
 from __future__ import annotations
 
@@ -124,9 +122,7 @@ def save_tiny_target(
     metadata: Mapping[str, Any],
 ) -> Path:
     """Writes the asset folder (see the module docstring); returns its path.
-
-    ``mtp_unembeddings`` (8 * V, d): block 0 must equal ``model.lm_head.weight``.
-    """
+    ``mtp_unembeddings`` (8 * V, d): block 0 must equal ``model.lm_head.weight``."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     vocab = model.config.vocab_size
@@ -167,11 +163,9 @@ def load_tiny_target(
     dtype: torch.dtype = torch.float32,
     verify: bool = True,
 ) -> TinyTarget:
-    """Loads the tiny target offline in one call.
-
-    ``path``: asset folder (``TINY_TARGET_DIR`` when None), or a ``BUNDLED_TARGETS`` name when
-    no such folder exists here. ``verify`` checks the weight files' sha256. Raises
-    TinyTargetAssetError naming the file and the command that rebuilds it.
+    """Loads the tiny target offline in one call. ``path``: asset folder (``TINY_TARGET_DIR``
+    when None), or a ``BUNDLED_TARGETS`` name when no such folder exists here. ``verify`` checks
+    the weight files' sha256. Raises TinyTargetAssetError naming the file and its rebuild command.
     """
     folder = TINY_TARGET_DIR if path is None else Path(path)
     if path is not None and not folder.exists() and str(path) in BUNDLED_TARGETS:
@@ -221,12 +215,10 @@ def validation_metrics(
     mtp_unembeddings: torch.Tensor | None = None,
     batch_size: int = 32,
 ) -> dict[str, float]:
-    """Next-byte loss of ``model`` on chat rows, one row per sequence (no packing).
-
-    Returns ``loss`` / ``bits_per_byte`` (mean NLL, nats / bits, every target after the first
-    id), ``assistant_loss`` / ``assistant_bits_per_byte`` (assistant bytes and their
-    ``<|eot_id|>``) and, with ``mtp_unembeddings``, ``mtp_loss_k`` (head k, byte t+1+k).
-    """
+    """Next-byte loss of ``model`` on chat rows, one row per sequence (no packing). Returns
+    ``loss`` / ``bits_per_byte`` (mean NLL, nats / bits, every target after the first id),
+    ``assistant_loss`` / ``assistant_bits_per_byte`` (assistant bytes and their ``<|eot_id|>``)
+    and, with ``mtp_unembeddings``, ``mtp_loss_k`` (head k, byte t+1+k)."""
     model.eval()
     device = next(model.parameters()).device
     encoded = sorted(encode_chats(rows), key=lambda e: len(e[0]))  # little padding per batch
