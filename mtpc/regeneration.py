@@ -16,6 +16,7 @@ import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +42,7 @@ from mtpc.data.preprocess import check_row
 from mtpc.decoding.settings import CONFIG, check_drafting, check_settings
 from mtpc.errors import UserError
 from mtpc.evaluation.loading import load_target
-from mtpc.evaluation.settings import (
-    BATCH_SIZE,
-    CHUNK_BATCHES,
-    check_batch,
-    refusing,
-)
+from mtpc.evaluation.settings import BATCH_SIZE, CHUNK_BATCHES, check_batch, refusing
 from mtpc.files import BadJsonLine, read_json_lines
 from mtpc.store import AppendStore, changed, provenance, write_json
 
@@ -517,31 +513,24 @@ def regenerate_shard(
         dynamic_ncols=True, disable=not job.progress,
     )  # fmt: skip
     start, rows, tokens = time.perf_counter(), 0, 0
-    chunk: list[tuple[int, Any]] = []  # rows decoded together, written in source order
     size = 1 if job.batch_size == 1 else CHUNK_BATCHES * job.batch_size
     context = context_length(model)  # the target's (None: unbounded)
-
-    def flush() -> None:
-        nonlocal rows, tokens
-        results = regenerate_rows(model, codec, chunk, job.decoder, context, job.batch_size)
-        for (_, row), result in zip(chunk, results, strict=True):
-            row_id = row.get("id") if isinstance(row, Mapping) else None
-            store.append(result, None if row_id is None else str(row_id))
-            tokens += sum(result.row["regenerated"]["new_tokens"]) if result.row else 0
-        rows += len(chunk)
-        bar.update(len(chunk))
-        chunk.clear()
-
+    todo = (
+        (index, row)
+        for index, row in enumerate(source)
+        if index % num_shards == shard and index not in store.done
+    )
     model.eval()
     with torch.inference_mode():
-        for index, row in enumerate(source):
-            if index % num_shards != shard or index in store.done:
-                continue
-            chunk.append((index, row))
-            if len(chunk) >= size:
-                flush()
-        if chunk:
-            flush()
+        # chunks of rows decoded together, written in source order
+        while chunk := list(islice(todo, size)):
+            results = regenerate_rows(model, codec, chunk, job.decoder, context, job.batch_size)
+            for (_, row), result in zip(chunk, results, strict=True):
+                row_id = row.get("id") if isinstance(row, Mapping) else None
+                store.append(result, None if row_id is None else str(row_id))
+                tokens += sum(result.row["regenerated"]["new_tokens"]) if result.row else 0
+            rows += len(chunk)
+            bar.update(len(chunk))
     bar.close()
     return rows, tokens, time.perf_counter() - start
 

@@ -160,7 +160,7 @@ def prepare(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        summary, meta = _build_cache(tmp, folder, parts, source)
+        _build_cache(tmp, folder, parts, source)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -168,23 +168,11 @@ def prepare(
         os.replace(tmp, folder)
     except OSError:  # another process finished first; theirs is identical
         shutil.rmtree(tmp, ignore_errors=True)
-    logger.info(
-        "prepared %s: %d documents (%d train / %d val), %d ids in %.1fs -> %s",
-        source.name,
-        meta["num_docs"],
-        summary["train_docs"],
-        summary["val_docs"],
-        meta["num_ids"],
-        summary["seconds"],
-        folder,
-    )
     return folder
 
 
-def _build_cache(
-    tmp: Path, folder: Path, parts: dict[str, Any], source: RowSource
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Writes ``prepare``'s files (key ``parts``) into ``tmp``; returns the summary and meta."""
+def _build_cache(tmp: Path, folder: Path, parts: dict[str, Any], source: RowSource) -> None:
+    """Writes ``prepare``'s files (key ``parts``) into ``tmp``, to be renamed ``folder``."""
     start = time.perf_counter()
     codec, max_bytes = parts["codec"], parts["max_bytes"]
     with (
@@ -248,7 +236,16 @@ def _build_cache(
         if f.is_file() and f.name != "meta.json"
     }
     _write_json(tmp / "meta.json", meta)
-    return summary, meta
+    logger.info(
+        "prepared %s: %d documents (%d train / %d val), %d ids in %.1fs -> %s",
+        source.name,
+        meta["num_docs"],
+        summary["train_docs"],
+        summary["val_docs"],
+        meta["num_ids"],
+        summary["seconds"],
+        folder,
+    )
 
 
 def load_prepared(folder: str | os.PathLike[str], verify: bool = True) -> PreparedData:

@@ -17,7 +17,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from mtpc.backbones.codecs import ROLES, ByteCodec, ChatEncoding
+from mtpc.backbones.codecs import ROLES, ByteCodec
 from mtpc.data.sources import ERROR_KEY
 
 logger = logging.getLogger(__name__)
@@ -144,9 +144,16 @@ def tokenize_rows(
     positions: list[int] = []
     for position, row in enumerate(rows):
         stats.rows_seen += 1
-        enc, reason = _render(row, codec, max_bytes)
-        if enc is None:
-            stats.drop(str(reason), _row_id(row, position))
+        reason = check_row(row)
+        if reason is None:
+            try:  # in codec's chat template
+                enc = codec.apply_chat_template(row["messages"])
+            except (ValueError, UnicodeError):
+                reason = "template_error"
+            else:
+                reason = "too_long" if len(enc.ids) > max_bytes else None
+        if reason is not None:
+            stats.drop(reason, _row_id(row, position))
             continue
         ids = np.asarray(enc.ids, dtype=np.uint16)
         mask = np.asarray(enc.assistant_mask, dtype=np.bool_)
@@ -177,18 +184,6 @@ def tokenize_rows(
         row_positions=np.asarray(positions, dtype=np.int64),
     )
     return docs, stats
-
-
-def _render(row: Any, codec: ByteCodec, max_bytes: int) -> tuple[ChatEncoding | None, str | None]:
-    """The row in ``codec``'s chat template, or None and why it is dropped."""
-    reason = check_row(row)
-    if reason is not None:
-        return None, reason
-    try:
-        enc = codec.apply_chat_template(row["messages"])
-    except (ValueError, UnicodeError):
-        return None, "template_error"
-    return (None, "too_long") if len(enc.ids) > max_bytes else (enc, None)
 
 
 def split_indices(
