@@ -505,8 +505,7 @@ def regenerate_shard(
 
     from mtpc.decoding.common import context_length
 
-    shard, num_shards = store.shard, store.num_shards
-    rows_total = source.num_rows
+    shard, num_shards, rows_total = store.shard, store.num_shards, source.num_rows
     total = None if rows_total is None else len(shard_indices(rows_total, shard, num_shards))
     bar = tqdm(
         total=total, initial=len(store.done), unit="row", desc=f"regenerate {store.stem}",

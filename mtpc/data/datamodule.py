@@ -93,7 +93,7 @@ class ResumableDistributedSampler(DistributedSampler):
     permutation (seed + epoch), padded by wrap-around (or cut, with ``drop_last``) to a multiple
     of W = ``num_replicas``; rank r takes positions r, r + W, ... after the first ``start``."""
 
-    start = 0  # global positions of this epoch's permutation already consumed
+    start = 0  # global positions of this epoch's permutation consumed (ResumableDataLoader's)
 
     def __iter__(self) -> Iterator[int]:
         # a generator: the permutation is drawn at the first next(), after set_epoch
@@ -109,11 +109,6 @@ class ResumableDistributedSampler(DistributedSampler):
                 indices += indices[: self.total_size - len(indices)]
         # the epoch's permutation over all ranks, cut to total_size
         yield from indices[: self.total_size][self.start :][self.rank :: self.num_replicas]
-
-    def set_epoch(self, epoch: int) -> None:
-        if epoch != self.epoch:
-            self.start = 0
-        super().set_epoch(epoch)
 
 
 def collate_trimmed(items: list[dict[str, Tensor]]) -> dict[str, Tensor]:
