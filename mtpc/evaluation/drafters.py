@@ -11,12 +11,8 @@ FIXTURES = ("bpe", "lower", "byte_small")
 
 def load_drafter(model: str, tokenizer: str | None = None, device: str = "cpu") -> tuple[Any, Any]:
     """Resolves ``drafter.model`` / ``drafter.tokenizer`` (configs/drafter/hetero.yaml) to
-    (model, tokenizer). A fixture is trained on the synthetic corpus at first use (run from the
-    repository root).
-
-    Raises:
-        ValueError: an unknown fixture name.
-    """
+    (model, tokenizer); ValueError for an unknown fixture name. A fixture is trained on the
+    synthetic corpus at first use (run from the repository root)."""
     if model.startswith(FIXTURE_PREFIX):
         name = model.removeprefix(FIXTURE_PREFIX)
         if name not in FIXTURES:

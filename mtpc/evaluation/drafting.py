@@ -19,12 +19,9 @@ def tree_budgets(value: Any) -> list[int]:
 
 
 def check_eval_drafting(drafting: Any, tree_budget: Any) -> None:
-    """The evaluation's own refusals: ``tree_budget`` an int or a list, no ``drafting=tree``
-    (the rest of the choice is ``mtpc.decoding.settings``'s, in the config's spelling).
-
-    Raises:
-        SettingsError: naming the field and the allowed values.
-    """
+    """The evaluation's own refusals (SettingsError naming the field and the allowed values):
+    ``tree_budget`` an int or a list, no ``drafting=tree`` (the rest of the choice is
+    ``mtpc.decoding.settings``'s, in the config's spelling)."""
     for b in _budgets(tree_budget):
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 0):
             raise SettingsError(

@@ -1,9 +1,6 @@
 """The passes of ``eval.py drafter=hetero``: heterogeneous-vocabulary drafters against the
-target alone (docs/HETERO.md, "Evaluator").
-
-:func:`run_hetero_passes` is the one harness loop; :func:`decode_hetero` runs it into an
-evaluation folder, :func:`evaluate_hetero` in memory.
-"""
+target alone (docs/HETERO.md, "Evaluator"). :func:`run_hetero_passes` is the one harness loop;
+:func:`decode_hetero` runs it into an evaluation folder, :func:`evaluate_hetero` in memory."""
 
 from __future__ import annotations
 
@@ -115,8 +112,7 @@ def evaluate_hetero(
 ) -> dict[str, Any]:
     """AR vs heterogeneous speculative decoding of ``target`` on the same prompts (texts or
     target ids; prompt i uses seed + i for both); ``**options``: more
-    :func:`mtpc.generate_hetero` keywords. The result: docs/HETERO.md, "Evaluator".
-    """
+    :func:`mtpc.generate_hetero` keywords. The result: docs/HETERO.md, "Evaluator"."""
     t_tok = as_tokenizer(target_tokenizer)
     ids = [t_tok.prompt_ids(p) if isinstance(p, str) else list(p) for p in prompts]
     if not ids:

@@ -7,10 +7,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 from omegaconf import OmegaConf
 
-from mtpc.benchmarking import cuda_index
 from mtpc.data.prompts import UnknownSourceError
 from mtpc.errors import DraftError
 from mtpc.evaluation.settings import EvalConfigError, EvalSettings, ModelSettings, name_list, plain
@@ -20,13 +18,9 @@ from mtpc.last_draft import TRAIN_HINT, last_draft
 
 def resolve_drafts(draft: Any, root: Path, key: str = "draft") -> list[Path]:
     """The drafts named by ``draft`` (a dir or a list; the setting ``key``, relative to the
-    project ``root``); for ``draft``, None: the last trained (:func:`mtpc.last_draft.last_draft`).
-
-    Raises:
-        DraftError: a named folder is a training run folder (the message names its ``draft/``).
-        LastDraftOverlapError: no draft given, and the last training run overlapped another.
-        FileNotFoundError: no draft given and none trained, or no such draft folder.
-    """
+    project ``root``); for ``draft``, None: the last trained (:func:`mtpc.last_draft.last_draft`:
+    LastDraftOverlapError, FileNotFoundError). DraftError: a training run folder (the message
+    names its ``draft/``); FileNotFoundError: no such draft folder."""
     if draft is None and key == "draft":
         draft = last_draft(root)
     paths = [] if draft is None else [draft] if isinstance(draft, str | Path) else list(draft)
@@ -56,8 +50,7 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 def recorded_target(path: Path) -> dict[str, Any]:
     """The target a draft was exported for, as ``model.*`` fields (name, path, revision, dtype)."""
     t = read_config(path)["target"]
-    return {"name": t.get("model"), "path": t.get("path"), "revision": t.get("revision"),
-            "dtype": t.get("dtype")}  # fmt: skip
+    return {"name": t.get("model"), **{field: t.get(field) for field in TARGET_FIELDS[1:]}}
 
 
 def resolve_target(
@@ -66,11 +59,7 @@ def resolve_target(
     """The evaluation's target: the drafts' recorded target, its group's other fields
     (``configs/model/<name>.yaml``: codec, attention path; ``current``'s when it is the same
     group) and the ``explicit`` overrides (the ``model.*`` fields given; None: none).
-
-    Raises:
-        TargetMismatchError: an explicit identity field differs from the recorded one, or two
-            drafts record different targets.
-    """
+    TargetMismatchError: an explicit identity field contradicts it, or two drafts differ."""
     from mtpc.backbones import BACKBONES
 
     target = recorded_target(drafts[0])
@@ -128,11 +117,8 @@ def check_target_name(path: Path, name: str) -> str | None:
 
 
 def load_for_eval(path: Path, model: ModelSettings, device: str) -> Any:
-    """Loads a draft against the configured target (``model=``), refusing another target.
-
-    Raises:
-        TargetMismatchError: another registry target, or weights other than the recorded ones.
-    """
+    """Loads a draft against the configured target (``model=``); TargetMismatchError for
+    another registry target, or weights other than the recorded ones."""
     from mtpc.backbones import BACKBONES
     from mtpc.model import MTPCModel
 
@@ -143,17 +129,12 @@ def load_for_eval(path: Path, model: ModelSettings, device: str) -> Any:
 
 def spec_bench_path(given: str, root: Path) -> Path:
     """``prompts.path`` (``given``), relative to the project ``root`` as ``draft=`` is."""
-    path = Path(given).expanduser()
-    return path if path.is_absolute() else root / path
+    return root / Path(given).expanduser()  # an absolute path stays as it is
 
 
 def spec_bench_questions(s: EvalSettings) -> tuple[list[Any], str] | None:
     """``prompts=spec_bench``: the selected questions and the file's sha256; None for the
-    data group's prompts.
-
-    Raises:
-        SpecBenchError: a bad file or an unknown category (one line naming the file, line).
-    """
+    data group's prompts. SpecBenchError: a bad file or an unknown category (one line)."""
     spec = s.prompts.spec_bench
     if spec is None:
         return None
@@ -166,11 +147,8 @@ def spec_bench_questions(s: EvalSettings) -> tuple[list[Any], str] | None:
 
 def load_prompts(s: EvalSettings, codec: str, max_prompt_length: int | None) -> list[list[Any]]:
     """Evaluation prompt sets from the data pipeline's validation split (``sources``: only
-    those), or with ``prompts=spec_bench`` from the Spec-Bench file (runs over its questions).
-
-    Raises:
-        EvalConfigError: a source that no prompt has (the message lists the available ones).
-    """
+    those; EvalConfigError, listing the available ones, for one no prompt has), or with
+    ``prompts=spec_bench`` from the Spec-Bench file (runs over its questions)."""
     from hydra.utils import instantiate
 
     p = s.prompts
@@ -206,11 +184,3 @@ def load_prompts(s: EvalSettings, codec: str, max_prompt_length: int | None) -> 
         )
     except UnknownSourceError as e:
         raise EvalConfigError(str(e)) from None
-
-
-def use_device(device: str) -> None:
-    """Makes ``device`` (``cuda:<i>``) the current CUDA device, so that kernels launched
-    without an explicit device (triton's, EvaByte's) and the memory counters use it."""
-    index = cuda_index(device)
-    if index is not None:
-        torch.cuda.set_device(index)

@@ -1,7 +1,6 @@
-"""``evaluate(cfg)``: throughput of exported drafts against autoregressive decoding of their
-target, on the same prompts in the same call; each decoded prompt is appended to the folder's
-records as it finishes, and the tables are built from them. See docs/EVALUATION.md.
-"""
+"""``evaluate(cfg)``: exported drafts against AR decoding of their target, on the same prompts;
+each decoded prompt is appended to the folder's records, the tables built from them
+(docs/EVALUATION.md)."""
 
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ from omegaconf import DictConfig
 
 from mtpc.backbones import check_batch_size
 from mtpc.backbones.codecs import get_codec
-from mtpc.benchmarking import peak_memory_mb, sync_memory_reset
+from mtpc.benchmarking import cuda_index, peak_memory_mb, sync_memory_reset
 from mtpc.decoding import generate
 from mtpc.decoding.common import cut_at_stop
 from mtpc.evaluation.drafting import tree_budgets
@@ -32,7 +31,6 @@ from mtpc.evaluation.loading import (
     resolve_drafts,
     resolve_target,
     spec_bench_questions,
-    use_device,
 )
 from mtpc.evaluation.metrics import pool_turns, prompt_record, tokens_sha1
 from mtpc.evaluation.records import (
@@ -177,12 +175,11 @@ class Lane:
     def decode(
         self, items: Sequence[tuple[int, int, Any]], references: Sequence[Sequence[str] | None]
     ) -> list[dict[str, Any]]:
-        """The records of prompts ``items`` (set k, index i in it, the prompt), every turn of a
-        multi-turn one (each later turn after the model's own answer, cut at its first stop id),
-        the turns pooled (docs/EVALUATION.md, "Records"); the k-th turns are decoded together,
-        ``batch_size`` at once. A greedy drafting record whose reference (AR's ``tokens_sha1``
-        per turn) is None, AR being later on this prompt, is marked ``check_pending``: the
-        report checks it (``mtpc.evaluation.report.resolve_checks``)."""
+        """The records of prompts ``items`` (set k, index i, the prompt), every turn of a
+        multi-turn one after the model's own answer cut at its first stop id, pooled
+        (docs/EVALUATION.md, "Records"); the k-th turns ``batch_size`` at once. A greedy
+        drafting record without its reference (AR's ``tokens_sha1`` per turn; AR later on this
+        prompt) is marked ``check_pending`` (``mtpc.evaluation.report.resolve_checks``)."""
         seeds = [self.seed + i + getattr(p, "seed_offset", 0) for _, i, p in items]
         pending = [self.check and ref is None for ref in references]
         checked = [None if not self.check or ref is None else ref for ref in references]
@@ -220,12 +217,10 @@ def interleaved_order(lanes: Sequence[Any], position: int) -> list[Any]:
 def run_lanes(
     store: RecordStore, lanes: Sequence[Lane], prompt_sets: Sequence[Sequence[Any]], s: EvalSettings
 ) -> dict[Lane, int]:
-    """Decodes the lanes' prompts that ``store`` has no record of, after the warm-up; returns
-    the number decoded per lane. ``interleave=false``: one lane, its prompts in order;
-    ``true``: every lane prompt by prompt, in :func:`interleaved_order` (a record's ``slot``:
-    its place), each missing AR reference left to the report (``check_pending``). The ``pass``
-    records close the lanes at the end, with the peak memory of the run (interleaved: every
-    lane's model is loaded at once)."""
+    """Decodes the lanes' prompts ``store`` lacks, after the warm-up; returns the count per
+    lane. ``interleave=false``: one lane, in order; ``true``: every lane prompt by prompt in
+    :func:`interleaved_order` (a record's ``slot``), missing AR references left to the report
+    (``check_pending``). ``pass`` records close the lanes, with the peak memory of them all."""
     from tqdm.auto import tqdm
 
     device, interleave = str(s.run.device), bool(s.run.interleave)
@@ -378,17 +373,11 @@ def rebuild_report(s: EvalSettings) -> dict[str, Any]:
 def evaluate(
     cfg: DictConfig | Mapping[str, Any], explicit_model: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
-    """Evaluates the configured drafts (resuming their folder); prints the tables, writes results.
-
-    The target is the one the drafts were exported for; ``explicit_model``: the ``model.*``
-    fields given (under Hydra: read from the command line), which may not contradict it.
-    Returns ``mtpc.evaluation.report.report_folders``'s result plus ``folder``.
-
-    Raises:
-        EvalConfigError: a setting outside what the evaluator accepts.
-        RecordsError: the folder holds another evaluation's records, another evaluation
-            writes to it, or the report folders cannot be merged.
-    """
+    """Evaluates the configured drafts (resuming their folder); prints the tables, writes results
+    and returns ``report_folders``'s result plus ``folder``. The target is the drafts'; the
+    ``model.*`` fields given (``explicit_model``; under Hydra the command line's) may not
+    contradict it. EvalConfigError: a setting the evaluator refuses; RecordsError: the folder
+    holds or is being written by another evaluation, or the report folders cannot be merged."""
     s = parse_eval(cfg)  # the one reading of cfg: below, the settings' named fields
     spec_bench_questions(s)  # prompts=spec_bench: a bad file is refused before anything loads
     if s.output.report:
@@ -403,7 +392,9 @@ def evaluate(
         s = replace(s, model=resolve_target(s.model, [*drafts, *base_paths], explicit))
     if s.run.num_threads:
         torch.set_num_threads(int(s.run.num_threads))
-    use_device(str(s.run.device))  # device=cuda:1: kernels and counters on GPU 1
+    index = cuda_index(str(s.run.device))
+    if index is not None:  # cuda:<i>: kernels launched without a device and the counters on it
+        torch.cuda.set_device(index)
     manifest = build_manifest(s, drafts, base_paths)
     folder = eval_folder(s, manifest)
     if s.output.resume == "never":
