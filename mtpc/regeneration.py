@@ -98,9 +98,8 @@ class Settings:
         return {k: getattr(self, k) for k in keys}
 
 
+#: The ``data.*`` fields a regeneration reads (manifest ``data``, plus source fingerprint and name)
 REGENERATE_DATA = ("source", "path", "num_rows", "seed", "streaming", "revision", "hf_name")
-"""The ``data.*`` fields a regeneration reads (its manifest's ``data``, with the source's
-fingerprint and name)."""
 
 
 @dataclass(frozen=True)

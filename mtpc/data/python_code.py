@@ -1,10 +1,9 @@
 """Real text every machine has offline: the running interpreter's Python standard library.
 
 Tülu-schema rows (plus ``file``) cut from the ``.py`` files under a root: function bodies,
-docstrings and continuations, each kind its own ``source``. Files read, malformed files,
-the split by file and the fingerprint: docs/DATA.md, "Python source code". The split is a
-hash of the relative path alone, so no seed enters and adding or removing files never moves
-another file.
+docstrings and continuations, each kind its own ``source``. Files read, malformed files, the split
+by file and the fingerprint: docs/DATA.md, "Python source code". The split is a hash of the relative
+path alone, so no seed enters and adding or removing files never moves another file.
 """
 
 from __future__ import annotations

@@ -2,10 +2,9 @@
 synthetic generator, or Python source code. Formats: docs/DATA.md, "Accepted input".
 
 Rows are *not* validated here: a row that cannot be read at all (a JSON line that does not
-parse, bytes that are not UTF-8) is passed on as ``{ERROR_KEY: reason, "id": ...}``, so
-that ``mtpc.data.preprocess`` counts it with the other malformed rows. JSON is read by our
-own tolerant reader: ``datasets``' JSON builder infers one Arrow schema and fails on a row
-whose ``content`` is a number.
+parse, bytes that are not UTF-8) is passed on as ``{ERROR_KEY: reason, "id": ...}``, for
+``mtpc.data.preprocess`` to count with the other malformed rows. Our own tolerant JSON reader:
+``datasets``' JSON builder infers one Arrow schema and fails on a row whose ``content`` is a number.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Spec-Bench prompts (Xia et al., 2024): ``question.jsonl`` read, checked and turned into
-evaluation prompts, MT-bench's two-turn questions included.
-
-The file's format, the checks and the multi-turn protocol: docs/EVALUATION.md, "Spec-Bench".
-A question becomes a :class:`SpecBenchPrompt`: its first turn with the generation prompt,
-and the later turns, asked after the model's own answer to the turn before
-(``mtpc.evaluation.run.decode_prompts``).
+evaluation prompts, MT-bench's two-turn questions included (the format, the checks and the
+multi-turn protocol: docs/EVALUATION.md, "Spec-Bench"). A :class:`SpecBenchPrompt` holds the
+first turn with the generation prompt, and the later turns, each asked after the model's own
+answer to the turn before (``mtpc.evaluation.run.decode_prompts``).
 """
 
 from __future__ import annotations

@@ -1,17 +1,16 @@
 """Synthetic chat data: a seeded generator of Tülu-3-format rows with short, learnable answers.
 
-``source`` is ``synthetic/<family>``: ``arithmetic``, ``unit_conversion``, ``string``
-(reverse, case, length, letter counts, spelling), ``sorting``, ``code`` (small Python
-functions from templates), ``multi_turn`` (the second question refers to the first answer)
-and ``multi_answer``: several equally valid answers drawn uniformly (``Name a capital of
-South Africa.`` -> ``Pretoria.`` / ``Cape Town.`` / ``Bloemfontein.``), differing in
-several byte positions on purpose, so a fully factorised draft head mixes them (``Cape
-toria.``) and an expressive circuit does not. Any row may open with a system prompt, which
-never changes the answer.
+``source`` is ``synthetic/<family>``: ``arithmetic``, ``unit_conversion``, ``string`` (reverse,
+case, length, letter counts, spelling), ``sorting``, ``code`` (small Python functions from
+templates), ``multi_turn`` (the second question refers to the first answer) and ``multi_answer``:
+several equally valid answers drawn uniformly (``Name a capital of South Africa.`` -> ``Pretoria.``
+/ ``Cape Town.`` / ``Bloemfontein.``), differing in several byte positions on purpose, so a fully
+factorised draft head mixes them (``Cape toria.``) and an expressive circuit does not. Any row may
+open with a system prompt, which never changes the answer.
 
-Row ``i`` of seed ``s`` depends on ``(s, i)`` only, and so does its split (a hash): a
-smaller dataset is a prefix of a larger one, and its validation rows are never training
-rows of the larger one.
+Row ``i`` of seed ``s`` depends on ``(s, i)`` only, and so does its split (a hash): a smaller
+dataset is a prefix of a larger one, and its validation rows are never training rows of the larger
+one.
 """
 
 from __future__ import annotations

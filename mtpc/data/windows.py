@@ -18,9 +18,8 @@ def make_windows(
     """Targets x_{t+1..t+n} of every position and their validity; inputs are (B, L).
 
     ``document_ids`` is negative on padding; ``pad_id`` fills targets outside x_t's document.
-    Returns ``targets`` (B, L, n) int64, ``target_mask`` (B, L, n) bool (same document and a
-    loss byte) and ``window_mask`` (B, L, n) bool (same document: what the circuit
-    conditions on).
+    Returns ``targets`` (B, L, n) int64, ``target_mask`` (B, L, n) bool (same document and a loss
+    byte) and ``window_mask`` (B, L, n) bool (same document: what the circuit conditions on).
     """
     ids = torch.nn.functional.pad(input_ids.long(), (0, window), value=pad_id)  # (B, L+n)
     docs = torch.nn.functional.pad(document_ids.long(), (0, window), value=-2)  # (B, L+n)
