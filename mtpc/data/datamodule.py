@@ -72,13 +72,9 @@ class PackedDataset(Dataset[dict[str, Tensor]]):
             self.pad_id,
         )
         item = {k: torch.from_numpy(v) for k, v in seq.items()}  # each (L,)
-        targets, target_mask, window_mask = make_windows(
-            item["input_ids"][None],
-            item["document_ids"][None],
-            item["loss_mask"][None],
-            self.window,
-            self.pad_id,
-        )  # (1, L, n) each
+        # a batch of one: (1, L) each in, (1, L, n) each out
+        ids, docs, loss = (item[k][None] for k in ("input_ids", "document_ids", "loss_mask"))
+        targets, target_mask, window_mask = make_windows(ids, docs, loss, self.window, self.pad_id)
         item["attention_mask"] = item["document_ids"] >= 0
         item["targets"] = targets[0]  # (L, n)
         item["target_mask"] = target_mask[0]  # (L, n)
