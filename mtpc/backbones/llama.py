@@ -107,25 +107,6 @@ class LlamaBackbone(Backbone):
             layer.keys = torch.cat([layer.keys, add.keys])  # (B + B', H, P, D)
             layer.values = torch.cat([layer.values, add.values])
 
-    def _mask(
-        self,
-        hidden: torch.Tensor,
-        past: int,
-        documents: torch.Tensor | None = None,
-        tree_mask: torch.Tensor | None = None,
-        attend: torch.Tensor | None = None,
-    ) -> torch.Tensor | None:
-        if attend is not None:
-            return additive_mask(attend, hidden.dtype)[:, None]  # (B, 1, T, P + T)
-        if tree_mask is not None:
-            return tree_attention_mask(past, tree_mask, hidden.dtype, hidden.shape[0])
-        if documents is not None:
-            return document_mask(documents, hidden.dtype)  # (B, 1, T, T)
-        impl = getattr(self.hf_model.config, "_attn_implementation", None)
-        if past == 0 and impl in _FAST_CAUSAL and self.native_layers:
-            return None  # the kernel's own causal mask
-        return causal_mask(past, hidden.shape[1], hidden.dtype, hidden.device, hidden.shape[0])
-
     def run_static(
         self, hidden: torch.Tensor, layers: range, positions: torch.Tensor, native: Any,
         attend: torch.Tensor,
@@ -151,7 +132,17 @@ class LlamaBackbone(Backbone):
         tree_mask: torch.Tensor | None = None,
         attend: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        mask = self._mask(hidden, past, documents, tree_mask, attend)
+        b, t, _ = hidden.shape
+        impl = getattr(self.hf_model.config, "_attn_implementation", None)
+        mask: torch.Tensor | None = None  # None: the kernel's own causal mask
+        if attend is not None:
+            mask = additive_mask(attend, hidden.dtype)[:, None]  # (B, 1, T, P + T)
+        elif tree_mask is not None:
+            mask = tree_attention_mask(past, tree_mask, hidden.dtype, b)
+        elif documents is not None:
+            mask = document_mask(documents, hidden.dtype)  # (B, 1, T, T)
+        elif not (past == 0 and impl in _FAST_CAUSAL and self.native_layers):
+            mask = causal_mask(past, t, hidden.dtype, hidden.device, b)
         cos_sin = self.inner.rotary_emb(hidden, positions)
         kwargs: dict[str, Any] = {
             "attention_mask": mask,
@@ -161,7 +152,6 @@ class LlamaBackbone(Backbone):
             "position_embeddings": cos_sin,
         }
         if self._pass_cache_position:
-            t = hidden.shape[1]
             kwargs["cache_position"] = torch.arange(past, past + t, device=hidden.device)
         for layer in self.layers[start:end]:
             out = layer(hidden, **kwargs)
