@@ -39,12 +39,10 @@ class LossOutput:
 def _normalised_sum(
     terms: Tensor, target_mask: Tensor, gamma: float | None, normalise_discount: bool = False
 ) -> LossOutput:
-    """-(1/N) sum_i (1/V_{i,j}) sum_t terms, discounted over j.
-
-    ``terms`` (N, L, n) are log-likelihood-like (larger is better), ``target_mask`` (N, L, n)
-    marks the valid ones. ``normalise_discount`` divides by sum_j gamma^{j-1}: a weighted mean
-    of the L_j (same optimum, a scale independent of n).
-    """
+    """-(1/N) sum_i (1/V_{i,j}) sum_t terms, discounted over j; ``terms`` (N, L, n)
+    log-likelihood-like (larger is better), valid where ``target_mask`` (N, L, n).
+    ``normalise_discount`` divides by sum_j gamma^{j-1}: a weighted mean of the L_j (same
+    optimum, a scale independent of n)."""
     mask = target_mask.to(terms.dtype)
     valid_counts = mask.sum(dim=1)  # (N, n): V_{i,j}
     summed = (terms * mask).sum(dim=1)  # (N, n)
@@ -63,11 +61,9 @@ def composite_nll(
     normalise_discount: bool = False,
 ) -> LossOutput:
     """The discounted composite NLL over overlapping windows (paper Eq. 4).
-
     ``prefix_log_probs``: log q(x_{t+1..t+j} | x_{<=t}) for every sequence i, position t and
     window position j; (N, L, n). ``target_mask``: True where x_{t+j} is a valid target (an
-    assistant byte of the same document); (N, L, n). ``gamma``: None for the paper's default.
-    """
+    assistant byte of the same document); (N, L, n). ``gamma``: None for the paper's default."""
     if prefix_log_probs.shape != target_mask.shape:
         raise ValueError(
             f"prefix_log_probs {tuple(prefix_log_probs.shape)} and target_mask "
@@ -85,24 +81,19 @@ def distillation_kl(
     normalise_discount: bool = False,
 ) -> LossOutput:
     """Forward KL(p || q) per window position, normalised like Eq. 4 (paper App. G, Eq. 5).
-
     ``teacher_log_probs``: the target's log p(. | x_{<t+j}) for the byte at window position j
     of position t; (N, L, n, V). ``draft_log_conditionals``: the draft's
-    log q(. | x_{t+1..t+j-1}, x_{<=t}); (N, L, n, V). ``target_mask``: (N, L, n).
-    """
+    log q(. | x_{t+1..t+j-1}, x_{<=t}); (N, L, n, V). ``target_mask``: (N, L, n)."""
     teacher = teacher_log_probs.float()
     kl = (teacher.exp() * (teacher - draft_log_conditionals.float())).sum(dim=-1)  # (N, L, n)
     return _normalised_sum(-kl, target_mask, gamma, normalise_discount)
 
 
 def expected_accepted(prefix_log_probs: Tensor, target_mask: Tensor) -> Tensor:
-    """Expected drafts accepted per window when the data plays the target.
-
-    A window drafted from q is accepted up to position j iff its first j bytes equal the
-    data's, which has probability q(x_{1..j}); so E[accepted] = sum_j q(x_{1..j}) over the
-    leading run of valid targets. Returns the mean over windows whose first target is
-    valid (a scalar); this is the validation proxy for the acceptance rate mu_acc.
-    """
+    """Expected drafts accepted per window when the data plays the target (the validation
+    proxy for mu_acc): a window drafted from q is accepted up to position j iff its first j
+    bytes are the data's, probability q(x_{1..j}); so E[accepted] = sum_j q(x_{1..j}) over the
+    leading run of valid targets, averaged over windows whose first target is valid; ()."""
     valid_run = torch.cumprod(target_mask.to(prefix_log_probs.dtype), dim=-1)  # (N, L, n)
     accepted = (prefix_log_probs.exp() * valid_run).sum(dim=-1)  # (N, L)
     starts = target_mask[..., 0]

@@ -23,11 +23,9 @@ class NonFiniteLossError(RuntimeError):
 
 
 class MTPCLightningModule(L.LightningModule):
-    """Lightning wrapper around an :class:`MTPCModel` and the MTPC losses.
-
-    ``optimizer`` and ``scheduler`` are partials taking the trainable parameters and the
-    optimizer (None: Adam at 3e-4, no scheduler).
-    """
+    """Lightning wrapper around an :class:`MTPCModel` and the MTPC losses; ``optimizer`` and
+    ``scheduler``: partials of the trainable parameters and the optimizer (None: Adam at 3e-4,
+    no scheduler)."""
 
     def __init__(
         self,
@@ -54,10 +52,8 @@ class MTPCLightningModule(L.LightningModule):
     def head(self) -> MTPCHead:
         return self.model.head
 
-    # -- objective ---------------------------------------------------------------------
     def _objective(self, batch: Mapping[str, Tensor]) -> tuple[LossOutput, Tensor, Tensor]:
-        """The loss, the data windows' prefix log-probs (B, L, n) and the draft features
-        (B, L, d)."""
+        """The loss, the windows' prefix log-probs (B, L, n) and the draft features (B, L, d)."""
         out = self.model(
             batch["input_ids"],
             return_verifier_logits=self.loss_name == "kl",
@@ -105,7 +101,6 @@ class MTPCLightningModule(L.LightningModule):
             rows.append(torch.stack(per_position, dim=1))  # (C, n, V)
         return torch.cat(rows)
 
-    # -- steps -------------------------------------------------------------------------
     def training_step(self, batch: Mapping[str, Tensor], batch_idx: int) -> Tensor:
         result, _, _ = self._objective(batch)
         if not torch.isfinite(result.loss):
@@ -149,7 +144,6 @@ class MTPCLightningModule(L.LightningModule):
         hits = ((log_q.argmax(dim=-1) == targets) & valid).sum(dim=0)
         return hits.float() / valid.sum(dim=0).clamp(min=1).float()
 
-    # -- optimisation and checkpoints ----------------------------------------------------
     def configure_optimizers(self) -> Any:
         params = self.model.trainable_parameters()
         factory = self.optimizer_factory or (lambda p: torch.optim.Adam(p, lr=3e-4))
@@ -174,15 +168,10 @@ class MTPCLightningModule(L.LightningModule):
     def trainable_state_dict(self) -> dict[str, Tensor]:
         """State of the trainable weights only (head + LoRA), by module path."""
         trainable = {id(p) for p in self.model.trainable_parameters()}
-        return {
-            name: param.detach()
-            for name, param in self.named_parameters()
-            if id(param) in trainable
-        }
+        return {n: p.detach() for n, p in self.named_parameters() if id(p) in trainable}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # Sharded (FSDP2): the strategy has gathered the full state dict on rank 0; keep its
-        # trainable entries rather than this rank's shards.
+        # FSDP2: the trainable entries of the full state dict the strategy gathered on rank 0
         full = checkpoint.get("state_dict") or {}
         checkpoint["state_dict"] = {
             name: full.get(name, value) for name, value in self.trainable_state_dict().items()

@@ -66,9 +66,7 @@ def find_resume_checkpoint(checkpoint_dir: Path) -> Resume | None:
     except Exception as err:  # truncated archive, garbage, wrong format
         reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
     readable: list[tuple[int, Path, dict[str, Any]]] = []
-    for other in sorted(checkpoint_dir.glob("*.ckpt")):
-        if other == last:
-            continue
+    for other in sorted(set(checkpoint_dir.glob("*.ckpt")) - {last}):
         try:
             checkpoint = _read_checkpoint(other)
         except Exception:

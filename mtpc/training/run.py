@@ -91,8 +91,7 @@ def check_head_memory(
 ) -> None:
     """Refuses (ConfigError) a head whose estimated float32 training memory exceeds the free
     memory of ``accelerator``'s device: the n*r*V*d unembedding, its gradient and Adam's two
-    moments (3x), and one loss chunk's (chunk, n, r, V) logits, log-softmax and gradient (3x).
-    """
+    moments (3x), and one loss chunk's (chunk, n, r, V) logits, log-softmax and gradient (3x)."""
     params = n * r * vocab_size * hidden_size * 4
     optimizer = 3 * params
     logits = chunk * n * r * vocab_size * 4 * 3
@@ -119,9 +118,8 @@ def load_initial_weights(model: MTPCModel, init_from: str | Path) -> None:
     path = Path(init_from)
     if path.is_dir():
         config = read_config(path)
-        circuit = config["circuit"]
         wanted = {"kind": model.head.kind, "window": model.head.window, "rank": model.head.rank}
-        got = {key: circuit.get(key) for key in wanted}
+        got = {key: config["circuit"].get(key) for key in wanted}
         if got != wanted:
             raise ConfigError(
                 f"init_from={path} holds a {got} draft but the config asks for {wanted}; "
