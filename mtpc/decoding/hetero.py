@@ -1,7 +1,6 @@
 """Lossless speculative decoding across heterogeneous vocabularies (Timor et al., 2025):
-``generate_hetero`` with ``standard``, ``union``, ``tli``, ``slem`` and ``slrs`` (the paper's
-Alg. 5, 1, 4, 2, 3), verified by :mod:`mtpc.decoding.verify`'s rules. See docs/HETERO.md,
-"Algorithms"."""
+``generate_hetero`` with ``standard``, ``union``, ``tli``, ``slem`` and ``slrs`` (Alg. 5, 1, 4,
+2, 3), verified by :mod:`mtpc.decoding.verify`'s rules (docs/HETERO.md, "Algorithms")."""
 
 from __future__ import annotations
 
@@ -177,10 +176,6 @@ class _Session:
     def drafter_logits(self, seq: Sequence[int]) -> Tensor:
         assert self.dlm is not None
         return self.dlm.logits(seq, 1)[0]
-
-    def extend(self, tokens: Sequence[int]) -> None:
-        self.ctx.extend(tokens)
-        self.data += self.t_tok.decode_bytes(tokens)
 
 
 def to_target_tokens(
@@ -485,13 +480,11 @@ def generate_hetero(
     psi: str = "auto",
     stop_ids: Sequence[int] | None = None,
 ) -> GenerationResult:
-    """Lossless speculative decoding with a drafter of another vocabulary.
-
-    The arguments, the result (``method="hetero"``) and the errors: docs/HETERO.md, "API" and
-    "Errors". ``drafter``: an HF causal LM, or an MTPCModel on a byte-level backbone (``slrs``
-    only); ``prompt``: text (BOS added) or target ids; ``lookahead``: drafter tokens per cycle,
-    for ``slrs`` the longest target token (in bytes) that can be proposed.
-    """
+    """Lossless speculative decoding with a drafter of another vocabulary. The arguments, the
+    result (``method="hetero"``) and the errors: docs/HETERO.md, "API" and "Errors".
+    ``drafter``: an HF causal LM, or an MTPCModel on a byte-level backbone (``slrs`` only);
+    ``prompt``: text (BOS added) or target ids; ``lookahead``: drafter tokens per cycle, for
+    ``slrs`` the longest target token (in bytes) that can be proposed."""
     checked = check_settings(  # model-free: the same refusals as mtpc.generate and evaluate
         algorithm=algorithm, lookahead=lookahead, greedy=greedy, seed=seed,
         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -527,7 +520,8 @@ def generate_hetero(
         res.accepted.append(min(acc, len(new)))
         res.emitted.append(len(new))
         res.tokens.extend(new)
-        sess.extend(new)
+        sess.ctx.extend(new)
+        sess.data += t_tok.decode_bytes(new)
         res.cycle_seconds.append(clock.split())
         if res.stopped:
             break

@@ -137,10 +137,8 @@ class HFTokenizer(TokenizerAdapter):
         self.vocab_size = len(tokenizer)
         spec = json.loads(self.backend.to_str())
         kinds = _decoder_types(spec.get("decoder"))
-        specials = set(tokenizer.all_special_ids)
-        for added in spec.get("added_tokens") or []:
-            if added.get("special"):
-                specials.add(int(added["id"]))
+        added = spec.get("added_tokens") or []
+        specials = {*tokenizer.all_special_ids, *(int(a["id"]) for a in added if a.get("special"))}
         strings = tokenizer.convert_ids_to_tokens(list(range(self.vocab_size)))
         u2b = {c: b for b, c in byte_to_unicode().items()}
         self.special_names = {
