@@ -103,9 +103,7 @@ def load_backbone(
         return tiny_backbone(target.model, target.mtp_unembeddings.to(device), path)
     if name == "evabyte":
         from mtpc.backbones.evabyte import load_evabyte
-        from mtpc.backbones.evabyte_kernels import resolve_attention_impl
 
-        resolve_attention_impl(attention_impl, run_device or device, torch_dtype)  # no download yet
         return load_evabyte(path, revision, torch_dtype, device, attention_impl, run_device)
     from mtpc.backbones.llama3_byte import load_llama3_byte
 

@@ -1,8 +1,7 @@
 """One interface for a decoder-only LM split at layer ``L - k`` (:class:`Backbone`, never a
 copy of the HF model) and the KV cache of one component (:class:`LayerCache`): trunk = layers
 ``0..L-k-1``, verifier / draft tail = ``L-k..L-1`` with LoRA off / on (paper Sec. 3.4, App.
-D). See docs/BACKBONES.md, "The split" and "Interface".
-"""
+D). See docs/BACKBONES.md, "The split" and "Interface"."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Byte codecs: byte ids, special ids and chat templates (ids + assistant mask) of the byte
 targets: ``evabyte`` (also the tiny target; byte ``b`` is id ``b + 64``; its template always
 opens with a system block) and ``llama3_byte`` (byte ``b`` is id ``b``, then the Llama 3
-template's tokens). Sources: docs/BACKBONES.md, "The real configs".
-"""
+template's tokens). Sources: docs/BACKBONES.md, "The real configs"."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """``transformers.modeling_attn_mask_utils`` (removed in 5.24) for 4.4x remote code (tokenkit):
 the names such code imports, with 4.4x's documented semantics; additive masks (docs/
-BACKBONES.md, "Following transformers").
-"""
+BACKBONES.md, "Following transformers")."""
 
 from __future__ import annotations
 

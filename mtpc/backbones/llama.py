@@ -1,7 +1,6 @@
 """HF Llama family behind the backbone interface: ``LlamaForCausalLM`` (the tiny target) and
 Llama-shaped 4.4x remote code (tokenkit's, whose layers return a tuple). One ``DynamicCache``
-per component; see docs/BACKBONES.md, "Caches" and "Following transformers".
-"""
+per component; see docs/BACKBONES.md, "Caches" and "Following transformers"."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The byte-level Llama 3.2 3B Instruct (``benjamin/Llama3-2-3B-IT-Byte``, tokenkit), whose
 *expansion embedding* reads the id history (the longest recent run found in
-``expand_input_ids_dict``). See docs/BACKBONES.md, "The byte Llama's input expansion".
-"""
+``expand_input_ids_dict``). See docs/BACKBONES.md, "The byte Llama's input expansion"."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Load-time check of a real target (meta tensors, rotary tables, the logits of a fixed prompt):
-silent garbage must fail before training starts. See docs/BACKBONES.md, "Load-time check".
-"""
+silent garbage must fail before training starts. See docs/BACKBONES.md, "Load-time check"."""
 
 from __future__ import annotations
 

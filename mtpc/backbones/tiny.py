@@ -164,9 +164,8 @@ def load_tiny_target(
     verify: bool = True,
 ) -> TinyTarget:
     """Loads the tiny target offline in one call. ``path``: asset folder (``TINY_TARGET_DIR``
-    when None), or a ``BUNDLED_TARGETS`` name when no such folder exists here. ``verify`` checks
-    the weight files' sha256. Raises TinyTargetAssetError naming the file and its rebuild command.
-    """
+    when None), or a ``BUNDLED_TARGETS`` name when no such folder exists here; ``verify``: check
+    the sha256 of the weight files. TinyTargetAssetError names the file and its rebuild command."""
     folder = TINY_TARGET_DIR if path is None else Path(path)
     if path is not None and not folder.exists() and str(path) in BUNDLED_TARGETS:
         folder = BUNDLED_TARGETS[str(path)]
