@@ -272,20 +272,6 @@ def run_lanes(
     return decoded
 
 
-def log_draft(
-    store: RecordStore, index: int, draft: Mapping[str, Any], decoded: int, seconds: float
-) -> None:
-    """Logs a decoded draft's tokens per cycle and speed-up over AR (its chain row)."""
-    mine = [r for r in store.records if r.get("draft_path") in (None, draft["path"])]
-    rows, _ = build_report({**store.manifest, "drafts": [draft]}, mine)
-    row = next(r for r in rows if r["name"] == draft["name"])  # the chain, not a tree row
-    logger.info(
-        "[%d/%d] %s: %.2f tokens/cycle, %.2fx AR (%d prompts decoded in %.1f s)",
-        index + 1, len(store.manifest["drafts"]), draft["name"], row.get("mu_acc", math.nan),
-        row.get("speedup_ar", math.nan), decoded, seconds,
-    )  # fmt: skip
-
-
 def decode_all(
     s: EvalSettings, store: RecordStore, drafts: Sequence[Path], baselines: Sequence[Path]
 ) -> list[list[Any]] | None:
@@ -337,7 +323,8 @@ def decode_group(
     prompts_for: Callable[[Any], list[list[Any]]],
 ) -> None:
     """Loads the drafts of ``group`` ((index, path, entry, the passes it lacks); one draft,
-    or every draft with ``interleave=true``), decodes their passes and logs each draft."""
+    or every draft with ``interleave=true``), decodes their passes and logs each draft's
+    tokens per cycle and speed-up over AR (its chain row)."""
     start = time.perf_counter()
     models = {index: load_for_eval(path, s.model, str(s.run.device)) for index, path, _, _ in group}
     prompt_sets = prompts_for(next(iter(models.values())))
@@ -351,8 +338,15 @@ def decode_group(
         counts |= run_lanes(store, batch, prompt_sets, s)
     seconds = time.perf_counter() - start
     for index, _, draft, _ in group:
-        mine = [lane for lane in lanes if lane.model is models[index]]
-        log_draft(store, index, draft, sum(counts[lane] for lane in mine), seconds)
+        decoded = sum(n for lane, n in counts.items() if lane.model is models[index])
+        mine = [r for r in store.records if r.get("draft_path") in (None, draft["path"])]
+        rows, _ = build_report({**store.manifest, "drafts": [draft]}, mine)
+        row = next(r for r in rows if r["name"] == draft["name"])  # the chain, not a tree row
+        logger.info(
+            "[%d/%d] %s: %.2f tokens/cycle, %.2fx AR (%d prompts decoded in %.1f s)",
+            index + 1, len(store.manifest["drafts"]), draft["name"], row.get("mu_acc", math.nan),
+            row.get("speedup_ar", math.nan), decoded, seconds,
+        )  # fmt: skip
 
 
 def rebuild_report(s: EvalSettings) -> dict[str, Any]:
