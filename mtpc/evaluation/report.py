@@ -308,8 +308,7 @@ def spec_bench_report(
                 "exact": _exact(mine, per_turn=True),
                 "per_set": per_set,
             }  # fmt: skip
-            for key in ("mu_acc", "tok_s", "speedup_ar", "sb_tok_s", "sb_speedup"):
-                row[key], row[f"{key}_std"] = mean_std([m[key] for m in per_set])
+            row |= aggregate(per_set, ("mu_acc", "tok_s", "speedup_ar", "sb_tok_s", "sb_speedup"))
             rows.append(row)
     return rows
 
@@ -372,23 +371,6 @@ def hetero_report(
              "speedup_ar": ratio(m["tok_s"], a["tok_s"])}
         )  # fmt: skip
     return [*rows, row], source_rows
-
-
-def _baseline_speedups(rows: list[dict[str, Any]]) -> None:
-    """Adds ``speedup_baseline`` (per-set tok/s over the baseline draft's) to every row."""
-    base = [r for r in rows if r.get("baseline")]
-    if len(base) != 1:
-        return
-    ref = {m["set"]: m for m in base[0]["per_set"]}
-    for row in rows:
-        ratios = _ratios({m["set"]: m for m in row["per_set"]}, ref)
-        row["speedup_baseline"], row["speedup_baseline_std"] = mean_std(ratios)
-
-
-def paired_title(paired: Sequence[Mapping[str, Any]]) -> str:
-    """The paired table's title: ``paired vs <reference>`` (each row's ``vs`` when several)."""
-    refs = sorted({str(p["vs"]) for p in paired})
-    return f"paired vs {refs[0]}" if len(refs) == 1 else "paired vs each row's reference (vs)"
 
 
 def trainings(manifests: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -475,7 +457,12 @@ def report_folders(
         prompts_of.append(prompt_groups(records))
     placed.sort(key=lambda p: bool(p[0].get("baseline")))  # baselines last (stable)
     rows = [r for r, _ in placed]
-    _baseline_speedups(rows)
+    base = [r for r in rows if r.get("baseline")]
+    if len(base) == 1:  # x baseline: per set, tok/s over the baseline draft's
+        ref = {m["set"]: m for m in base[0]["per_set"]}
+        for row in rows:
+            ratios = _ratios({m["set"]: m for m in row["per_set"]}, ref)
+            row["speedup_baseline"], row["speedup_baseline_std"] = mean_std(ratios)
     where = [i for _, i in placed]
     paired = paired_rows(
         rows,
@@ -491,11 +478,13 @@ def report_folders(
         source_rows, "per source (cycles of every set pooled)", SOURCE_COLUMNS
     )
     seeds_title = f"over seeds ({len(seeds)} configuration{'s' if len(seeds) > 1 else ''})"
+    refs = sorted({str(p["vs"]) for p in paired})
+    vs = f"paired vs {refs[0]}" if len(refs) == 1 else "paired vs each row's reference (vs)"
     extra = {  # the tables only some reports have, in print order: {key: (rows, table)}
         "spec_bench": (spec_rows, format_table(
             spec_rows, spec_bench_title(first, spec_rows), SPEC_BENCH_COLUMNS, SPEC_BENCH_NOTE
         )),
-        "paired": (paired, format_table(paired, paired_title(paired), PAIRED_COLUMNS, PAIRED_NOTE)),
+        "paired": (paired, format_table(paired, vs, PAIRED_COLUMNS, PAIRED_NOTE)),
         "seeds": (seeds, format_table(seeds, seeds_title, SEED_COLUMNS, SEED_NOTE)),
     }  # fmt: skip
     if echo:  # the main table always, the others when they have rows
@@ -522,12 +511,11 @@ def write_outputs(results: dict[str, Any], out_dir: Path, plots: bool = True) ->
     """results.json (strict JSON: NaN is null), results.csv, by_source.csv and the plots."""
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = results["rows"]
-    csvs = {"csv": ("results", rows), "by_source_csv": ("by_source", results.get("by_source", []))}
-    csvs |= {
-        f"{k}_csv": (k, results[k]) for k in ("paired", "seeds", "spec_bench") if results.get(k)
-    }
+    csvs = {"results": rows, "by_source": results.get("by_source", [])}
+    csvs |= {k: results[k] for k in ("paired", "seeds", "spec_bench") if results.get(k)}
     files = {"json": str(out_dir / "results.json")}
-    for key, (name, table_rows) in csvs.items():  # the scalar fields, sorted
+    for name, table_rows in csvs.items():  # the scalar fields, sorted
+        key = "csv" if name == "results" else f"{name}_csv"
         files[key] = str(out_dir / f"{name}.csv")
         keys = {k for r in table_rows for k, v in r.items() if not isinstance(v, list | dict)}
         with open(files[key], "w", newline="") as f:

@@ -80,7 +80,6 @@ def paired_bootstrap(
     combine: Callable[[np.ndarray, np.ndarray], np.ndarray],
     resamples: int = RESAMPLES,
     seed: int = SEED,
-    level: float = LEVEL,
 ) -> tuple[float, float, float]:
     """``(estimate, low, high)``: the mean over sets of ``combine(Σ num_a / Σ den_a,
     Σ num_b / Σ den_b)`` and its bootstrap percentile interval (each resample draws every
@@ -89,25 +88,24 @@ def paired_bootstrap(
     if not sets:
         return math.nan, math.nan, math.nan
     rng = np.random.Generator(np.random.PCG64(seed))
-    estimate = np.zeros(())
+    estimate = 0.0
     boot = np.zeros(resamples)
     for k in sets:
         num_a, den_a, num_b, den_b = pairs[k]
-        m = len(num_a)
-        estimate = estimate + combine(
-            _ratio(num_a.sum(), den_a.sum()), _ratio(num_b.sum(), den_b.sum())
+        estimate += float(
+            combine(_ratio(num_a.sum(), den_a.sum()), _ratio(num_b.sum(), den_b.sum()))
         )
-        idx = rng.integers(0, m, size=(resamples, m))  # (B, m): prompts drawn per resample
+        idx = rng.integers(0, len(num_a), size=(resamples, len(num_a)))  # (B, m): prompts drawn
         boot += combine(
             _ratio(num_a[idx].sum(1), den_a[idx].sum(1)),
             _ratio(num_b[idx].sum(1), den_b[idx].sum(1)),
         )  # (B,)
     boot /= len(sets)
     if not np.isfinite(boot).any():
-        return float(estimate) / len(sets), math.nan, math.nan
-    tail = (1.0 - level) / 2 * 100
+        return estimate / len(sets), math.nan, math.nan
+    tail = (1.0 - LEVEL) / 2 * 100
     low, high = np.nanpercentile(boot, [tail, 100 - tail])
-    return float(estimate) / len(sets), float(low), float(high)
+    return estimate / len(sets), float(low), float(high)
 
 
 def _prompt_key(record: Mapping[str, Any]) -> tuple[Any, ...]:
