@@ -145,9 +145,8 @@ class MTPCLightningModule(L.LightningModule):
         return hits.float() / valid.sum(dim=0).clamp(min=1).float()
 
     def configure_optimizers(self) -> Any:
-        params = self.model.trainable_parameters()
         factory = self.optimizer_factory or (lambda p: torch.optim.Adam(p, lr=3e-4))
-        optimizer = factory(params)
+        optimizer = factory(self.model.trainable_parameters())
         if self.scheduler_factory is None:
             return optimizer
         lr_scheduler = {"scheduler": self.scheduler_factory(optimizer), "interval": "step"}
@@ -194,13 +193,9 @@ class MTPCLightningModule(L.LightningModule):
         fully_shard(self.model, mesh=data_parallel)
 
 
-def upcast_trainable(model: MTPCModel) -> list[str]:
-    """Makes every trainable tensor (head and LoRA) float32 and returns the names cast: Adam's
-    small updates to bf16 weights round away (docs/TRAINING.md, "What is trained")."""
-    trainable = {id(p) for p in model.trainable_parameters()}
-    cast = []
-    for name, param in model.named_parameters():
-        if id(param) in trainable and param.is_floating_point() and param.dtype != torch.float32:
+def upcast_trainable(model: MTPCModel) -> None:
+    """Makes every trainable tensor (head and LoRA) float32: Adam's small updates to bf16
+    weights round away (docs/TRAINING.md, "What is trained")."""
+    for param in model.trainable_parameters():
+        if param.is_floating_point() and param.dtype != torch.float32:
             param.data = param.data.float()
-            cast.append(name)
-    return cast
