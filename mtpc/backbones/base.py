@@ -341,9 +341,8 @@ class Backbone(nn.Module, ABC):
         (inference); ``None`` is a training run. ``adapter``: LoRA on (draft tail) or off. Only
         without a cache: ``documents`` (B, T) document index of packed rows (negative on padding),
         attention kept inside each where supported. Only with a cache: ``tree_mask`` (T, T) bool,
-        new position i attends new position j where True (cached ones always; ``None``: the causal
-        chain; ``supports_tree_mask``); ``attend`` (B, T, P + T) bool, per row
-        (``supports_batch``)."""
+        new position i attends new position j where True (cached ones always; ``None``: causal;
+        ``supports_tree_mask``); ``attend`` (B, T, P + T) bool per row (``supports_batch``)."""
         b, t, _ = hidden.shape
         if tree_mask is not None:
             if cache is None:

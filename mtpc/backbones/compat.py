@@ -113,16 +113,28 @@ def _unavailable(module: str, package: str, reason: str) -> Callable[[str], Any]
     return getattr_
 
 
-class _StubOnOptionalImport(importlib.abc.Loader):
-    """Runs a remote module; if it fails importing an optional package, leaves a placeholder."""
+class _RemoteModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds the modules of ``transformers_modules.*`` (remote code) and runs each with its own
+    loader; one that fails importing an optional package is left a placeholder."""
 
-    def __init__(self, loader: Any, reasons: dict[str, str]) -> None:
-        self.loader = loader
+    def __init__(self, reasons: dict[str, str]) -> None:
         self.reasons = reasons  # optional package -> why it is missing
+
+    def find_spec(
+        self, fullname: str, path: Any = None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if not fullname.startswith("transformers_modules.") or path is None:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        if spec is None or spec.loader is None or spec.submodule_search_locations is not None:
+            return spec
+        spec.loader_state = spec.loader  # the file's own loader, run by exec_module
+        spec.loader = self
+        return spec
 
     def exec_module(self, module: ModuleType) -> None:
         try:
-            self.loader.exec_module(module)
+            module.__spec__.loader_state.exec_module(module)  # type: ignore[union-attr]
         except ModuleNotFoundError as error:
             package = (error.name or "").split(".")[0]
             reason = self.reasons.get(package)
@@ -134,32 +146,13 @@ class _StubOnOptionalImport(importlib.abc.Loader):
             log.info(message, module.__name__, package, reason)
 
 
-class _RemoteModuleFinder(importlib.abc.MetaPathFinder):
-    """Wraps the loaders of ``transformers_modules.*`` (remote code) in :class:`_StubOnOptionalImport`."""
-
-    def __init__(self, reasons: dict[str, str]) -> None:
-        self.reasons = reasons
-
-    def find_spec(
-        self, fullname: str, path: Any = None, target: ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        if not fullname.startswith("transformers_modules.") or path is None:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
-        if spec is None or spec.loader is None or spec.submodule_search_locations is not None:
-            return spec
-        spec.loader = _StubOnOptionalImport(spec.loader, self.reasons)
-        return spec
-
-
 @contextlib.contextmanager
 def remote_imports(
     optional: frozenset[str] = frozenset(), blocked: frozenset[str] = frozenset()
 ) -> Iterator[None]:
-    """Imports of remote code inside the block tolerate missing ``optional`` packages. A remote
-    module failing on one becomes a placeholder whose functions raise when called. ``blocked``
-    packages are unimportable inside the block, so remote ``try: import ...`` fallbacks take their
-    pure-torch path."""
+    """Inside the block, a remote module failing on a missing ``optional`` package becomes a
+    placeholder whose functions raise when called, and ``blocked`` packages are unimportable, so
+    remote ``try: import ...`` fallbacks take their pure-torch path."""
     saved = {
         name: module
         for name, module in sys.modules.items()
@@ -304,10 +297,9 @@ def non_persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def restore_non_persistent_buffers(model: nn.Module, dtype: torch.dtype) -> list[str]:
-    """Recomputes ``model``'s non-persistent buffers with its own ``__init__`` (in place); returns
-    the names replaced. The skeleton is built with ``dtype`` as default dtype (as
-    ``from_pretrained`` does); the plain tensor attributes of the buffers' modules
-    (``original_inv_freq``) are copied too."""
+    """Recomputes ``model``'s non-persistent buffers in place with its own ``__init__`` run with
+    ``dtype`` as default dtype (as ``from_pretrained`` does), copying the plain tensor attributes
+    of the buffers' modules too (``original_inv_freq``); returns the names replaced."""
     config = copy.deepcopy(model.config)
     build_dtype = dtype if dtype.is_floating_point else torch.float32
     with _skeleton_build(build_dtype), torch.device("cpu"):

@@ -40,8 +40,7 @@ def resolve_attention_impl(
 ) -> str:
     """EvaByte's attention path for ``device``: ``"triton"`` (kernels) or ``"torch"``. ``auto``
     never picks triton's CPU interpreter; ``triton`` on a CPU needs it, in float32 (``dtype``;
-    ``None``: not checked). Raises AttentionImplError where the path cannot run (docs/BACKBONES.md,
-    "The kernels on a CPU")."""
+    ``None``: not checked). AttentionImplError: the path cannot run ("The kernels on a CPU")."""
     if requested not in ATTENTION_IMPLS:
         raise AttentionImplError(
             f"model.attention_impl is {requested!r}; allowed: {list(ATTENTION_IMPLS)}"
@@ -247,9 +246,8 @@ def prepare_eva_kernels(
 ) -> dict[str, Any]:
     """Readies EvaByte's remote kernels for a triton-path model (in place, idempotent): the
     interface check, the block gate, the short-row backward and, on a CPU, the interpreter's host
-    shim (docs/BACKBONES.md, "What compat does to the remote kernels"). Returns ``{"interpreter":
-    bool, "capability": (major, minor) | None, "blocks": {mode: (M, N)}}``, also stored as the model
-    module's ``__mtpc_kernels__``."""
+    shim ("What compat does to the remote kernels"). Returns, and stores as ``__mtpc_kernels__``,
+    ``{"interpreter": bool, "capability": (major, minor) | None, "blocks": {mode: (M, N)}}``."""
     package = model_module.__name__.rpartition(".")[0]
     modules = _kernel_modules(package)
     interpreter = torch.device(run_device).type != "cuda"

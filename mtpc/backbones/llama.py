@@ -110,11 +110,10 @@ class LlamaBackbone(Backbone):
         self, hidden: torch.Tensor, layers: range, positions: torch.Tensor, native: Any,
         attend: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
-        """Layers ``layers`` on ``hidden`` (B, T, d) over a fixed-capacity cache
-        (``mtpc.decoding.static_step.SlotCache``: it writes each new key at its row's slot and
-        returns every slot), ``attend`` (B, T, S) bool over those S slots: no bookkeeping and
-        no host sync, so that a compiled decode step traces it whole (no LoRA switch: the
-        adapter stays as it is, off outside ``Backbone.adapter``)."""
+        """Layers ``layers`` on ``hidden`` (B, T, d) over a fixed-capacity cache (``static_step.
+        SlotCache``: it writes each new key at its row's slot and returns every slot), ``attend``
+        (B, T, S) bool over those S slots: no bookkeeping, no host sync, no LoRA switch (the
+        adapter stays as it is, off outside ``Backbone.adapter``), so a compiled step traces it."""
         if not layers:
             return hidden
         return self._run(hidden, layers.start, layers.stop, positions, native, 0, attend=attend)
