@@ -57,7 +57,7 @@ class AttentionMaskConverter:
             past = key_value_length - query_length
             device = attention_mask_2d.device
             causal = causal_mask(past, query_length, dtype, device, b, self.sliding_window)
-            out = out.masked_fill(causal.to(torch.bool), torch.finfo(dtype).min)
+            out = torch.minimum(out, causal)  # additive masks: blocked where either blocks
         return out
 
     @staticmethod
@@ -119,8 +119,7 @@ def _prepare_4d_causal_attention_mask(
         return causal
     if attention_mask.dim() == 4:
         return attention_mask
-    padded = padding_4d(attention_mask, dtype, t).to(torch.bool)  # True where blocked
-    return causal.masked_fill(padded, torch.finfo(dtype).min)
+    return torch.minimum(causal, padding_4d(attention_mask, dtype, t))  # blocked where either is
 
 
 _prepare_4d_attention_mask = padding_4d  # no causal part
