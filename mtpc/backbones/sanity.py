@@ -72,12 +72,6 @@ def rotary_problems(hf_model: nn.Module) -> list[str]:
     return problems
 
 
-def meta_tensors(hf_model: nn.Module) -> list[str]:
-    """Names of parameters and buffers still on the meta device."""
-    tensors = list(hf_model.named_parameters()) + list(hf_model.named_buffers())
-    return [name for name, t in tensors if t.device.type == "meta"]
-
-
 @torch.no_grad()
 def prompt_logits(backbone: Any) -> torch.Tensor:
     """STP logits (1, T, V) of :data:`PROMPT` through the backbone's split path, adapter off."""
@@ -94,7 +88,9 @@ def check_target(backbone: Any, label: str) -> None:
     """Raises TargetLoadError naming ``label`` (``model=evabyte (path=...)``) and every
     problem found if the loaded backbone is not the real model."""
     hf_model = backbone.hf_model
-    problems = [f"{name} is still on the meta device" for name in meta_tensors(hf_model)[:5]]
+    tensors = [*hf_model.named_parameters(), *hf_model.named_buffers()]
+    meta = [name for name, t in tensors if t.device.type == "meta"]
+    problems = [f"{name} is still on the meta device" for name in meta[:5]]
     problems += rotary_problems(hf_model)
     if not problems:
         logits = prompt_logits(backbone).float()  # (1, T, V)
