@@ -185,8 +185,7 @@ class Backbone(nn.Module, ABC):
     """``run_layers(..., tree_mask=...)``: T new nodes attend their ancestors in one pass."""
     supports_batch = False
     """``run_layers(..., attend=...)``, ``native_take/pad/merge``: rows at their own lengths
-    (``layout.Padded``); EvaByte batches on the static engine instead
-    (``mtpc.decoding.static_eva``)."""
+    (``layout.Padded``); EvaByte batches on the static engine (``decoding.static_eva``) instead."""
 
     def __init__(self, hf_model: nn.Module, name: str, codec: str, source: dict[str, Any]) -> None:
         super().__init__()

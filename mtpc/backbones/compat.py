@@ -1,12 +1,10 @@
-"""Hub remote code (EvaByte, tokenkit's byte Llama) under the pinned transformers 5.x. The remote
-code was written for transformers 4.4x; every generic workaround lives here, numbered by the failure
-it fixes (docs/BACKBONES.md, "Loading real checkpoints"): 1 optional kernel imports, 2 the 4.4x
-``rope_scaling`` view, 3 the "default" RoPE initialiser, 4 config keys the class lacks, 5
-non-persistent buffers left empty, 6 removed transformers modules, 7 the decoder layers' cache
-keyword ("Following transformers"). Fix 8, EvaByte's attention path and triton kernels ("The kernels
-on a CPU"), is :mod:`mtpc.backbones.evabyte_kernels`;
-:func:`mtpc.backbones.remote_code.load_remote_causal_lm`, the only loader of remote code, applies
-them all."""
+"""Hub remote code (EvaByte, tokenkit's byte Llama), written for transformers 4.4x, under the
+pinned 5.x: every generic workaround, numbered by the failure it fixes (docs/BACKBONES.md,
+"Loading real checkpoints"): 1 optional kernel imports, 2 the 4.4x ``rope_scaling`` view, 3 the
+"default" RoPE initialiser, 4 config keys the class lacks, 5 non-persistent buffers left empty, 6
+removed transformers modules, 7 the decoder layers' cache keyword ("Following transformers").
+Fix 8 (EvaByte's attention path and kernels) is :mod:`mtpc.backbones.evabyte_kernels`;
+:func:`mtpc.backbones.remote_code.load_remote_causal_lm`, the only loader, applies them all."""
 
 from __future__ import annotations
 

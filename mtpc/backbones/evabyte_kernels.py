@@ -194,10 +194,9 @@ def check_kernel_blocks(
     dtype: torch.dtype,
     head_dim: int,
 ) -> None:
-    """Refuses (KernelBlockError) an EVA window / chunk size the kernels' blocks compute wrongly.
-    Each aggregation program handles rows (or keys) of one window only (``offs_w = start_m * BLOCK_M
-    // WINDOW_SIZE``): a ``BLOCK_M`` that does not divide the window gives wrong attention and
-    nothing asserts it (docs/BACKBONES.md, "The kernels on a CPU")."""
+    """Refuses (KernelBlockError) an EVA window / chunk size the kernels' blocks compute wrongly:
+    each aggregation program handles rows (or keys) of one window (``offs_w = start_m * BLOCK_M //
+    WINDOW_SIZE``), so a ``BLOCK_M`` not dividing it gives wrong attention, unasserted."""
     problems = []
     per_window = window // chunk if chunk else 0
     for mode, (block_m, block_n) in blocks.items():

@@ -113,10 +113,9 @@ class ExpansionLookup:
         return out
 
     def walk(self, cols: torch.Tensor, early: bool = False) -> torch.Tensor:
-        """Expanded ids ``(B, P)`` of positions whose shifted histories are ``cols``
-        ``(B, P, m)`` (``cols[..., j]``: the shifted id j steps back, 0 before the row; ``m``
-        at least the trie's depth). ``early``: stop once no walk goes on (a host sync: CPU
-        tensors outside a compiled graph only)."""
+        """Expanded ids (B, P) of positions whose shifted histories are ``cols`` (B, P, m)
+        (``cols[..., j]``: the shifted id j steps back, 0 before the row; ``m`` >= the trie's
+        depth). ``early``: stop once no walk goes on (a host sync: CPU, uncompiled, only)."""
         edges, children, values, is_key, single, single_value = self._tensors(cols.device)
         cols = torch.where(cols < self.width, cols, 0)  # 0: an id no key holds
         node = torch.zeros_like(cols[..., 0])  # (B, P) trie node
@@ -164,9 +163,9 @@ class Llama3ByteBackbone(LlamaBackbone):
         return self._lookup
 
     def embed_windows(self, ids: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
-        """Input embeddings ``(B, T, d)`` of ``ids`` ``(B, T)`` whose shifted histories (id + 1,
-        most recent first, the id itself at 0, 0 before the row) are ``windows`` ``(B, T,
-        maxlen)``: tensor ops only, no host sync (the static decode step's, compiled)."""
+        """Input embeddings (B, T, d) of ``ids`` (B, T) whose shifted histories (id + 1, most
+        recent first, the id itself at 0, 0 before the row) are ``windows`` (B, T, maxlen): tensor
+        ops only, no host sync (the compiled static decode step's)."""
         emb = self.inner.embed_tokens(ids)  # (B, T, d)
         lookup = self.expansion(ids.device)
         if lookup is None:
