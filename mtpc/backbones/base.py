@@ -106,9 +106,8 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class LayerCache:
-    """The KV cache of one component (layers ``start..end-1``): the backbone's native cache,
-    the cached length and the id history (the byte Llama's embedding needs it). Crop and
-    compact act on the native cache by index; nothing is replayed."""
+    """The KV cache of one component (layers ``start..end-1``): the native cache, the cached length
+    and the id history (the byte Llama's embedding reads it); crop and compact replay nothing."""
 
     def __init__(self, backbone: Backbone, start: int, end: int) -> None:
         if not 0 <= start <= end <= backbone.num_layers:
