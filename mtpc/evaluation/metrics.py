@@ -28,12 +28,10 @@ SCALARS = ("mu_lat", "mu_acc", "mu_acc_drafts", "tok_s", "wall_tok_s", "nodes", 
 
 
 def prompt_record(result: GenerationResult, per_cycle: bool = True) -> dict[str, Any]:
-    """The measurements of one decoded prompt, as stored in ``records.jsonl``.
-
-    ``per_cycle``: keep the per-cycle lists (``accepted``, ``drafted``, ``offsets``) the
-    acceptance per position needs; False for runs with no drafts to judge. A cycle cut short
-    inside its accepted drafts counts only the emitted ones as judged and accepted.
-    """
+    """The measurements of one decoded prompt, as stored in ``records.jsonl``. ``per_cycle``:
+    keep the per-cycle lists (``accepted``, ``drafted``, ``offsets``) the acceptance per
+    position needs; False for runs with no drafts to judge. A cycle cut short inside its
+    accepted drafts counts only the emitted ones as judged and accepted."""
     cycles = list(zip(result.accepted, result.emitted, result.drafted, strict=True))
     # s > e: max_new_tokens / a stop id ended the output inside the s accepted drafts
     accepted = [min(s, e) for s, e, _ in cycles]
@@ -139,8 +137,7 @@ def tokens_sha1(tokens: Sequence[int]) -> str:
 
 
 def hetero_record(result: GenerationResult) -> dict[str, Any]:
-    """What one prompt decoded by ``drafter=hetero`` (or its AR pass) contributes to a row
-    (a ``records.jsonl`` line's measurements)."""
+    """One ``drafter=hetero`` prompt's (or its AR pass's) measurements in ``records.jsonl``."""
     return {
         "new_tokens": len(result.tokens),
         "cycles": len(result.accepted),  # target passes

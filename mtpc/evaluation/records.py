@@ -1,7 +1,5 @@
-"""The evaluation folder: its manifest, its streamed per-prompt records, resume and merging.
-
-The folder's name and key, its files and the record lines are described in
-docs/EVALUATION.md, "One folder per evaluation" and "Records". A SIGKILL loses at most the
+"""The evaluation folder: its manifest, its streamed per-prompt records, resume and merging
+(docs/EVALUATION.md, "One folder per evaluation" and "Records"). A SIGKILL loses at most the
 line being written; :meth:`RecordStore.open` drops such a partial last line before appending.
 """
 
@@ -223,7 +221,7 @@ def expand_folders(patterns: Iterable[str], root: Path) -> list[Path]:
     RecordsError when a pattern matches none."""
     out: list[Path] = []
     for pattern in patterns:
-        base = Path(pattern) if Path(pattern).is_absolute() else root / pattern
+        base = root / pattern  # an absolute pattern stays itself
         if any(c in pattern for c in "*?["):
             anchor = Path(base.anchor)
             matches = sorted(p for p in anchor.glob(str(base.relative_to(anchor))) if p.is_dir())

@@ -1,8 +1,6 @@
-"""Reports of an evaluation, rebuilt from its records alone: rows (mean ± std over prompt
-sets), per-source, Spec-Bench, paired and over-seeds tables, results.json, CSVs and plots
-(paper Fig. 1: tokens per cycle vs latency; acceptance per window position). ``evaluate``
-calls :func:`report_folders` after decoding, so ``report=`` rebuilds the same report. See
-docs/EVALUATION.md.
+"""Reports rebuilt from an evaluation's records alone (tables, results.json, CSVs, plots):
+``evaluate`` calls :func:`report_folders` after decoding, and ``report=`` rebuilds the same
+report. See docs/EVALUATION.md.
 """
 
 from __future__ import annotations
@@ -25,9 +23,7 @@ from mtpc.evaluation.records import (
     turn_hashes,
 )
 from mtpc.evaluation.statistics import (
-    PAIRED_COLUMNS,
     PAIRED_NOTE,
-    SEED_COLUMNS,
     SEED_NOTE,
     paired_rows,
     seed_rows,
@@ -80,6 +76,23 @@ SPEC_BENCH_NOTE = (
     "mean tok/s (SB) / AR's mean tok/s (SB), per run. Mean ± std over runs "
     "(num_prompt_sets); mt_bench pools MT-bench's 8 categories."
 )
+PAIRED_COLUMNS = (
+    ("name", "draft", "{}"),
+    ("vs", "vs", "{}"),
+    ("prompts", "paired prompts", "{}"),
+    ("delta_mu_acc", "Δ tok/cyc [95% CI]", "2f"),
+    ("ratio_tok_s", "x vs tok/s [95% CI]", "3f"),
+    ("speedup_ar", "x AR [95% CI]", "2f"),
+)
+SEED_COLUMNS = (
+    ("name", "configuration", "{}"),
+    ("seeds", "seeds", "{}"),
+    ("drafts", "drafts", "{}"),
+    *(c for c in COLUMNS if c[0] in ("mu_acc", "mu_acc_drafts", "tok_s", "speedup_ar")),
+    ("vs", "vs", "{}"),
+    ("delta_mu_acc", "Δ tok/cyc", "2f"),
+    ("ratio_tok_s", "x vs tok/s", "3f"),
+)
 HETERO_PASSES = ("hetero_ar", "hetero")
 """Record passes of ``drafter=hetero``: the target alone and drafted by the other vocabulary."""
 
@@ -98,8 +111,7 @@ def _undefined(value: Any) -> bool:
 
 
 def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
-    """``value ± std``, or for a paired statistic ``estimate [low, high]``; ``-`` when
-    undefined."""
+    """``value ± std``, a paired statistic's ``estimate [low, high]``, ``-`` when undefined."""
     value: Any = row.get(key)
     if _undefined(value):
         return "-"
@@ -122,8 +134,7 @@ def format_table(
     columns: Sequence[tuple[str, str, str]] = COLUMNS,
     note: str = "",
 ) -> str:
-    """A markdown table (mean ± std over prompt sets where a ``*_std`` field exists), with
-    ``note`` (what its numbers are) on the lines below it."""
+    """A markdown table (mean ± std where a ``*_std`` field exists), ``note`` below it."""
     header = [label for _, label, _ in columns]
     body = [[_cell(r, key, fmt) for key, _, fmt in columns] for r in rows]
     widths = [max([len(h), *(len(b[i]) for b in body)]) for i, h in enumerate(header)]
@@ -161,8 +172,7 @@ def ratio(x: float, y: float) -> float:
 
 
 def _draft_passes(drafts: Sequence[Mapping[str, Any]], passes: Any) -> list[tuple[Any, str, str]]:
-    """(draft, pass, row name) of each draft's chain row and of each ``tree<B>`` pass among
-    ``passes``, by budget."""
+    """(draft, pass, row name): each draft's chain, then its ``tree<B>`` passes by budget."""
     trees = sorted(
         {p for p in passes if p.startswith("tree")}, key=lambda p: int(p.removeprefix("tree"))
     )
@@ -437,11 +447,8 @@ def report_folders(
 ) -> dict[str, Any]:
     """Tables, results.json, CSVs and plots of one evaluation folder or several merged
     (docs/EVALUATION.md, "Reports without decoding, and merging folders"), written to
-    ``out_dir``; returns what results.json holds. ``echo``: print the tables.
-
-    Raises:
-        RecordsError: the folders cannot be merged.
-    """
+    ``out_dir``; returns what results.json holds. ``echo``: print the tables. RecordsError:
+    the folders cannot be merged."""
     manifests = [read_manifest(f) for f in folders]
     check_mergeable(manifests, folders)
     source_rows: list[dict[str, Any]] = []

@@ -1,7 +1,6 @@
 """Uncertainty of comparisons: paired bootstrap intervals over prompts (:func:`paired_rows`),
-and drafts merged over training seeds (:func:`seed_rows`), all from the prompt records.
-
-See docs/EVALUATION.md, "Comparisons: paired intervals, seeds, interleaved timing".
+and drafts merged over training seeds (:func:`seed_rows`), all from the prompt records. See
+docs/EVALUATION.md, "Comparisons: paired intervals, seeds, interleaved timing".
 """
 
 from __future__ import annotations
@@ -24,26 +23,6 @@ RESAMPLES = 10_000  # bootstrap resamples of every paired interval
 SEED = 0  # of the bootstrap's generator (numpy PCG64), the same for every comparison
 LEVEL = 0.95  # coverage of the percentile intervals
 
-PAIRED_COLUMNS = (
-    ("name", "draft", "{}"),
-    ("vs", "vs", "{}"),
-    ("prompts", "paired prompts", "{}"),
-    ("delta_mu_acc", "Δ tok/cyc [95% CI]", "2f"),
-    ("ratio_tok_s", "x vs tok/s [95% CI]", "3f"),
-    ("speedup_ar", "x AR [95% CI]", "2f"),
-)
-SEED_COLUMNS = (
-    ("name", "configuration", "{}"),
-    ("seeds", "seeds", "{}"),
-    ("drafts", "drafts", "{}"),
-    ("mu_acc", "mu_acc tok/cyc", "2f"),
-    ("mu_acc_drafts", "acc drafts", "2f"),
-    ("tok_s", "tok/s", "1f"),
-    ("speedup_ar", "x AR", "2f"),
-    ("vs", "vs", "{}"),
-    ("delta_mu_acc", "Δ tok/cyc", "2f"),
-    ("ratio_tok_s", "x vs tok/s", "3f"),
-)
 PAIRED_NOTE = (
     "Paired by prompt (set, index): draft minus / over the reference on the prompts both "
     "decoded; per set, cycles pooled (Σ tokens / Σ cycles; tok/s: Σ tokens / Σ cycle "
@@ -155,9 +134,7 @@ def reference_of(rows: Sequence[Mapping[str, Any]], folders: Sequence[int]) -> l
     for AR, drafter=hetero and the reference itself."""
     drafts = [i for i, r in enumerate(rows) if r.get("kind") != "ar" and r.get("pass") is not None]
     base = [i for i in drafts if rows[i].get("baseline")]
-    own: dict[int, int] = {}
-    for i in base:
-        own.setdefault(folders[i], i)
+    own = {folders[i]: i for i in reversed(base)}  # each folder's first baseline
     fallback = base[0] if base else (drafts[0] if drafts else None)
     refs = [own.get(folders[i], fallback) for i in range(len(rows))]
     return [ref if i in drafts and ref not in (None, i) else None for i, ref in enumerate(refs)]
