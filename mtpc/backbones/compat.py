@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import importlib.abc
 import importlib.machinery
 import inspect
 import logging
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
@@ -95,20 +96,17 @@ def output_cache(output: Any) -> Any:
 
 
 # ---------------------------------------------------------------- 1. optional imports ----
-def _unavailable(module: str, package: str, reason: str) -> Callable[[str], Any]:
-    """A module ``__getattr__`` whose names are functions raising a clear error when called."""
+def _unavailable(module: str, package: str, reason: str, name: str) -> Any:
+    """A placeholder module's ``__getattr__`` (bound to its first three arguments): ``name`` is
+    a function raising a clear error when called."""
+    if name.startswith("__"):
+        raise AttributeError(name)
 
-    def getattr_(name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
+    def placeholder(*_: Any, **__: Any) -> Any:
+        raise RuntimeError(f"{module}.{name} needs {package}, which is {reason}")
 
-        def placeholder(*_: Any, **__: Any) -> Any:
-            raise RuntimeError(f"{module}.{name} needs {package}, which is {reason}")
-
-        placeholder.__name__ = name
-        return placeholder
-
-    return getattr_
+    placeholder.__name__ = name
+    return placeholder
 
 
 class _RemoteModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -138,7 +136,7 @@ class _RemoteModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             reason = self.reasons.get(package)
             if reason is None:
                 raise
-            module.__getattr__ = _unavailable(module.__name__, package, reason)  # type: ignore[method-assign]
+            module.__getattr__ = functools.partial(_unavailable, module.__name__, package, reason)  # type: ignore[method-assign]
             module.__mtpc_unavailable__ = package  # type: ignore[attr-defined]
             message = "%s imports %s (%s): its functions are placeholders"
             log.info(message, module.__name__, package, reason)
