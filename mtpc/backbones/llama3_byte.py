@@ -30,9 +30,8 @@ def expand_input_ids(
     suffix of the history (up to ``maxlen`` ids) found in ``table`` wins."""
     table, singles = expand_dict
     out = torch.zeros_like(ids)
-    rows = ids.tolist()
     first = 0 if last_n is None else max(0, ids.shape[1] - last_n)
-    for b, row in enumerate(rows):
+    for b, row in enumerate(ids.tolist()):
         for i in range(first, len(row)):
             recent = tuple(x + 1 for x in reversed(row[max(0, i - maxlen + 1) : i + 1]))
             if recent[0] in singles:

@@ -132,8 +132,7 @@ def save_tiny_target(
     model.save_pretrained(path)
     mtp = mtp_unembeddings.detach().contiguous().cpu()
     save_file({MTP_KEY: mtp}, path / "mtp_heads.safetensors")
-    meta = dict(metadata)
-    meta["sha256"] = {name: sha256_file(path / name) for name in WEIGHT_FILES}
+    meta = {**metadata, "sha256": {name: sha256_file(path / name) for name in WEIGHT_FILES}}
     (path / "metadata.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     return path
 
