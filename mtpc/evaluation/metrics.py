@@ -1,5 +1,4 @@
 """The paper's throughput metrics (Sec. 4.2) from prompt records, and mean +- std over sets.
-
 Per prompt set, cycles pooled over its prompts: ``mu_lat``, ``mu_acc`` (counting the kept
 correction / bonus token), ``mu_acc_drafts`` (emitted drafts only) and ``tok_s`` as in
 docs/DECODING.md, "Evaluator"; the records: docs/EVALUATION.md, "Records". Also:

@@ -196,10 +196,6 @@ def configuration(
     return flat
 
 
-def _key(config: Mapping[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
-
-
 def seed_rows(
     rows: Sequence[Mapping[str, Any]],
     trainings: Mapping[str, Any],
@@ -216,7 +212,8 @@ def seed_rows(
         config = configuration(training, trainings)
         if config is None:
             continue
-        key = (_key(config), draft_row.get("pass"))
+        digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+        key = (digest.hexdigest(), draft_row.get("pass"))
         groups[key].append({**draft_row, "seed": training["seed"] if training else None})
         configs[key] = config
     merged = {k: v for k, v in groups.items() if len(v) > 1}
