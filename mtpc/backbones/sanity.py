@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mtpc.backbones.codecs import get_codec
 from mtpc.backbones.compat import TargetLoadError, compute_default_rope_parameters
 
 PROMPT = "The quick brown fox jumps over the lazy dog. 0123456789"
@@ -72,18 +73,6 @@ def rotary_problems(hf_model: nn.Module) -> list[str]:
     return problems
 
 
-@torch.no_grad()
-def prompt_logits(backbone: Any) -> torch.Tensor:
-    """STP logits (1, T, V) of :data:`PROMPT` through the backbone's split path, adapter off."""
-    from mtpc.backbones.codecs import get_codec
-
-    codec = get_codec(backbone.codec)
-    ids = torch.tensor([[codec.bos_id, *codec.encode(PROMPT)]], device=backbone.device)  # (1, T)
-    hidden = backbone.embed(ids)  # (1, T, d)
-    hidden = backbone.run_layers(hidden, 0, backbone.num_layers)
-    return backbone.stp_logits(backbone.norm(hidden))
-
-
 def check_target(backbone: Any, label: str) -> None:
     """Raises TargetLoadError naming ``label`` (``model=evabyte (path=...)``) and every
     problem found if the loaded backbone is not the real model."""
@@ -92,8 +81,12 @@ def check_target(backbone: Any, label: str) -> None:
     meta = [name for name, t in tensors if t.device.type == "meta"]
     problems = [f"{name} is still on the meta device" for name in meta[:5]]
     problems += rotary_problems(hf_model)
-    if not problems:
-        logits = prompt_logits(backbone).float()  # (1, T, V)
+    if not problems:  # the STP logits of PROMPT through the split path, adapter off
+        codec = get_codec(backbone.codec)
+        ids = torch.tensor([[codec.bos_id, *codec.encode(PROMPT)]], device=backbone.device)
+        with torch.no_grad():
+            hidden = backbone.run_layers(backbone.embed(ids), 0, backbone.num_layers)  # (1, T, d)
+            logits = backbone.stp_logits(backbone.norm(hidden)).float()  # (1, T, V)
         if not torch.isfinite(logits).all():
             bad = int((~torch.isfinite(logits)).sum())
             problems.append(
