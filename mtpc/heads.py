@@ -14,7 +14,6 @@ from mtpc.choices import EXTRA_POSITIONS
 from mtpc.circuits import Circuit, CircuitParams, build_structure
 from mtpc.circuits.engine import check_ids, leaf_values
 from mtpc.circuits.params import _f32, exact_sums
-from mtpc.circuits.structure import check_kind_window_rank
 
 __all__ = ["EXTRA_POSITIONS", "MTPCHead", "chunked_log_likelihood"]
 
@@ -43,7 +42,10 @@ class MTPCHead(nn.Module):
         extra_positions: str = "random",
     ) -> None:
         super().__init__()
-        check_kind_window_rank(kind, window, rank)
+        options: dict[str, object] = {"identity": identity_init} if kind in ("hmm", "btree") else {}
+        if kind == "hmm":
+            options |= {"homogeneous": homogeneous, "contextual": contextual_transitions}
+        s = self.structure = build_structure(kind, window, rank, **options)  # checks those three
         for name, val in (("vocab_size", vocab_size), ("hidden_size", hidden_size)):
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {val!r}")
@@ -52,9 +54,6 @@ class MTPCHead(nn.Module):
                 "homogeneous / contextual_transitions are options of kind='hmm' only, "
                 f"got kind={kind!r}"
             )
-        options: dict[str, object] = {"identity": identity_init} if kind in ("hmm", "btree") else {}
-        if kind == "hmm":
-            options |= {"homogeneous": homogeneous, "contextual": contextual_transitions}
         self.kind, self.window, self.rank = kind, window, rank
         self.homogeneous, self.contextual_transitions = homogeneous, contextual_transitions
         self.identity_init = identity_init
@@ -70,7 +69,6 @@ class MTPCHead(nn.Module):
             )
         self.extra_positions = extra_positions
         self.init_std = float(init_std)
-        s = self.structure = build_structure(kind, window, rank, **options)
         self.circuit = Circuit(s)
         # (n, r, V, d): one matmul gives the (B, n, r, V) input logits
         self.unembedding = nn.Parameter(
@@ -91,13 +89,6 @@ class MTPCHead(nn.Module):
         for param in (self.sum_proj, self.sum_bias):
             param.requires_grad_(param.numel() > 0)
         self.reset_sum_parameters()
-
-    def structure_options(self) -> dict[str, bool]:
-        """Options that change the parameter shapes (needed to rebuild the head)."""
-        return {
-            "homogeneous": self.homogeneous,
-            "contextual_transitions": self.contextual_transitions,
-        }
 
     def init_options(self) -> dict[str, object]:
         """How the head was initialised (recorded with exported drafts)."""

@@ -1,18 +1,8 @@
-"""The draft a bare ``python eval.py`` evaluates: the last training run's, unless that run
-overlapped another one in time (docs/TRAINING.md, "The last draft").
-
-Every exporting training run (global rank 0) records itself in ``<root>/outputs/runs.json``
-from its start to its export: run folder, draft folder, pid and host, start and finish time.
-Its export then points ``<root>/outputs/last_draft.txt`` (one line, the draft's absolute path)
-at its draft. Two runs of one root at once overwrite each other's marker, so
-:func:`last_draft` refuses (:class:`LastDraftOverlapError`, one line naming both drafts) when
-the run that wrote the marker overlapped another run: ``draft=<dir>`` picks one. A run that
-fails is taken out of the record; one killed is ignored once its process is gone (same host).
-
-Every write happens under ``outputs/.runs.lock`` and is atomic (a temporary file of the
-writer's pid, then a rename), ``runs.json`` before ``last_draft.txt``, so a reader needs no
-lock. A marker with no record (written by hand, or before this record existed) names its
-draft as it always did.
+"""The draft a bare ``python eval.py`` evaluates: the one ``<root>/outputs/last_draft.txt``
+names, unless the run that wrote it overlapped another run in time (docs/TRAINING.md, "The
+last draft"). Exporting runs record themselves in ``outputs/runs.json`` from start to export;
+every write is atomic and under ``outputs/.runs.lock``, ``runs.json`` before the marker, so a
+reader needs no lock. A marker with no record names its draft as it always did.
 """
 
 from __future__ import annotations

@@ -240,27 +240,19 @@ class MTPCModel(nn.Module):
         documents: torch.Tensor | None = None,
         tree_mask: torch.Tensor | None = None,
         attend: torch.Tensor | None = None,
+        *,
+        adapter: bool = False,
     ) -> torch.Tensor:
-        """Layers L-k..L-1 with base weights (adapter off): (B, T, d) -> (B, T, d)."""
-        L = self.backbone.num_layers
-        return self.backbone.run_layers(
-            hidden, self.split, L, positions, cache, False, documents, tree_mask, attend
-        )
-
-    def draft_tail(
-        self,
-        hidden: torch.Tensor,
-        cache: LayerCache | None = None,
-        positions: torch.Tensor | None = None,
-        documents: torch.Tensor | None = None,
-        tree_mask: torch.Tensor | None = None,
-        attend: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Layers L-k..L-1 with the LoRA adapter on: (B, T, d) -> (B, T, d)."""
-        L, adapter = self.backbone.num_layers, self.k > 0
+        """Layers L-k..L-1 with base weights (``adapter``: with the LoRA adapter on, as
+        :meth:`draft_tail`): (B, T, d) -> (B, T, d)."""
+        L, adapter = self.backbone.num_layers, adapter and self.k > 0
         return self.backbone.run_layers(
             hidden, self.split, L, positions, cache, adapter, documents, tree_mask, attend
         )
+
+    def draft_tail(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Layers L-k..L-1 with the LoRA adapter on (arguments: :meth:`verifier_tail`)."""
+        return self.verifier_tail(hidden, *args, adapter=True, **kwargs)
 
     def verifier_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Target next-token logits of verifier-tail hidden states (..., d) -> (..., V)."""

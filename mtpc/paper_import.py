@@ -193,25 +193,6 @@ def _family(config: Mapping[str, Any]) -> tuple[str, int, int]:
     return ours, n, r
 
 
-def _address_book(state: Mapping[str, Any]) -> tuple[dict[int, Tensor], int | None]:
-    """The circuit's stored fold-index tensors by entry (entry i: module i's inputs, in
-    topological order), and the output entry's number. cirkit stores no tensor for a gather
-    that is an unsqueeze (all folds into one, or fold f into fold f)."""
-    entries: dict[int, Tensor] = {}
-    output = None
-    for key, value in state.items():
-        m = BOOK_KEY_RE.match(key)
-        if not m:
-            continue
-        if int(m.group(2)) != 0:
-            raise PaperImportError(f"circuit buffer {key}: more than one input group per layer")
-        if value.dim() == 1:
-            output = int(m.group(1))
-        else:
-            entries[int(m.group(1))] = value
-    return entries, output
-
-
 def _chain_scopes(
     scope_idx: Tensor, book: Mapping[int, Tensor], kinds: list[str]
 ) -> list[list[frozenset[int]]]:
@@ -257,7 +238,19 @@ def _sum_scopes(
         return [[frozenset(range(n - 1 - k, n))] for k in range(n)]
     if kind == "cp":
         return [[frozenset(range(n))]]
-    book, output = _address_book(state)
+    # the circuit's stored fold-index tensors by entry (entry i: module i's inputs, in
+    # topological order) and the output entry's number; cirkit stores no tensor for a gather
+    # that is an unsqueeze (all folds into one, or fold f into fold f)
+    book: dict[int, Tensor] = {}
+    output = None
+    for key, value in state.items():
+        if m := BOOK_KEY_RE.match(key):
+            if int(m.group(2)) != 0:
+                raise PaperImportError(f"circuit buffer {key}: more than one input group per layer")
+            if value.dim() == 1:
+                output = int(m.group(1))
+            else:
+                book[int(m.group(1))] = value
     kinds = ["product", "sum"] * (n.bit_length() - 1)  # n a power of two
     if output is None or output != len(kinds) + 1:
         raise PaperImportError(
