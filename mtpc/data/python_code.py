@@ -121,21 +121,15 @@ def _function_rows(
         body = text[doc.end_lineno - first + 1 :]
         docstring = text[doc.lineno - first : doc.end_lineno - first + 1]
         signature = text[: doc.lineno - first]
-        row_id = f"{relpath}:{node.lineno}:{node.name}"
+        asks = []  # (kind, the part asked for, the lines the user turn shows, the answer's)
         if "function_body" in kinds:
-            yield _function_row("function_body", "body", row_id, relpath, header, body)
+            asks.append(("function_body", "body", header, body))
         if "docstring" in kinds and doc.lineno > node.lineno:
-            yield _function_row(
-                "docstring", "docstring", row_id, relpath, signature + body, docstring
-            )
-
-
-def _function_row(
-    kind: str, part: str, row_id: str, relpath: str, shown: list[str], answer: list[str]
-) -> Row:
-    """A row asking for the ``part`` of a function: the user turn shows ``shown`` (lines)."""
-    user = f"Write the {part} of this Python function from `{relpath}`.\n\n" + "".join(shown)
-    return _row(f"{kind}:{row_id}", kind, relpath, user, "".join(answer))
+            asks.append(("docstring", "docstring", signature + body, docstring))
+        for kind, part, shown, answer in asks:
+            user = f"Write the {part} of this Python function from `{relpath}`.\n\n"
+            row_id = f"{kind}:{relpath}:{node.lineno}:{node.name}"
+            yield _row(row_id, kind, relpath, user + "".join(shown), "".join(answer))
 
 
 def _continuation_rows(lines: list[str], relpath: str) -> Iterator[Row]:
