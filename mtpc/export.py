@@ -1,8 +1,6 @@
-"""Save and load trained drafts: head + LoRA adapter, never the frozen target.
-
-The folder's files: docs/BACKBONES.md, "Export". This module writes and checks them; an
-unreadable file, a shape that does not match the circuit, a NaN / inf weight or a codec that
-is not the target's is a :class:`~mtpc.errors.DraftError` naming the file.
+"""Save and load trained drafts (head + LoRA adapter, never the frozen target; the files:
+docs/BACKBONES.md, "Export"). An unreadable file, a shape that does not match the circuit, a
+NaN / inf weight or a codec that is not the target's is a ``DraftError`` naming the file.
 """
 
 from __future__ import annotations

@@ -48,8 +48,7 @@ def write_text_atomic(path: Path, text: str) -> None:
 def remove_stale_tmp(folder: Path, what: str = "an interrupted write") -> list[Path]:
     """Removes and returns ``folder``'s hidden temporary entries (``.*.tmp*``) whose writer is
     gone; ``what`` left them (for the log line). An entry whose name carries no pid cannot
-    belong to a running writer of this project and is removed too.
-    """
+    belong to a running writer of this project and is removed too."""
     removed = []
     for tmp in sorted(folder.glob(".*.tmp*")):  # none in a missing folder
         pid = tmp_writer_pid(tmp.name)
@@ -74,12 +73,9 @@ class FolderBusy(Exception):
 
 class FolderLock:
     """An exclusive, non-blocking ``flock`` on ``path`` (created when missing), held until
-    :meth:`release` or the process ends, however it ends (no stale locks). The file records the
-    last holder (pid, host, start time) so that a refusal can name it.
-
-    ``enabled=False``: a no-op lock (e.g. off global rank 0). On a file system without locks
-    the lock logs a warning and the caller runs unlocked.
-    """
+    :meth:`release` or the process ends, however it ends (no stale locks); the file names the
+    last holder (pid, host, start time) for a refusal. ``enabled=False``: a no-op lock (e.g. off
+    global rank 0); on a file system without locks it warns and the caller runs unlocked."""
 
     def __init__(self, path: Path, enabled: bool = True) -> None:
         self.path = path

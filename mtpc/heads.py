@@ -1,7 +1,5 @@
-"""MTPC head: contextual features e_t -> circuit parameters theta_t (paper Sec. 3.3).
-
-See docs/CIRCUITS.md, "Head" and "Initialisation".
-"""
+"""MTPC head: contextual features e_t -> circuit parameters theta_t (paper Sec. 3.3); see
+docs/CIRCUITS.md, "Head" and "Initialisation"."""
 
 from __future__ import annotations
 
@@ -19,11 +17,9 @@ __all__ = ["EXTRA_POSITIONS", "MTPCHead", "chunked_log_likelihood"]
 
 
 class MTPCHead(nn.Module):
-    """Circuit head over a window of ``window`` tokens (options: docs/CIRCUITS.md, "Head").
-
+    """Circuit head over a window of ``window`` tokens (options: docs/CIRCUITS.md, "Head");
     ``identity_logit``: the diagonal bias of identity-initialised sums (weight
-    ``1 / (1 + (r - 1) exp(-identity_logit))`` on the diagonal).
-    """
+    ``1 / (1 + (r - 1) exp(-identity_logit))`` on the diagonal)."""
 
     def __init__(
         self,

@@ -1,8 +1,6 @@
-"""MTPCModel: a frozen target + its STP head (verifier) + an MTPC head (draft) + LoRA tail.
-
-Data flow: docs/BACKBONES.md and docs/DESIGN.md (paper Sec. 3.4). Hidden states returned by
-``trunk``/``*_tail`` are pre-norm; ``verifier_logits`` and ``draft_params`` apply the norm.
-"""
+"""MTPCModel: a frozen target + its STP head (verifier) + an MTPC head (draft) + LoRA tail
+(data flow: docs/BACKBONES.md, docs/DESIGN.md, paper Sec. 3.4). Hidden states returned by
+``trunk``/``*_tail`` are pre-norm; ``verifier_logits`` and ``draft_params`` apply the norm."""
 
 from __future__ import annotations
 
@@ -85,10 +83,8 @@ class MTPCOutput:
 
 
 class MTPCModel(nn.Module):
-    """Backbone + STP head (verifier) + MTPC head (draft) + LoRA draft tail.
-
-    Only the head and the LoRA weights are trainable; ``split`` = L - k is the first tail layer.
-    """
+    """Backbone + STP head (verifier) + MTPC head (draft) + LoRA draft tail; only the head and
+    the LoRA weights are trainable; ``split`` = L - k is the first tail layer."""
 
     def __init__(
         self, backbone: Backbone, head: MTPCHead, lora: LoraSettings, head_init: str
@@ -118,12 +114,10 @@ class MTPCModel(nn.Module):
         lora: LoraSettings | None = None,
         **head_options: Any,
     ) -> MTPCModel:
-        """Attaches a head (and LoRA on the last ``lora_layers`` layers) to a backbone.
-
+        """Attaches a head (and LoRA on the last ``lora_layers`` layers) to a backbone;
         ``lora``: the LoRA settings as one record (then the ``lora_*`` arguments are unused);
-        ``head_options`` go to ``MTPCHead``; bad settings raise before anything is attached
-        (``lora.*``: ``LoraError``).
-        """
+        ``head_options`` go to ``MTPCHead``. Bad settings raise before anything is attached
+        (``lora.*``: ``LoraError``)."""
         from mtpc.heads import MTPCHead
 
         assign_codec(backbone)
@@ -204,12 +198,10 @@ class MTPCModel(nn.Module):
         attend: torch.Tensor | None = None,
         hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Embeds ``ids`` (B, T) and runs layers 0..L-k-1 -> pre-norm hidden (B, T, d).
-
-        With a cache, ``ids`` follow the cached ones and are recorded (the byte Llama's
-        embedding reads the history); ``tree_mask`` and ``attend``: ``Backbone.run_layers``;
-        ``hidden``: the ids' embeddings when the caller made them (:meth:`embed`).
-        """
+        """Embeds ``ids`` (B, T) and runs layers 0..L-k-1 -> pre-norm hidden (B, T, d). With
+        a cache, ``ids`` follow the cached ones and are recorded (the byte Llama's embedding
+        reads the history); ``tree_mask`` and ``attend``: ``Backbone.run_layers``; ``hidden``:
+        the ids' embeddings when the caller made them (:meth:`embed`)."""
         if hidden is None:
             hidden = self.embed(ids, None if cache is None else cache.ids, tree_mask)
         hidden = self.backbone.run_layers(  # adapter off

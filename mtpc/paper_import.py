@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -196,11 +196,9 @@ def _family(config: Mapping[str, Any]) -> tuple[str, int, int]:
 def _chain_scopes(
     scope_idx: Tensor, book: Mapping[int, Tensor], kinds: list[str]
 ) -> list[list[frozenset[int]]]:
-    """Fold scopes of every inner layer of a chain (each layer reads the one before it).
-
-    ``book``: the stored (F, H) fold-index tensors by entry (1 = the first inner layer);
-    ``kinds``: the inner layers' kinds in order.
-    """
+    """Fold scopes of every inner layer of a chain (each layer reads the one before it);
+    ``book``: the stored (F, H) fold-index tensors by entry (1 = the first inner layer),
+    ``kinds``: the inner layers' kinds in order."""
     prev = [frozenset([int(p)]) for p in scope_idx.tolist()]
     out = []
     for i, kind in enumerate(kinds, start=1):
@@ -336,8 +334,22 @@ def _head_tensors(
                 categorical = value
             elif m:
                 sums[int(m.group(1))] = value
+            elif key == "mt_head._norm.weight":
+                raise PaperImportError(
+                    f"checkpoint key {key}: this version of their head normalises the features "
+                    "again (an RMSNorm before the projections), which our head does not"
+                )
+            elif kind == "hmm":
+                raise PaperImportError(
+                    f"checkpoint key {key}: an HMM draft with keys beyond the linear "
+                    "projections (the HMM bias of paper App. E?) cannot be imported: its form "
+                    "is not established from the released code"
+                )
             else:
-                _refuse_head_key(key, kind)
+                raise PaperImportError(
+                    f"checkpoint key {key} is not a linear expander projection; only "
+                    f"{CAT_KEY} and mt_head._sum_weights_heads.<k>.head.proj map exactly"
+                )
         elif key.startswith("circuit."):
             if key.endswith("._scope_idx"):
                 scope_keys.append(key)
@@ -382,25 +394,6 @@ def _head_tensors(
     return categorical, scope, sum_list, lora
 
 
-def _refuse_head_key(key: str, kind: str) -> NoReturn:
-    """Raises the one-line refusal of an ``mt_head`` key that is not a linear projection."""
-    if key == "mt_head._norm.weight":
-        raise PaperImportError(
-            f"checkpoint key {key}: this version of their head normalises the features "
-            "again (an RMSNorm before the projections), which our head does not"
-        )
-    if kind == "hmm":
-        raise PaperImportError(
-            f"checkpoint key {key}: an HMM draft with keys beyond the linear "
-            "projections (the HMM bias of paper App. E?) cannot be imported: its form "
-            "is not established from the released code"
-        )
-    raise PaperImportError(
-        f"checkpoint key {key} is not a linear expander projection; only "
-        f"{CAT_KEY} and mt_head._sum_weights_heads.<k>.head.proj map exactly"
-    )
-
-
 def _lora_config(
     config: Mapping[str, Any], lora: Mapping[str, Tensor]
 ) -> tuple[dict[str, Any], list[int]]:
@@ -432,12 +425,10 @@ def _lora_config(
 
 
 def head_state(draft: PaperDraft, structure: Any) -> dict[str, Tensor]:
-    """Our ``MTPCHead`` state dict (``unembedding``, ``sum_proj``, ``sum_bias``) of a paper draft.
-
+    """Our ``MTPCHead`` state dict (``unembedding``, ``sum_proj``, ``sum_bias``) of a paper draft;
     ``structure``: ours of the same family, n, r (every sum contextual, nothing tied). Their
     ``proj[f, o, i]`` is our ``sum_proj`` row ``u * r + i`` for our sum unit ``u`` with the
-    same scope and output unit ``o``; every bias is zero.
-    """
+    same scope and output unit ``o``; every bias is zero."""
     r, d = draft.rank, draft.hidden_size
     unembedding = torch.empty_like(draft.categorical)  # (n, r, V, d)
     unembedding[draft.scope_idx] = draft.categorical  # their fold f is window position scope[f]
@@ -503,11 +494,9 @@ def import_paper_draft(
     device: str = "cpu",
     dtype: str | None = None,
 ) -> Path:
-    """Imports a paper draft folder into our draft format at ``out``; returns ``out``.
-
-    The target: ``target``, else ``model`` / ``model_path`` (default: from the config's LM
-    hub id) in ``dtype`` (default bf16 for the real targets).
-    """
+    """Imports a paper draft folder into our draft format at ``out``; returns ``out``. The
+    target: ``target``, else ``model`` / ``model_path`` (default: from the config's LM hub id)
+    in ``dtype`` (default bf16 for the real targets)."""
     from mtpc.backbones import backbone_from_hf, load_backbone
     from mtpc.export import CONFIG_NAME, save_draft
     from mtpc.model import MTPCModel
@@ -520,12 +509,23 @@ def import_paper_draft(
         if dtype is None:  # the tiny target loads in load_backbone's default, float32
             dtype = "float32" if name == "tiny" else "bfloat16"
         backbone = load_backbone(name, path=path, revision=revision, dtype=dtype, device=device)
-    _check_target_fits(draft, backbone)
+    if (backbone.vocab_size, backbone.hidden_size) != (draft.vocab_size, draft.hidden_size):
+        raise PaperImportError(
+            f"the draft's head has V={draft.vocab_size}, d={draft.hidden_size} but the target "
+            f"has V={backbone.vocab_size}, d={backbone.hidden_size}; give the target it was "
+            "trained on (--model / --model-path)"
+        )
+    k, L = len(draft.lora_layers), backbone.num_layers
+    if k and draft.lora_layers != list(range(L - k, L)):
+        raise PaperImportError(
+            f"{CONFIG_FILE}: LoRA on layers {draft.lora_layers}; the target has {L} layers, so "
+            f"only the last k ({list(range(L - k, L))}) map onto our draft tail"
+        )
     identity = draft.kind not in ("hmm", "btree")  # their sums start without the identity
     lora = draft.lora_settings
     try:
         model_ = MTPCModel.from_backbone(
-            backbone, draft.kind, draft.window, draft.rank, lora_layers=len(draft.lora_layers),
+            backbone, draft.kind, draft.window, draft.rank, lora_layers=k,
             lora_rank=lora.get("rank", 16), lora_alpha=lora.get("alpha", 16.0),
             lora_dropout=lora.get("dropout", 0.0), lora_target_modules=lora.get("target_modules"),
             head_init="random", head_dtype=str(draft.dtype).removeprefix("torch."),
@@ -547,22 +547,6 @@ def import_paper_draft(
     config["imported"] = provenance
     file.write_text(json.dumps(config, indent=2, default=str) + "\n", encoding="utf-8")
     return outdir
-
-
-def _check_target_fits(draft: PaperDraft, backbone: Any) -> None:
-    """Refuses a target whose V, d or layer count does not fit the draft (one line)."""
-    if (backbone.vocab_size, backbone.hidden_size) != (draft.vocab_size, draft.hidden_size):
-        raise PaperImportError(
-            f"the draft's head has V={draft.vocab_size}, d={draft.hidden_size} but the target "
-            f"has V={backbone.vocab_size}, d={backbone.hidden_size}; give the target it was "
-            "trained on (--model / --model-path)"
-        )
-    k, L = len(draft.lora_layers), backbone.num_layers
-    if k and draft.lora_layers != list(range(L - k, L)):
-        raise PaperImportError(
-            f"{CONFIG_FILE}: LoRA on layers {draft.lora_layers}; the target has {L} layers, so "
-            f"only the last k ({list(range(L - k, L))}) map onto our draft tail"
-        )
 
 
 def main(argv: list[str] | None = None) -> Path:

@@ -1,8 +1,7 @@
 """Append-only record folders, shared by the evaluation (``mtpc.evaluation.records``) and
 regeneration (``mtpc.regeneration``): strict JSON (NaN -> null, atomic writes),
 manifest differences, provenance, and :class:`AppendStore`, a locked folder of JSON-lines files
-flushed line by line (a kill loses at most the line in flight, dropped at the next open).
-"""
+flushed line by line (a kill loses at most the line in flight, dropped at the next open)."""
 
 from __future__ import annotations
 
