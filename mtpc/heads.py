@@ -150,11 +150,9 @@ class MTPCHead(nn.Module):
         positions: Tensor | list[int] | None = None,
         units: Tensor | list[int] | None = None,
     ) -> Tensor:
-        """Unnormalised input logits of ``e`` ``(B, d)``: ``(B, n, r, V)``, or only some rows of W.
-
-        With ``positions``: ``(B, k, r, V)``; with one unit per position too: ``(B, k, V)``,
-        only those ``(position, unit)`` rows of W (a latent path's leaves).
-        """
+        """Unnormalised input logits of ``e`` ``(B, d)``: ``(B, n, r, V)``; with ``positions``:
+        ``(B, k, r, V)``; with one unit per position too: ``(B, k, V)``, only those
+        ``(position, unit)`` rows of W (a latent path's leaves)."""
         self._check_hidden(e)
         if units is None:
             w = self.unembedding if positions is None else _rows(self.unembedding, positions)
@@ -180,10 +178,8 @@ class MTPCHead(nn.Module):
         return torch.stack([F.linear(x, W[p, u]) for p, u in pairs], 1)  # (B, k, V)
 
     def token_logits(self, e: Tensor, positions: Tensor, tokens: Tensor) -> Tensor:
-        """``(B, k, r)`` unnormalised logits of every unit at ``(k,)`` (position, token) pairs.
-
-        Reads only the r d-vectors ``W[p, :, x_p]`` per pair, so no normaliser.
-        """
+        """``(B, k, r)`` unnormalised logits of every unit at ``(k,)`` (position, token) pairs:
+        only the r d-vectors ``W[p, :, x_p]`` per pair are read, so no normaliser."""
         self._check_hidden(e)
         if positions.shape != tokens.shape or positions.dim() != 1:
             raise ValueError(
@@ -239,11 +235,9 @@ class MTPCHead(nn.Module):
         chunk_size: int = 1024,
         checkpoint: bool = True,
     ) -> Tensor:
-        """``(T, n)`` prefix log-likelihoods of ``targets`` ``(T, n)`` given ``hidden`` ``(T, d)``.
-
+        """``(T, n)`` prefix log-likelihoods of ``targets`` ``(T, n)`` given ``hidden`` ``(T, d)``;
         ``mask`` False positions are summed out (ids unchecked). Only one chunk's logits exist
-        at a time (recomputed in backward with ``checkpoint``).
-        """
+        at a time (recomputed in backward with ``checkpoint``)."""
         T, n = targets.shape[0], self.window
         self._check_hidden(hidden, "hidden", "T")
         if targets.dim() != 2 or targets.shape != (hidden.shape[0], n):

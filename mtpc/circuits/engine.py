@@ -15,19 +15,6 @@ from mtpc.circuits.params import CircuitParams, _f32
 from mtpc.circuits.structure import Layer, Slot, Structure
 
 
-class _LayerStep(NamedTuple):
-    """One layer of the layered pass (``Circuit._plan``), flattened for the hot loop."""
-
-    is_sum: bool
-    num_folds: int  # F
-    num_units: int  # R
-    arity: int  # A: children per product fold
-    view_start: int | None  # a product over consecutive folds of one layer (its slots' one
-    # source): the first; None: read ``slots``
-    lo: int  # first sum-weight row of the layer
-    slots: tuple[Slot, ...]  # a sum's one input slot; a product's A
-
-
 class _Step(NamedTuple):
     """One fold of a prefix pass (``Circuit._prefix_plan``)."""
 
@@ -50,10 +37,6 @@ class Circuit:
         # prefix mask: column k keeps positions 0..k
         self._tri = torch.ones(n, n, dtype=torch.bool).tril().T.unsqueeze(1)  # (n, 1, n)
         self._device_cache: dict[tuple[int, torch.device], Tensor] = {}
-        self._plan: list[_LayerStep] = []
-        for la in self.layers[1:]:
-            F, R, A, start = la.num_folds, la.num_units, la.arity, la.view_start
-            self._plan.append(_LayerStep(la.kind == "sum", F, R, A, start, la.sum_offset, la.slots))
         # prefix fast path: layer 1 multiplies consecutive inputs and nobody else reads them
         self._prefix_index: Tensor | None = None
         l1 = self.layers[min(1, len(self.layers) - 1)]  # view_start: None but for products
@@ -76,9 +59,9 @@ class Circuit:
         self._kids: dict[tuple[int, int], list[tuple[int, int]]] = {}
         for lid, la in enumerate(self.layers[1:], 1):
             for slot in la.slots:
-                for src, folds, child in slot.parts:
-                    for f, ch in zip(folds.tolist(), child.tolist(), strict=True):
-                        self._kids.setdefault((lid, f), []).append((src, ch))
+                where = [(s, f) for s in slot.sources for f in range(self.layers[s].num_folds)]
+                for f, i in enumerate(slot.index.tolist()):  # i: in the concatenated sources
+                    self._kids.setdefault((lid, f), []).append(where[i])
         self._prefix_plans: dict[int, tuple[_Step, ...] | None] = {}
 
     def __repr__(self) -> str:
@@ -194,15 +177,15 @@ class Circuit:
         r = self.rank
         outs = [leaves] if first is None else [leaves, first]
         sum_inputs: list[Tensor | None] = [None] * len(outs)
-        plan = self._plan[len(outs) - 1 :]
         B, K = outs[-1].shape[0], outs[-1].shape[-1]
         wexp = None
         fmin = torch.finfo(leaves.dtype).min
-        for is_sum, F, R, A, view_start, lo, slots in plan:
-            if not is_sum:
+        for la in self.layers[len(outs) :]:
+            F, R, A, lo, slots = la.num_folds, la.num_units, la.arity, la.sum_offset, la.slots
+            if la.kind == "product":
                 sum_inputs.append(None)
-                if view_start is not None:
-                    src = outs[slots[0].sources[0]].narrow(1, view_start, F * A)
+                if la.view_start is not None:  # consecutive folds of its one source
+                    src = outs[slots[0].sources[0]].narrow(1, la.view_start, F * A)
                     y = src.unflatten(1, (F, A)).sum(2) if A > 1 else src  # (B, F, r, K)
                 else:
                     y = self._read(outs, slots[0])
@@ -315,7 +298,7 @@ class Circuit:
                     lo = la.sum_offset + f * la.num_units
                     steps.append(_Step(la.kind == "sum", (lid, f), kids, lo, la.num_units))
                     cost += int(la.kind == "sum" or len(kids) > 1)
-            self._prefix_plans[span] = tuple(steps) if cost <= len(self._plan) else None
+            self._prefix_plans[span] = tuple(steps) if cost < len(self.layers) else None
         return self._prefix_plans[span]
 
     def _prefix_values(

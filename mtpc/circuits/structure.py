@@ -27,7 +27,6 @@ class Slot:
     sources: tuple[int, ...]  # layer ids the children come from (usually one)
     index: Tensor  # (F,) each child's fold in the concatenation of ``sources``
     start: int | None  # children = folds start, start + 1, ... of one source; None: gather
-    parts: tuple[tuple[int, Tensor, Tensor], ...]  # per source: (source, folds, child folds)
 
 
 @dataclass(frozen=True)
@@ -202,15 +201,10 @@ class StructureBuilder:
 
 def _make_slot(children: list[tuple[int, int]], layers: list[Layer]) -> Slot:
     sources = tuple(sorted({lid for lid, _ in children}))
-    index = torch.empty(len(children), dtype=torch.long)  # (F,)
-    parts, offset = [], 0
-    for s in sources:
-        pos = [i for i, (lid, _) in enumerate(children) if lid == s]
-        child = torch.tensor([children[i][1] for i in pos])  # int64: never empty
-        index[pos] = offset + child
-        parts.append((s, torch.tensor(pos), child))
-        offset += layers[s].num_folds
-    return Slot(sources, index, _run_start(children), tuple(parts))
+    # each source's first fold in the concatenation of the sources
+    first = {s: sum(layers[t].num_folds for t in sources[:i]) for i, s in enumerate(sources)}
+    index = torch.tensor([first[lid] + f for lid, f in children], dtype=torch.long)  # (F,)
+    return Slot(sources, index, _run_start(children))
 
 
 def _run_start(children: list[tuple[int, int]]) -> int | None:
