@@ -62,17 +62,6 @@ class PaperDraft:
     lora_settings: dict[str, Any] = field(default_factory=dict)  # rank, alpha, dropout, modules
     lm_id: str | None = None  # lm.model.from_huggingface
 
-    def provenance(self) -> dict[str, Any]:
-        """Where the draft came from (recorded in the imported draft's ``config.json``)."""
-        return {
-            "from": "april-tools/mtpc",
-            "folder": str(self.folder.resolve()),
-            "checkpoint": self.checkpoint.name,
-            "step": self.step,
-            "lm": self.lm_id,
-            "paper_config": self.config,
-        }
-
 
 def _field(config: Mapping[str, Any], dotted: str, default: Any = ...) -> Any:
     node: Any = config
@@ -540,7 +529,14 @@ def import_paper_draft(
             backbone.lora.load_state_dict(draft.lora)
         except ValueError as err:
             raise PaperImportError(f"LoRA weights do not fit the target: {err}") from err
-    provenance = draft.provenance()
+    provenance = {  # where the draft came from: the card's training config and config.json
+        "from": "april-tools/mtpc",
+        "folder": str(draft.folder.resolve()),
+        "checkpoint": draft.checkpoint.name,
+        "step": draft.step,
+        "lm": draft.lm_id,
+        "paper_config": draft.config,
+    }
     outdir = save_draft(model_, out, training_config=provenance)
     file = outdir / CONFIG_NAME  # save_draft's config.json, plus where the draft came from
     config = json.loads(file.read_text(encoding="utf-8"))
