@@ -1,7 +1,5 @@
-"""Contextual tensorised probabilistic circuits in plain torch (no Lightning / Hydra).
-
-The modules: docs/CIRCUITS.md.
-"""
+"""Contextual tensorised probabilistic circuits in plain torch (no Lightning / Hydra); the
+modules: docs/CIRCUITS.md."""
 
 from mtpc.circuits.engine import Circuit
 from mtpc.circuits.params import CircuitParams

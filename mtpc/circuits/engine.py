@@ -1,8 +1,6 @@
-"""One generic engine that answers every query on any layered structure.
-
-Activations are log-values ``(B, F, R, K)``: batch, folds, units and K query columns that
-share their row's parameters. See docs/CIRCUITS.md, "Queries".
-"""
+"""One generic engine that answers every query on any layered structure. Activations are
+log-values ``(B, F, R, K)``: batch, folds, units and K query columns that share their row's
+parameters. See docs/CIRCUITS.md, "Queries"."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""Layered ("folded") circuit structures and the builders of the four MTPC families.
-
-Index tensors are computed once, here, at build time. A family is a builder that creates
-nodes with :class:`StructureBuilder` and returns the root; ``STRUCTURES`` is their registry.
-See docs/CIRCUITS.md, "Structures" and "Adding a structure".
-"""
+"""Layered ("folded") circuit structures and the builders of the four MTPC families. Index
+tensors are computed once, here, at build time. A family is a builder that creates nodes with
+:class:`StructureBuilder` and returns the root; ``STRUCTURES`` is their registry. See
+docs/CIRCUITS.md, "Structures" and "Adding a structure"."""
 
 from __future__ import annotations
 

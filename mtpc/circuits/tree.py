@@ -1,7 +1,5 @@
-"""Token trees from a circuit: the B most probable draft prefixes, found best-first.
-
-One batched circuit query per depth; why this is exact: docs/DECODING.md, "Token trees".
-"""
+"""Token trees from a circuit: the B most probable draft prefixes, found best-first, one
+batched circuit query per depth; why this is exact: docs/DECODING.md, "Token trees"."""
 
 from __future__ import annotations
 
