@@ -19,11 +19,9 @@ def to_cirkit(
     vocab_size: int | None = None,
 ) -> Any:
     """Build ``structure`` as a cirkit symbolic circuit with one output unit.
-
     ``input_probs`` ``(n, r, V)`` and ``sum_weights`` ``(U, r)`` (rows as in
     ``CircuitParams.sum_logw``, exponentiated) fix the parameters; None: cirkit's defaults.
-    ``vocab_size``: V when ``input_probs`` is None (default 2).
-    """
+    ``vocab_size``: V when ``input_probs`` is None (default 2)."""
     from cirkit.symbolic.circuit import Circuit as SymbolicCircuit
     from cirkit.symbolic.initializers import ConstantTensorInitializer
     from cirkit.symbolic.layers import CategoricalLayer, HadamardLayer, SumLayer

@@ -111,10 +111,8 @@ class Circuit:
         self, leaves: Tensor, next_logp: Tensor, sum_logw: Tensor | None
     ) -> Tensor:
         """``(B, V)`` log q(x_{m+1} = v | x_1..x_m) from the input units it reads, nothing more.
-
         ``leaves`` ``(B, m, r)``: log phi of the first m positions at their tokens;
-        ``next_logp`` ``(B, r, V)``: every unit of position m.
-        """
+        ``next_logp`` ``(B, r, V)``: every unit of position m."""
         # The circuit is linear in position m's input vector (smooth and decomposable: every
         # product path reads one of its units), so q(x_m = v | x_<m) is proportional to
         # sum_j g_j phi_{m, j}(v), where g_j is the circuit with position m's inputs set to
@@ -248,11 +246,9 @@ class Circuit:
         uniforms: Tensor | None = None,
     ) -> Tensor:
         """``(B, n)`` long: the input unit a latent path z ~ q(z | evidence) selects per position.
-
         ``evidence_leaves`` ``(B, m, r)``: log phi of the first m positions' units at their
         tokens; ``most_probable``: each sum unit takes its most probable child instead;
-        ``uniforms`` ``(B, U)``: one per sum unit (a decoder's stream), else ``generator``'s.
-        """
+        ``uniforms`` ``(B, U)``: one per sum unit (a decoder's stream), else ``generator``'s."""
         n, r, U = self.window, self.rank, self.num_sum_units
         if sum_logw is not None:
             batch_size = sum_logw.shape[0]
@@ -307,10 +303,8 @@ class Circuit:
         scores: Tensor | None = None,
     ) -> Tensor:
         """Log-values of the prefix's folds, bottom-up; returns the root's ``(B, 1, K)``.
-
         ``inputs``: ``(0, position) -> (B or 1, r, 1 or K)``. ``scores`` ``(B, U, r)`` (K = 1):
-        the rows of the prefix's sum units are overwritten with their child log-scores.
-        """
+        the rows of the prefix's sum units are overwritten with their child log-scores."""
         values = dict(inputs)
         fmin = torch.finfo(lw.dtype).min
         wexp = None if scores is not None else lw.exp()  # (B, U, r)
@@ -462,9 +456,7 @@ def categorical(
 ) -> Tensor:
     """One draw per row of unnormalised log-probabilities ``(..., C)`` by inverse CDF, with
     the uniforms ``u`` ``(...,)`` (a decoder's stream) or fresh ones from ``generator``.
-
-    One uniform per row (Gumbel-max needs one per entry: several times slower on CPU).
-    """
+    One uniform per row (Gumbel-max needs one per entry: several times slower on CPU)."""
     probs = torch.softmax(logits, -1)  # (..., C)
     if u is None:
         u = torch.rand(

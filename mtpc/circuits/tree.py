@@ -56,10 +56,8 @@ def build_tree(
     max_depth: int | None = None,
 ) -> TokenTree:
     """The ``budget`` (>= 1) most probable draft prefixes under q(. | evidence), as a tree.
-
     ``params``: one state's (B = 1); ``evidence``: (1, m) or None; ``floor``: nodes with
-    q(path | evidence) below it are left out; ``max_depth``: caps the levels (EVA window).
-    """
+    q(path | evidence) below it are left out; ``max_depth``: caps the levels (EVA window)."""
     n = circuit.window
     device = params.input_logp.device
     prefixes = (
