@@ -50,11 +50,11 @@ def draw_with_matplotlib(structure: Structure, out: Path) -> None:
     fig, ax = plt.subplots(figsize=(width, 1.0 + 0.8 * len(layers)))
     colors = {"input": "#ffbd2a", "product": "#24a5af", "sum": "#607d8b"}
     for lid, la in enumerate(layers):
-        for slot in la.slots:
-            for src, fold_pos, child in slot.parts:
-                for f, c in zip(fold_pos.tolist(), child.tolist(), strict=True):
-                    (x0, y0), (x1, y1) = pos[(lid, f)], pos[(src, c)]
-                    ax.plot([x0, x1], [y0, y1], color="#999999", lw=1, zorder=1)
+        for slot in la.slots:  # fold f's child: fold index[f] of the sources' concatenation
+            folds = [(src, c) for src in slot.sources for c in range(layers[src].num_folds)]
+            for f, k in enumerate(slot.index.tolist()):
+                (x0, y0), (x1, y1) = pos[(lid, f)], pos[folds[k]]
+                ax.plot([x0, x1], [y0, y1], color="#999999", lw=1, zorder=1)
         for f in range(la.num_folds):
             x, y = pos[(lid, f)]
             label = {"input": f"x{la.scopes[f][0] + 1}", "product": "⊙", "sum": "+"}[la.kind]
