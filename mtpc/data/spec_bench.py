@@ -2,7 +2,7 @@
 evaluation prompts, MT-bench's two-turn questions included (the format, the checks and the
 multi-turn protocol: docs/EVALUATION.md, "Spec-Bench"). A :class:`SpecBenchPrompt` holds the
 first turn with the generation prompt, and the later turns, each asked after the model's own
-answer to the turn before (``mtpc.evaluation.run.decode_prompts``).
+answer to the turn before (``mtpc.evaluation.run.Lane.decode``).
 """
 
 from __future__ import annotations
