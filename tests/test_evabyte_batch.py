@@ -122,13 +122,17 @@ def test_batches_run_on_the_uncompiled_static_engine(
     model: MTPCModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Without ``compile=``, a batch's passes go to the static engine's layout, whose step is
-    never handed to torch.compile; its prompts are prefilled alone (no pass of the engine's
-    prefill chunk: B rows per chunk for one new row) and adopted; B = 1 stays in the model's
-    own caches."""
+    never handed to torch.compile; a prompt admitted with fewer than half the rows is
+    prefilled alone (no pass of the engine's prefill chunk: B rows per chunk for it) and
+    adopted; B = 1 stays in the model's own caches."""
     from mtpc.decoding import static, static_step
 
-    passes, widths = [], []
-    original, run = static.StaticLayout.target, static_step.StaticEngine.run
+    passes, widths, admissions = [], [], []
+    original, run, admit = (
+        static.StaticLayout.target,
+        static_step.StaticEngine.run,
+        static.StaticLayout.admit,
+    )
 
     def target(self: Any, *args: Any, **kw: Any) -> Any:
         passes.append(self.engine.backend)
@@ -138,16 +142,24 @@ def test_batches_run_on_the_uncompiled_static_engine(
         widths.append(ids.shape[1])
         return run(self, ids, *args)
 
+    def spy(self: Any, rows: Any, prompts: Any) -> Any:
+        widths.clear()
+        out = admit(self, rows, prompts)
+        admissions.append((len(rows), static_step.PREFILL_CHUNK in widths))
+        return out
+
     monkeypatch.setattr(static_step.StaticEngine, "run", engine_run)
+    monkeypatch.setattr(static.StaticLayout, "admit", spy)
 
     def never(*args: Any) -> Any:
         raise AssertionError("the uncompiled engine's step went to torch.compile")
 
     monkeypatch.setattr(static.StaticLayout, "target", target)
     monkeypatch.setattr(static_step, "compile_step", never)
-    out = mtpc.generate(model, prompts(4), 12, batch_size=3, seed=[0, 1, 2, 3])
+    out = mtpc.generate(model, prompts(5), 12, batch_size=4, seed=[0, 1, 2, 3, 4])
     assert passes and set(passes) == {None}
-    assert widths and static_step.PREFILL_CHUNK not in widths
+    assert admissions[0] == (4, True)  # the first four together: every row real
+    assert (1, False) in admissions and (1, True) not in admissions  # one row: alone
     assert {r.engine for r in out} == {"eager"}
     passes.clear()
     mtpc.generate(model, prompts(4)[0], 12)

@@ -124,8 +124,8 @@ class StaticLayout:
             self.places[i] = row
         places = torch.tensor(at, device=engine.device)
         engine.reset_rows(places)
-        if engine.backend is None:  # uncompiled: each prompt alone, not B rows per chunk pass
-            return self._admit_alone(at, rows, prompts)
+        if engine.backend is None and 2 * len(rows) < engine.batch:  # uncompiled, few rows:
+            return self._admit_alone(at, rows, prompts)  # each alone, not B rows per chunk pass
         flat = torch.nn.utils.rnn.pad_sequence(list(prompts), True)  # (R, L)
         count = torch.tensor([p.shape[0] for p in prompts], device=engine.device)  # (R,)
         states: list[list[Tensor]] = [[] for _ in rows]
@@ -268,9 +268,9 @@ class StaticLayout:
     def _admit_alone(
         self, at: list[int], rows: Sequence[Any], prompts: Sequence[Tensor]
     ) -> tuple[list[Tensor], list[Tensor]]:
-        """:meth:`admit` of an uncompiled engine: each prompt prefilled alone in a
-        ``layout.Stream`` (its prefill as decoding it alone runs it), adopted at its first
-        pass (:meth:`_join`)."""
+        """:meth:`admit` of fewer than half an uncompiled engine's rows (a chunk pass would
+        compute every row for them): each prompt prefilled alone in a ``layout.Stream`` (its
+        prefill as decoding it alone runs it), adopted at its first pass (:meth:`_join`)."""
         states, logits = [], []
         for place, row, prompt in zip(at, rows, prompts, strict=True):
             stream = Stream(self.engine.model)
