@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor
@@ -323,22 +323,8 @@ def _head_tensors(
                 categorical = value
             elif m:
                 sums[int(m.group(1))] = value
-            elif key == "mt_head._norm.weight":
-                raise PaperImportError(
-                    f"checkpoint key {key}: this version of their head normalises the features "
-                    "again (an RMSNorm before the projections), which our head does not"
-                )
-            elif kind == "hmm":
-                raise PaperImportError(
-                    f"checkpoint key {key}: an HMM draft with keys beyond the linear "
-                    "projections (the HMM bias of paper App. E?) cannot be imported: its form "
-                    "is not established from the released code"
-                )
             else:
-                raise PaperImportError(
-                    f"checkpoint key {key} is not a linear expander projection; only "
-                    f"{CAT_KEY} and mt_head._sum_weights_heads.<k>.head.proj map exactly"
-                )
+                _refuse_head_key(key, kind)
         elif key.startswith("circuit."):
             if key.endswith("._scope_idx"):
                 scope_keys.append(key)
@@ -381,6 +367,25 @@ def _head_tensors(
         if not bool(torch.isfinite(t).all()):
             raise PaperImportError(f"{file}: {name} holds NaN or inf values")
     return categorical, scope, sum_list, lora
+
+
+def _refuse_head_key(key: str, kind: str) -> NoReturn:
+    """Raises the one-line refusal of an ``mt_head`` key that is not a linear projection."""
+    if key == "mt_head._norm.weight":
+        raise PaperImportError(
+            f"checkpoint key {key}: this version of their head normalises the features "
+            "again (an RMSNorm before the projections), which our head does not"
+        )
+    if kind == "hmm":
+        raise PaperImportError(
+            f"checkpoint key {key}: an HMM draft with keys beyond the linear "
+            "projections (the HMM bias of paper App. E?) cannot be imported: its form "
+            "is not established from the released code"
+        )
+    raise PaperImportError(
+        f"checkpoint key {key} is not a linear expander projection; only "
+        f"{CAT_KEY} and mt_head._sum_weights_heads.<k>.head.proj map exactly"
+    )
 
 
 def _lora_config(
