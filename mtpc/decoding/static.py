@@ -242,7 +242,7 @@ class StaticLayout:
         cycle, the prefill chunk over a prompt)."""
         if not states:
             return []
-        if any(id(row) in self.fresh for row in rows):
+        if self.fresh and any(id(row) in self.fresh for row in rows):
             return self._draft_fresh(rows, states)
         engine, model = self.engine, self.engine.model
         if not model.k:  # no draft tail: the draft reads the trunk's (= verifier's) last state
@@ -308,27 +308,6 @@ class StaticLayout:
         self.places = [None if id(held) in gone else held for held in self.places]
 
 
-def static_layout(
-    model: Any,
-    prompts: Sequence[Tensor],
-    request: Any,
-    size: int,
-    proposer: Any = None,
-    backend: str | None = None,
-) -> StaticLayout:
-    """A :class:`StaticLayout` over an engine of ``size`` rows for ``prompts`` decoded as
-    ``request`` asks (autoregressive, or ``proposer``'s chain or token tree): its capacity the
-    longest prompt plus ``max_new_tokens`` (plus a verify pass: a chain's window + 1, a token
-    tree's budget + 1), rounded up to :data:`BUCKET`; ``backend``: its step's torch.compile
-    backend (None: run eagerly, EvaByte's batches without ``compile``)."""
-    widest = request.tree_budget + 1 if request.tree_budget and proposer is not None else 0
-    longest = max(p.shape[0] for p in prompts) + request.max_new_tokens
-    if proposer is not None:  # a verify pass writes up to a window (a tree) past the tokens
-        longest += max(model.head.circuit.window + 1, widest)
-    engine = engine_for(model, size, capacity_for(longest), backend, widest)
-    return StaticLayout(engine, widest)
-
-
 def decode_static(
     model: Any,
     prompts: Sequence[Tensor],
@@ -337,17 +316,22 @@ def decode_static(
     step: Callable[..., Any] | None = None,
     proposer: Any = None,
 ) -> list[Any]:
-    """``loop.decode`` of checked requests in a :func:`static_layout`, compiled with the
-    requests' ``compile`` backend (False: uncompiled, EvaByte's batches); autoregressive
-    (``step``) or speculative (``proposer``). A compiled call's results say what ran in
-    ``engine`` (``compiled``, or ``static`` after a fallback)."""
+    """``loop.decode`` of checked requests in a :class:`StaticLayout` over an engine of
+    ``size`` rows, its capacity the longest prompt plus ``max_new_tokens`` (plus a verify pass:
+    a chain's window + 1, a token tree's budget + 1), rounded up to :data:`BUCKET`, compiled
+    with the requests' ``compile`` backend (False: uncompiled, EvaByte's batches);
+    autoregressive (``step``) or speculative (``proposer``). A compiled call's results say
+    what ran in ``engine`` (``compiled``, or ``static`` after a fallback)."""
     from mtpc.decoding.loop import decode
 
-    backend = requests[0].compile
-    layout = static_layout(
-        model, prompts, requests[0], size, proposer, str(backend) if backend else None
-    )
-    results = decode(model, prompts, requests, proposer, size, step, layout)
+    request = requests[0]
+    widest = request.tree_budget + 1 if request.tree_budget and proposer is not None else 0
+    longest = max(p.shape[0] for p in prompts) + request.max_new_tokens
+    if proposer is not None:  # a verify pass writes up to a window (a tree) past the tokens
+        longest += max(model.head.circuit.window + 1, widest)
+    backend = str(request.compile) if request.compile else None
+    engine = engine_for(model, size, capacity_for(longest), backend, widest)
+    results = decode(model, prompts, requests, proposer, size, step, StaticLayout(engine, widest))
     for res in results if backend else ():
-        res.engine = layout.engine.engine
+        res.engine = engine.engine
     return results

@@ -65,17 +65,22 @@ class EvaSlots:
         self.chunk_write: Tensor | None = None
 
 
+def chunk_slots(cache: Any, first: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """The ring slots ``(R, n c)`` of the positions of ``n`` chunks from chunk ``first``
+    ``(R,)`` per row, and their RFA slots ``(R, n)`` (chunks past the capacity: the last)."""
+    chunks = first[:, None] + torch.arange(n, device=first.device)  # (R, n)
+    at = chunks[:, :, None] * cache.chunk + torch.arange(cache.chunk, device=first.device)
+    return cache.rfas + (at % cache.ring).flatten(1), chunks.clamp(max=cache.rfas - 1)
+
+
 class EvaStaticEngine(StaticEngine):
     """:class:`StaticEngine` over an EvaByte target: the same step, layout and compile, its
     caches :class:`EvaSlots` (``valid`` unused: what a row holds follows from its length)."""
 
     def _buffers(self, first: int, end: int) -> tuple[Any, Tensor, Tensor]:
         backbone = self.model.backbone
-        w, c, widest = (
-            int(backbone.config.window_size),
-            int(backbone.config.chunk_size),
-            self.widest,
-        )
+        w, c = int(backbone.config.window_size), int(backbone.config.chunk_size)
+        widest = self.widest
         ring = w + widest
         rfas = -(-self.capacity // c) + 1
         self.slots = rfas + ring + widest
@@ -117,10 +122,7 @@ class EvaStaticEngine(StaticEngine):
         seen_rfas = chunk_end[None, None, :] <= start[:, :, None]  # (B, T, F)
         seen = torch.cat([seen_rfas, seen_ring, new[..., ring:]], 2)  # (B, T, S)
         n = -(-(t - 1) // c) + 1  # chunks a pass of T positions can touch
-        chunks = lengths[:, None] // c + torch.arange(n, device=device)  # (B, n)
-        at = chunks[:, :, None] * c + torch.arange(c, device=device)  # (B, n, c) positions
-        cache.chunk_read = f + (at % ring).reshape(b, n * c)
-        cache.chunk_write = chunks.clamp(max=f - 1)
+        cache.chunk_read, cache.chunk_write = chunk_slots(cache, lengths // c, n)
         cache.slots = f + slots
         limit = cache.rotary.cos.shape[0] - 1
         return positions.clamp(max=limit), seen
@@ -138,14 +140,16 @@ class EvaStaticEngine(StaticEngine):
         dst = f + (base[:, None] + torch.arange(count, device=keep.device)) % ring
         for buffer in (*cache.keys, *cache.values):  # (B, h, S, hd) each
             buffer[rows, :, dst] = buffer[rows, :, src]  # (R, K, h, hd): gathered first
-        n = -(-(count - 1) // c) + 1  # chunks K positions from base can touch
-        chunks = base[:, None] // c + torch.arange(n, device=keep.device)  # (R, n)
-        at = chunks[:, :, None] * c + torch.arange(c, device=keep.device)  # (R, n, c)
-        read, write = f + (at % ring).flatten(1), chunks.clamp(max=f - 1)
+        self._refresh(cache, rows, base // c, -(-(count - 1) // c) + 1)  # chunks K can touch
+
+    def _refresh(self, cache: Any, rows: Tensor, first: Tensor, n: int) -> None:
+        """Recomputes from the ring, in every layer of ``cache``, the RFAs of the ``n``
+        chunks from chunk ``first`` ``(R,)`` of the rows ``rows`` ``(R, 1)`` (as a pass does,
+        ``evabyte.refresh_rfas``)."""
+        read, write = chunk_slots(cache, first, n)
         layers = self.model.backbone.layers
         for i, (keys, values) in enumerate(zip(cache.keys, cache.values, strict=True)):
-            attn = layers[cache.first + i].self_attn
-            refresh_rfas(attn, keys, values, rows, read, write)
+            refresh_rfas(layers[cache.first + i].self_attn, keys, values, rows, read, write)
 
     def adopt(self, place: int, caches: Any) -> None:
         """Row ``place`` takes a one-row ``layout.Stream``'s caches (its prompt prefilled
@@ -162,15 +166,12 @@ class EvaStaticEngine(StaticEngine):
             targets.append((self.draft_cache, self.draft_lengths, (caches.draft,)))
         rows = torch.tensor([[place]], device=self.device)  # (1, 1)
         for cache, lengths, parts in targets:
-            length = 0
+            length = start = 0
             for native in (part.native for part in parts if part.native is not None):
-                backbone._settle(native)
+                backbone._settle(native)  # trunk and verifier: the same positions
                 length, start = native.length, native.window_start
-                f, ring, c = cache.rfas, cache.ring, cache.chunk
-                window = f + (start + torch.arange(length - start, device=self.device)) % ring
-                n = -(-(length - start) // c)  # the current window's chunks (the last: partial)
-                at = (start + torch.arange(n * c, device=self.device)) % ring
-                chunks = (start // c + torch.arange(n, device=self.device)).clamp(max=f - 1)
+                span = torch.arange(length - start, device=self.device)
+                window = cache.rfas + (start + span) % cache.ring  # its window's ring slots
                 for layer in native.layers:
                     i = layer - cache.first
                     for mine, ring_kv, rfa in (
@@ -180,9 +181,8 @@ class EvaStaticEngine(StaticEngine):
                         mine[place][:, window] = ring_kv[0, :, : length - start].to(mine.dtype)
                         if rfa is not None:
                             mine[place][:, : rfa.shape[2]] = rfa[0].to(mine.dtype)
-                    attn = backbone.layers[layer].self_attn
-                    refresh_rfas(attn, cache.keys[i], cache.values[i], rows, f + at[None],
-                                 chunks[None])  # fmt: skip
+            first = torch.tensor([start // cache.chunk], device=self.device)
+            self._refresh(cache, rows, first, -(-(length - start) // cache.chunk))  # its window's
             lengths[place] = length
 
     @staticmethod
