@@ -45,8 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from mtpc.benchmarking import machine, markdown_header, markdown_row, timed, write_json
+from benchlib import machine, markdown_header, markdown_row, timed, write_json
 
 PARTS = ("model", "head", "circuit", "verify", "cache", "overhead")
 """Sections of a speculative cycle (``GenerationResult.breakdown``)."""

@@ -24,9 +24,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from torch import Tensor
-
-from mtpc.benchmarking import (
+from benchlib import (
     best_time,
     in_fresh_process,
     markdown_header,
@@ -34,6 +32,8 @@ from mtpc.benchmarking import (
     peak_rss_extra_mb,
     write_json,
 )
+from torch import Tensor
+
 from mtpc.circuits.engine import categorical as _categorical
 from mtpc.heads import MTPCHead, chunked_log_likelihood
 

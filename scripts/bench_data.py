@@ -29,9 +29,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from benchlib import machine, markdown_header, markdown_row, timed
 
 from mtpc.backbones.codecs import get_codec
-from mtpc.benchmarking import machine, markdown_header, markdown_row, timed
 from mtpc.data.cache import load_prepared, prepare
 from mtpc.data.datamodule import PackedDataset
 from mtpc.data.packing import plan_packing

@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from benchlib import markdown_header, markdown_row, write_json
 
-from mtpc.benchmarking import markdown_header, markdown_row, write_json
 from mtpc.decoding import CHAIN_RULES, generate
 from mtpc.evaluation.metrics import set_metrics
 

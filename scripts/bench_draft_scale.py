@@ -32,9 +32,9 @@ from functools import partial
 from typing import Any
 
 import torch
+from benchlib import markdown_header, markdown_row, median_time
 from head_bytes import TARGETS, head_rows
 
-from mtpc.benchmarking import markdown_header, markdown_row, median_time
 from mtpc.decoding.speculative import HeadState, draft_step
 from mtpc.heads import MTPCHead
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-from mtpc.benchmarking import markdown_header, markdown_row, timed
+from benchlib import markdown_header, markdown_row, timed
 
 ROOT = Path(__file__).resolve().parents[1]
 CLOSE: Any = None  # RecordStore.close, kept while it is patched

@@ -67,17 +67,10 @@ from typing import Any
 
 import bench_batch
 import torch
+from benchlib import machine, markdown_header, markdown_row, median_time, write_json
 from check_remote_code import EVABYTE_CONFIG, LLAMA3_BYTE_CONFIG, remote_class
 
-from mtpc.benchmarking import (
-    machine,
-    markdown_header,
-    markdown_row,
-    median_time,
-    peak_memory_mb,
-    sync_memory_reset,
-    write_json,
-)
+from mtpc.evaluation.run import peak_memory_mb, sync_memory_reset
 
 PARTS = ("decode", "cycle", "batch", "train")
 TARGETS = ("evabyte", "byte_llama")

@@ -20,8 +20,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
+from benchlib import machine, markdown_header, markdown_row, timed  # noqa: E402
+
 from mtpc.backbones.tiny import load_tiny_target  # noqa: E402
-from mtpc.benchmarking import machine, markdown_header, markdown_row, timed  # noqa: E402
 from mtpc.data.synthetic import generate_rows  # noqa: E402
 from mtpc.evaluation.fixture_drafters import trained_models  # noqa: E402
 from mtpc.evaluation.hetero import evaluate_hetero  # noqa: E402

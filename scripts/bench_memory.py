@@ -17,7 +17,7 @@ import json
 import subprocess
 import sys
 
-from mtpc.benchmarking import markdown_header, markdown_row, peak_memory_mb
+from benchlib import markdown_header, markdown_row
 
 PRESETS = {
     # the tiny target's shape (assets/tiny_target is a small LlamaForCausalLM, V = 320)
@@ -28,6 +28,8 @@ PRESETS = {
 
 
 def _peak(device: str) -> int:
+    from mtpc.evaluation.run import peak_memory_mb  # here: the parent stays light (benchlib)
+
     return int(peak_memory_mb(device) * 2**20)
 
 

@@ -62,9 +62,8 @@ from typing import Any
 
 import torch
 from bench_batch import _evabyte_model, _prompts
+from benchlib import machine, markdown_header, markdown_row, timed, write_json
 from torch.utils._python_dispatch import TorchDispatchMode
-
-from mtpc.benchmarking import machine, markdown_header, markdown_row, timed, write_json
 
 
 class OpCounter(TorchDispatchMode):

@@ -19,10 +19,11 @@ import argparse
 import json
 
 import torch
+from benchlib import median_time
+from pretrain_tiny_target import tiny_generation_config
 from transformers import DynamicCache, LlamaForCausalLM
 
-from mtpc.backbones.tiny import TINY_TARGET_DIR, load_tiny_target, tiny_generation_config
-from mtpc.benchmarking import median_time
+from mtpc.backbones.tiny import TINY_TARGET_DIR, load_tiny_target
 
 PROMPT = [{"role": "user", "content": "Write a Python function that returns the square of x."}]
 

@@ -18,8 +18,7 @@ import argparse
 from typing import Any
 
 import torch
-
-from mtpc.benchmarking import (
+from benchlib import (
     best_time,
     in_fresh_process,
     markdown_header,

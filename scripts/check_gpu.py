@@ -78,7 +78,7 @@ import torch
 
 import mtpc
 from mtpc.backbones import load_backbone
-from mtpc.benchmarking import peak_memory_mb
+from mtpc.evaluation.run import peak_memory_mb
 
 if TYPE_CHECKING:  # mtpc.model imports triton (through peft): only after main() set the mode
     from mtpc.model import MTPCModel

@@ -31,33 +31,166 @@ shared with other jobs at a load average of 3-6.
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 import random
 import shlex
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import LlamaForCausalLM
+from safetensors.torch import save_file
+from torch.nn.utils.rnn import pad_sequence
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from mtpc.backbones.codecs import get_codec
+from mtpc.backbones.codecs import ByteCodec, get_codec
 from mtpc.backbones.tiny import (
+    MTP_KEY,
     NUM_MTP_HEADS,
     REBUILD_COMMAND,
     REPO_ROOT,
     TINY_CODE_DIR,
     TINY_TARGET_DIR,
-    build_tiny_config,
-    encode_chats,
-    save_tiny_target,
-    tiny_generation_config,
-    validation_metrics,
+    WEIGHT_FILES,
+    sha256_file,
 )
 from mtpc.data.synthetic import DEFAULT_NUM_ROWS, MULTI_ANSWER_QUESTIONS, load_synthetic
 
 DATA_CHOICES = ("synthetic", "python_code")
+
+
+def build_tiny_config(
+    hidden_size: int = 128,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    intermediate_size: int = 352,
+    max_position_embeddings: int = 1024,
+) -> LlamaConfig:
+    """A Llama config with EvaByte's vocabulary (320 ids) and special ids (ValueError: a size
+    is not positive, or ``hidden_size`` is not divisible by ``num_heads``)."""
+    sizes = {
+        "hidden_size": hidden_size,
+        "num_layers": num_layers,
+        "num_heads": num_heads,
+        "intermediate_size": intermediate_size,
+        "max_position_embeddings": max_position_embeddings,
+    }
+    for name, value in sizes.items():
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+    if hidden_size % num_heads:
+        raise ValueError(
+            f"hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads})"
+        )
+    codec = get_codec("tiny")
+    return LlamaConfig(
+        vocab_size=codec.vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-5,
+        bos_token_id=codec.bos_id,
+        eos_token_id=codec.eos_id,
+        pad_token_id=codec.pad_id,
+        tie_word_embeddings=False,
+    )
+
+
+def tiny_generation_config() -> GenerationConfig:
+    """Greedy by default; stops at ``<|eot_id|>`` (11) or ``<eos>`` (2)."""
+    codec = get_codec("tiny")
+    return GenerationConfig(
+        bos_token_id=codec.bos_id,
+        eos_token_id=list(codec.stop_ids),
+        pad_token_id=codec.pad_id,
+        do_sample=False,
+    )
+
+
+def save_tiny_target(
+    model: LlamaForCausalLM,
+    mtp_unembeddings: torch.Tensor,
+    path: str | os.PathLike[str],
+    metadata: Mapping[str, Any],
+) -> Path:
+    """Writes the asset folder (see ``mtpc.backbones.tiny``'s docstring); returns its path.
+    ``mtp_unembeddings`` (8 * V, d): block 0 must equal ``model.lm_head.weight``."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = model.config.vocab_size
+    if not torch.equal(mtp_unembeddings[:vocab], model.lm_head.weight):
+        raise ValueError("mtp_unembeddings block 0 must equal model.lm_head.weight")
+    model.generation_config = tiny_generation_config()
+    model.save_pretrained(path)
+    mtp = mtp_unembeddings.detach().contiguous().cpu()
+    save_file({MTP_KEY: mtp}, path / "mtp_heads.safetensors")
+    meta = {**metadata, "sha256": {name: sha256_file(path / name) for name in WEIGHT_FILES}}
+    (path / "metadata.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    return path
+
+
+def encode_chats(
+    rows: Sequence[Mapping[str, Any]], codec: ByteCodec | None = None
+) -> list[tuple[list[int], list[bool]]]:
+    """Renders Tülu-format rows with the chat template: (ids, assistant mask) per row."""
+    codec = get_codec("tiny") if codec is None else codec
+    encodings = [codec.apply_chat_template(row["messages"]) for row in rows]
+    return [(enc.ids, enc.assistant_mask) for enc in encodings]
+
+
+@torch.no_grad()
+def validation_metrics(
+    model: LlamaForCausalLM,
+    rows: Sequence[Mapping[str, Any]],
+    mtp_unembeddings: torch.Tensor | None = None,
+    batch_size: int = 32,
+) -> dict[str, float]:
+    """Next-byte loss of ``model`` on chat rows, one row per sequence (no packing). Returns
+    ``loss`` / ``bits_per_byte`` (mean NLL, nats / bits, every target after the first id),
+    ``assistant_loss`` / ``assistant_bits_per_byte`` (assistant bytes and their ``<|eot_id|>``)
+    and, with ``mtp_unembeddings``, ``mtp_loss_k`` (head k, byte t+1+k)."""
+    model.eval()
+    device = next(model.parameters()).device
+    encoded = sorted(encode_chats(rows), key=lambda e: len(e[0]))  # little padding per batch
+    pad = get_codec("tiny").pad_id  # padded positions are masked out anyway
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+
+    def add(key: str, nll: torch.Tensor, mask: torch.Tensor) -> None:
+        sums[key] = sums.get(key, 0.0) + float((nll * mask).sum())
+        counts[key] = counts.get(key, 0.0) + float(mask.sum())
+
+    for start in range(0, len(encoded), batch_size):
+        chunk = encoded[start : start + batch_size]
+        rows_ids = [torch.tensor(row_ids) for row_ids, _ in chunk]
+        masks = [torch.tensor(row_mask, dtype=torch.bool) for _, row_mask in chunk]
+        ids = pad_sequence(rows_ids, batch_first=True, padding_value=pad).to(device)  # (B, T)
+        valid = pad_sequence([torch.ones_like(m) for m in masks], batch_first=True).to(device)
+        assistant = pad_sequence(masks, batch_first=True).to(device)  # (B, T)
+        out = model.model(input_ids=ids, attention_mask=valid.long())
+        hidden = out.last_hidden_state  # (B, T, d)
+        log_probs = model.lm_head(hidden).float().log_softmax(-1)  # (B, T, V)
+        nll = -log_probs[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]  # (B, T-1)
+        add("loss", nll, valid[:, 1:])
+        add("assistant_loss", nll, assistant[:, 1:])
+        if mtp_unembeddings is not None:
+            logits = hidden.float() @ mtp_unembeddings.float().to(device).T  # (B, T, K * V)
+            mtp = logits.unflatten(-1, (NUM_MTP_HEADS, -1)).log_softmax(-1)  # (B, T, K, V)
+            for k in range(1, mtp.shape[2]):
+                nll_k = -mtp[:, : -1 - k, k].gather(-1, ids[:, 1 + k :, None])[..., 0]  # (B, T-1-k)
+                add(f"mtp_loss_{k}", nll_k, valid[:, 1 + k :])
+    metrics = {key: sums[key] / max(counts[key], 1.0) for key in sums}
+    metrics["bits_per_byte"] = metrics["loss"] / math.log(2)
+    metrics["assistant_bits_per_byte"] = metrics["assistant_loss"] / math.log(2)
+    return metrics
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -1,7 +1,8 @@
-"""The benchmark harness (mtpc/benchmarking.py): what its timers call and what its reports print."""
+"""The benchmark harness (scripts/benchlib.py): what its timers call and what its reports print."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import mmap
 import sys
@@ -9,13 +10,21 @@ from pathlib import Path
 
 import pytest
 
-from mtpc.benchmarking import (
-    markdown_header,
-    markdown_row,
-    median_time,
-    peak_rss_extra_mb,
-    timed,
-    write_json,
+_spec = importlib.util.spec_from_file_location(
+    "benchlib", Path(__file__).resolve().parents[1] / "scripts" / "benchlib.py"
+)
+assert _spec is not None and _spec.loader is not None
+benchlib = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(benchlib)
+markdown_header, markdown_row, median_time = (
+    benchlib.markdown_header,
+    benchlib.markdown_row,
+    benchlib.median_time,
+)
+peak_rss_extra_mb, timed, write_json = (
+    benchlib.peak_rss_extra_mb,
+    benchlib.timed,
+    benchlib.write_json,
 )
 
 

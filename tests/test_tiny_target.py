@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,12 +19,15 @@ from mtpc.backbones.tiny import (
     TINY_TARGET_DIR,
     TinyTarget,
     TinyTargetAssetError,
-    build_tiny_config,
     load_tiny_target,
-    tiny_generation_config,
-    validation_metrics,
 )
 from mtpc.data.synthetic import load_synthetic
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+try:  # the tiny target's pretraining tools live with its script
+    from pretrain_tiny_target import build_tiny_config, tiny_generation_config, validation_metrics
+finally:
+    sys.path.pop(0)
 
 # Measured once by scripts/pretrain_tiny_target.py (metadata.json "validation"), plus a margin.
 VALIDATION_LOSS_BOUND = 0.19  # nats per next-byte target, every target

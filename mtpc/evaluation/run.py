@@ -7,7 +7,9 @@ from __future__ import annotations
 import gc
 import logging
 import math
+import resource
 import shutil
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -19,7 +21,6 @@ from omegaconf import DictConfig
 
 from mtpc.backbones import check_batch_size
 from mtpc.backbones.codecs import get_codec
-from mtpc.benchmarking import cuda_index, peak_memory_mb, sync_memory_reset
 from mtpc.decoding import generate
 from mtpc.decoding.common import cut_at_stop
 from mtpc.evaluation.drafting import tree_budgets
@@ -205,6 +206,32 @@ class Lane:
         """The ``pass`` record: every prompt of this lane is recorded."""
         record = {"type": "pass", "draft_path": self.path, "pass": self.pass_name}
         store.append({**record, "peak_memory_mb": peak_mb})
+
+
+def cuda_index(device: str) -> int | None:
+    """The CUDA device index of ``device`` (``cuda`` -> the current one); None for the CPU."""
+    if not device.startswith("cuda"):
+        return None
+    index = torch.device(device).index
+    return torch.cuda.current_device() if index is None else int(index)
+
+
+def sync_memory_reset(device: str) -> None:
+    """Waits for ``device``'s work and restarts its peak-memory counter (CUDA only)."""
+    index = cuda_index(device)
+    if index is not None:
+        torch.cuda.synchronize(index)
+        torch.cuda.reset_peak_memory_stats(index)
+
+
+def peak_memory_mb(device: str) -> float:
+    """Peak memory in MiB: allocated on ``device``'s GPU since the last reset, or the
+    process's peak RSS on the CPU (``ru_maxrss``: never reset)."""
+    index = cuda_index(device)
+    if index is not None:
+        return torch.cuda.max_memory_allocated(index) / 2**20
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**20
 
 
 def interleaved_order(lanes: Sequence[Any], position: int) -> list[Any]:

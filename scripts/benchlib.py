@@ -1,10 +1,11 @@
-"""Measurement and report helpers of ``scripts/bench_*.py``, and a device's peak memory (also
-for the evaluation and ``scripts/check_gpu.py``).
+"""The harness of ``scripts/bench_*.py``: timers and report helpers (the scripts' own, not the
+package's; a device's peak memory is ``mtpc.evaluation.run.peak_memory_mb``).
 
 Times are minima over rounds (other processes only ever add time). Peak RSS is this process's
 since a reset (``clear_refs`` + ``VmHWM``): ``ru_maxrss`` cannot be reset and survives fork +
 exec. torch is imported where needed, so a parent that only starts measuring children
-(``scripts/bench_memory.py``) stays below their peak.
+(``scripts/bench_memory.py``) stays below their peak. A script imports it as ``benchlib``
+(``python scripts/bench_x.py`` puts ``scripts/`` first on the path).
 """
 
 from __future__ import annotations
@@ -12,9 +13,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import platform
-import resource
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -81,38 +80,6 @@ def status_kb(field: str) -> int:
     except OSError:
         pass
     return 0
-
-
-def cuda_index(device: str) -> int | None:
-    """The CUDA device index of ``device`` (``cuda`` -> the current one); None for the CPU."""
-    if not device.startswith("cuda"):
-        return None
-    import torch
-
-    index = torch.device(device).index
-    return torch.cuda.current_device() if index is None else int(index)
-
-
-def sync_memory_reset(device: str) -> None:
-    """Waits for ``device``'s work and restarts its peak-memory counter (CUDA only)."""
-    index = cuda_index(device)
-    if index is not None:
-        import torch
-
-        torch.cuda.synchronize(index)
-        torch.cuda.reset_peak_memory_stats(index)
-
-
-def peak_memory_mb(device: str) -> float:
-    """Peak memory in MiB: allocated on ``device``'s GPU since the last reset, or the
-    process's peak RSS on the CPU (``ru_maxrss``: never reset)."""
-    index = cuda_index(device)
-    if index is not None:
-        import torch
-
-        return torch.cuda.max_memory_allocated(index) / 2**20
-    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**20
 
 
 def peak_rss_extra_mb(fn: Callable[[], object]) -> float:
