@@ -27,6 +27,7 @@ from mtpc.choices import (
     POLICIES,
     PROPOSALS,
 )
+from mtpc.config import Refused, Rule, choice, integer
 
 DEFAULT_GREEDY_DRAFT = "path"
 """Greedy draft of every family (measured: docs/DECODING.md, "The draft step")."""
@@ -97,23 +98,20 @@ CONFIG = Spelling(lambda field: "drafting" if field == "draft" else field, confi
 """eval.yaml's and regenerate.yaml's spelling (``draft`` names the draft folder there)."""
 
 
-def _choice(spell: Spelling, field: str, value: object, allowed: tuple[str, ...]) -> str:
-    if value not in allowed:
-        spell.refuse(field, value, f"; allowed: {', '.join(allowed)}")
-    return str(value)
-
-
-def _integer(spell: Spelling, field: str, value: object, minimum: int, rest: str = "") -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        spell.refuse(field, value, f"; allowed: an integer >= {minimum}{rest}")
+def _check(spell: Spelling, field: str, value: Any, rule: Rule) -> Any:
+    """``value`` if the schema's ``rule`` (``mtpc.config``) takes it; else the refusal, in the
+    caller's spelling."""
+    try:
+        rule(field, value)
+    except Refused as refused:
+        spell.refuse(field, value, f"; allowed: {refused}")
     return value
 
 
 def _check_tree(spell: Spelling, tree_budget: object, tree_floor: object) -> tuple[int, float]:
     """A tree's budget (0: a chain) and floor."""
-    budget = (
-        0 if tree_budget is None else _integer(spell, "tree_budget", tree_budget, 0, " or None")
-    )
+    rule = integer(0, null=True, allowed="an integer >= 0 or None")
+    budget = int(_check(spell, "tree_budget", tree_budget, rule) or 0)
     if (
         isinstance(tree_floor, bool)
         or not isinstance(tree_floor, int | float)
@@ -134,7 +132,7 @@ def _check_draft(spell: Spelling, greedy: bool, draft: object, budget: int) -> s
     if draft is None:
         return "tree" if budget else DEFAULT_GREEDY_DRAFT
     name, trees = spell("draft"), spell("tree_budget")
-    _choice(spell, "draft", draft, DRAFTS)
+    _check(spell, "draft", draft, choice(*DRAFTS))
     if draft == "tree" and not budget:
         raise SettingsError(
             f"{name}='tree' is not allowed without {trees}; allowed: {trees}=B (B >= 1 nodes "
@@ -169,7 +167,7 @@ def _check_proposal(spell: Spelling, greedy: bool, draft: str, proposal: object)
             f"tree walk verifies with the target's own draws); allowed: {spell('proposal')}="
             f"None, or {spell('draft')}=path"
         )
-    return _choice(spell, "proposal", proposal, PROPOSALS)
+    return str(_check(spell, "proposal", proposal, choice(*PROPOSALS)))
 
 
 def check_drafting(
@@ -259,7 +257,7 @@ def _check_sampling(spell: Spelling, s: DecodingSettings) -> dict[str, Any]:
             f"allowed: a number > 0 (use {spell.eq('greedy', True)} for argmax decoding)"
         )
     if s.top_k is not None:
-        _integer(spell, "top_k", s.top_k, 1)
+        _check(spell, "top_k", s.top_k, integer(1))
     p = s.top_p
     if p is not None and (isinstance(p, bool) or not isinstance(p, int | float) or not 0 < p <= 1):
         spell.refuse("top_p", p, "; allowed: a number in (0, 1] or None")
@@ -317,11 +315,11 @@ def check_settings(
     s = DecodingSettings(**given)
     hetero = s.algorithm is not None
     if not hetero:
-        _choice(sp, "method", s.method, METHODS)
-    _integer(sp, "max_new_tokens", s.max_new_tokens, 0 if hetero else 1)
-    _integer(sp, "seed", s.seed, 0)
+        _check(sp, "method", s.method, choice(*METHODS))
+    _check(sp, "max_new_tokens", s.max_new_tokens, integer(0 if hetero else 1))
+    _check(sp, "seed", s.seed, integer(0))
     if not hetero:
-        _choice(sp, "policy", s.policy, POLICIES)
+        _check(sp, "policy", s.policy, choice(*POLICIES))
     if not isinstance(s.greedy, bool):
         sp.refuse("greedy", s.greedy, "; allowed: True, False")
     drafting = {} if hetero else check_drafting(
@@ -331,11 +329,11 @@ def check_settings(
     stops = None if s.stop_ids is None else tuple(check_ids(sp("stop_ids"), list(s.stop_ids)))
     compile = False if hetero else check_compile(sp, s.compile, s.method)
     if hetero:
-        _choice(sp, "algorithm", s.algorithm, ALGORITHMS)
-        _choice(sp, "psi", s.psi, PSI_METHODS)
-        _integer(sp, "lookahead", s.lookahead, 1)
-        _integer(sp, "look_behind", s.look_behind, 0)
-        _integer(sp, "max_psi_paths", s.max_psi_paths, 1)
+        _check(sp, "algorithm", s.algorithm, choice(*ALGORITHMS))
+        _check(sp, "psi", s.psi, choice(*PSI_METHODS))
+        _check(sp, "lookahead", s.lookahead, integer(1))
+        _check(sp, "look_behind", s.look_behind, integer(0))
+        _check(sp, "max_psi_paths", s.max_psi_paths, integer(1))
     flags: dict[str, Any] = {
         name: bool(getattr(s, name)) for name in ("suppress_eos", "max_throughput", "profile")
     }
