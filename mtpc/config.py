@@ -80,6 +80,7 @@ def number(
     low_open: bool = False,
     high_open: bool = True,
     null: bool = True,
+    allowed: str | None = None,
 ) -> Rule:
     """A number in an interval, e.g. ``(0.0, 1.0]``; None passes unless ``null`` is False."""
     interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
@@ -91,7 +92,7 @@ def number(
             and (v < high if high_open else v <= high)
         )
 
-    return rule(ok, f"a number in {interval}", null)
+    return rule(ok, allowed or f"a number in {interval}", null)
 
 
 def choice(*allowed: Any, null: bool = False) -> Rule:

@@ -27,7 +27,7 @@ from mtpc.choices import (
     POLICIES,
     PROPOSALS,
 )
-from mtpc.config import Refused, Rule, choice, integer
+from mtpc.config import Refused, Rule, choice, integer, number
 
 DEFAULT_GREEDY_DRAFT = "path"
 """Greedy draft of every family (measured: docs/DECODING.md, "The draft step")."""
@@ -112,19 +112,14 @@ def _check_tree(spell: Spelling, tree_budget: object, tree_floor: object) -> tup
     """A tree's budget (0: a chain) and floor."""
     rule = integer(0, null=True, allowed="an integer >= 0 or None")
     budget = int(_check(spell, "tree_budget", tree_budget, rule) or 0)
-    if (
-        isinstance(tree_floor, bool)
-        or not isinstance(tree_floor, int | float)
-        or not 0 <= tree_floor < 1
-    ):
-        spell.refuse("tree_floor", tree_floor, "; allowed: a number in [0, 1)")
-    floor, trees = spell("tree_floor"), spell("tree_budget")
-    if tree_floor and not budget:
+    floor = float(_check(spell, "tree_floor", tree_floor, number(0, 1, null=False)))
+    if floor and not budget:
+        name, trees = spell("tree_floor"), spell("tree_budget")
         raise SettingsError(
-            f"{floor}={tree_floor} is not allowed without {trees}; allowed: {floor}=0, or a "
+            f"{name}={tree_floor} is not allowed without {trees}; allowed: {name}=0, or a "
             f"{trees} >= 1 (the floor prunes a tree's nodes)"
         )
-    return budget, float(tree_floor)
+    return budget, floor
 
 
 def _check_draft(spell: Spelling, greedy: bool, draft: object, budget: int) -> str:
@@ -256,11 +251,9 @@ def _check_sampling(spell: Spelling, s: DecodingSettings) -> dict[str, Any]:
             f"{spell.eq('temperature', t)} is not allowed with {spell.eq('greedy', False)}; "
             f"allowed: a number > 0 (use {spell.eq('greedy', True)} for argmax decoding)"
         )
-    if s.top_k is not None:
-        _check(spell, "top_k", s.top_k, integer(1))
-    p = s.top_p
-    if p is not None and (isinstance(p, bool) or not isinstance(p, int | float) or not 0 < p <= 1):
-        spell.refuse("top_p", p, "; allowed: a number in (0, 1] or None")
+    _check(spell, "top_k", s.top_k, integer(1, null=True))
+    top_p = number(0, 1, low_open=True, high_open=False, allowed="a number in (0, 1] or None")
+    p = _check(spell, "top_p", s.top_p, top_p)
     return {"temperature": float(t), "top_p": None if p is None else float(p)}
 
 
