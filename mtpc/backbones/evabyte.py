@@ -25,33 +25,24 @@ _NO_SLOTS = torch.zeros(0, dtype=torch.long)  # keep nothing past base (a crop, 
 
 
 class EvaWindowCache:
-    """EVA decoding state of layers ``layers`` (the remote ``EvaStaticCacheForTriton`` layout):
-    window buffers (B, h, W + room, hd) of the current window's rotated keys/values, of which
-    ``past_window_pos[l]`` are kept, and the earlier windows' chunk RFAs (B, h, C, hd) (``None``
-    before the first is full). ``committed`` positions are kept; ``length - committed`` more
+    """EVA decoding state of layers ``layers`` of one row (the remote ``EvaStaticCacheForTriton``
+    layout; many rows run on the static engine): window buffers (1, h, W + room, hd) of the
+    current window's rotated keys/values, of which ``past_window_pos[l]`` are kept, and the
+    earlier windows' chunk RFAs (1, h, C, hd) (``None`` before the first is full). ``committed`` positions are kept; ``length - committed`` more
     were written by the last pass and await ``_select`` (keep by index)."""
 
-    def __init__(
-        self,
-        layers: range,
-        batch: int,
-        heads: int,
-        window: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
-        n = layers.stop
-        self.layers, self.window = layers, window
+    def __init__(self, layers: range, backbone: EvaByteBackbone) -> None:
+        n, heads = layers.stop, int(backbone.config.num_attention_heads)
+        self.layers, self.window = layers, backbone.window_size
         self.past_window_k: list[Any] = [None] * n  # per global layer (None outside layers)
         self.past_window_v: list[Any] = [None] * n
         self.rfa_k: list[Any] = [None] * n
         self.rfa_v: list[Any] = [None] * n
-        shape = (batch, heads, window + TREE_ROOM, head_dim)
+        shape = (1, heads, self.window + TREE_ROOM, backbone.hidden_size // heads)
         for i in layers:
-            self.past_window_k[i] = torch.zeros(shape, dtype=dtype, device=device)
-            self.past_window_v[i] = torch.zeros(shape, dtype=dtype, device=device)
-        self.past_window_pos: list[Any] = [0] * layers.stop
+            self.past_window_k[i] = torch.zeros(shape, dtype=backbone.dtype, device=backbone.device)
+            self.past_window_v[i] = torch.zeros(shape, dtype=backbone.dtype, device=backbone.device)
+        self.past_window_pos: list[Any] = [0] * n
         self.committed = 0
         self.length = 0
 
@@ -288,11 +279,7 @@ class EvaByteBackbone(Backbone):
 
     # --- caches --------------------------------------------------------------------------------
     def new_native_cache(self, start: int, end: int) -> EvaWindowCache:
-        heads = int(self.config.num_attention_heads)
-        return EvaWindowCache(
-            range(start, end), 1, heads, self.window_size,  # B = 1 (many rows: the static engine)
-            self.hidden_size // heads, self.dtype, self.device,
-        )  # fmt: skip
+        return EvaWindowCache(range(start, end), self)
 
     def _remote_cache(self, start: int, batch: int) -> Any:
         """A throwaway remote cache (the model's own prefill path) for layers from ``start``,
