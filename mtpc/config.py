@@ -184,6 +184,13 @@ def computed(default: Any = None) -> Any:
 
 
 # ------------------------------------------------------------------------ reader ----
+def plain(value: Any) -> Any:
+    """``value`` as plain Python (a config node resolved to dicts and lists)."""
+    if isinstance(value, DictConfig | ListConfig):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
 def select(cfg: Any, key: str, resolve: bool = True) -> Any:
     """``cfg``'s value at the dotted ``key`` (``""``: ``cfg``), :data:`MISSING` when absent;
     nodes as plain containers unless ``resolve`` is False. The one dotted lookup."""
@@ -197,9 +204,7 @@ def select(cfg: Any, key: str, resolve: bool = True) -> Any:
             if not isinstance(value, Mapping) or part not in value:
                 return MISSING
             value = value[part]
-    if resolve and isinstance(value, DictConfig | ListConfig):
-        return OmegaConf.to_container(value, resolve=True)
-    return value
+    return plain(value) if resolve else value
 
 
 def _join(prefix: str, key: str) -> str:
@@ -250,13 +255,6 @@ def given(cfg: Any, keys: tuple[str, ...]) -> dict[str, Any]:
 
 
 # -------------------------------------------------------------- shared sections ----
-def _looks_local(path: str) -> bool:
-    """A path rather than a hub id (``owner/name`` with no leading ``.``, ``/`` or ``~``)."""
-    if path.startswith((".", "/", "~")) or "\\" in path:
-        return True
-    return path.count("/") != 1  # a hub id is exactly owner/name
-
-
 @dataclasses.dataclass(frozen=True)
 class ModelSettings:
     """The target (``model.*``, ``configs/model/tiny.yaml``'s by default); ``fields``: every
@@ -272,8 +270,11 @@ class ModelSettings:
 
     def __post_init__(self) -> None:
         path = self.path
-        local = self.name == "tiny" or (isinstance(path, str) and _looks_local(path))
-        if isinstance(path, str) and path and local and not Path(path).expanduser().exists():
+        if not isinstance(path, str) or not path:
+            return
+        # a path rather than a hub id (exactly owner/name, no leading ., / or ~)
+        hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~")) and "\\" not in path
+        if (self.name == "tiny" or not hub_id) and not Path(path).expanduser().exists():
             raise ConfigError(
                 f"model.path={path!r} does not exist; allowed: an existing local checkpoint "
                 "folder, a hub id (owner/name; not for model=tiny), or null for the model's "

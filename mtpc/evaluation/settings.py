@@ -13,8 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
-
 from mtpc.config import (
     ConfigError,
     DataChecks,
@@ -25,6 +23,7 @@ from mtpc.config import (
     given,
     integer,
     names,
+    plain,  # noqa: F401  (mtpc.evaluation.loading)
     read,
     section,
     setting,
@@ -42,13 +41,6 @@ BOOLEAN, OPTIONAL_BOOLEAN = choice(True, False), choice(True, False, null=True)
 
 class EvalConfigError(ConfigError):
     """An evaluation setting outside what the evaluator accepts; names the field."""
-
-
-def plain(value: Any) -> Any:
-    """``value`` as plain Python (a config node resolved to dicts and lists)."""
-    if isinstance(value, DictConfig | ListConfig):
-        return OmegaConf.to_container(value, resolve=True)
-    return value
 
 
 def name_list(value: Any) -> Any:
