@@ -49,12 +49,10 @@ class Refused(ValueError):
 
 # ------------------------------------------------------------------------- rules ----
 def is_integer(value: Any) -> bool:
-    """An int, not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def is_number(value: Any) -> bool:
-    """An int or a float, not a bool."""
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
@@ -96,17 +94,15 @@ def number(
 
 
 def choice(*allowed: Any, null: bool = False) -> Rule:
-    """One of ``allowed``."""
     return rule(lambda v: v in allowed, ", ".join(map(str, allowed)), null)
 
 
 def flag(null: bool = False) -> Rule:
-    """true or false."""
     return rule(lambda v: v is True or v is False, "true, false", null)
 
 
 def names(example: str, what: str = "names") -> Rule:
-    """null, a name or a non-empty list of names."""
+    """null, a name or a non-empty list of names; ``example``: the refusal's."""
 
     def ok(v: Any) -> bool:
         return isinstance(v, str) or (

@@ -90,7 +90,6 @@ class Spelling:
         return f"{self(field)}={text}"
 
     def refuse(self, field: str, value: object, rest: str) -> NoReturn:
-        """Raises ``field=value is not allowed<rest>``."""
         raise SettingsError(f"{self.eq(field, value)} is not allowed{rest}")
 
 
@@ -237,7 +236,6 @@ def check_ids(name: str, items: Sequence[Any]) -> list[Any]:
 
 
 def _check_sampling(spell: Spelling, s: DecodingSettings) -> dict[str, Any]:
-    """Temperature, top-k and top-p."""
     t = s.temperature
     if (
         isinstance(t, bool)

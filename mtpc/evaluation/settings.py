@@ -32,8 +32,6 @@ from mtpc.decoding.settings import CONFIG, SettingsError, Spelling, check_drafti
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 """``paths.root_dir`` when the config has none."""
-RESUME = ("auto", "force", "never")
-"""``resume=``'s values (configs/eval.yaml, docs/EVALUATION.md)."""
 BATCH_SIZE = integer(1, allowed="an integer >= 1 (1: one prompt at a time, the paper's protocol)")
 BOOLEAN, OPTIONAL_BOOLEAN = choice(True, False), choice(True, False, null=True)
 """The evaluator's flags (their refusal says ``allowed: True, False``)."""
@@ -79,9 +77,6 @@ IDENTITY_FIELDS = (
 """Settings that define a measurement (their change starts another evaluation folder), in the
 manifest's order. ``batch_size`` > 1 is added to them (another timing protocol)."""
 
-DECODING_FIELDS = ("policy", "greedy", "temperature", "top_k", "top_p")
-"""The fields :func:`mtpc.decoding.settings.check_settings` checks."""
-
 
 @dataclass(frozen=True)
 class EvalDecoding:
@@ -110,16 +105,15 @@ class EvalDecoding:
 
         with refusing(EvalConfigError):
             check_eval_drafting(self.drafting, self.tree_budget)  # before: drafting=tree
-            fields = {f: v for f in DECODING_FIELDS if (v := getattr(self, f)) is not None}
+            decoding = ("policy", "greedy", "temperature", "top_k", "top_p")
+            fields = {f: v for f in decoding if (v := getattr(self, f)) is not None}
             asked = {"draft": self.drafting, "proposal": self.proposal}
             greedy = check_settings(CONFIG, **fields, **asked).greedy
             budget = max(tree_budgets(self.tree_budget), default=0)  # the tree rows' choice
             check_drafting(greedy, tree_budget=budget, tree_floor=self.tree_floor, spell=CONFIG)
             check_settings(CONFIG, method="autoregressive", compile=self.compile)  # AR pass's
-        if self.temperature <= 0:  # a config's temperature is a number > 0, greedy or not
-            raise EvalConfigError(
-                f"temperature={self.temperature!r} is not allowed; allowed: a number > 0"
-            )
+            if self.temperature <= 0:  # a config's temperature is a number > 0, greedy or not
+                CONFIG.refuse("temperature", self.temperature, "; allowed: a number > 0")
 
 
 @dataclass(frozen=True)
@@ -213,7 +207,7 @@ class EvalOutput:
         None, lenient=True, convert=lambda v: None if v is None else str(v)
     )
     report: Any = None
-    resume: str = setting("auto", choice(*RESUME, null=True))
+    resume: str = setting("auto", choice("auto", "force", "never", null=True))
     plots: bool = setting(True, BOOLEAN)
 
 
