@@ -41,6 +41,10 @@ class EvalConfigError(ConfigError):
     """An evaluation setting outside what the evaluator accepts; names the field."""
 
 
+class _Evaluator:  # a section of the evaluator's own fields
+    error: ClassVar[type[Exception]] = EvalConfigError
+
+
 def name_list(value: Any) -> Any:
     """A list of names given as one name or a list (``sources=a`` is ``[a]``); None stays."""
     return [value] if isinstance(value, str) else value
@@ -79,13 +83,12 @@ manifest's order. ``batch_size`` > 1 is added to them (another timing protocol).
 
 
 @dataclass(frozen=True)
-class EvalDecoding:
+class EvalDecoding(_Evaluator):
     """How every prompt is decoded (``mtpc.generate``'s keywords; docs/DECODING.md), checked as
     ``mtpc.generate`` checks them, so a bad one gets the same one line. ``temperature`` is a
     number > 0 even when greedy ignores it; prompt i of a set decodes with ``seed`` + i (+ the
     prompt's offset)."""
 
-    error: ClassVar[type[Exception]] = EvalConfigError
     max_new_tokens: int = setting(128, integer(1), error=ConfigError)
     greedy: bool = True
     policy: str = "condition"
@@ -117,11 +120,10 @@ class EvalDecoding:
 
 
 @dataclass(frozen=True)
-class SpecBench:
+class SpecBench(_Evaluator):
     """``prompts=spec_bench`` (configs/prompts/spec_bench.yaml); ``path`` is relative to the
     project root, as ``draft=`` is."""
 
-    error: ClassVar[type[Exception]] = EvalConfigError
     name: Any = setting(None, choice("spec_bench"))
     path: Any = None
     categories: Any = setting(None, names("prompts.categories=[writing,translation]", "categories"))
@@ -137,10 +139,9 @@ class SpecBench:
 
 
 @dataclass(frozen=True)
-class EvalPrompts:
+class EvalPrompts(_Evaluator):
     """Which prompts are decoded; ``spec_bench`` None: the data group's."""
 
-    error: ClassVar[type[Exception]] = EvalConfigError
     # prompts=spec_bench: null takes every question of the file
     num_prompts: int | None = setting(8, integer(1, null=True), error=ConfigError)
     num_prompt_sets: int = setting(1, integer(1), error=ConfigError)
@@ -168,11 +169,10 @@ class EvalPrompts:
 
 
 @dataclass(frozen=True)
-class EvalRun:
+class EvalRun(_Evaluator):
     """How the passes run and are timed; ``batch_size`` > 1 is part of the folder's identity
     (the times are a batch's shares)."""
 
-    error: ClassVar[type[Exception]] = EvalConfigError
     device: str = "cpu"
     num_threads: int | None = setting(1, integer(1, null=True))
     warmup: int = setting(1, integer(0, null=True))
@@ -196,12 +196,11 @@ class EvalRun:
 
 
 @dataclass(frozen=True)
-class EvalOutput:
+class EvalOutput(_Evaluator):
     """Where the records and tables go; relative paths start at ``root_dir``
     (``paths.root_dir``); ``output_dir`` None also when it cannot resolve (``${hydra:...}``
     outside a Hydra run)."""
 
-    error: ClassVar[type[Exception]] = EvalConfigError
     root_dir: Path = setting(PROJECT_ROOT, key="paths.root_dir", or_default=True, convert=Path)
     output_dir: str | None = setting(
         None, lenient=True, convert=lambda v: None if v is None else str(v)
