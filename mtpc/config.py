@@ -22,12 +22,12 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from mtpc.choices import (
     ATTENTION_IMPLS,
     CODEC_NAMES,
+    DTYPE_NAMES,
     EXTRA_POSITIONS,
     HEAD_INITS,
     LORA_TARGET_MODULES,
     MODEL_NAMES,
 )
-from mtpc.choices import DTYPE_NAMES as DTYPES
 from mtpc.errors import UserError
 
 __all__ = ["EXTRA_POSITIONS", "HEAD_INITS", "ConfigError", "read", "section", "setting"]
@@ -259,7 +259,7 @@ class ModelSettings:
     name: str = setting("tiny", choice(*MODEL_NAMES))
     path: str | None = None  # a local checkpoint or hub id; None: the model's default
     revision: str | None = None
-    dtype: str = setting("float32", choice(*DTYPES))
+    dtype: str = setting("float32", choice(*DTYPE_NAMES))
     codec: str = setting("tiny", choice(*CODEC_NAMES))
     attention_impl: str = setting("auto", choice(*ATTENTION_IMPLS))  # EvaByte's attention path
     fields: Mapping[str, Any] = setting({}, key="", convert=dict, compare=False)

@@ -200,8 +200,7 @@ class Sections:
 
 @dataclasses.dataclass(frozen=True)
 class TrainSettings:
-    """Everything ``train(cfg)`` reads from its config, read and checked once by
-    :meth:`from_cfg`."""
+    """Everything ``train(cfg)`` reads from its config."""
 
     model: ModelSettings = section(ModelSettings, "model")
     circuit: CircuitSettings = section(CircuitSettings, "circuit")
