@@ -57,20 +57,6 @@ def pad_rows(
     return Batch(padded, real, offsets, inner, counts)
 
 
-def row_outputs(
-    model: Any, hidden: Tensor, tail: Tensor, at: list[int], counts: list[int], last: bool
-) -> tuple[list[Tensor], list[Tensor]]:
-    """The rows' trunk states ``(1, T_b, d)`` and logits ``(T_b, V)`` (``last``: their last
-    position's, ``(1, V)``) from a batched pass's ``hidden``, ``tail`` ``(B, T, d)``: the rows
-    at ``at``, ``counts`` new positions each."""
-    if last:  # each row's last position (R, d): one row of logits each
-        out = model.verifier_logits(tail[at, [t - 1 for t in counts]])[:, None]  # (R, 1, V)
-    else:
-        out = model.verifier_logits(tail[at])  # (R, T, V)
-    states = [hidden[i : i + 1, :t] for i, t in zip(at, counts, strict=True)]
-    return states, [o[: 1 if last else t] for o, t in zip(out, counts, strict=True)]
-
-
 class Stream:
     """One row in the model's own caches (``MTPCModel.new_caches``): batch size 1."""
 
@@ -103,8 +89,6 @@ class Stream:
 
     def keep(self, rows: Sequence[Any], keeps: Sequence[int | Tensor]) -> None:
         """Crops the pass to a prefix of ``keep`` positions, or compacts it to ``keep``."""
-        if not keeps:  # the row is done
-            return
         (keep,) = keeps
         caches = self.caches
         if isinstance(keep, int):  # the draft tail's cache is never past the pass's base
@@ -141,8 +125,7 @@ class Slots:
     def __init__(self, model: Any, caches: Sequence[Any]) -> None:
         self.backbone = model.backbone
         self.caches = list(caches)
-        device = model.backbone.device
-        self.valid = torch.zeros(0, 0, dtype=torch.bool, device=device)  # (B, P)
+        self.valid = torch.zeros(0, 0, dtype=torch.bool, device=model.backbone.device)  # (B, P)
 
     @property
     def lengths(self) -> Tensor:
@@ -272,7 +255,8 @@ class Padded:
         self, rows: Sequence[Any], ids: Sequence[Tensor], trees: Sequence[Tree], last: bool = False
     ) -> tuple[list[Tensor], list[Tensor]]:
         """One batched trunk + verifier-tail pass over every held row (``rows`` must be all of
-        them, in any order); ``last``: logits at each row's last position only."""
+        them, in any order): the rows' trunk states ``(1, T_b, d)`` and logits ``(T_b, V)``
+        (``last``: at each row's last position only, ``(1, V)``)."""
         model, slots = self.model, self.target_slots
         order = index_of(self.rows, rows)
         batch = pad_rows(ids, order, len(self.rows), trees, model.backbone.device)
@@ -285,7 +269,12 @@ class Padded:
         tail = model.verifier_tail(hidden, self.caches.verifier, positions, attend=attend)
         slots.appended(batch.real)
         counts = [x.shape[0] for x in ids]
-        return row_outputs(model, hidden, tail, order, counts, last)
+        if last:  # each row's last position (R, d): one row of logits each
+            out = model.verifier_logits(tail[order, [t - 1 for t in counts]])[:, None]  # (R, 1, V)
+        else:
+            out = model.verifier_logits(tail[order])  # (R, T, V)
+        states = [hidden[i : i + 1, :t] for i, t in zip(order, counts, strict=True)]
+        return states, [o[: 1 if last else t] for o, t in zip(out, counts, strict=True)]
 
     def _embed(
         self, padded: Tensor, ids: Sequence[Tensor], trees: Sequence[Tree], order: list[int]

@@ -30,20 +30,17 @@ class Layout(Protocol):
         self, rows: Sequence[Any], prompts: Sequence[Tensor]
     ) -> tuple[list[Tensor], list[Tensor]]:
         """Prefills new rows: their trunk states ``(1, T_b, d)`` and last logits ``(1, V)``."""
-        ...
 
     def target(
         self, rows: Sequence[Any], ids: Sequence[Tensor], trees: Sequence[Tree], last: bool = False
     ) -> tuple[list[Tensor], list[Tensor]]:
         """One trunk + verifier-tail pass over the rows' new ids."""
-        ...
 
     def keep(self, rows: Sequence[Any], keeps: Sequence[int | Tensor]) -> None:
         """Drops the last pass's positions each row does not keep."""
 
     def draft(self, rows: Sequence[Any], states: Sequence[Tensor]) -> list[Tensor | None]:
         """The draft tail over each row's kept states: its last output ``(1, d)`` or None."""
-        ...
 
     def release(self, rows: Sequence[Any]) -> None:
         """The rows leave."""
@@ -188,7 +185,6 @@ class Proposer(Protocol):
         """Each row's drafts from ``row.state`` given its pending token ``evidence`` ``(1, 1)``
         or None; ``spans``: positions one pass verifies exactly, the pending token included;
         ``draws``: the rows' streams this cycle."""
-        ...
 
     def verify_rows(
         self,
@@ -200,7 +196,6 @@ class Proposer(Protocol):
     ) -> list[Outcome]:
         """Accepts each row's drafts given its ``target`` ``(T + 1 - pre, V)``: the target's
         logits at the first drafted position, then after each (row 1 + i: after draft i)."""
-        ...
 
 
 @dataclass
