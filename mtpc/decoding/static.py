@@ -1,9 +1,8 @@
 """Static-shape decoding (``mtpc.generate(..., compile=True)``): which backbones it supports,
-the engines kept per model, and :class:`StaticLayout`, the loop's layout over an engine
-(``admit``, ``target``, ``keep``, ``draft``, ``release``). The engine itself (fixed-capacity
-buffers, ONE compiled step of fixed shape) is ``mtpc.decoding.static_step.StaticEngine``;
-EvaByte's (its windows and chunk RFAs in fixed buffers) ``mtpc.decoding.static_eva``. See
-docs/DECODING.md, "Compiled decoding".
+the engines kept per model, and :class:`StaticLayout`, the loop's layout over an engine. The
+engine (fixed-capacity buffers, ONE compiled step of fixed shape) is
+``static_step.StaticEngine``, EvaByte's ``static_eva.EvaStaticEngine``. See docs/DECODING.md,
+"Compiled decoding".
 """
 
 from __future__ import annotations
@@ -124,22 +123,32 @@ class StaticLayout:
             self.places[i] = row
         places = torch.tensor(at, device=engine.device)
         engine.reset_rows(places)
-        if engine.backend is None and 2 * len(rows) < engine.batch:  # uncompiled, few rows:
-            return self._admit_alone(at, rows, prompts)  # each alone, not B rows per chunk pass
+        if engine.backend is None and 2 * len(rows) < engine.batch:
+            # uncompiled, fewer than half the rows (a chunk pass would compute every row for
+            # them): each prompt prefilled alone in a layout.Stream (as decoding it alone runs
+            # it), adopted at its first pass (_join)
+            states, logits = [], []
+            for place, row, prompt in zip(at, rows, prompts, strict=True):
+                stream = Stream(engine.model)
+                (state,), (last,) = stream.admit([row], [prompt])
+                self.fresh[id(row)] = (place, stream)
+                states.append(state)
+                logits.append(last)
+            return states, logits
         flat = torch.nn.utils.rnn.pad_sequence(list(prompts), True)  # (R, L)
         count = torch.tensor([p.shape[0] for p in prompts], device=engine.device)  # (R,)
-        states: list[list[Tensor]] = [[] for _ in rows]
-        logits: list[Tensor | None] = [None] * len(rows)
+        parts: list[list[Tensor]] = [[] for _ in rows]
+        ends: list[Tensor | None] = [None] * len(rows)
         for start in range(0, flat.shape[1], chunk):
             part = flat[:, start : start + chunk]
             trunk, out = engine.run(*self._pass(places, part, count - start, chunk))
             for j, (i, prompt) in enumerate(zip(at, prompts, strict=True)):
                 n = min(chunk, prompt.shape[0] - start)
                 if n > 0:
-                    states[j].append(trunk[i : i + 1, :n].clone())
+                    parts[j].append(trunk[i : i + 1, :n].clone())
                 if n > 0 and start + n == prompt.shape[0]:
-                    logits[j] = out[i, n - 1 : n].clone()  # (1, V)
-        return [torch.cat(s, 1) for s in states], logits  # type: ignore[return-value]
+                    ends[j] = out[i, n - 1 : n].clone()  # (1, V)
+        return [torch.cat(s, 1) for s in parts], ends  # type: ignore[return-value]
 
     def target(
         self, rows: Sequence[Any], ids: Sequence[Tensor], trees: Sequence[Any], last: bool = False
@@ -240,15 +249,13 @@ class StaticLayout:
         ``(1, d)`` (None: no state). k = 0: the trunk's last state itself; k > 0: the tail's
         layers with the adapter on over cache D, in passes of a fixed T (the window + 1 in a
         cycle, the prefill chunk over a prompt)."""
-        if not states:
-            return []
         if self.fresh and any(id(row) in self.fresh for row in rows):
             return self._draft_fresh(rows, states)
         engine, model = self.engine, self.engine.model
         if not model.k:  # no draft tail: the draft reads the trunk's (= verifier's) last state
             return [s[:, -1] if s.shape[1] else None for s in states]
         widths = [s.shape[1] for s in states]
-        longest = max(widths)
+        longest = max(widths, default=0)
         if not longest:
             return [None] * len(rows)
         width = engine.window + 1 if longest <= engine.window + 1 else engine.chunk
@@ -264,21 +271,6 @@ class StaticLayout:
                 if start < k <= start + width:
                     last[j] = ends[j : j + 1]  # (1, d)
         return last
-
-    def _admit_alone(
-        self, at: list[int], rows: Sequence[Any], prompts: Sequence[Tensor]
-    ) -> tuple[list[Tensor], list[Tensor]]:
-        """:meth:`admit` of fewer than half an uncompiled engine's rows (a chunk pass would
-        compute every row for them): each prompt prefilled alone in a ``layout.Stream`` (its
-        prefill as decoding it alone runs it), adopted at its first pass (:meth:`_join`)."""
-        states, logits = [], []
-        for place, row, prompt in zip(at, rows, prompts, strict=True):
-            stream = Stream(self.engine.model)
-            (state,), (last,) = stream.admit([row], [prompt])
-            self.fresh[id(row)] = (place, stream)
-            states.append(state)
-            logits.append(last)
-        return states, logits
 
     def _draft_fresh(self, rows: Sequence[Any], states: Sequence[Tensor]) -> list[Tensor | None]:
         """:meth:`draft` with fresh rows among ``rows``: theirs alone in their streams (then
@@ -302,9 +294,8 @@ class StaticLayout:
 
     def release(self, rows: Sequence[Any]) -> None:
         """The rows leave their places (a new prompt's admission empties them)."""
-        for row in rows:
-            self.fresh.pop(id(row), None)
         gone = {id(row) for row in rows}
+        self.fresh = {key: fresh for key, fresh in self.fresh.items() if key not in gone}
         self.places = [None if id(held) in gone else held for held in self.places]
 
 

@@ -15,12 +15,10 @@ Per layer ONE key and one value buffer ``(B, h, S, hd)``, ``S = F + R + X``:
 
 A query at position p (its window starting at ``s = p - p mod W``) sees RFA q iff chunk q
 ends at or before s (``(q + 1) c <= s``), the ring slots holding positions ``[s, length)``
-of its row, and the pass's new ids ``inner`` allows (in its own window). Each pass, in each
-layer, writes its new keys, then recomputes from the ring the RFAs of every chunk its
-positions touch (complete or not: an incomplete chunk's RFA is seen by nobody and is
-recomputed by the pass that completes it), then attends: a chunk that a window boundary
-inside the pass completes is summarised before the queries after the boundary read it, as
-the eager path's compression between two pieces does.
+of its row, and the pass's new ids ``inner`` allows (in its own window). Each layer of a pass
+writes its new keys, recomputes from the ring the RFAs of every chunk its positions touch
+(an incomplete chunk's is seen by nobody until the pass completing it), then attends: so a
+window boundary inside a pass is handled as the eager path's two pieces handle it.
 """
 
 from __future__ import annotations
@@ -59,7 +57,7 @@ class EvaSlots:
         self.keys, self.values, self.first = keys, values, first
         self.rfas, self.ring, self.chunk, self.window = rfas, ring, chunk, window
         self.rotary = rotary
-        self.rows = torch.arange(keys[0].shape[0] if keys else 0, device=rotary.cos.device)
+        self.rows = torch.arange(keys[0].shape[0], device=keys[0].device)
         self.slots: Tensor | None = None
         self.chunk_read: Tensor | None = None
         self.chunk_write: Tensor | None = None
@@ -80,13 +78,12 @@ class EvaStaticEngine(StaticEngine):
     def _buffers(self, first: int, end: int) -> tuple[Any, Tensor, Tensor]:
         backbone = self.model.backbone
         w, c = int(backbone.config.window_size), int(backbone.config.chunk_size)
-        widest = self.widest
-        ring = w + widest
+        ring = w + self.widest
         rfas = -(-self.capacity // c) + 1
-        self.slots = rfas + ring + widest
+        self.slots = rfas + ring + self.widest
         cache, valid, lengths = super()._buffers(first, end)
         if not hasattr(self, "rotary"):  # positions up to the capacity and a padded pass
-            self.rotary = Rotary(*backbone.rotary_table(self.capacity + 2 * widest))
+            self.rotary = Rotary(*backbone.rotary_table(self.capacity + 2 * self.widest))
         slots = EvaSlots(cache.keys, cache.values, first, rfas, ring, c, w, self.rotary)
         return slots, valid[:, :0], lengths
 
@@ -112,8 +109,7 @@ class EvaStaticEngine(StaticEngine):
         ring_at = torch.arange(ring, device=device)  # (R,)
         held = top[:, None] - 1 - (top[:, None] - 1 - ring_at) % ring  # (B, R) slot's position
         start = positions - positions % w  # (B, T) each query's window start
-        scratch = self.slots - f - ring
-        new = torch.zeros(b, t, ring + scratch, dtype=torch.bool, device=device)
+        new = torch.zeros(b, t, self.slots - f, dtype=torch.bool, device=device)
         new.scatter_(2, slots[:, None, :].expand(b, t, t), inner)  # (B, T, R + X)
         in_window = held[:, None, :] >= start[:, :, None]  # (B, T, R)
         kept = (held < lengths[:, None])[:, None, :]  # (B, 1, R) held before the pass
@@ -124,8 +120,7 @@ class EvaStaticEngine(StaticEngine):
         n = -(-(t - 1) // c) + 1  # chunks a pass of T positions can touch
         cache.chunk_read, cache.chunk_write = chunk_slots(cache, lengths // c, n)
         cache.slots = f + slots
-        limit = cache.rotary.cos.shape[0] - 1
-        return positions.clamp(max=limit), seen
+        return positions.clamp(max=cache.rotary.cos.shape[0] - 1), seen
 
     def compact(self, places: Tensor, base: Tensor, keep: Tensor) -> None:
         """:meth:`StaticEngine.compact` in the window ring (offset j of a pass is in slot ``F +

@@ -1,9 +1,7 @@
 """The static step's machinery: a batch's caches in fixed-capacity buffers (:class:`SlotCache`,
-the Llama family's), lengths, positions and visibility as tensors, and ONE step function of
-fixed shape (:class:`StaticEngine`), compiled with ``torch.compile(fullgraph=True,
-dynamic=False)`` (:func:`compile_step`; on CUDA also captured as a CUDA graph). The layout over
-it, the engines kept per model and the backbones it supports are ``mtpc.decoding.static``;
-EvaByte's engine is ``mtpc.decoding.static_eva``. See docs/DECODING.md, "Compiled decoding".
+the Llama family's; EvaByte's: ``static_eva``), lengths, positions and visibility as tensors,
+and ONE step function of fixed shape (:class:`StaticEngine`), compiled by :func:`compile_step`.
+The layout over it and the engines kept per model: ``static``. See docs/DECODING.md.
 """
 
 from __future__ import annotations
@@ -82,8 +80,7 @@ class StaticEngine:
         config = backbone.config
         self.model, self.batch, self.capacity, self.chunk = model, batch, capacity, chunk
         self.backend = backend
-        head = getattr(model, "head", None)
-        self.window = int(head.circuit.window) if head is not None else 1  # a chain's verify T
+        self.window = int(model.head.circuit.window)  # a chain's verify T
         device = backbone.device
         heads = config.num_attention_heads
         self._heads = int(getattr(config, "num_key_value_heads", None) or heads)
@@ -102,7 +99,7 @@ class StaticEngine:
         self.ran_compiled = False
         # the byte Llama's embedding reads each id's last ``maxlen`` ids: the ids by slot
         self.slot_ids: Tensor | None = None  # (B, S)
-        if getattr(backbone, "needs_history", False):
+        if backbone.needs_history:
             self.slot_ids = torch.zeros(batch, self.slots, dtype=torch.long, device=device)
             if device.type == "cuda":  # read and written in place, as the caches
                 torch._dynamo.mark_static_address(self.slot_ids)
@@ -308,7 +305,5 @@ def compile_step(
 ) -> Callable[..., Any]:
     """``torch.compile`` of a step: one graph (``fullgraph``), fixed shapes; CUDA graphs on
     CUDA with inductor."""
-    options: dict[str, Any] = {"fullgraph": True, "dynamic": False, "backend": backend}
-    if backend == "inductor" and device.type == "cuda":
-        options["mode"] = "reduce-overhead"
-    return torch.compile(step, **options)
+    mode = "reduce-overhead" if backend == "inductor" and device.type == "cuda" else None
+    return torch.compile(step, fullgraph=True, dynamic=False, backend=backend, mode=mode)
