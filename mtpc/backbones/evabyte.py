@@ -481,8 +481,19 @@ class EvaByteBackbone(Backbone):
                     f"one_pass_span = {span}"
                 )
             return self._pass(hidden, start, end, positions, native, tree_mask)
-        if native.length == 0 and self.use_triton:
-            return self._prefill_remote(hidden, start, end, positions, native)
+        if native.length == 0 and self.use_triton:  # the remote prefill writes into our buffers
+            remote = self._remote_cache(start, hidden.shape[0])
+            remote.past_window_k, remote.past_window_v = native.past_window_k, native.past_window_v
+            hidden = self._run_remote(hidden, start, end, positions, remote)
+            for layer in native.layers:
+                native.past_window_pos[layer] = remote.past_window_pos[layer]
+                if len(remote.rfa_k) > layer:
+                    native.rfa_k[layer] = remote.rfa_k[layer]
+                    native.rfa_v[layer] = remote.rfa_v[layer]
+            fill = native.past_window_pos[native.layers.start]  # 1..W: the last window's positions
+            native.committed, native.length = t - fill, t  # committed: the last window's start
+            self._settle(native)  # a full last window is compressed now
+            return hidden
         pieces, i = [], 0
         while i < t:  # a causal run is cut at window boundaries (each piece: one pass)
             self._settle(native)
@@ -506,28 +517,6 @@ class EvaByteBackbone(Backbone):
         if start > 0:  # layer 0 is where EVA counts tokens; a tail cache never sees it
             remote._seen_tokens += t
         return self._layers(hidden, start, end, positions, remote, masks)
-
-    def _prefill_remote(
-        self,
-        hidden: torch.Tensor,
-        start: int,
-        end: int,
-        positions: torch.Tensor,
-        native: EvaWindowCache,
-    ) -> torch.Tensor:
-        """Triton path, empty cache: the remote prefill writes into our window buffers."""
-        remote = self._remote_cache(start, hidden.shape[0])
-        remote.past_window_k, remote.past_window_v = native.past_window_k, native.past_window_v
-        hidden = self._run_remote(hidden, start, end, positions, remote)
-        t = hidden.shape[1]
-        for layer in native.layers:
-            native.past_window_pos[layer] = remote.past_window_pos[layer]
-            if len(remote.rfa_k) > layer:
-                native.rfa_k[layer], native.rfa_v[layer] = remote.rfa_k[layer], remote.rfa_v[layer]
-        fill = native.past_window_pos[native.layers.start]  # 1..W: the last window's positions
-        native.committed, native.length = t - fill, t  # committed: the last window's start
-        self._settle(native)  # a full last window is compressed now
-        return hidden
 
 
 def load_evabyte(
