@@ -1,9 +1,8 @@
 """The schema of an evaluation (``eval.py``): every setting declared once with its default and
 its rule (``mtpc.config``), read and checked once, at the door (:func:`parse_eval`), before
-anything loads; a bad value is refused in one line naming the field and the allowed values.
-Each default equals ``configs/eval.yaml``'s, where each field is described. The batch rules
-(:data:`BATCH_SIZE`, :func:`check_batch`, :data:`CHUNK_BATCHES`) and :func:`refusing` are
-shared with regeneration's schema (``mtpc.regeneration``)."""
+anything loads. Each default equals ``configs/eval.yaml``'s, where each field is described. The
+batch rules (:data:`BATCH_SIZE`, :func:`check_batch`, :data:`CHUNK_BATCHES`) and
+:func:`refusing` are shared with regeneration's schema (``mtpc.regeneration``)."""
 
 from __future__ import annotations
 
