@@ -207,14 +207,11 @@ class StaticEngine:
         """The draft tail (layers split..L-1, the LoRA adapter on: the caller switches it) on
         T kept trunk states per row ``hidden`` ``(B, T, d)``, appended to cache D (``real``,
         ``offsets``, ``inner``: as :meth:`step`). Returns its outputs ``(B, T, d)``."""
-        cache = self.draft_cache
+        cache, valid, lengths = self.draft_cache, self.draft_valid, self.draft_lengths
         assert cache is not None
-        backbone = self.model.backbone
-        valid, lengths = self.draft_valid, self.draft_lengths
         positions, seen = self._prepare(cache, valid, lengths, real, offsets, inner)
-        out = backbone.run_static(
-            hidden, range(self.model.split, backbone.num_layers), positions, cache, seen
-        )
+        layers = range(self.model.split, self.model.backbone.num_layers)
+        out = self.model.backbone.run_static(hidden, layers, positions, cache, seen)
         self._append(cache, valid, lengths, real)
         return out
 
