@@ -78,7 +78,6 @@ import torch
 
 import mtpc
 from mtpc.backbones import load_backbone
-from mtpc.evaluation.run import peak_memory_mb
 
 if TYPE_CHECKING:  # mtpc.model imports triton (through peft): only after main() set the mode
     from mtpc.model import MTPCModel
@@ -124,6 +123,8 @@ def _sync(device: str) -> None:
 
 
 def _peak_memory(device: str) -> str:
+    from mtpc.evaluation.run import peak_memory_mb  # here: it imports triton (see above)
+
     kind = "CUDA, allocated" if device.startswith("cuda") else "process RSS"
     return f"{peak_memory_mb(device):.0f} MiB ({kind})"
 
