@@ -28,8 +28,9 @@ class EvaWindowCache:
     """EVA decoding state of layers ``layers`` of one row (the remote ``EvaStaticCacheForTriton``
     layout; many rows run on the static engine): window buffers (1, h, W + room, hd) of the
     current window's rotated keys/values, of which ``past_window_pos[l]`` are kept, and the
-    earlier windows' chunk RFAs (1, h, C, hd) (``None`` before the first is full). ``committed`` positions are kept; ``length - committed`` more
-    were written by the last pass and await ``_select`` (keep by index)."""
+    earlier windows' chunk RFAs (1, h, C, hd) (``None`` before the first is full).
+    ``committed`` positions are kept; ``length - committed`` more were written by the last pass
+    and await ``_select`` (keep by index)."""
 
     def __init__(self, layers: range, backbone: EvaByteBackbone) -> None:
         n, heads = layers.stop, int(backbone.config.num_attention_heads)

@@ -9,9 +9,10 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from mtpc.config import plain
 from mtpc.data.prompts import UnknownSourceError
 from mtpc.errors import DraftError
-from mtpc.evaluation.settings import EvalConfigError, EvalSettings, ModelSettings, name_list, plain
+from mtpc.evaluation.settings import EvalConfigError, EvalSettings, ModelSettings, name_list
 from mtpc.export import CONFIG_NAME, TargetMismatchError, read_config
 from mtpc.last_draft import TRAIN_HINT, last_draft
 

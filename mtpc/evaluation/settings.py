@@ -22,7 +22,6 @@ from mtpc.config import (
     given,
     integer,
     names,
-    plain,  # noqa: F401  (mtpc.evaluation.loading)
     read,
     section,
     setting,
